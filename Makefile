@@ -1,0 +1,48 @@
+# `make setup` installs everything (CRIU, nftables, the virtualenv with ckpt and pycriu);
+# `make test` runs the whole suite. Both are idempotent.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CRIU_LIB_FILE := $(VENV)/.criu-lib
+
+.PHONY: setup test unit integration demo bench clean
+
+setup: $(VENV)/.installed
+
+# The system part (CRIU, nftables, build tools) is checked on every run: it is quick when done.
+$(CRIU_LIB_FILE): FORCE
+	@mkdir -p $(VENV)
+	@bash scripts/install-criu.sh > $(CRIU_LIB_FILE).new
+	@tail -n 1 $(CRIU_LIB_FILE).new > $(CRIU_LIB_FILE).path && rm -f $(CRIU_LIB_FILE).new
+	@cmp -s $(CRIU_LIB_FILE).path $(CRIU_LIB_FILE) || cp $(CRIU_LIB_FILE).path $(CRIU_LIB_FILE)
+	@rm -f $(CRIU_LIB_FILE).path
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(VENV)/bin/python pyproject.toml $(CRIU_LIB_FILE)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-build-isolation "$$(cat $(CRIU_LIB_FILE))"
+	$(PY) -c 'import pycriu.images, ckpt; print("ckpt and pycriu installed in $(VENV)")'
+	@touch $@
+
+test: setup
+	$(PY) -m pytest -ra
+
+unit: setup
+	$(PY) -m pytest -ra tests/unit tests/cli
+
+integration: setup
+	$(PY) -m pytest -ra tests/integration
+
+demo: setup
+	bash scripts/demo.sh
+
+bench: setup
+	$(PY) scripts/bench_dump_restore.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
+
+FORCE:

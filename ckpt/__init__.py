@@ -1,0 +1,3 @@
+"""ckpt: checkpoint and restore running Linux process trees with CRIU."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,154 @@
+"""Use case: checkpoint a process tree into the store.
+
+Pre-flight, CRIU dump into a staging area, ingest the images into the store, commit the
+manifest last. With stop=True the commit happens inside CRIU's post-dump notification, while
+the tree is still frozen, so the target is killed only once its checkpoint exists.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ckpt import procs
+from ckpt.criu.binary import find_criu
+from ckpt.criu.client import CriuClient, CriuOptions
+from ckpt.errors import CkptError, ProcessNotFound
+from ckpt.reporting import NullReporter, Reporter
+from ckpt.store import Manifest, Store, ids
+
+
+@dataclass
+class DumpRequest:
+    pid: int
+    name: str | None = None
+    stop: bool = False
+    codec: str = "zstd"
+    # None: detect; True/False: forced by the user.
+    shell_job: bool | None = None
+    tcp_established: bool | None = None
+    ext_unix_sk: bool = False
+    file_locks: bool | None = None
+
+
+@dataclass
+class DumpResult:
+    manifest: Manifest
+    log_path: Path
+
+    def to_json(self) -> dict:
+        m = self.manifest
+        return {
+            "id": m.id, "name": m.name, "pid": m.pid, "command": m.command,
+            "processes": len(m.processes), "bytes_total": m.bytes_total, "bytes_stored": m.bytes_stored,
+            "freeze_ms": m.stats.get("freeze_ms"), "duration_ms": m.stats.get("duration_ms"),
+            "pages_written": m.stats.get("pages_written"), "stopped": m.criu["options"]["leave_running"] is False,
+            "log": str(self.log_path),
+        }
+
+
+def dump(store: Store, request: DumpRequest, reporter: Reporter = NullReporter()) -> DumpResult:
+    started = time.monotonic()
+    if request.name is not None:
+        ids.check_name(request.name)
+    procs.require_root()
+    facts = procs.preflight(request.pid)
+    binary = find_criu()
+    options_used = {
+        "shell_job": facts.needs_shell_job if request.shell_job is None else request.shell_job,
+        "tcp_established": facts.has_tcp_established if request.tcp_established is None
+        else request.tcp_established,
+        "ext_unix_sk": request.ext_unix_sk,
+        "file_locks": facts.has_file_locks if request.file_locks is None else request.file_locks,
+        "network_lock": "nftables",
+        "leave_running": not request.stop,
+    }
+    detected = [k for k in ("shell_job", "tcp_established", "file_locks")
+                if options_used[k] and getattr(request, k) is None]
+    if detected:
+        reporter.info("detected: " + ", ".join(f"--{k.replace('_', '-')}" for k in detected))
+
+    checkpoint_id = ids.new_id()
+    with store.lock(exclusive=False, on_wait=lambda h: reporter.info("waiting for the store lock")):
+        store.remove_leftovers()
+        staging = store.begin_dump(checkpoint_id)
+        log_dir = store.logs_dir(checkpoint_id)
+        criu_options = CriuOptions(images_dir=staging.images_dir, log_dir=log_dir, log_name="dump.log",
+                                   pid=request.pid, **options_used)
+        committed: list[Manifest] = []
+
+        def commit_while_frozen(script: str, _pid: int) -> None:
+            if script == "post-dump" and request.stop:
+                committed.append(_ingest_and_commit(store, staging, request, facts, binary, options_used,
+                                                    checkpoint_id, started, reporter))
+                reporter.step("checkpoint committed; CRIU ends the target")
+
+        try:
+            reporter.step(f"dumping PID {request.pid} ({facts.command}) with CRIU {binary.version_text}")
+            try:
+                CriuClient(binary).dump(criu_options, on_notify=commit_while_frozen)
+            except CkptError:
+                if procs.process_state(request.pid) is None:
+                    raise ProcessNotFound(f"process {request.pid} exited during the dump; nothing was saved") \
+                        from None
+                raise
+            manifest = committed[0] if committed else _ingest_and_commit(
+                store, staging, request, facts, binary, options_used, checkpoint_id, started, reporter)
+        finally:
+            staging.remove()
+        if request.stop:
+            # The tree is dead; wait (briefly) until its PIDs are released so that an immediate
+            # restore finds them free. Parents here reap their orphans late.
+            try:
+                procs.wait_for_pids_free(manifest.all_pids, timeout=3.0)
+            except CkptError:
+                pass
+    return DumpResult(manifest, log_dir / "dump.log")
+
+
+def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs.TargetFacts, binary,
+                       options_used: dict, checkpoint_id: str, started: float, reporter: Reporter) -> Manifest:
+    from ckpt.criu import images  # deferred: imports pycriu
+
+    image_dir = staging.images_dir
+    # CRIU writes its stats-dump image into the work directory, next to its log.
+    stats = images.dump_stats(store.logs_dir(checkpoint_id))
+    processes = images.process_tree(image_dir)
+    commands = _commands(facts)
+    for proc in processes:
+        proc["command"] = commands.get(proc["pid"], proc.get("comm", "?"))
+    reporter.step("storing images")
+    entries, added = store.ingest(staging, request.codec, reporter)
+    manifest = Manifest(
+        id=checkpoint_id,
+        name=request.name,
+        created=datetime.now(timezone.utc).isoformat(),
+        host=socket.gethostname(),
+        pid=request.pid,
+        command=facts.command,
+        processes=processes,
+        files=entries,
+        criu={"version": binary.version_text, "options": options_used},
+        stats={"freeze_ms": stats.get("frozen_ms"), "pages_written": stats.get("pages_written"),
+               "pages_scanned": stats.get("pages_scanned"),
+               "duration_ms": round((time.monotonic() - started) * 1000, 1)},
+        bytes_total=sum(e.size for e in entries),
+        bytes_stored=added,
+    )
+    store.commit(manifest)
+    return manifest
+
+
+def _commands(facts: procs.TargetFacts) -> dict[int, str]:
+    import psutil
+
+    result = {}
+    for pid in facts.pids:
+        try:
+            result[pid] = procs.command_line(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    return result

@@ -1,0 +1,37 @@
+import typer
+
+from ckpt.cli.options import JsonOption, StoreOption
+from ckpt.cli.output import emit_json, stdout
+from ckpt.config import resolve_store_path
+from ckpt.errors import CkptError, ExitCode
+from ckpt.readiness import as_json, check_readiness, ready
+
+HELP = """Report whether checkpoints can be taken and restored here, and how to fix what is missing.
+
+Exit code 0 only when dump and restore can work (optional features may be missing).
+
+Examples:
+
+  ckpt check
+
+  ckpt check --json
+"""
+
+
+class NotReady(CkptError):
+    exit_code = ExitCode.NOT_READY
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("check", help=HELP)
+    def check_command(store: StoreOption = None, json_out: JsonOption = False) -> None:
+        findings = check_readiness(resolve_store_path(store))
+        if json_out:
+            emit_json(as_json(findings))
+        else:
+            for f in findings:
+                mark = "[green]ok[/green]  " if f.ok else ("[red]FAIL[/red]" if f.required else "[yellow]warn[/yellow]")
+                stdout.print(f"{mark} {f.name}: {f.detail}" + (f"\n       fix: {f.fix}" if f.fix else ""))
+        if not ready(findings):
+            failed = ", ".join(f.name for f in findings if f.required and not f.ok)
+            raise NotReady(f"dump and restore cannot work here yet ({failed})", hint="see the fixes above")

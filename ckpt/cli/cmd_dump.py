@@ -1,0 +1,61 @@
+from typing import Annotated, Optional
+
+import typer
+
+from ckpt.checkpoint import DumpRequest, dump
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption, open_store
+from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr
+
+HELP = """Checkpoint the process tree rooted at PID into the store.
+
+By default the tree keeps running (a safety snapshot). With --stop it is ended once its
+checkpoint is committed (to move it elsewhere). Options real programs need (--shell-job,
+--tcp-established, --file-locks) are detected; the flags force them on or off.
+On success stdout carries the new checkpoint's ID alone (with --json, one JSON object).
+
+Examples:
+
+  ckpt dump 4242
+
+  ckpt dump 4242 --name agent --json
+
+  ckpt dump 4242 --stop              # checkpoint, then end the tree
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("dump", help=HELP)
+    def dump_command(
+        pid: Annotated[int, typer.Argument(help="PID of the root of the tree to checkpoint.")],
+        name: Annotated[Optional[str], typer.Option("--name", help="Label; 'ckpt restore NAME' takes the newest.")] = None,
+        stop: Annotated[bool, typer.Option("--stop", help="End the tree after a successful dump.")] = False,
+        shell_job: Annotated[Optional[bool], typer.Option("--shell-job/--no-shell-job",
+                             help="Tree is a job of a terminal session it does not lead [default: detect].")] = None,
+        tcp_established: Annotated[Optional[bool], typer.Option("--tcp-established/--no-tcp-established",
+                                   help="Save established TCP connections [default: detect].")] = None,
+        ext_unix_sk: Annotated[bool, typer.Option("--ext-unix-sk",
+                               help="Allow UNIX sockets whose peer is outside the tree.")] = False,
+        file_locks: Annotated[Optional[bool], typer.Option("--file-locks/--no-file-locks",
+                              help="Save file locks [default: detect].")] = None,
+        compression: Annotated[str, typer.Option("--compression", help="zstd or none.")] = "zstd",
+        store: StoreOption = None,
+        json_out: JsonOption = False,
+        quiet: QuietOption = False,
+    ) -> None:
+        reporter = CliReporter(quiet=quiet)
+        try:
+            result = dump(open_store(store), DumpRequest(
+                pid=pid, name=name, stop=stop, codec=compression, shell_job=shell_job,
+                tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks), reporter)
+        finally:
+            reporter.close()
+        m = result.manifest
+        if json_out:
+            emit_json(result.to_json())
+            return
+        if not quiet:
+            stderr.print(f"[green]checkpoint {m.id}[/green]: {len(m.processes)} process(es), "
+                         f"{human_bytes(m.bytes_total)} of images, {human_bytes(m.bytes_stored)} new in the store, "
+                         f"frozen {m.stats.get('freeze_ms')} ms, took {m.stats.get('duration_ms')} ms"
+                         + (", target ended" if stop else ""))
+        print(m.id)

@@ -1,0 +1,48 @@
+from datetime import datetime
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ckpt.cli.options import JsonOption, StoreOption, open_store
+from ckpt.cli.output import emit_json, human_bytes, stderr, stdout
+
+HELP = """List the checkpoints in the store, oldest first.
+
+Examples:
+
+  ckpt list
+
+  ckpt list --name agent --json
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("list", help=HELP)
+    def list_command(
+        name: Annotated[Optional[str], typer.Option("--name", help="Only checkpoints with this name.")] = None,
+        store: StoreOption = None,
+        json_out: JsonOption = False,
+    ) -> None:
+        st = open_store(store)
+        manifests = st.manifests(on_damaged=lambda i, e: stderr.print(f"[yellow]Warning:[/yellow] {e}"))
+        if name:
+            manifests = [m for m in manifests if m.name == name]
+        rows = [{
+            "id": m.id, "name": m.name, "created": m.created, "pid": m.pid, "command": m.command,
+            "processes": len(m.processes), "bytes_total": m.bytes_total, "bytes_stored": m.bytes_stored,
+        } for m in manifests]
+        if json_out:
+            emit_json(rows)
+            return
+        if not rows:
+            stderr.print("no checkpoints in the store yet: create one with 'ckpt dump PID'")
+            return
+        table = Table(box=None, pad_edge=False)
+        for column in ("ID", "NAME", "CREATED", "PID", "COMMAND", "PROCS", "SIZE", "STORED"):
+            table.add_column(column, no_wrap=column != "COMMAND", overflow="ellipsis")
+        for r in rows:
+            created = datetime.fromisoformat(r["created"]).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+            table.add_row(r["id"], r["name"] or "", created, str(r["pid"]), r["command"][:60],
+                          str(r["processes"]), human_bytes(r["bytes_total"]), human_bytes(r["bytes_stored"]))
+        stdout.print(table)

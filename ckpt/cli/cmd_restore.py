@@ -1,0 +1,45 @@
+from typing import Annotated
+
+import typer
+
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption, open_store
+from ckpt.cli.output import CliReporter, emit_json, stderr
+from ckpt.restore import RestoreRequest, restore
+
+HELP = """Restore a checkpoint: the tree continues where it stopped, detached from ckpt.
+
+REF is a checkpoint ID (or a unique prefix of one), a name (the newest checkpoint with it),
+or 'latest'. The checkpoint is verified first; a damaged one is refused. The tree gets its
+original PIDs back: if one is held by another process, ckpt says which.
+stdout carries the restored root PID alone (with --json, one JSON object).
+
+Examples:
+
+  ckpt restore latest
+
+  ckpt restore agent --json
+
+  ckpt restore 20261130-230102-3fa9c1
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("restore", help=HELP)
+    def restore_command(
+        ref: Annotated[str, typer.Argument(help="Checkpoint ID, name, or 'latest'.")],
+        store: StoreOption = None,
+        json_out: JsonOption = False,
+        quiet: QuietOption = False,
+    ) -> None:
+        reporter = CliReporter(quiet=quiet)
+        try:
+            result = restore(open_store(store, create=False), RestoreRequest(ref=ref), reporter)
+        finally:
+            reporter.close()
+        if json_out:
+            emit_json(result.to_json())
+            return
+        if not quiet:
+            stderr.print(f"[green]restored {result.manifest.id}[/green]: root PID {result.pid}, "
+                         f"{len(result.manifest.processes)} process(es), took {result.duration_ms} ms")
+        print(result.pid)

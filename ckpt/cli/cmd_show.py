@@ -1,0 +1,60 @@
+from typing import Annotated
+
+import typer
+from rich.tree import Tree
+
+from ckpt.cli.options import JsonOption, StoreOption, open_store
+from ckpt.cli.output import emit_json, human_bytes, stdout
+from ckpt.inspect import inspect
+
+HELP = """Show what a checkpoint holds: process tree, threads, memory, open files and sockets.
+
+Examples:
+
+  ckpt show latest
+
+  ckpt show agent --json
+"""
+
+
+def _fd_line(fd: dict) -> str:
+    kind = fd["type"]
+    if kind == "file":
+        return f"fd {fd['fd']}: {fd['path']} (offset {fd['offset']})"
+    if kind in ("tcp", "udp"):
+        return f"fd {fd['fd']}: {kind} {fd['local']} -> {fd['remote']} {fd['state']}"
+    if kind == "unix":
+        return f"fd {fd['fd']}: unix socket {fd['path'] or '(unnamed)'}"
+    return f"fd {fd['fd']}: {kind}"
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("show", help=HELP)
+    def show_command(
+        ref: Annotated[str, typer.Argument(help="Checkpoint ID, name, or 'latest'.")],
+        store: StoreOption = None,
+        json_out: JsonOption = False,
+    ) -> None:
+        data = inspect(open_store(store, create=False), ref)
+        if json_out:
+            emit_json(data)
+            return
+        stats = data.get("stats", {})
+        stdout.print(f"checkpoint {data['id']}" + (f" ({data['name']})" if data.get("name") else ""))
+        stdout.print(f"  created {data['created']} on {data['host']} with CRIU {data['criu'].get('version')}")
+        stdout.print(f"  images {human_bytes(data['bytes_total'])}, stored {human_bytes(data['bytes_stored'])}, "
+                     f"frozen {stats.get('freeze_ms')} ms")
+        opts = [k for k, v in data["criu"].get("options", {}).items() if v is True]
+        stdout.print(f"  options: {', '.join(opts) or 'none'}")
+        tree = Tree("processes")
+        nodes = {}
+        for proc in data["processes"]:
+            label = (f"{proc['pid']} {proc['command']}  [{len(proc['threads'])} thread(s), "
+                     f"{proc['mappings']} mappings, {human_bytes(proc['mapped_bytes'])} mapped, "
+                     f"{proc['pages']} pages dumped]")
+            parent = nodes.get(proc["ppid"], tree)
+            node = parent.add(label)
+            nodes[proc["pid"]] = node
+            for fd in proc["fds"]:
+                node.add(_fd_line(fd))
+        stdout.print(tree)

@@ -1,0 +1,50 @@
+from typing import Annotated, Optional
+
+import typer
+
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption, open_store
+from ckpt.cli.output import CliReporter, emit_json, stderr
+from ckpt.errors import DamagedCheckpoint, UsageError
+from ckpt.verify import verify
+
+HELP = """Recompute the hash of every image of a checkpoint (or of all) and name what is damaged.
+
+Exit code 0 when everything is intact, 6 when something is damaged.
+
+Examples:
+
+  ckpt verify latest
+
+  ckpt verify --all --json
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("verify", help=HELP)
+    def verify_command(
+        ref: Annotated[Optional[str], typer.Argument(help="Checkpoint ID or name.")] = None,
+        all_: Annotated[bool, typer.Option("--all", help="Verify every checkpoint.")] = False,
+        store: StoreOption = None,
+        json_out: JsonOption = False,
+        quiet: QuietOption = False,
+    ) -> None:
+        if bool(ref) == all_:
+            raise UsageError("give either a checkpoint ID or --all", hint="e.g. 'ckpt verify latest'")
+        reporter = CliReporter(quiet=quiet)
+        try:
+            results = verify(open_store(store, create=False), None if all_ else ref, reporter)
+        finally:
+            reporter.close()
+        damaged = [r for r in results if r["problems"]]
+        if json_out:
+            emit_json(results)
+        else:
+            for r in results:
+                if r["problems"]:
+                    for p in r["problems"]:
+                        stderr.print(f"[red]DAMAGED[/red] {r['id']}: {p}")
+                elif not quiet:
+                    stderr.print(f"[green]ok[/green] {r['id']} ({r['files']} files)")
+        if damaged:
+            raise DamagedCheckpoint(f"{len(damaged)} of {len(results)} checkpoint(s) damaged: "
+                                    + ", ".join(r["id"] for r in damaged))

@@ -1,0 +1,87 @@
+"""Entry point: builds the typer app and turns errors into messages and exit codes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import typer
+from typer.exceptions import Abort, Exit, TyperException
+
+from ckpt import __version__
+from ckpt.cli import cmd_check, cmd_dump, cmd_list, cmd_restore, cmd_rm, cmd_show, cmd_verify
+from ckpt.errors import CkptError, CriuFailed, ExitCode
+
+app = typer.Typer(
+    name="ckpt",
+    help="Checkpoint running Linux process trees with CRIU and restore them where they stopped.\n\n"
+         "Examples:\n\n"
+         "  ckpt check                      # is this machine ready?\n\n"
+         "  ckpt dump 4242 --name agent     # checkpoint PID 4242, leave it running\n\n"
+         "  ckpt list                       # what is in the store\n\n"
+         "  ckpt restore agent              # restore the newest checkpoint named 'agent'",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+_debug = {"on": bool(os.environ.get("CKPT_DEBUG"))}
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"ckpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print ckpt's version and exit."),
+) -> None:
+    if debug:
+        _debug["on"] = True
+
+
+for module in (cmd_check, cmd_dump, cmd_restore, cmd_list, cmd_show, cmd_rm, cmd_verify):
+    module.register(app)
+
+
+def _error(message: str) -> None:
+    sys.stderr.write(f"Error: {message}\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        result = app(args=argv, prog_name="ckpt", standalone_mode=False)
+        code = result if isinstance(result, int) and not isinstance(result, bool) else 0
+    except CriuFailed as exc:
+        _error(str(exc) if not exc.log_path or exc.log_path in str(exc) else f"{exc} (full log: {exc.log_path})")
+        for line in exc.log_lines[-5:-1]:
+            sys.stderr.write(f"  criu: {line}\n")
+        code = exc.exit_code
+    except CkptError as exc:
+        _error(str(exc))
+        code = exc.exit_code
+    except Exit as exc:
+        code = exc.exit_code
+    except (Abort, KeyboardInterrupt):
+        _error("interrupted")
+        code = 130
+    except TyperException as exc:  # bad usage: typer's own message and usage line
+        show = getattr(exc, "show", None)
+        if show:
+            show()
+        else:
+            _error(exc.format_message())
+        code = exc.exit_code
+    except Exception as exc:  # a bug: say so, with the traceback only on request
+        if _debug["on"]:
+            traceback.print_exc()
+        _error(f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback and report it)")
+        code = ExitCode.INTERNAL
+    sys.exit(int(code))

@@ -1,0 +1,21 @@
+"""Options shared by several commands, defined once so they read the same everywhere."""
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from typing import Annotated
+
+from ckpt.config import resolve_store_path
+from ckpt.store import Store
+
+StoreOption = Annotated[Optional[Path], typer.Option(
+    "--store", envvar="CKPT_STORE", show_envvar=True,
+    help="Checkpoint store directory [default: /var/lib/ckpt for root, $XDG_DATA_HOME/ckpt otherwise].")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
+DryRunOption = Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would be done, change nothing.")]
+
+
+def open_store(path: Optional[Path], create: bool = True) -> Store:
+    return Store.open(resolve_store_path(path), create=create)

@@ -1,0 +1,72 @@
+"""Terminal output: data to stdout, messages and progress to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+stderr = Console(stderr=True, highlight=False)
+# Piped output is not cut at 80 columns: scripts and pagers get whole lines.
+stdout = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+
+
+def emit_json(data) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def human_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+class CliReporter:
+    """The core's Reporter, drawn on stderr: a status line per step, a bar for long steps."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self._progress: Progress | None = None
+        self._task = None
+        self._what = None
+
+    def _close_bar(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def step(self, message: str) -> None:
+        self._close_bar()
+        if not self.quiet:
+            stderr.print(f"[dim]ckpt:[/dim] {message}")
+
+    def progress(self, done: int, total: int, what: str) -> None:
+        if self.quiet or not stderr.is_terminal or total < (64 << 20):
+            return
+        if self._progress is None or self._what != what:
+            self._close_bar()
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                      TimeRemainingColumn(), console=stderr, transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task(what, total=total)
+            self._what = what
+        self._progress.update(self._task, completed=done)
+
+    def info(self, message: str) -> None:
+        self._close_bar()
+        if not self.quiet:
+            stderr.print(f"[dim]ckpt:[/dim] {message}")
+
+    def warn(self, message: str) -> None:
+        self._close_bar()
+        stderr.print(f"[yellow]Warning:[/yellow] {message}")
+
+    def close(self) -> None:
+        self._close_bar()

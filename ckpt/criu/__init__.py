@@ -1,0 +1,1 @@
+"""The only package that imports pycriu. Everything CRIU-specific lives here."""

@@ -1,0 +1,200 @@
+"""Runs CRIU over its RPC protocol (`criu swrk`), using pycriu's protobuf messages.
+
+pycriu's own `criu` class cannot answer CRIU's notifications (it expects exactly one response
+per request), and ckpt needs the post-dump notification: with `--stop`, the checkpoint is
+committed while the target is still frozen, so CRIU kills the target only once the checkpoint
+exists. The transport below is a small loop over the same socketpair protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ckpt.criu.binary import CriuBinary
+from ckpt.errors import CriuFailed, DiskFull, PidInUse
+
+# Logged by every CRIU run on these machines, which then succeeds: never shown as a failure.
+BENIGN_ERRORS = (re.compile(r"rlimit: Can't setup RLIMIT_NOFILE"),)
+
+NotifyHandler = Callable[[str, int], None]
+
+
+@dataclass
+class CriuOptions:
+    """The options ckpt uses; names follow CRIU's command line."""
+
+    images_dir: Path
+    log_dir: Path
+    log_name: str
+    pid: int | None = None
+    leave_running: bool = True
+    shell_job: bool = False
+    tcp_established: bool = False
+    ext_unix_sk: bool = False
+    file_locks: bool = False
+    network_lock: str = "nftables"
+    track_mem: bool = False
+    parent_img: str | None = None
+    rst_sibling: bool = False
+    log_level: int = 4
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / self.log_name
+
+
+def _rpc():
+    import pycriu.rpc_pb2 as rpc  # deferred: importing pycriu costs ~0.1 s
+
+    return rpc
+
+
+def _fill_opts(rpc, opts_msg, options: CriuOptions, images_fd: int, work_fd: int) -> None:
+    opts_msg.images_dir_fd = images_fd
+    opts_msg.work_dir_fd = work_fd
+    opts_msg.log_file = options.log_name
+    opts_msg.log_level = options.log_level
+    if options.pid is not None:
+        opts_msg.pid = options.pid
+    opts_msg.leave_running = options.leave_running
+    opts_msg.shell_job = options.shell_job
+    opts_msg.tcp_established = options.tcp_established
+    opts_msg.ext_unix_sk = options.ext_unix_sk
+    opts_msg.file_locks = options.file_locks
+    if options.track_mem:
+        opts_msg.track_mem = True
+    if options.parent_img:
+        opts_msg.parent_img = options.parent_img
+    if options.rst_sibling:
+        opts_msg.rst_sibling = True
+    lock = {"nftables": rpc.NFTABLES, "iptables": rpc.IPTABLES, "skip": rpc.SKIP}[options.network_lock]
+    opts_msg.network_lock = lock
+    opts_msg.notify_scripts = True
+    for key, value in options.extra.items():
+        setattr(opts_msg, key, value)
+
+
+def error_lines(log_path: Path, limit: int = 6) -> list[str]:
+    """The lines of a CRIU log that explain a failure, benign noise removed."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return []
+    lines = []
+    for line in text.splitlines():
+        if "Error" not in line and "error" not in line:
+            continue
+        if any(p.search(line) for p in BENIGN_ERRORS):
+            continue
+        lines.append(re.sub(r"^\(\s*[\d.]+\)\s*", "", line).strip())
+    return lines[-limit:]
+
+
+def explain_failure(action: str, log_path: Path) -> CriuFailed | PidInUse | DiskFull:
+    """Turns a failed CRIU run into the typed error that tells the user what to do."""
+    lines = error_lines(log_path)
+    text = "\n".join(lines)
+    where = f"full log: {log_path}"
+    if m := re.search(r"Can't fork for (\d+): File exists", text):
+        return PidInUse(f"PID {m.group(1)} needed by the checkpoint is in use", hint=where)
+    if re.search(r"No space left on device", text):
+        return DiskFull("no space left on the store's disk during the dump", hint=where)
+    hint = None
+    if re.search(r"External socket|unix: .*external|Can't dump half of stream unix", text, re.I):
+        hint = "the tree uses a UNIX socket whose peer is outside it: retry with --ext-unix-sk"
+    elif re.search(r"Connected TCP socket|TCP connection", text):
+        hint = "the tree has established TCP connections: retry with --tcp-established"
+    elif re.search(r"shell job|session leader|Can't dump.*tty|tty:", text, re.I):
+        hint = "the tree belongs to a terminal session it does not lead: retry with --shell-job"
+    elif re.search(r"file lock", text, re.I):
+        hint = "the tree holds file locks: retry with --file-locks"
+    summary = lines[-1] if lines else "no error lines in its log"
+    return CriuFailed(f"CRIU {action} failed: {summary}", log_path=str(log_path), log_lines=lines,
+                      hint=hint or where)
+
+
+class CriuClient:
+    def __init__(self, binary: CriuBinary):
+        self.binary = binary
+
+    def _call(self, req_type: str, options: CriuOptions, on_notify: NotifyHandler | None):
+        rpc = _rpc()
+        options.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        images_fd = os.open(options.images_dir, os.O_RDONLY | os.O_DIRECTORY)
+        work_fd = os.open(options.log_dir, os.O_RDONLY | os.O_DIRECTORY)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        stderr_path = options.log_dir / (options.log_name + ".stderr")
+        try:
+            with open(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as stderr:
+                # CRIU opens images_dir_fd/work_dir_fd through /proc/<our pid>/fd, so we keep them open.
+                proc = subprocess.Popen([self.binary.path, "swrk", str(theirs.fileno())],
+                                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                        stdout=stderr, stderr=stderr, close_fds=True)
+            theirs.close()
+            req = rpc.criu_req()
+            req.type = getattr(rpc, req_type)
+            _fill_opts(rpc, req.opts, options, images_fd, work_fd)
+            ours.send(req.SerializeToString())
+            handler_error: BaseException | None = None
+            while True:
+                size = len(ours.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
+                buf = ours.recv(size) if size else b""
+                if not buf:
+                    proc.wait()
+                    raise explain_failure(req_type.lower().replace("_", "-"), options.log_path)
+                resp = rpc.criu_resp()
+                resp.ParseFromString(buf)
+                if resp.type != rpc.NOTIFY:
+                    break
+                ok = True
+                if on_notify is not None and handler_error is None:
+                    try:
+                        on_notify(resp.notify.script, resp.notify.pid)
+                    except BaseException as exc:  # re-raised below, after CRIU has cleaned up
+                        handler_error = exc
+                        ok = False
+                ack = rpc.criu_req()
+                ack.type = rpc.NOTIFY
+                ack.notify_success = ok
+                ours.send(ack.SerializeToString())
+            ours.close()
+            proc.wait()
+            if handler_error is not None:
+                raise handler_error
+            if not resp.success:
+                raise explain_failure(req_type.lower().replace("_", "-"), options.log_path)
+            return resp
+        finally:
+            ours.close()
+            theirs.close()
+            os.close(images_fd)
+            os.close(work_fd)
+            if stderr_path.exists() and stderr_path.stat().st_size == 0:
+                stderr_path.unlink()
+
+    def dump(self, options: CriuOptions, on_notify: NotifyHandler | None = None) -> None:
+        self._call("DUMP", options, on_notify)
+
+    def restore(self, options: CriuOptions, on_notify: NotifyHandler | None = None) -> int:
+        """Restores the tree; returns the PID of its root."""
+        resp = self._call("RESTORE", options, on_notify)
+        return resp.restore.pid
+
+
+def run_check(binary: CriuBinary, feature: str | None = None) -> tuple[bool, str]:
+    """Runs `criu check` (optionally `--feature NAME`); returns (passed, its output)."""
+    args = [binary.path, "check"] + (["--feature", feature] if feature else [])
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, str(exc)
+    output = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines()
+                       if not any(p.search(line) for p in BENIGN_ERRORS))
+    return proc.returncode == 0, output.strip()

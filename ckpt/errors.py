@@ -1,0 +1,100 @@
+"""Typed errors. Each carries a one-line message meant for users and an exit code.
+
+The CLI's single top-level handler turns a CkptError into `Error: <message>` on stderr and its
+exit code; anything else is a bug and is reported as an internal error.
+"""
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    ERROR = 1  # generic failure
+    USAGE = 2  # bad arguments (typer/click also uses 2)
+    NOT_FOUND = 3  # unknown process or checkpoint
+    PERMISSION = 4  # not root, store not writable
+    CRIU = 5  # CRIU missing, too old, or the dump/restore itself failed
+    DAMAGED = 6  # verification failed
+    BUSY = 7  # lock not obtained, PID in use
+    NOT_READY = 8  # `ckpt check` found a blocking problem
+    INTERNAL = 70
+
+
+class CkptError(Exception):
+    exit_code = ExitCode.ERROR
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message}; {self.hint}"
+
+
+class UsageError(CkptError):
+    exit_code = ExitCode.USAGE
+
+
+class ProcessNotFound(CkptError):
+    exit_code = ExitCode.NOT_FOUND
+
+
+class TargetRefused(CkptError):
+    """The PID exists but ckpt must not or cannot checkpoint it (PID 1, kernel thread, itself)."""
+
+    exit_code = ExitCode.USAGE
+
+
+class CheckpointNotFound(CkptError):
+    exit_code = ExitCode.NOT_FOUND
+
+
+class InvalidReference(CkptError):
+    """An ID or name that is malformed or could escape the store."""
+
+    exit_code = ExitCode.USAGE
+
+
+class PermissionProblem(CkptError):
+    exit_code = ExitCode.PERMISSION
+
+
+class StoreError(CkptError):
+    exit_code = ExitCode.ERROR
+
+
+class StoreBusy(CkptError):
+    exit_code = ExitCode.BUSY
+
+
+class DiskFull(StoreError):
+    pass
+
+
+class DamagedCheckpoint(CkptError):
+    exit_code = ExitCode.DAMAGED
+
+
+class CriuUnavailable(CkptError):
+    exit_code = ExitCode.CRIU
+
+
+class CriuFailed(CkptError):
+    """CRIU ran and failed. Carries the relevant lines of its log and where the full log is."""
+
+    exit_code = ExitCode.CRIU
+
+    def __init__(self, message: str, *, log_path: str | None = None, log_lines: list[str] | None = None,
+                 hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.log_path = log_path
+        self.log_lines = log_lines or []
+
+
+class PidInUse(CkptError):
+    exit_code = ExitCode.BUSY
+
+
+class HookFailed(CkptError):
+    exit_code = ExitCode.ERROR

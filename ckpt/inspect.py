@@ -1,0 +1,23 @@
+"""Use case: describe what a checkpoint holds, read from its images."""
+
+from __future__ import annotations
+
+import shutil
+
+from ckpt.reporting import NullReporter, Reporter
+from ckpt.store import Store
+
+
+def inspect(store: Store, ref: str, reporter: Reporter = NullReporter()) -> dict:
+    from ckpt.criu import images  # deferred: imports pycriu
+
+    with store.lock(exclusive=False):
+        manifest = store.load(store.resolve(ref))
+        image_dir = store.materialize(manifest, reporter)
+        try:
+            processes = images.describe(image_dir, manifest.processes)
+        finally:
+            shutil.rmtree(image_dir, ignore_errors=True)
+    data = manifest.to_json()
+    data["processes"] = processes
+    return data

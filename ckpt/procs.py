@@ -1,0 +1,170 @@
+"""Facts about target processes (psutil and /proc) and the pre-flight checks of a dump."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from ckpt.errors import PermissionProblem, PidInUse, ProcessNotFound, TargetRefused
+
+PF_KTHREAD = 0x00200000
+
+
+@dataclass
+class TargetFacts:
+    pid: int
+    command: str
+    pids: list[int]  # the whole tree, root first
+    needs_shell_job: bool
+    has_tcp_established: bool
+    has_file_locks: bool
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise PermissionProblem("ckpt must run as root to dump or restore processes (CRIU needs it)",
+                                hint="run it with sudo")
+
+
+def command_line(proc: psutil.Process) -> str:
+    try:
+        cmd = proc.cmdline()
+        return " ".join(cmd) if cmd else f"[{proc.name()}]"
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return "?"
+
+
+def _stat_fields(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        data = f.read()
+    # comm may contain spaces and parentheses: split after the last ')'.
+    return data[data.rindex(")") + 2:].split()
+
+
+def is_kernel_thread(pid: int) -> bool:
+    try:
+        flags = int(_stat_fields(pid)[6])
+    except (OSError, ValueError, IndexError):
+        return False
+    return bool(flags & PF_KTHREAD)
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state from /proc/PID/stat, or None when there is no such process."""
+    try:
+        return _stat_fields(pid)[0]
+    except (OSError, IndexError):
+        return None
+
+
+def preflight(pid: int) -> TargetFacts:
+    """Refuses targets ckpt must not dump and detects the CRIU options the tree needs."""
+    if pid <= 0:
+        raise ProcessNotFound(f"invalid PID {pid}", hint="give the PID of a running process")
+    if pid == 1:
+        raise TargetRefused("PID 1 (init) cannot be checkpointed: it would take the whole system with it",
+                            hint="give the PID of the process tree you want to save")
+    try:
+        root = psutil.Process(pid)
+        if root.status() == psutil.STATUS_ZOMBIE:
+            raise ProcessNotFound(f"process {pid} has exited (it is a zombie)")
+    except psutil.NoSuchProcess:
+        raise ProcessNotFound(f"no process with PID {pid}", hint="check the PID with 'ps'") from None
+    if pid == 2 or is_kernel_thread(pid):
+        raise TargetRefused(f"PID {pid} is a kernel thread; only user processes can be checkpointed")
+    me = os.getpid()
+    ancestors = {p.pid for p in psutil.Process(me).parents()}
+    if pid == me:
+        raise TargetRefused(f"PID {pid} is ckpt itself", hint="give the PID of another process")
+    if pid in ancestors:
+        relation = "parent" if pid == os.getppid() else "ancestor"
+        raise TargetRefused(f"PID {pid} is ckpt's own {relation} ({command_line(root)}): "
+                            "ckpt would be inside the tree it dumps",
+                            hint="run ckpt from another shell, or dump the child process instead")
+    try:
+        tree = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        raise ProcessNotFound(f"process {pid} exited during the pre-flight checks") from None
+    tree_pids = [p.pid for p in tree]
+    needs_shell_job = _needs_shell_job(root)
+    has_tcp = False
+    for proc in tree:
+        try:
+            for conn in proc.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_ESTABLISHED or conn.status not in (psutil.CONN_LISTEN,
+                                                                                 psutil.CONN_CLOSE):
+                    has_tcp = True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return TargetFacts(pid=pid, command=command_line(root), pids=tree_pids, needs_shell_job=needs_shell_job,
+                       has_tcp_established=has_tcp, has_file_locks=_holds_file_locks(set(tree_pids)))
+
+
+def _needs_shell_job(root: psutil.Process) -> bool:
+    """CRIU needs --shell-job when the tree's session or process group is led from outside it,
+    or when it has a controlling terminal."""
+    try:
+        fields = _stat_fields(root.pid)
+        pgid, sid, tty_nr = int(fields[2]), int(fields[3]), int(fields[4])
+    except (OSError, ValueError, IndexError):
+        return False
+    return sid != root.pid or pgid != root.pid or tty_nr != 0
+
+
+def _holds_file_locks(pids: set[int]) -> bool:
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                # "1: POSIX  ADVISORY  WRITE 1234 00:1f:123 0 EOF"; "->" marks blocked waiters.
+                if len(parts) > 4 and parts[1] != "->" and parts[4].isdigit() and int(parts[4]) in pids:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def pid_holder(pid: int) -> str | None:
+    """Describes the live process holding a PID (or thread ID), None when the PID is free."""
+    state = process_state(pid)
+    if state is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        tgid = int(status["Tgid"].strip())
+        proc = psutil.Process(tgid)
+        what = command_line(proc)
+    except (OSError, KeyError, ValueError, psutil.Error):
+        what = "?"
+        tgid = pid
+    return f"'{what}' (PID {tgid}{'' if tgid == pid else f', thread {pid}'})"
+
+
+def wait_for_pids_free(pids: list[int], timeout: float = 5.0) -> None:
+    """Waits while PIDs are held by zombies or exiting processes (parents here reap late);
+    raises PidInUse naming the holder if one is still taken by a live process."""
+    deadline = time.monotonic() + timeout
+    while True:
+        taken = [p for p in pids if process_state(p) is not None]
+        if not taken:
+            return
+        live = [p for p in taken if process_state(p) not in ("Z", "X")]
+        if time.monotonic() >= deadline or (live and time.monotonic() >= deadline - timeout + 1.0):
+            pid = (live or taken)[0]
+            holder = pid_holder(pid) or "a process that is exiting"
+            raise PidInUse(f"PID {pid} needed by the checkpoint is in use by {holder}",
+                           hint="end that process, or restore with --new-pidns to give the tree "
+                                "its own PID namespace")
+        time.sleep(0.05)
+
+
+def signal_tree(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,83 @@
+"""Use case: can dump and restore work on this machine? Each finding carries its fix."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ckpt.criu.binary import find_criu
+from ckpt.criu.client import run_check
+from ckpt.errors import CkptError
+
+FEATURES = {
+    # feature name for `criu check --feature`: (what it gives, fix when missing)
+    "mem_dirty_track": ("incremental dumps that read only dirty pages (soft-dirty)",
+                        "boot a kernel built with CONFIG_MEM_SOFT_DIRTY=y (Debian's stock kernel has it)"),
+    "network_lock_nftables": ("checkpointing established TCP connections (nftables network lock)",
+                              "install nftables and a CRIU built with libnftables ('make setup')"),
+    "uffd": ("lazy restore through userfaultfd", "a kernel with CONFIG_USERFAULTFD"),
+    "pidfd_store": ("reliable PID reuse detection between dumps", "Linux 5.4 or newer"),
+}
+
+
+@dataclass
+class Finding:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True
+
+
+def check_readiness(store_root: Path) -> list[Finding]:
+    findings: list[Finding] = []
+    root = os.geteuid() == 0
+    findings.append(Finding("privileges", root, "running as root" if root else f"running as uid {os.geteuid()}",
+                            "" if root else "run ckpt with sudo: CRIU needs root"))
+    criu = None
+    try:
+        criu = find_criu()
+        findings.append(Finding("criu", True, f"CRIU {criu.version_text} at {criu.path}"))
+    except CkptError as exc:
+        findings.append(Finding("criu", False, exc.message, exc.hint or "run 'make setup'"))
+    try:
+        import pycriu.rpc_pb2  # noqa: F401  (imported only to prove it works)
+        from google.protobuf import __version__ as pb_version
+        findings.append(Finding("pycriu", True, f"pycriu importable (protobuf {pb_version})"))
+    except Exception as exc:  # any import failure means the same thing to the user
+        findings.append(Finding("pycriu", False, f"cannot import pycriu: {exc}",
+                                "run 'make setup' (it installs pycriu from CRIU's source with protobuf < 6)"))
+    if criu is not None and root:
+        passed, output = run_check(criu)
+        last = output.splitlines()[-1] if output else ""
+        findings.append(Finding("criu check", passed, last or ("passed" if passed else "failed"),
+                                "" if passed else f"run '{criu.path} check' to see the details"))
+        for feature, (gives, fix) in FEATURES.items():
+            ok, out = run_check(criu, feature)
+            findings.append(Finding(f"feature {feature}", ok, ("works: " if ok else "missing: ") + gives,
+                                    "" if ok else fix, required=False))
+    findings.append(_store_writable(store_root))
+    return findings
+
+
+def _store_writable(store_root: Path) -> Finding:
+    probe_dir = store_root if store_root.exists() else store_root.parent
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".ckpt-probe-"):
+            pass
+        return Finding("store", True, f"{store_root} is writable")
+    except OSError as exc:
+        return Finding("store", False, f"{store_root} is not writable: {exc.strerror}",
+                       "run as root or choose another store with --store / CKPT_STORE")
+
+
+def ready(findings: list[Finding]) -> bool:
+    return all(f.ok for f in findings if f.required)
+
+
+def as_json(findings: list[Finding]) -> dict:
+    return {"ready": ready(findings), "checks": [asdict(f) for f in findings]}

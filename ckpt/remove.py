@@ -1,0 +1,22 @@
+"""Use case: remove checkpoints, then reclaim the objects nothing references any more."""
+
+from __future__ import annotations
+
+from ckpt.store import Store
+
+
+def remove(store: Store, refs: list[str], dry_run: bool = False) -> dict:
+    """Resolves every reference first (all or nothing), then removes the manifests and collects garbage."""
+    with store.lock(exclusive=True):
+        checkpoint_ids = []
+        for ref in refs:
+            checkpoint_id = store.resolve(ref)
+            if checkpoint_id not in checkpoint_ids:
+                checkpoint_ids.append(checkpoint_id)
+        if dry_run:
+            return {"removed": checkpoint_ids, "dry_run": True, "objects_removed": 0, "bytes_freed": 0}
+        store.remove(checkpoint_ids)
+        store.remove_leftovers()
+        store.remove_restore_leftovers()
+        objects, freed = store.collect_garbage()
+    return {"removed": checkpoint_ids, "dry_run": False, "objects_removed": objects, "bytes_freed": freed}

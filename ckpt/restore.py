@@ -1,0 +1,62 @@
+"""Use case: restore a checkpoint. Verify and materialise its images, wait for its PIDs, run CRIU."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ckpt import procs
+from ckpt.criu.binary import find_criu
+from ckpt.criu.client import CriuClient, CriuOptions
+from ckpt.reporting import NullReporter, Reporter
+from ckpt.store import Manifest, Store
+
+
+@dataclass
+class RestoreRequest:
+    ref: str
+    pid_wait_s: float = 5.0
+
+
+@dataclass
+class RestoreResult:
+    manifest: Manifest
+    pid: int
+    duration_ms: float
+    log_path: Path
+
+    def to_json(self) -> dict:
+        return {"id": self.manifest.id, "name": self.manifest.name, "pid": self.pid,
+                "processes": len(self.manifest.processes), "duration_ms": self.duration_ms,
+                "log": str(self.log_path)}
+
+
+def restore(store: Store, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:
+    started = time.monotonic()
+    procs.require_root()
+    binary = find_criu()
+    with store.lock(exclusive=False, on_wait=lambda h: reporter.info("waiting for the store lock")):
+        checkpoint_id = store.resolve(request.ref)
+        manifest = store.load(checkpoint_id)
+        reporter.step(f"verifying checkpoint {checkpoint_id}")
+        images_dir = store.materialize(manifest, reporter)
+        try:
+            reporter.step("waiting for the tree's PIDs to be free")
+            procs.wait_for_pids_free(manifest.all_pids, timeout=request.pid_wait_s)
+            opts = manifest.criu.get("options", {})
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+            log_dir = store.logs_dir(checkpoint_id)
+            criu_options = CriuOptions(
+                images_dir=images_dir, log_dir=log_dir, log_name=f"restore-{stamp}-{os.getpid()}.log",
+                shell_job=bool(opts.get("shell_job")), tcp_established=bool(opts.get("tcp_established")),
+                ext_unix_sk=bool(opts.get("ext_unix_sk")), file_locks=bool(opts.get("file_locks")),
+                network_lock=opts.get("network_lock", "nftables"))
+            reporter.step(f"restoring {len(manifest.processes)} process(es) with CRIU {binary.version_text}")
+            pid = CriuClient(binary).restore(criu_options)
+        finally:
+            shutil.rmtree(images_dir, ignore_errors=True)
+    return RestoreResult(manifest, pid, round((time.monotonic() - started) * 1000, 1), criu_options.log_path)

@@ -1,0 +1,426 @@
+"""The store: objects named by hash, manifests committed last, staging that is never shown.
+
+See docs/design.md for the format and its invariants.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import shutil
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
+
+import blake3
+import zstandard
+
+from ckpt.errors import (CheckpointNotFound, DamagedCheckpoint, PermissionProblem, StoreError)
+from ckpt.reporting import NullReporter, Reporter
+from ckpt.store import ids
+from ckpt.store.fsutil import (DIR_MODE, FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir,
+                               translate_os_error)
+from ckpt.store.lock import store_lock
+
+FORMAT = 1
+CODECS = ("zstd", "none")
+CODEC_SUFFIX = {"none": "", "zstd": ".zst"}
+ZSTD_LEVEL = 1
+CHUNK = 4 << 20
+
+
+@dataclass
+class FileEntry:
+    name: str
+    size: int
+    hash: str
+    codec: str
+    stored_size: int
+
+
+@dataclass
+class Manifest:
+    id: str
+    created: str
+    pid: int
+    command: str
+    processes: list[dict]
+    files: list[FileEntry]
+    name: str | None = None
+    host: str = ""
+    criu: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    bytes_total: int = 0
+    bytes_stored: int = 0
+    format: int = FORMAT
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        # Keep "format" and "id" first so the file reads well.
+        return {"format": data.pop("format"), "id": data.pop("id"), **data}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Manifest:
+        if int(data.get("format", 0)) > FORMAT:
+            raise StoreError(f"checkpoint {data.get('id')} has format {data['format']}, newer than this ckpt "
+                             f"understands ({FORMAT})", hint="upgrade ckpt")
+        known = {f for f in cls.__dataclass_fields__}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs["files"] = [FileEntry(**{k: f[k] for k in FileEntry.__dataclass_fields__}) for f in data["files"]]
+        return cls(**kwargs)
+
+    @property
+    def created_at(self) -> datetime:
+        return datetime.fromisoformat(self.created)
+
+    @property
+    def all_pids(self) -> list[int]:
+        """Every PID and TID the tree needs on restore."""
+        pids: set[int] = set()
+        for proc in self.processes:
+            pids.add(int(proc["pid"]))
+            pids.update(int(t) for t in proc.get("threads", []))
+        return sorted(pids)
+
+
+def hash_file(path: Path) -> str:
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if path.stat().st_size:
+        hasher.update_mmap(path)
+    return hasher.hexdigest()
+
+
+class DumpStaging:
+    """tmp/dump-<id>/: where CRIU writes. Its owner file stays flock'd while the dump is alive."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.images_dir = root / "images"
+        make_private_dir(self.images_dir)
+        self._owner_fd = os.open(root / "owner", os.O_RDWR | os.O_CREAT, FILE_MODE)
+        fcntl.flock(self._owner_fd, fcntl.LOCK_EX)
+        os.write(self._owner_fd, str(os.getpid()).encode())
+
+    def image_files(self) -> list[Path]:
+        return sorted(p for p in self.images_dir.iterdir() if p.is_file())
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        os.close(self._owner_fd)
+
+
+class Store:
+    def __init__(self, root: Path):
+        self.root = root
+        self.checkpoints_dir = root / "checkpoints"
+        self.objects_dir = root / "objects"
+        self.logs_root = root / "logs"
+        self.tmp_dir = root / "tmp"
+
+    # ---- opening -------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, root: Path, create: bool = True) -> Store:
+        """Opens (and with create=True initialises) the store at root."""
+        store = cls(root)
+        meta = root / "store.json"
+        try:
+            if not meta.exists():
+                if not create:
+                    raise StoreError(f"no ckpt store at {root}", hint="dump a process first, or pass --store")
+                make_private_dir(root)
+                for sub in ("checkpoints", "objects", "logs", "tmp", "holders"):
+                    make_private_dir(root / sub)
+                atomic_write_bytes(meta, json.dumps(
+                    {"format": FORMAT, "created": datetime.now(timezone.utc).isoformat()}).encode())
+            info = json.loads(meta.read_text())
+        except OSError as exc:
+            raise translate_os_error(exc, f"opening the store at {root}") from exc
+        except ValueError as exc:
+            raise StoreError(f"{meta} is not valid JSON: {exc}") from exc
+        if int(info.get("format", 0)) > FORMAT:
+            raise StoreError(f"the store at {root} has format {info['format']}, newer than this ckpt "
+                             f"understands ({FORMAT})", hint="upgrade ckpt")
+        if create and not os.access(root, os.W_OK):
+            raise PermissionProblem(f"the store at {root} is not writable",
+                                    hint="run as its owner (root) or choose another store with --store")
+        return store
+
+    def lock(self, exclusive: bool = False, on_wait=None):
+        return store_lock(self.root, exclusive, on_wait)
+
+    # ---- manifests ----------------------------------------------------------------------
+
+    def manifest_path(self, checkpoint_id: str) -> Path:
+        return self.checkpoints_dir / f"{ids.check_id(checkpoint_id)}.json"
+
+    def checkpoint_ids(self) -> list[str]:
+        try:
+            names = os.listdir(self.checkpoints_dir)
+        except FileNotFoundError:
+            return []
+        return sorted(n[:-5] for n in names if n.endswith(".json") and ids.is_id(n[:-5]))
+
+    def load(self, checkpoint_id: str) -> Manifest:
+        path = self.manifest_path(checkpoint_id)
+        try:
+            data = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"no checkpoint with ID {checkpoint_id}", hint="see 'ckpt list'") from None
+        except ValueError as exc:
+            raise DamagedCheckpoint(f"checkpoint {checkpoint_id}: manifest {path} is not valid JSON ({exc})") from exc
+        try:
+            return Manifest.from_json(data)
+        except (KeyError, TypeError) as exc:
+            raise DamagedCheckpoint(f"checkpoint {checkpoint_id}: manifest {path} lacks {exc}") from exc
+
+    def manifests(self, on_damaged=None) -> list[Manifest]:
+        """Every readable manifest, oldest first. on_damaged(id, error) hears of the others."""
+        result = []
+        for checkpoint_id in self.checkpoint_ids():
+            try:
+                result.append(self.load(checkpoint_id))
+            except (DamagedCheckpoint, StoreError, CheckpointNotFound) as exc:
+                if on_damaged:
+                    on_damaged(checkpoint_id, exc)
+        return result
+
+    def resolve(self, ref: str) -> str:
+        """An ID, a unique ID prefix, a name (newest with it) or 'latest' -> checkpoint ID."""
+        kind = ids.classify_reference(ref)
+        all_ids = self.checkpoint_ids()
+        if kind == "id":
+            if ref not in all_ids:
+                raise CheckpointNotFound(f"no checkpoint with ID {ref}", hint="see 'ckpt list'")
+            return ref
+        if kind == "latest":
+            if not all_ids:
+                raise CheckpointNotFound("the store has no checkpoints yet", hint="create one with 'ckpt dump PID'")
+            return all_ids[-1]
+        if kind == "prefix":
+            matches = [i for i in all_ids if i.startswith(ref)]
+            if len(matches) == 1:
+                return matches[0]
+            if len(matches) > 1:
+                raise CheckpointNotFound(f"'{ref}' matches {len(matches)} checkpoints",
+                                         hint="give more of the ID")
+        named = [m.id for m in self.manifests() if m.name == ref]
+        if not named:
+            raise CheckpointNotFound(f"no checkpoint with ID or name '{ref}'", hint="see 'ckpt list'")
+        return named[-1]
+
+    def commit(self, manifest: Manifest) -> None:
+        """The commit point: the manifest appears atomically, after all its objects are durable."""
+        data = json.dumps(manifest.to_json(), indent=2).encode() + b"\n"
+        try:
+            atomic_write_bytes(self.manifest_path(manifest.id), data)
+        except OSError as exc:
+            raise translate_os_error(exc, "writing the manifest") from exc
+
+    # ---- staging and objects ---------------------------------------------------------------
+
+    def begin_dump(self, checkpoint_id: str) -> DumpStaging:
+        try:
+            make_private_dir(self.tmp_dir)
+            return DumpStaging(self.tmp_dir / f"dump-{ids.check_id(checkpoint_id)}")
+        except OSError as exc:
+            raise translate_os_error(exc, "creating the staging directory") from exc
+
+    def logs_dir(self, checkpoint_id: str) -> Path:
+        path = self.logs_root / ids.check_id(checkpoint_id)
+        make_private_dir(path)
+        return path
+
+    def object_path(self, digest: str, codec: str) -> Path:
+        return self.objects_dir / digest[:2] / (digest + CODEC_SUFFIX[codec])
+
+    def find_object(self, digest: str) -> tuple[Path, str] | None:
+        for codec in CODECS:
+            path = self.object_path(digest, codec)
+            if path.exists():
+                return path, codec
+        return None
+
+    def ingest(self, staging: DumpStaging, codec: str, reporter: Reporter = NullReporter()
+               ) -> tuple[list[FileEntry], int]:
+        """Moves every image file of the staging area into the object store.
+
+        Returns the file entries and the number of bytes this added to the store.
+        """
+        if codec not in CODECS:
+            raise StoreError(f"unknown codec '{codec}'", hint=f"use one of: {', '.join(CODECS)}")
+        entries: list[FileEntry] = []
+        added = 0
+        files = staging.image_files()
+        total = sum(p.stat().st_size for p in files)
+        done = 0
+        try:
+            for path in files:
+                size = path.stat().st_size
+                digest = hash_file(path)
+                existing = self.find_object(digest)
+                if existing:
+                    stored_path, stored_codec = existing
+                    entries.append(FileEntry(path.name, size, digest, stored_codec, stored_path.stat().st_size))
+                    path.unlink()
+                else:
+                    stored_size = self._store_object(path, digest, codec)
+                    added += stored_size
+                    entries.append(FileEntry(path.name, size, digest, codec, stored_size))
+                done += size
+                reporter.progress(done, total, "storing")
+            for sub in {e.hash[:2] for e in entries}:
+                fsync_dir(self.objects_dir / sub)
+        except OSError as exc:
+            raise translate_os_error(exc, "storing the images") from exc
+        return entries, added
+
+    def _store_object(self, source: Path, digest: str, codec: str) -> int:
+        final = self.object_path(digest, codec)
+        make_private_dir(final.parent)
+        if codec == "none":
+            # Same filesystem: a rename moves the data without copying it.
+            os.chmod(source, FILE_MODE)
+            fd = os.open(source, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(source, final)
+            return final.stat().st_size
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+        compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=True)
+        try:
+            with open(source, "rb") as src, open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE),
+                                                 "wb") as dst:
+                compressor.copy_stream(src, dst, size=source.stat().st_size, read_size=CHUNK, write_size=CHUNK)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.rename(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        source.unlink()
+        return final.stat().st_size
+
+    def _read_object_into(self, entry: FileEntry, dest: Path | None) -> str:
+        """Streams an object (decompressed) into dest, or nowhere; returns the content's hash."""
+        found = self.find_object(entry.hash)
+        if found is None:
+            raise DamagedCheckpoint(f"image {entry.name}: object {entry.hash[:16]}… is missing from the store")
+        path, codec = found
+        if codec == "none":
+            if dest is not None:
+                os.link(path, dest)
+            return hash_file(path)
+        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        out = open(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") if dest else None
+        try:
+            with open(path, "rb") as src:
+                reader = zstandard.ZstdDecompressor().stream_reader(src, read_size=CHUNK)
+                while chunk := reader.read(CHUNK):
+                    hasher.update(chunk)
+                    if out:
+                        out.write(chunk)
+        except zstandard.ZstdError as exc:
+            raise DamagedCheckpoint(f"image {entry.name}: object {path} cannot be decompressed ({exc})") from exc
+        finally:
+            if out:
+                out.close()
+        return hasher.hexdigest()
+
+    def check_entry(self, entry: FileEntry, dest: Path | None = None) -> None:
+        digest = self._read_object_into(entry, dest)
+        if digest != entry.hash:
+            raise DamagedCheckpoint(f"image {entry.name} is damaged: its content hash is {digest[:16]}…, "
+                                    f"the manifest says {entry.hash[:16]}…")
+
+    def materialize(self, manifest: Manifest, reporter: Reporter = NullReporter()) -> Path:
+        """Writes the checkpoint's images into a fresh tmp/restore-* directory, verifying each."""
+        dest = self.tmp_dir / f"restore-{secrets.token_hex(6)}"
+        make_private_dir(dest)
+        total = manifest.bytes_total or 1
+        done = 0
+        try:
+            for entry in manifest.files:
+                self.check_entry(entry, dest / entry.name)
+                done += entry.size
+                reporter.progress(done, total, "verifying images")
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        return dest
+
+    def verify(self, manifest: Manifest, reporter: Reporter = NullReporter()) -> list[str]:
+        """Recomputes every file's hash. Returns the problems found (empty: the checkpoint is intact)."""
+        problems = []
+        total = manifest.bytes_total or 1
+        done = 0
+        for entry in manifest.files:
+            try:
+                self.check_entry(entry)
+            except DamagedCheckpoint as exc:
+                problems.append(exc.message)
+            done += entry.size
+            reporter.progress(done, total, f"verifying {manifest.id}")
+        return problems
+
+    # ---- removal and clean-up (callers hold the exclusive lock) -----------------------------------
+
+    def remove(self, checkpoint_ids: list[str]) -> None:
+        for checkpoint_id in checkpoint_ids:
+            self.manifest_path(checkpoint_id).unlink(missing_ok=True)
+            shutil.rmtree(self.logs_root / checkpoint_id, ignore_errors=True)
+        fsync_dir(self.checkpoints_dir)
+
+    def collect_garbage(self) -> tuple[int, int]:
+        """Deletes objects no manifest names. Returns (objects removed, bytes freed)."""
+        damaged: list[str] = []
+        referenced = {e.hash for m in self.manifests(lambda i, e: damaged.append(i)) for e in m.files}
+        if damaged:
+            raise StoreError(f"cannot reclaim space: manifest(s) {', '.join(damaged)} cannot be read",
+                             hint="remove or repair them first ('ckpt verify --all' lists them)")
+        removed = freed = 0
+        for sub in self.objects_dir.iterdir() if self.objects_dir.exists() else []:
+            for obj in sub.iterdir():
+                digest = obj.name.split(".", 1)[0]
+                if obj.name.startswith(".") or digest not in referenced:
+                    freed += obj.stat().st_size
+                    obj.unlink()
+                    removed += 1
+        return removed, freed
+
+    def remove_leftovers(self) -> int:
+        """Removes staging and restore directories of ckpt commands that are gone."""
+        removed = 0
+        for path in self.tmp_dir.iterdir() if self.tmp_dir.exists() else []:
+            owner = path / "owner"
+            if path.name.startswith("dump-") and owner.exists():
+                fd = os.open(owner, os.O_RDONLY)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live dump owns it
+                finally:
+                    os.close(fd)
+            elif path.name.startswith("restore-"):
+                # Restores hold the shared lock; leftovers are removed only under the exclusive one.
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+        return removed
+
+    def remove_restore_leftovers(self) -> None:
+        for path in self.tmp_dir.glob("restore-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+    def iter_object_bytes(self) -> Iterator[int]:
+        for sub in self.objects_dir.iterdir() if self.objects_dir.exists() else []:
+            for obj in sub.iterdir():
+                yield obj.stat().st_size
+
+    def total_bytes(self) -> int:
+        return sum(self.iter_object_bytes())
