@@ -79,11 +79,15 @@ def dump(store: Store, request: DumpRequest, reporter: Reporter = NullReporter()
         criu_options = CriuOptions(images_dir=staging.images_dir, log_dir=log_dir, log_name="dump.log",
                                    pid=request.pid, **options_used)
         committed: list[Manifest] = []
+        marks: dict[str, float] = {}
 
         def commit_while_frozen(script: str, _pid: int) -> None:
+            marks[script] = time.monotonic()
             if script == "post-dump" and request.stop:
+                # CRIU writes its stats only after this point: the freeze so far is measured here.
+                frozen_ms = round((marks["post-dump"] - marks.get("pre-dump", started)) * 1000, 1)
                 committed.append(_ingest_and_commit(store, staging, request, facts, binary, options_used,
-                                                    checkpoint_id, started, reporter))
+                                                    checkpoint_id, started, reporter, frozen_ms))
                 reporter.step("checkpoint committed; CRIU ends the target")
 
         try:
@@ -110,7 +114,8 @@ def dump(store: Store, request: DumpRequest, reporter: Reporter = NullReporter()
 
 
 def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs.TargetFacts, binary,
-                       options_used: dict, checkpoint_id: str, started: float, reporter: Reporter) -> Manifest:
+                       options_used: dict, checkpoint_id: str, started: float, reporter: Reporter,
+                       frozen_ms: float | None = None) -> Manifest:
     from ckpt.criu import images  # deferred: imports pycriu
 
     image_dir = staging.images_dir
@@ -132,7 +137,7 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
         processes=processes,
         files=entries,
         criu={"version": binary.version_text, "options": options_used},
-        stats={"freeze_ms": stats.get("frozen_ms"), "pages_written": stats.get("pages_written"),
+        stats={"freeze_ms": stats.get("frozen_ms", frozen_ms), "pages_written": stats.get("pages_written"),
                "pages_scanned": stats.get("pages_scanned"),
                "duration_ms": round((time.monotonic() - started) * 1000, 1)},
         bytes_total=sum(e.size for e in entries),

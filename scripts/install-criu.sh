@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Installs, idempotently, everything ckpt needs from the system (Debian 12 or 13, as root):
-#   - CRIU >= 4 whose `criu check` passes: the distribution's package when it is new enough and
-#     works, otherwise built from the newer Debian release's source package into /usr/local;
+#   - CRIU >= 4.2 whose `criu check` passes: the distribution's package when it is new enough and
+#     works, otherwise built from Debian testing's source package into /usr/local. 4.2 and not
+#     4.0: on Linux >= 6.16 older CRIUs fail to dump any TCP/UDP socket (getsockopt SO_PASSCRED
+#     now returns EOPNOTSUPP on inet sockets; fixed upstream in 4.2). Debian 13 ships 4.1.1.
 #   - the CRIU source tree matching that version, with lib/pycriu generated, so that pycriu
 #     (not on PyPI) can be installed into the project's virtualenv;
 #   - nftables (the network lock for established TCP connections; iptables is absent here).
 # Prints the path of the CRIU source tree's lib/ directory on its last line of stdout.
 set -euo pipefail
 
-MIN_MAJOR=4
+MIN_VERSION=4.2
 SRC_BASE=${CKPT_CRIU_SRC_BASE:-/usr/local/src/ckpt-criu}
 SOURCES_FILE=/etc/apt/sources.list.d/ckpt-criu-src.sources
 
@@ -50,13 +52,12 @@ if [ "${#missing[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 fi
 
-criu_major() { "$1" --version 2>/dev/null | sed -n 's/^Version: \([0-9]*\)\..*/\1/p'; }
 criu_version() { "$1" --version 2>/dev/null | sed -n 's/^Version: \(.*\)/\1/p'; }
 criu_works() {
-  local bin=$1 major
+  local bin=$1 version
   [ -x "$bin" ] || return 1
-  major=$(criu_major "$bin")
-  [ -n "$major" ] && [ "$major" -ge "$MIN_MAJOR" ] || return 1
+  version=$(criu_version "$bin")
+  [ -n "$version" ] && dpkg --compare-versions "$version" ge "$MIN_VERSION" || return 1
   "$bin" check >/dev/null 2>&1
 }
 
@@ -67,12 +68,10 @@ mirror_uri() {
     awk -v c="$codename" '$2 == c && $3 == "Packages" { print $1; exit }'
 }
 
-# The suite whose CRIU source we use: Debian 13's 4.1.1 on Debian 12, the machine's own otherwise.
+# The suite whose CRIU source we use: Debian testing (4.2.1 when this was written); the
+# stable releases' 3.17 and 4.1.1 are too old for current kernels.
 source_suite() {
-  case "$codename" in
-    bookworm) echo trixie ;;
-    *) echo "$codename" ;;
-  esac
+  echo "${CKPT_CRIU_SOURCE_SUITE:-forky}"
 }
 
 ensure_deb_src() {
@@ -153,7 +152,7 @@ else
   apt_update_once
   candidate=$(apt-cache policy criu | sed -n 's/^ *Candidate: //p')
   if [ -n "$candidate" ] && [ "$candidate" != "(none)" ] &&
-     dpkg --compare-versions "$candidate" ge "$MIN_MAJOR"; then
+     dpkg --compare-versions "$candidate" ge "$MIN_VERSION"; then
     if ! criu_works /usr/sbin/criu; then
       log "installing the distribution's criu $candidate"
       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq criu >&2

@@ -1,0 +1,130 @@
+"""Starting real target processes, running the real ckpt CLI, and ending only what we started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).parent.parent
+
+
+def state(pid: int) -> str | None:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return data[data.rindex(")") + 2:].split()[0]
+
+
+def alive(pid: int) -> bool:
+    return state(pid) not in (None, "Z", "X")
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def read_lines(path: Path) -> list[str]:
+    try:
+        return [line for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def tree_pids(pid: int) -> list[int]:
+    """The PID and its descendants, from /proc (children lists of every thread)."""
+    result, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if state(p) is None:
+            continue
+        result.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+            except OSError:
+                pass
+    return result
+
+
+class Processes:
+    """Every process a test starts or restores, ended by PID at teardown."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.popens: list[subprocess.Popen] = []
+        self.pids: set[int] = set()
+
+    def start(self, fixture: str, *args: str) -> subprocess.Popen:
+        log = open(self.workdir / f"{fixture}.{len(self.popens)}.stdio", "wb")
+        proc = subprocess.Popen([sys.executable, str(FIXTURES / fixture), *map(str, args)],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        self.popens.append(proc)
+        self.pids.add(proc.pid)
+        return proc
+
+    def adopt(self, pid: int) -> None:
+        """A restored process: not our child, but ours to end."""
+        self.pids.update(tree_pids(pid) or [pid])
+
+    def kill_tree(self, pid: int) -> None:
+        pids = tree_pids(pid)
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in self.popens:
+            if proc.pid in pids:
+                proc.wait()
+
+    def cleanup(self) -> None:
+        for pid in list(self.pids):
+            for p in tree_pids(pid):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.popens:
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def ckpt(*args: str, check: bool = True, timeout: float = 300, env: dict | None = None
+         ) -> subprocess.CompletedProcess:
+    """Runs the real CLI (`python -m ckpt`) as a user would."""
+    proc = subprocess.run([sys.executable, "-m", "ckpt", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"ckpt {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}"
+                             + _criu_log_tail(proc.stderr))
+    return proc
+
+
+def ckpt_json(*args: str, **kwargs):
+    return json.loads(ckpt(*args, "--json", **kwargs).stdout)
+
+
+def _criu_log_tail(stderr: str) -> str:
+    """On failure, show the end of CRIU's log that the error message points to."""
+    for word in stderr.replace("(", " ").replace(")", " ").split():
+        if word.endswith(".log") and os.path.exists(word):
+            lines = Path(word).read_text(errors="replace").splitlines()[-40:]
+            return "\n--- end of " + word + " ---\n" + "\n".join(lines)
+    return ""

@@ -1,0 +1,186 @@
+"""Round trips with real processes and real CRIU: each checks state after the original is gone
+and the restored tree is running."""
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from tests.helpers import alive, ckpt, ckpt_json, read_lines, state, tree_pids, wait_until
+
+
+def ints(path: Path) -> list[int]:
+    return [int(line.split()[0]) for line in read_lines(path) if line.split()[0].isdigit()]
+
+
+def test_counter_resumes_at_the_next_value_after_stop_and_restore(procs, tmp_path):
+    out = tmp_path / "count.txt"
+    target = procs.start("counter.py", out)
+    wait_until(lambda: len(ints(out)) >= 10, what="counter to count")
+    dumped = ckpt_json("dump", target.pid, "--stop", "--name", "counter")
+    target.wait(timeout=10)  # --stop ended it
+    assert dumped["stopped"] is True and dumped["pid"] == target.pid
+    assert dumped["processes"] == 1 and dumped["bytes_stored"] > 0 and dumped["freeze_ms"] > 0
+    last = ints(out)[-1]
+    time.sleep(0.3)
+    assert ints(out)[-1] == last, "the target kept running after --stop"
+
+    restored = ckpt_json("restore", "counter")
+    procs.adopt(restored["pid"])
+    assert restored["pid"] == target.pid and restored["id"] == dumped["id"]
+    wait_until(lambda: len(ints(out)) >= last + 5, what="restored counter to go on")
+    values = ints(out)
+    assert values[last] == last + 1, "the restored counter did not continue from its checkpoint"
+    assert values == list(range(1, len(values) + 1))
+
+
+def test_checkpoint_restores_again_and_again(procs, tmp_path):
+    """restore, kill, restore again: and dump the restored tree with --stop, restore at once."""
+    out = tmp_path / "count.txt"
+    target = procs.start("counter.py", out)
+    wait_until(lambda: len(ints(out)) >= 5, what="counter to count")
+    checkpoint = ckpt("dump", target.pid, "--stop").stdout.strip()
+    target.wait(timeout=10)
+    for _ in range(2):
+        pid = int(ckpt("restore", checkpoint).stdout)
+        procs.adopt(pid)
+        n = len(ints(out))
+        wait_until(lambda: len(ints(out)) > n + 3, what="restored counter")
+        os.kill(pid, signal.SIGKILL)  # not our child: init reaps it, late
+    pid = int(ckpt("restore", checkpoint).stdout)
+    procs.adopt(pid)
+    second = ckpt("dump", pid, "--stop").stdout.strip()
+    pid = int(ckpt("restore", second).stdout)  # immediately: PIDs must be waited for
+    procs.adopt(pid)
+    n = len(ints(out))
+    wait_until(lambda: len(ints(out)) > n + 3, what="counter restored from the second checkpoint")
+
+
+def test_large_memory_checksum_survives(procs, tmp_path):
+    out = tmp_path / "sums.txt"
+    target = procs.start("bigmem.py", out, 256)
+    wait_until(lambda: read_lines(out), timeout=60, what="bigmem to fill its memory")
+    original_sum = read_lines(out)[0].split()[0]
+    dumped = ckpt_json("dump", target.pid)
+    assert dumped["bytes_total"] >= 256 << 20
+    assert alive(target.pid), "a dump without --stop must leave the target running"
+    procs.kill_tree(target.pid)
+    out.unlink()
+
+    restored = ckpt_json("restore", dumped["id"])
+    procs.adopt(restored["pid"])
+    os.kill(restored["pid"], signal.SIGUSR1)
+    wait_until(lambda: read_lines(out), what="restored bigmem to report")
+    restored_sum, counter = read_lines(out)[0].split()
+    assert restored_sum == original_sum
+    assert int(counter) > 0
+
+
+def test_multithreaded_process(procs, tmp_path):
+    out = tmp_path / "threads.txt"
+    target = procs.start("threads.py", out, 8)
+    wait_until(lambda: len(read_lines(out)) >= 3, what="threads to count")
+    dumped = ckpt_json("dump", target.pid, "--stop")
+    target.wait(timeout=10)
+    assert ckpt_json("show", dumped["id"])["processes"][0]["threads"].__len__() == 9
+    before = [int(x) for x in read_lines(out)[-1].split()]
+    n = len(read_lines(out))
+
+    restored = ckpt_json("restore", dumped["id"])
+    procs.adopt(restored["pid"])
+    wait_until(lambda: len(read_lines(out)) >= n + 5, what="restored threads")
+    assert len(list(Path(f"/proc/{restored['pid']}/task").iterdir())) == 9
+    first_after = [int(x) for x in read_lines(out)[n].split()]
+    last = [int(x) for x in read_lines(out)[-1].split()]
+    for k in range(8):
+        # Each thread goes on from its checkpointed count (not from zero) and keeps counting.
+        assert before[k] <= first_after[k] <= before[k] + 50
+        assert last[k] > first_after[k]
+
+
+def test_parent_and_child_with_pipe_and_socketpair(procs, tmp_path):
+    out = tmp_path / "pipe.txt"
+    target = procs.start("pipe_tree.py", out)
+    wait_until(lambda: len(read_lines(out)) >= 10, what="pipe traffic")
+    child = int(read_lines(out)[0].split()[1])
+    dumped = ckpt_json("dump", target.pid, "--stop")
+    assert dumped["processes"] == 2
+    target.wait(timeout=10)
+    n = len(ints(out))
+
+    restored = ckpt_json("restore", dumped["id"])
+    procs.adopt(restored["pid"])
+    wait_until(lambda: len(ints(out)) >= n + 10, what="restored pipe traffic")
+    assert ints(out) == list(range(1, len(ints(out)) + 1)), "numbers lost or repeated across the restore"
+    assert alive(child) and int(Path(f"/proc/{child}/stat").read_text().split(")")[1].split()[1]) == target.pid
+
+
+def test_open_file_offset_is_preserved(procs, tmp_path):
+    data = tmp_path / "data.txt"
+    data.write_text("".join(f"line{i:05d}\n" for i in range(100000)))
+    out = tmp_path / "read.txt"
+    target = procs.start("file_reader.py", data, out)
+    wait_until(lambda: len(read_lines(out)) >= 10, what="reader")
+    dumped = ckpt_json("dump", target.pid, "--stop")
+    target.wait(timeout=10)
+    n = len(read_lines(out))
+    last_line, last_offset = read_lines(out)[-1].split()
+    shown = ckpt_json("show", dumped["id"])["processes"][0]["fds"]
+    assert any(fd.get("path") == str(data) and fd["offset"] == int(last_offset) for fd in shown)
+
+    restored = ckpt_json("restore", dumped["id"])
+    procs.adopt(restored["pid"])
+    wait_until(lambda: len(read_lines(out)) >= n + 5, what="restored reader")
+    line, offset = read_lines(out)[n].split()
+    assert int(line[4:]) == int(last_line[4:]) + 1
+    assert int(offset) == int(last_offset) + len("line00000\n")
+
+
+def test_established_tcp_connection_keeps_talking(procs, tmp_path):
+    log = tmp_path / "server.txt"
+    server = procs.start("echo_server.py", log)
+    port = int(wait_until(lambda: read_lines(log), what="server port")[0].split()[1])
+    out = tmp_path / "client.txt"
+    client = procs.start("tcp_client.py", port, out)
+    wait_until(lambda: len(read_lines(out)) >= 10, what="client traffic")
+    dumped = ckpt_json("dump", client.pid, "--stop")
+    client.wait(timeout=10)
+    assert ckpt_json("show", dumped["id"])["criu"]["options"]["tcp_established"] is True
+    n = len(read_lines(out))
+    local_port = read_lines(out)[-1].split()[1]
+
+    restored = ckpt_json("restore", dumped["id"])
+    procs.adopt(restored["pid"])
+    wait_until(lambda: len(read_lines(out)) >= n + 10, what="client traffic after restore")
+    lines = read_lines(out)
+    assert "EOF" not in lines
+    assert [int(x.split()[0]) for x in lines] == list(range(1, len(lines) + 1))
+    assert {x.split()[1] for x in lines} == {local_port}, "the client opened a new connection"
+    assert [x for x in read_lines(log) if x.startswith("accept")] == [f"accept {local_port}"]
+    assert alive(server.pid)
+
+
+def test_listening_server_accepts_new_connections(procs, tmp_path):
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    log = tmp_path / "server.txt"
+    server = procs.start("echo_server.py", log, port)
+    wait_until(lambda: read_lines(log), what="server")
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"before\n")
+        assert s.makefile().readline() == "before\n"
+    dumped = ckpt_json("dump", server.pid)
+    procs.kill_tree(server.pid)
+
+    restored = ckpt_json("restore", dumped["id"])
+    procs.adopt(restored["pid"])
+    for word in ("after1", "after2"):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(word.encode() + b"\n")
+            assert s.makefile().readline() == word + "\n"
+    assert len([x for x in read_lines(log) if x.startswith("accept")]) == 3
+    assert state(restored["pid"]) in ("S", "R")
+    assert tree_pids(restored["pid"]) == [server.pid]
