@@ -50,13 +50,15 @@ class DumpResult:
         }
 
 
-def dump(store: Store, request: DumpRequest, reporter: Reporter = NullReporter()) -> DumpResult:
+def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReporter()) -> DumpResult:
+    """Checkpoints request.pid into the store at store_root (created if needed)."""
     started = time.monotonic()
     if request.name is not None:
         ids.check_name(request.name)
     procs.require_root()
     facts = procs.preflight(request.pid)
     binary = find_criu()
+    store = Store.open(store_root, create=True)
     options_used = {
         "shell_job": facts.needs_shell_job if request.shell_job is None else request.shell_job,
         "tcp_established": facts.has_tcp_established if request.tcp_established is None

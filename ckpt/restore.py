@@ -35,10 +35,12 @@ class RestoreResult:
                 "log": str(self.log_path)}
 
 
-def restore(store: Store, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:
+def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:
+    """Restores the checkpoint request.ref names from the store at store_root."""
     started = time.monotonic()
     procs.require_root()
     binary = find_criu()
+    store = Store.open(store_root, create=False)
     with store.lock(exclusive=False, on_wait=lambda h: reporter.info("waiting for the store lock")):
         checkpoint_id = store.resolve(request.ref)
         manifest = store.load(checkpoint_id)

@@ -3,7 +3,8 @@ from typing import Annotated, Optional
 import typer
 
 from ckpt.checkpoint import DumpRequest, dump
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption, open_store
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption
+from ckpt.config import resolve_store_path
 from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr
 
 HELP = """Checkpoint the process tree rooted at PID into the store.
@@ -44,7 +45,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         reporter = CliReporter(quiet=quiet)
         try:
-            result = dump(open_store(store), DumpRequest(
+            result = dump(resolve_store_path(store), DumpRequest(
                 pid=pid, name=name, stop=stop, codec=compression, shell_job=shell_job,
                 tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks), reporter)
         finally:

@@ -2,7 +2,8 @@ from typing import Annotated
 
 import typer
 
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption, open_store
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption
+from ckpt.config import resolve_store_path
 from ckpt.cli.output import CliReporter, emit_json, stderr
 from ckpt.restore import RestoreRequest, restore
 
@@ -33,7 +34,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         reporter = CliReporter(quiet=quiet)
         try:
-            result = restore(open_store(store, create=False), RestoreRequest(ref=ref), reporter)
+            result = restore(resolve_store_path(store), RestoreRequest(ref=ref), reporter)
         finally:
             reporter.close()
         if json_out:

@@ -130,7 +130,8 @@ class Store:
         try:
             if not meta.exists():
                 if not create:
-                    raise StoreError(f"no ckpt store at {root}", hint="dump a process first, or pass --store")
+                    raise CheckpointNotFound(f"no ckpt store at {root}, so no checkpoints",
+                                             hint="dump a process first, or pass --store")
                 make_private_dir(root)
                 for sub in ("checkpoints", "objects", "logs", "tmp", "holders"):
                     make_private_dir(root / sub)

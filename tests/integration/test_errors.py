@@ -1,0 +1,175 @@
+"""Bad input and failures: one clear line, a documented exit code, no traceback, nothing lost."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, alive, ckpt, ckpt_json, read_lines, state, wait_until
+
+
+def assert_clean_error(proc, code: int, *words: str) -> None:
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(error_lines) == 1, proc.stderr
+    for word in words:
+        assert word in error_lines[0], proc.stderr
+    assert proc.stdout == ""
+
+
+def assert_no_checkpoint(store: Path) -> None:
+    assert ckpt_json("list") == []
+    assert not list((store / "checkpoints").glob("*.json"))
+
+
+def not_stopped(pid: int) -> bool:
+    return state(pid) not in ("T", "t", None)
+
+
+def test_nonexistent_pid():
+    assert_clean_error(ckpt("dump", 4000000, check=False), 3, "no process with PID 4000000")
+
+
+def test_pid_1_and_kernel_thread():
+    assert_clean_error(ckpt("dump", 1, check=False), 2, "PID 1")
+    assert_clean_error(ckpt("dump", 2, check=False), 2, "kernel thread")
+
+
+def test_own_pid_and_parent():
+    own = subprocess.run(["sh", "-c", f"exec {sys.executable} -m ckpt dump $$"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert_clean_error(own, 2, "is ckpt itself")
+    parent = subprocess.run(["sh", "-c", f"{sys.executable} -m ckpt dump $$; exit $?"], capture_output=True,
+                            text=True, cwd=ROOT)
+    assert_clean_error(parent, 2, "ckpt's own parent")
+
+
+def test_unknown_id_and_escaping_reference(procs, tmp_path):
+    assert_clean_error(ckpt("restore", "20200101-000000-abcdef", check=False), 3, "no checkpoint")
+    target = procs.start("counter.py", tmp_path / "c.txt")
+    ckpt("dump", target.pid)
+    for bad in ("../x", "../../etc/passwd", "/etc", "a/b"):
+        assert_clean_error(ckpt("restore", bad, check=False), 2, "neither a checkpoint ID nor a name")
+        assert_clean_error(ckpt("show", bad, check=False), 2)
+        assert_clean_error(ckpt("rm", bad, check=False), 2)
+    assert_clean_error(ckpt("dump", target.pid, "--name", "../x", check=False), 2, "invalid checkpoint name")
+    assert_clean_error(ckpt("restore", "nosuchname", check=False), 3, "no checkpoint with ID or name")
+
+
+def test_not_root(procs, tmp_path):
+    target = procs.start("counter.py", tmp_path / "c.txt")
+    store = tmp_path / "userstore"
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                           "-m", "ckpt", "dump", str(target.pid), "--store", str(store)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert_clean_error(proc, 4, "must run as root")
+    assert alive(target.pid)
+
+
+def test_criu_missing_or_too_old(procs, tmp_path):
+    target = procs.start("counter.py", tmp_path / "c.txt")
+    proc = ckpt("dump", target.pid, check=False, env={"CKPT_CRIU": str(tmp_path / "nope")})
+    assert_clean_error(proc, 5, "not a working CRIU")
+    old = tmp_path / "criu-old"
+    old.write_text("#!/bin/sh\necho 'Version: 3.17.1'\n")
+    old.chmod(0o755)
+    proc = ckpt("dump", target.pid, check=False, env={"CKPT_CRIU": str(old)})
+    assert_clean_error(proc, 5, "too old", "3.17.1")
+    assert alive(target.pid)
+    report = ckpt("check", check=False, env={"CKPT_CRIU": str(old)})
+    assert report.returncode == 8 and "Traceback" not in report.stderr
+    assert "FAIL criu: CRIU is too old" in report.stdout and "fix: run 'make setup'" in report.stdout
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mounts = []
+
+    def mount(size: str, readonly: bool = False) -> Path:
+        point = tmp_path / f"mnt{len(mounts)}"
+        point.mkdir()
+        opts = f"size={size},mode=0700" + (",ro" if readonly else "")
+        subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(point)], check=True)
+        mounts.append(point)
+        return point
+
+    yield mount
+    for point in mounts:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def test_store_not_writable(procs, tmp_path, small_tmpfs):
+    target = procs.start("counter.py", tmp_path / "c.txt")
+    readonly = small_tmpfs("1m", readonly=True)
+    proc = ckpt("dump", target.pid, "--store", readonly / "store", check=False)
+    assert_clean_error(proc, 4, "cannot write the store")
+    assert not_stopped(target.pid)
+
+
+def test_disk_full_during_dump(procs, tmp_path, small_tmpfs):
+    out = tmp_path / "sums.txt"
+    target = procs.start("bigmem.py", out, 64)
+    wait_until(lambda: read_lines(out), timeout=60, what="bigmem")
+    store = small_tmpfs("8m") / "store"
+    proc = ckpt("dump", target.pid, "--store", store, check=False)
+    assert_clean_error(proc, 1, "no space left")
+    assert not_stopped(target.pid) and alive(target.pid)
+    assert ckpt_json("list", "--store", store) == []
+    assert not list((store / "tmp").iterdir()), "a failed dump left its staging directory"
+
+
+def test_pid_in_use_on_restore(procs, tmp_path):
+    target = procs.start("counter.py", tmp_path / "c.txt")
+    checkpoint = ckpt("dump", target.pid).stdout.strip()
+    proc = ckpt("restore", checkpoint, check=False)
+    assert_clean_error(proc, 7, f"PID {target.pid}", "counter.py", "in use")
+
+
+def test_damaged_image_is_named_by_verify_and_refused_by_restore(procs, tmp_path, isolated_env):
+    target = procs.start("counter.py", tmp_path / "c.txt")
+    dumped = ckpt_json("dump", target.pid)
+    manifest = json.loads((isolated_env / "checkpoints" / f"{dumped['id']}.json").read_text())
+    pages = max(manifest["files"], key=lambda f: f["size"])
+    objects = list((isolated_env / "objects" / pages["hash"][:2]).glob(pages["hash"] + "*"))
+    assert len(objects) == 1
+    with open(objects[0], "r+b") as f:
+        f.seek(objects[0].stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    proc = ckpt("verify", dumped["id"], check=False)
+    assert proc.returncode == 6 and pages["name"] in proc.stderr and "DAMAGED" in proc.stderr
+    procs.kill_tree(target.pid)
+    proc = ckpt("restore", dumped["id"], check=False)
+    assert_clean_error(proc, 6, pages["name"])
+    assert state(target.pid) is None, "a damaged checkpoint must not be restored"
+
+
+def test_kill_9_during_dump_leaves_target_running_and_no_checkpoint(procs, tmp_path, isolated_env):
+    out = tmp_path / "sums.txt"
+    target = procs.start("bigmem.py", out, 1024)
+    wait_until(lambda: read_lines(out), timeout=120, what="bigmem to fill 1 GiB")
+    for delay in (0.3, 0.9):
+        dumper = subprocess.Popen([sys.executable, "-m", "ckpt", "dump", str(target.pid)], cwd=ROOT,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        dumper.send_signal(signal.SIGKILL)
+        dumper.wait()
+        # CRIU (ckpt's child) finishes or fails on its own and always lets the target go.
+        wait_until(lambda: not_stopped(target.pid), timeout=30, what="target to be running again")
+        time.sleep(2)
+        assert not_stopped(target.pid) and alive(target.pid)
+        assert ckpt_json("list") == []
+    # The leftovers are cleaned by the next dump, which succeeds.
+    dumped = ckpt_json("dump", target.pid)
+    assert [c["id"] for c in ckpt_json("list")] == [dumped["id"]]
+    assert [p.name for p in (isolated_env / "tmp").iterdir()] == []
+    os.kill(target.pid, signal.SIGUSR1)
+    wait_until(lambda: len(read_lines(out)) >= 2, what="checksum after the dumps")
+    assert read_lines(out)[0].split()[0] == read_lines(out)[-1].split()[0]
