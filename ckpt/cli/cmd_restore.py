@@ -20,7 +20,7 @@ Examples:
 
   ckpt restore agent --json
 
-  ckpt restore 20261130-230102-3fa9c1
+  ckpt restore 20261130-230102-123-3fa9c1
 """
 
 

@@ -12,7 +12,7 @@ Data shared with other checkpoints is kept: removing one never breaks another.
 
 Examples:
 
-  ckpt rm 20261130-230102-3fa9c1
+  ckpt rm 20261130-230102-123-3fa9c1
 
   ckpt rm agent old-run --dry-run
 """

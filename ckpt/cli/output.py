@@ -8,7 +8,7 @@ import sys
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-stderr = Console(stderr=True, highlight=False)
+stderr = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
 # Piped output is not cut at 80 columns: scripts and pagers get whole lines.
 stdout = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 

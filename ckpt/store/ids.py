@@ -6,14 +6,15 @@ from datetime import datetime, timezone
 
 from ckpt.errors import InvalidReference
 
-ID_RE = re.compile(r"^[0-9]{8}-[0-9]{6}-[0-9a-f]{6}$")
-ID_PREFIX_RE = re.compile(r"^[0-9][0-9a-f-]{3,21}$")
+ID_RE = re.compile(r"^[0-9]{8}-[0-9]{6}-[0-9]{3}-[0-9a-f]{6}$")
+ID_PREFIX_RE = re.compile(r"^[0-9][0-9a-f-]{3,25}$")
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9._-]{0,63}$")
 
 
 def new_id(now: datetime | None = None) -> str:
+    """UTC time to the millisecond, then 24 random bits: IDs sort by creation time."""
     now = now or datetime.now(timezone.utc)
-    return f"{now:%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+    return f"{now:%Y%m%d-%H%M%S}-{now.microsecond // 1000:03d}-{secrets.token_hex(3)}"
 
 
 def is_id(text: str) -> bool:
@@ -23,7 +24,7 @@ def is_id(text: str) -> bool:
 def check_id(text: str) -> str:
     if not is_id(text):
         raise InvalidReference(f"'{text}' is not a checkpoint ID",
-                               hint="IDs look like 20261130-230102-3fa9c1; see 'ckpt list'")
+                               hint="IDs look like 20261130-230102-123-3fa9c1; see 'ckpt list'")
     return text
 
 

@@ -99,6 +99,7 @@ class DumpStaging:
     def __init__(self, root: Path):
         self.root = root
         self.images_dir = root / "images"
+        root.mkdir(mode=DIR_MODE)  # exclusive: two dumps never share a staging directory (or an ID)
         make_private_dir(self.images_dir)
         self._owner_fd = os.open(root / "owner", os.O_RDWR | os.O_CREAT, FILE_MODE)
         fcntl.flock(self._owner_fd, fcntl.LOCK_EX)
@@ -150,8 +151,8 @@ class Store:
                                     hint="run as its owner (root) or choose another store with --store")
         return store
 
-    def lock(self, exclusive: bool = False, on_wait=None):
-        return store_lock(self.root, exclusive, on_wait)
+    def lock(self, exclusive: bool = False, on_wait=None, timeout: float | None = None):
+        return store_lock(self.root, exclusive, on_wait, timeout)
 
     # ---- manifests ----------------------------------------------------------------------
 

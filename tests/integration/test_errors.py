@@ -51,7 +51,7 @@ def test_own_pid_and_parent():
 
 
 def test_unknown_id_and_escaping_reference(procs, tmp_path):
-    assert_clean_error(ckpt("restore", "20200101-000000-abcdef", check=False), 3, "no checkpoint")
+    assert_clean_error(ckpt("restore", "20200101-000000-000-abcdef", check=False), 3, "no checkpoint")
     target = procs.start("counter.py", tmp_path / "c.txt")
     ckpt("dump", target.pid)
     for bad in ("../x", "../../etc/passwd", "/etc", "a/b"):

@@ -1,0 +1,61 @@
+"""The command line in-process: help, usage errors, JSON shapes. No CRIU needed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ckpt.cli.main import app, main
+from tests.helpers import ROOT
+
+COMMANDS = ["check", "dump", "restore", "list", "show", "rm", "verify"]
+
+
+def run(capsys, *argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_every_command_is_registered_and_has_help_with_examples(capsys):
+    registered = sorted(c.name for c in app.registered_commands)
+    assert registered == sorted(COMMANDS)
+    for command in COMMANDS:
+        code, out, err = run(capsys, command, "--help")
+        assert code == 0, err
+        assert "Examples:" in out and f"ckpt {command}" in out, command
+
+
+def test_list_on_empty_store_is_an_empty_json_array(capsys):
+    code, out, _ = run(capsys, "list", "--json")
+    assert code == 0 and json.loads(out) == []
+
+
+def test_usage_errors_are_one_line_with_exit_2(capsys):
+    code, out, err = run(capsys, "verify")
+    assert code == 2 and err.startswith("Error: give either a checkpoint ID or --all")
+    code, out, err = run(capsys, "dump", "notapid")
+    assert code == 2 and "Traceback" not in err
+    code, out, err = run(capsys, "frobnicate")
+    assert code == 2 and "No such command" in err
+
+
+def test_restore_from_a_missing_store_says_so(capsys, tmp_path):
+    code, out, err = run(capsys, "show", "latest", "--store", str(tmp_path / "none"))
+    assert code == 3 and "no ckpt store" in err and out == ""
+
+
+def test_version(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.startswith("ckpt ")
+
+
+def test_list_and_help_do_not_import_pycriu():
+    """`import pycriu` costs ~0.1 s; commands that do not need CRIU must not pay it."""
+    code = ("import sys; from ckpt.cli.main import main\n"
+            "try:\n    main(['list', '--json'])\nexcept SystemExit:\n    pass\n"
+            "assert 'pycriu' not in sys.modules, 'pycriu imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
