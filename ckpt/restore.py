@@ -20,6 +20,7 @@ from ckpt.store import Manifest, Store
 class RestoreRequest:
     ref: str
     pid_wait_s: float = 5.0
+    new_pidns: bool = False
 
 
 @dataclass
@@ -28,9 +29,11 @@ class RestoreResult:
     pid: int
     duration_ms: float
     log_path: Path
+    pid_in_namespace: int | None = None
 
     def to_json(self) -> dict:
         return {"id": self.manifest.id, "name": self.manifest.name, "pid": self.pid,
+                "pid_in_namespace": self.pid_in_namespace,
                 "processes": len(self.manifest.processes), "duration_ms": self.duration_ms,
                 "log": str(self.log_path)}
 
@@ -47,8 +50,9 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
         reporter.step(f"verifying checkpoint {checkpoint_id}")
         images_dir = store.materialize(manifest, reporter)
         try:
-            reporter.step("waiting for the tree's PIDs to be free")
-            procs.wait_for_pids_free(manifest.all_pids, timeout=request.pid_wait_s)
+            if not request.new_pidns:
+                reporter.step("waiting for the tree's PIDs to be free")
+                procs.wait_for_pids_free(manifest.all_pids, timeout=request.pid_wait_s)
             opts = manifest.criu.get("options", {})
             stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
             log_dir = store.logs_dir(checkpoint_id)
@@ -58,7 +62,15 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                 ext_unix_sk=bool(opts.get("ext_unix_sk")), file_locks=bool(opts.get("file_locks")),
                 network_lock=opts.get("network_lock", "nftables"))
             reporter.step(f"restoring {len(manifest.processes)} process(es) with CRIU {binary.version_text}")
-            pid = CriuClient(binary).restore(criu_options)
+            inner = None
+            if request.new_pidns:
+                from ckpt.pidns import run_in_new_pidns
+
+                reporter.step("restoring into a new PID namespace")
+                pid, inner = run_in_new_pidns(lambda: CriuClient(binary).restore(criu_options))
+            else:
+                pid = CriuClient(binary).restore(criu_options)
         finally:
             shutil.rmtree(images_dir, ignore_errors=True)
-    return RestoreResult(manifest, pid, round((time.monotonic() - started) * 1000, 1), criu_options.log_path)
+    return RestoreResult(manifest, pid, round((time.monotonic() - started) * 1000, 1), criu_options.log_path,
+                         inner)

@@ -11,7 +11,9 @@ HELP = """Restore a checkpoint: the tree continues where it stopped, detached fr
 
 REF is a checkpoint ID (or a unique prefix of one), a name (the newest checkpoint with it),
 or 'latest'. The checkpoint is verified first; a damaged one is refused. The tree gets its
-original PIDs back: if one is held by another process, ckpt says which.
+original PIDs back: if one is held by another process, ckpt says which; --new-pidns then
+restores the tree into a PID namespace of its own, where it keeps its PIDs (the host sees
+others; stdout then carries the host's PID of the root).
 stdout carries the restored root PID alone (with --json, one JSON object).
 
 Examples:
@@ -21,6 +23,8 @@ Examples:
   ckpt restore agent --json
 
   ckpt restore 20261130-230102-123-3fa9c1
+
+  ckpt restore agent --new-pidns     # the original is still running
 """
 
 
@@ -28,19 +32,22 @@ def register(app: typer.Typer) -> None:
     @app.command("restore", help=HELP)
     def restore_command(
         ref: Annotated[str, typer.Argument(help="Checkpoint ID, name, or 'latest'.")],
+        new_pidns: Annotated[bool, typer.Option(
+            "--new-pidns", help="Restore into a new PID namespace, for when the tree's PIDs are taken.")] = False,
         store: StoreOption = None,
         json_out: JsonOption = False,
         quiet: QuietOption = False,
     ) -> None:
         reporter = CliReporter(quiet=quiet)
         try:
-            result = restore(resolve_store_path(store), RestoreRequest(ref=ref), reporter)
+            result = restore(resolve_store_path(store), RestoreRequest(ref=ref, new_pidns=new_pidns), reporter)
         finally:
             reporter.close()
         if json_out:
             emit_json(result.to_json())
             return
         if not quiet:
-            stderr.print(f"[green]restored {result.manifest.id}[/green]: root PID {result.pid}, "
+            inside = f" ({result.pid_in_namespace} in its PID namespace)" if result.pid_in_namespace else ""
+            stderr.print(f"[green]restored {result.manifest.id}[/green]: root PID {result.pid}{inside}, "
                          f"{len(result.manifest.processes)} process(es), took {result.duration_ms} ms")
         print(result.pid)

@@ -10,6 +10,7 @@ import json
 import os
 import secrets
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,6 +31,8 @@ CODECS = ("zstd", "none")
 CODEC_SUFFIX = {"none": "", "zstd": ".zst"}
 ZSTD_LEVEL = 1
 CHUNK = 4 << 20
+SAMPLE = 1 << 20
+SAMPLES = 16
 
 
 @dataclass
@@ -84,6 +87,23 @@ class Manifest:
             pids.add(int(proc["pid"]))
             pids.update(int(t) for t in proc.get("threads", []))
         return sorted(pids)
+
+
+def _worth_compressing(path: Path) -> bool:
+    """Samples the file: data that does not shrink by 10% is stored as it is. Compressing it
+    would cost a pass over it on every dump and every restore for nothing."""
+    size = path.stat().st_size
+    if size < SAMPLE:
+        return True
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    with open(path, "rb") as f:
+        raw = packed = 0
+        for k in range(SAMPLES):
+            f.seek((size - SAMPLE // SAMPLES) * k // (SAMPLES - 1))
+            chunk = f.read(SAMPLE // SAMPLES)
+            raw += len(chunk)
+            packed += len(compressor.compress(chunk))
+    return packed < 0.9 * raw
 
 
 def hash_file(path: Path) -> str:
@@ -248,7 +268,7 @@ class Store:
 
     def ingest(self, staging: DumpStaging, codec: str, reporter: Reporter = NullReporter()
                ) -> tuple[list[FileEntry], int]:
-        """Moves every image file of the staging area into the object store.
+        """Moves every image file of the staging area into the object store, durably.
 
         Returns the file entries and the number of bytes this added to the store.
         """
@@ -259,40 +279,48 @@ class Store:
         files = staging.image_files()
         total = sum(p.stat().st_size for p in files)
         done = 0
-        try:
-            for path in files:
-                size = path.stat().st_size
-                digest = hash_file(path)
-                existing = self.find_object(digest)
-                if existing:
-                    stored_path, stored_codec = existing
-                    entries.append(FileEntry(path.name, size, digest, stored_codec, stored_path.stat().st_size))
-                    path.unlink()
-                else:
-                    stored_size = self._store_object(path, digest, codec)
-                    added += stored_size
-                    entries.append(FileEntry(path.name, size, digest, codec, stored_size))
-                done += size
-                reporter.progress(done, total, "storing")
-            for sub in {e.hash[:2] for e in entries}:
-                fsync_dir(self.objects_dir / sub)
-        except OSError as exc:
-            raise translate_os_error(exc, "storing the images") from exc
+        # Writing CRIU's images back to disk is the slowest part of a dump (CRIU does not fsync):
+        # start it at once, in a thread, and hash and compress meanwhile. The descriptors are
+        # opened before any rename so they follow the files into the object store.
+        fds = [os.open(p, os.O_RDONLY) for p in files]
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            flushed = pool.submit(lambda: [os.fsync(fd) for fd in fds])
+            try:
+                for path in files:
+                    size = path.stat().st_size
+                    digest = hash_file(path)
+                    existing = self.find_object(digest)
+                    if existing:
+                        stored_path, stored_codec = existing
+                        entries.append(FileEntry(path.name, size, digest, stored_codec, stored_path.stat().st_size))
+                    else:
+                        stored_codec, stored_size = self._store_object(path, digest, codec)
+                        added += stored_size
+                        entries.append(FileEntry(path.name, size, digest, stored_codec, stored_size))
+                    done += size
+                    reporter.progress(done, total, "storing")
+                flushed.result()
+                for sub in {e.hash[:2] for e in entries}:
+                    fsync_dir(self.objects_dir / sub)
+            except OSError as exc:
+                raise translate_os_error(exc, "storing the images") from exc
+            finally:
+                flushed.exception()  # never leave the thread running past the descriptors
+                for fd in fds:
+                    os.close(fd)
         return entries, added
 
-    def _store_object(self, source: Path, digest: str, codec: str) -> int:
+    def _store_object(self, source: Path, digest: str, codec: str) -> tuple[str, int]:
+        """Stores one file under its hash; returns the codec used and the stored size."""
+        if codec == "zstd" and not _worth_compressing(source):
+            codec = "none"
         final = self.object_path(digest, codec)
         make_private_dir(final.parent)
         if codec == "none":
-            # Same filesystem: a rename moves the data without copying it.
+            # Same filesystem: a rename moves the data without copying it (fsynced by ingest).
             os.chmod(source, FILE_MODE)
-            fd = os.open(source, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
             os.rename(source, final)
-            return final.stat().st_size
+            return codec, final.stat().st_size
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=True)
         try:
@@ -306,7 +334,7 @@ class Store:
             tmp.unlink(missing_ok=True)
             raise
         source.unlink()
-        return final.stat().st_size
+        return codec, final.stat().st_size
 
     def _read_object_into(self, entry: FileEntry, dest: Path | None) -> str:
         """Streams an object (decompressed) into dest, or nowhere; returns the content's hash."""

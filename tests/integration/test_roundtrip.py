@@ -184,3 +184,27 @@ def test_listening_server_accepts_new_connections(procs, tmp_path):
     assert len([x for x in read_lines(log) if x.startswith("accept")]) == 3
     assert state(restored["pid"]) in ("S", "R")
     assert tree_pids(restored["pid"]) == [server.pid]
+
+
+def test_restore_into_new_pid_namespace_while_original_runs(procs, tmp_path):
+    out = tmp_path / "count.txt"
+    target = procs.start("counter.py", out)
+    wait_until(lambda: len(ints(out)) >= 5, what="counter")
+    dumped = ckpt_json("dump", target.pid)
+    refused = ckpt("restore", dumped["id"], check=False)
+    assert refused.returncode == 7 and "--new-pidns" in refused.stderr
+
+    restored = ckpt_json("restore", dumped["id"], "--new-pidns")
+    status = Path(f"/proc/{restored['pid']}/status").read_text()
+    init = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+    procs.adopt(init)
+    procs.adopt(restored["pid"])
+    nspid = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
+    assert [int(x) for x in nspid] == [restored["pid"], target.pid] == [restored["pid"],
+                                                                       restored["pid_in_namespace"]]
+    procs.kill_tree(target.pid)  # only the restored copy writes now
+    n = len(ints(out))
+    wait_until(lambda: len(ints(out)) >= n + 3, what="restored copy to count")
+    after = ints(out)[n:]
+    # It goes on from the checkpoint (taken after 5 counts), not from 1, one step at a time.
+    assert after == list(range(after[0], after[0] + len(after))) and 5 < after[0] <= max(ints(out)[:n]) + 1
