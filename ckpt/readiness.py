@@ -40,6 +40,12 @@ def check_readiness(store_root: Path) -> list[Finding]:
     try:
         criu = find_criu()
         findings.append(Finding("criu", True, f"CRIU {criu.version_text} at {criu.path}"))
+        if criu.version < (4, 2) and _kernel_version() >= (6, 16):
+            findings.append(Finding(
+                "criu sockets", False,
+                f"CRIU {criu.version_text} cannot dump TCP/UDP sockets on Linux {os.uname().release} "
+                "(SO_PASSCRED is refused on inet sockets since 6.16)",
+                "install CRIU 4.2 or newer ('make setup' builds it)", required=False))
     except CkptError as exc:
         findings.append(Finding("criu", False, exc.message, exc.hint or "run 'make setup'"))
     try:
@@ -60,6 +66,12 @@ def check_readiness(store_root: Path) -> list[Finding]:
                                     "" if ok else fix, required=False))
     findings.append(_store_writable(store_root))
     return findings
+
+
+def _kernel_version() -> tuple[int, ...]:
+    import re
+
+    return tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
 
 
 def _store_writable(store_root: Path) -> Finding:

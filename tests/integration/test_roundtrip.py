@@ -1,7 +1,9 @@
 """Round trips with real processes and real CRIU: each checks state after the original is gone
 and the restored tree is running."""
 
+import json
 import os
+import subprocess
 import signal
 import socket
 import time
@@ -208,3 +210,23 @@ def test_restore_into_new_pid_namespace_while_original_runs(procs, tmp_path):
     after = ints(out)[n:]
     # It goes on from the checkpoint (taken after 5 counts), not from 1, one step at a time.
     assert after == list(range(after[0], after[0] + len(after))) and 5 < after[0] <= max(ints(out)[:n]) + 1
+
+
+def test_shell_pipeline_in_an_outside_session(procs, tmp_path):
+    """A `sh -c '... | cat >> file'` job in the caller's session: --shell-job is detected."""
+    out = tmp_path / "pipe.txt"
+    script = f"i=0; while :; do i=$((i+1)); echo $i; sleep 0.05; done | cat >> {out}"
+    shell = subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    procs.popens.append(shell)
+    procs.pids.add(shell.pid)
+    wait_until(lambda: len(ints(out)) >= 5, what="pipeline")
+    dumped = ckpt("dump", shell.pid, "--stop", "--json")
+    assert "detected: --shell-job" in dumped.stderr
+    assert json.loads(dumped.stdout)["processes"] >= 3
+    shell.wait(timeout=10)
+    n = len(ints(out))
+    restored = ckpt_json("restore", "latest")
+    procs.adopt(restored["pid"])
+    wait_until(lambda: len(ints(out)) >= n + 5, what="restored pipeline")
+    assert ints(out) == list(range(1, len(ints(out)) + 1))
