@@ -32,6 +32,7 @@ class DumpRequest:
     tcp_established: bool | None = None
     ext_unix_sk: bool = False
     file_locks: bool | None = None
+    pre_dump_hook: str | None = None
 
 
 @dataclass
@@ -74,6 +75,11 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
         reporter.info("detected: " + ", ".join(f"--{k.replace('_', '-')}" for k in detected))
 
     checkpoint_id = ids.new_id()
+    if request.pre_dump_hook:
+        from ckpt.hooks import run_hook
+
+        reporter.step("running the pre-dump hook")
+        run_hook(request.pre_dump_hook, "pre-dump", request.pid, checkpoint_id, request.name)
     with store.lock(exclusive=False, on_wait=lambda h: reporter.info("waiting for the store lock")):
         store.remove_leftovers()
         staging = store.begin_dump(checkpoint_id)

@@ -12,6 +12,7 @@ from pathlib import Path
 from ckpt import procs
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
+from ckpt.errors import HookFailed
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store
 
@@ -21,6 +22,7 @@ class RestoreRequest:
     ref: str
     pid_wait_s: float = 5.0
     new_pidns: bool = False
+    post_restore_hook: str | None = None
 
 
 @dataclass
@@ -30,10 +32,11 @@ class RestoreResult:
     duration_ms: float
     log_path: Path
     pid_in_namespace: int | None = None
+    hook_error: str | None = None
 
     def to_json(self) -> dict:
         return {"id": self.manifest.id, "name": self.manifest.name, "pid": self.pid,
-                "pid_in_namespace": self.pid_in_namespace,
+                "pid_in_namespace": self.pid_in_namespace, "hook_error": self.hook_error,
                 "processes": len(self.manifest.processes), "duration_ms": self.duration_ms,
                 "log": str(self.log_path)}
 
@@ -72,5 +75,16 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                 pid = CriuClient(binary).restore(criu_options)
         finally:
             shutil.rmtree(images_dir, ignore_errors=True)
+    hook_error = None
+    if request.post_restore_hook:
+        from ckpt.hooks import run_hook
+
+        reporter.step("running the post-restore hook")
+        try:
+            run_hook(request.post_restore_hook, "post-restore", pid, manifest.id, manifest.name)
+        except HookFailed as exc:
+            # The tree is restored and running: the failure is reported, the tree is left alone.
+            hook_error = str(exc)
+            reporter.warn(f"{hook_error}; the restored tree keeps running")
     return RestoreResult(manifest, pid, round((time.monotonic() - started) * 1000, 1), criu_options.log_path,
-                         inner)
+                         inner, hook_error)

@@ -30,7 +30,7 @@ PACKAGES=(
   nftables libnftables1 libprotobuf-c1 libnl-3-200 libnet1 libcap2 libbsd0 libuuid1
   build-essential pkgconf protobuf-compiler protobuf-c-compiler libprotobuf-dev libprotobuf-c-dev
   libnl-3-dev libnet1-dev libcap-dev libbsd-dev uuid-dev libnftables-dev xz-utils dpkg-dev
-  python3 python3-venv python3-dev iproute2 procps
+  python3 python3-venv python3-dev iproute2 procps cron
 )
 
 apt_updated=0

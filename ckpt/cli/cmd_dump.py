@@ -21,6 +21,8 @@ Examples:
   ckpt dump 4242 --name agent --json
 
   ckpt dump 4242 --stop              # checkpoint, then end the tree
+
+  ckpt dump 4242 --pre-dump 'kill -USR1 $CKPT_PID; sleep 1'   # let it flush first
 """
 
 
@@ -39,6 +41,9 @@ def register(app: typer.Typer) -> None:
         file_locks: Annotated[Optional[bool], typer.Option("--file-locks/--no-file-locks",
                               help="Save file locks [default: detect].")] = None,
         compression: Annotated[str, typer.Option("--compression", help="zstd or none.")] = "zstd",
+        pre_dump: Annotated[Optional[str], typer.Option(
+            "--pre-dump", help="Shell command run before the dump (CKPT_PID, CKPT_ID in its environment); "
+                               "if it fails, nothing is dumped.")] = None,
         store: StoreOption = None,
         json_out: JsonOption = False,
         quiet: QuietOption = False,
@@ -47,7 +52,8 @@ def register(app: typer.Typer) -> None:
         try:
             result = dump(resolve_store_path(store), DumpRequest(
                 pid=pid, name=name, stop=stop, codec=compression, shell_job=shell_job,
-                tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks), reporter)
+                tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
+                pre_dump_hook=pre_dump), reporter)
         finally:
             reporter.close()
         m = result.manifest

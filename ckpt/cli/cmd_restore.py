@@ -1,4 +1,4 @@
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -32,6 +32,9 @@ def register(app: typer.Typer) -> None:
     @app.command("restore", help=HELP)
     def restore_command(
         ref: Annotated[str, typer.Argument(help="Checkpoint ID, name, or 'latest'.")],
+        post_restore: Annotated[Optional[str], typer.Option(
+            "--post-restore", help="Shell command run once the tree runs again (CKPT_PID, CKPT_ID in its "
+                                   "environment); its failure is reported, the tree keeps running.")] = None,
         new_pidns: Annotated[bool, typer.Option(
             "--new-pidns", help="Restore into a new PID namespace, for when the tree's PIDs are taken.")] = False,
         store: StoreOption = None,
@@ -40,7 +43,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         reporter = CliReporter(quiet=quiet)
         try:
-            result = restore(resolve_store_path(store), RestoreRequest(ref=ref, new_pidns=new_pidns), reporter)
+            result = restore(resolve_store_path(store), RestoreRequest(ref=ref, new_pidns=new_pidns,
+                                                                        post_restore_hook=post_restore), reporter)
         finally:
             reporter.close()
         if json_out:

@@ -19,3 +19,11 @@ DryRunOption = Annotated[bool, typer.Option("--dry-run", "-n", help="Show what w
 
 def open_store(path: Optional[Path], create: bool = True) -> Store:
     return Store.open(resolve_store_path(path), create=create)
+
+
+def retention_policy(keep_last: int, keep_within: Optional[str], keep_hourly: int, keep_daily: int,
+                     keep_weekly: int):
+    from ckpt.retention import Policy, parse_duration
+
+    return Policy(keep_last=keep_last, keep_within=parse_duration(keep_within) if keep_within else None,
+                  keep_hourly=keep_hourly, keep_daily=keep_daily, keep_weekly=keep_weekly)

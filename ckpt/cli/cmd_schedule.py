@@ -1,0 +1,120 @@
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption, retention_policy
+from ckpt.cli.output import CliReporter, emit_json, stderr, stdout
+from ckpt.config import resolve_store_path
+from ckpt.schedule import ScheduleBook, add, listing, remove, run
+
+HELP = """Periodic snapshots with cron: add, list, rm, and run (what cron runs).
+
+Examples:
+
+  ckpt schedule add agent --match 'python3 agent\\.py' --every 5m --keep-last 12
+
+  ckpt schedule list
+
+  ckpt schedule rm agent
+"""
+
+ADD_HELP = """Install a cron entry that checkpoints a target and applies retention.
+
+The target is a PID, a pidfile, or a regular expression matched against command lines at each
+run (so the schedule survives the program being restarted with a new PID; several matches are
+refused). Root's entries are files /etc/cron.d/ckpt-NAME; other users' go to their crontab.
+
+Examples:
+
+  ckpt schedule add agent --match 'python3 agent\\.py' --every 5m --keep-last 12
+
+  ckpt schedule add web --pidfile /run/web.pid --cron '0 * * * *' --keep-daily 7 --keep-within 6h
+"""
+
+schedule_app = typer.Typer(help=HELP, no_args_is_help=True, rich_markup_mode=None)
+
+
+def _book(store) -> ScheduleBook:
+    return ScheduleBook(resolve_store_path(store))
+
+
+@schedule_app.command("add", help=ADD_HELP)
+def add_command(
+    name: Annotated[str, typer.Argument(help="Schedule name; also the name of its checkpoints.")],
+    pid: Annotated[Optional[int], typer.Option("--pid", help="Target PID.")] = None,
+    pidfile: Annotated[Optional[str], typer.Option("--pidfile", help="File holding the target PID.")] = None,
+    match: Annotated[Optional[str], typer.Option("--match", help="Regex matched against command lines.")] = None,
+    every: Annotated[Optional[str], typer.Option("--every", help="Period: 1m, 5m, 1h, 1d...")] = None,
+    cron_expr: Annotated[Optional[str], typer.Option("--cron", help="A cron expression, e.g. '*/5 * * * *'.")] = None,
+    keep_last: Annotated[int, typer.Option("--keep-last", help="Keep the N newest.")] = 0,
+    keep_within: Annotated[Optional[str], typer.Option("--keep-within", help="Keep all newer than DURATION.")] = None,
+    keep_hourly: Annotated[int, typer.Option("--keep-hourly", help="Keep the newest of N hours.")] = 0,
+    keep_daily: Annotated[int, typer.Option("--keep-daily", help="Keep the newest of N days.")] = 0,
+    keep_weekly: Annotated[int, typer.Option("--keep-weekly", help="Keep the newest of N weeks.")] = 0,
+    pre_dump: Annotated[Optional[str], typer.Option("--pre-dump", help="Shell command run before each dump.")] = None,
+    store: StoreOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    target = {k: v for k, v in (("pid", pid), ("pidfile", pidfile), ("match", match)) if v is not None}
+    policy = retention_policy(keep_last, keep_within, keep_hourly, keep_daily, keep_weekly)
+    book = _book(store)
+    schedule, where = add(book, name, target, every, cron_expr, policy, pre_dump)
+    if json_out:
+        emit_json({"name": schedule.name, "cron": schedule.cron, "target": schedule.target,
+                   "retention": schedule.retention, "installed": where, "log": str(book.log_path(name))})
+        return
+    stderr.print(f"schedule '{name}' installed ({where}): {schedule.cron}, {schedule.describe_target()}, "
+                 f"keep {schedule.policy.describe()}; log: {book.log_path(name)}")
+
+
+@schedule_app.command("list", help="Show each schedule: target, timing, next and last run, retention.\n\n"
+                                   "Examples:\n\n  ckpt schedule list\n\n  ckpt schedule list --json")
+def list_command(store: StoreOption = None, json_out: JsonOption = False) -> None:
+    rows = listing(_book(store))
+    if json_out:
+        emit_json(rows)
+        return
+    if not rows:
+        stderr.print("no schedules: add one with 'ckpt schedule add'")
+        return
+    table = Table(box=None, pad_edge=False)
+    for column in ("NAME", "TARGET", "WHEN", "NEXT RUN", "LAST RUN", "RETENTION"):
+        table.add_column(column)
+    for r in rows:
+        last = r["last"]
+        last_text = "never" if not last else f"{last['time']} {last['outcome']} " + (
+            last.get("id") or last.get("error") or "")
+        kind, value = next(iter(r["target"].items()))
+        table.add_row(r["name"], f"{kind} {value}", r["every"] and f"every {r['every']}" or r["cron"],
+                      r["next_run"], last_text, ", ".join(f"{k}={v}" for k, v in (r["retention"] or {}).items()
+                                                           if v) or "keep all")
+    stdout.print(table)
+
+
+@schedule_app.command("rm", help="Remove a schedule's cron entry and definition; its checkpoints stay.\n\n"
+                                 "Examples:\n\n  ckpt schedule rm agent")
+def rm_command(name: Annotated[str, typer.Argument(help="Schedule name.")], store: StoreOption = None,
+               quiet: QuietOption = False) -> None:
+    remove(_book(store), name)
+    if not quiet:
+        stderr.print(f"schedule '{name}' removed (its checkpoints are kept)")
+
+
+@schedule_app.command("run", help="Run a schedule once, as cron does: one dump, then its retention.\n\n"
+                                  "Examples:\n\n  ckpt schedule run agent")
+def run_command(name: Annotated[str, typer.Argument(help="Schedule name.")], store: StoreOption = None,
+                json_out: JsonOption = False, quiet: QuietOption = False) -> None:
+    reporter = CliReporter(quiet=quiet)
+    try:
+        outcome = run(_book(store), name, reporter)
+    finally:
+        reporter.close()
+    if json_out:
+        emit_json(outcome)
+    else:
+        print(outcome["id"])
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(schedule_app, name="schedule")

@@ -1,0 +1,194 @@
+"""Use case `ckpt run`: start a command, checkpoint it periodically, restore it when it dies.
+
+ckpt makes itself a child subreaper (PR_SET_CHILD_SUBREAPER) so that a restored tree, orphaned
+when CRIU exits, is re-parented to ckpt: ckpt can then wait for it like for the command it
+started, and reaps the PIDs of a dead tree at once so the next restore finds them free.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from ckpt import procs
+from ckpt.errors import CkptError, UsageError
+from ckpt.reporting import NullReporter, Reporter
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass
+class RunRequest:
+    command: list[str]
+    every: timedelta
+    name: str
+    keep_last: int = 3
+    max_restores: int = 3
+    output: Path | None = None
+    pre_dump_hook: str | None = None
+    post_restore_hook: str | None = None
+
+
+def default_name(command: list[str]) -> str:
+    base = re.sub(r"[^A-Za-z0-9._-]", "-", Path(command[0]).name) or "cmd"
+    if not base[0].isalpha():
+        base = "run-" + base
+    return base[:64]
+
+
+def describe_status(status: int) -> tuple[str, int, bool]:
+    """(text, exit code to hand on, whether it was a clean exit)."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return f"killed by signal {sig} ({signal.Signals(sig).name})", 128 + sig, False
+    code = os.WEXITSTATUS(status)
+    return f"exited with status {code}", code, code == 0
+
+
+class Supervisor:
+    def __init__(self, store_root: Path, request: RunRequest, reporter: Reporter = NullReporter()):
+        if not request.command:
+            raise UsageError("no command to run", hint="ckpt run [OPTIONS] -- COMMAND [ARGS...]")
+        if request.every.total_seconds() < 1:
+            raise UsageError("--every must be at least 1s")
+        self.store_root = store_root
+        self.request = request
+        self.reporter = reporter
+        self.pid: int | None = None
+        self.stopping_signal: int | None = None
+        self.restores = 0
+        self.checkpoints: list[str] = []
+
+    def _forward(self, signum, _frame) -> None:
+        self.stopping_signal = signum
+        if self.pid:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def start(self) -> int:
+        procs.require_root()
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise CkptError("cannot become a child subreaper (prctl failed)")
+        output = self.request.output
+        output.parent.mkdir(parents=True, exist_ok=True)
+        # The command's output goes to a file: a pipe or terminal shared with ckpt would not
+        # survive a restore (its other end is outside the checkpointed tree).
+        with open(os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
+            try:
+                child = subprocess.Popen(self.request.command, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                         start_new_session=True)
+            except OSError as exc:
+                raise UsageError(f"cannot start {self.request.command[0]}: {exc.strerror}") from None
+        self.pid = child.pid
+        child.returncode = 0  # we reap it ourselves; keep Popen from trying later
+        self.reporter.info(f"started PID {self.pid}: {' '.join(self.request.command)} (output: {output})")
+        return self.pid
+
+    def run(self) -> int:
+        """Supervises until a clean exit, a forwarded signal, or the restore limit; returns the exit code."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._forward)
+        self.start()
+        next_dump = time.monotonic() + self.request.every.total_seconds()
+        while True:
+            status = self._reap_root()
+            if status is not None:
+                text, code, clean = describe_status(status)
+                if clean or self.stopping_signal is not None:
+                    self.reporter.info(f"PID {self.pid} {text}; supervision ends")
+                    return code
+                self.reporter.warn(f"PID {self.pid} {text}")
+                if not self.checkpoints:
+                    self.reporter.warn("no checkpoint was taken yet: nothing to restore")
+                    return code
+                if self.restores >= self.request.max_restores:
+                    self.reporter.warn(f"restore limit ({self.request.max_restores}) reached; giving up")
+                    return code
+                if not self._restore():
+                    return code
+                next_dump = time.monotonic() + self.request.every.total_seconds()
+                continue
+            if time.monotonic() >= next_dump:
+                self._checkpoint()
+                next_dump = time.monotonic() + self.request.every.total_seconds()
+            time.sleep(0.05)
+
+    def _reap_root(self) -> int | None:
+        """Reaps every dead child (we are a subreaper); returns the root's status if it died."""
+        root_status = None
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return root_status
+            if pid == 0:
+                return root_status
+            if pid == self.pid:
+                root_status = status
+
+    def _checkpoint(self) -> None:
+        from ckpt.checkpoint import DumpRequest, dump
+        from ckpt.forget import forget
+        from ckpt.retention import Policy
+        from ckpt.store import Store
+
+        try:
+            result = dump(self.store_root, DumpRequest(pid=self.pid, name=self.request.name,
+                                                       pre_dump_hook=self.request.pre_dump_hook))
+        except CkptError as exc:
+            if procs.process_state(self.pid) in (None, "Z"):
+                return  # it died meanwhile: the loop handles that
+            self.reporter.warn(f"checkpoint failed: {exc}")
+            return
+        m = result.manifest
+        self.checkpoints.append(m.id)
+        self.reporter.info(f"checkpoint {m.id}: frozen {m.stats.get('freeze_ms')} ms, "
+                           f"{m.bytes_stored} bytes new")
+        if self.request.keep_last:
+            try:
+                forget(Store.open(self.store_root), Policy(keep_last=self.request.keep_last),
+                       name=self.request.name, prune=True)
+            except CkptError as exc:
+                self.reporter.warn(f"retention failed: {exc}")
+
+    def _end_old_tree(self, pids: list[int]) -> None:
+        """Kills what is left of the dead tree (children survive their parent) and reaps it."""
+        for pid in pids:
+            if pid != self.pid and procs.process_state(pid) not in (None, "Z"):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(procs.process_state(p) is not None for p in pids):
+            self._reap_root()
+            time.sleep(0.02)
+
+    def _restore(self) -> bool:
+        from ckpt.restore import RestoreRequest, restore
+        from ckpt.store import Store
+
+        try:
+            manifest = Store.open(self.store_root, create=False).load(self.checkpoints[-1])
+            self._end_old_tree(manifest.all_pids)
+            result = restore(self.store_root, RestoreRequest(ref=manifest.id,
+                                                             post_restore_hook=self.request.post_restore_hook),
+                             self.reporter)
+        except CkptError as exc:
+            self.reporter.warn(f"restore failed: {exc}")
+            return False
+        self.restores += 1
+        self.pid = result.pid
+        self.reporter.info(f"restored {result.manifest.id} as PID {self.pid} "
+                           f"(restore {self.restores} of {self.request.max_restores})")
+        return True

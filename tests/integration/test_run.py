@@ -1,0 +1,83 @@
+"""`ckpt run`: a supervised command that dies is restored from its newest checkpoint."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import FIXTURES, ROOT, ckpt_json, read_lines, state, wait_until
+
+
+def start_run(tmp_path, procs, *args):
+    log = open(tmp_path / "run.stderr", "wb")
+    supervisor = subprocess.Popen([sys.executable, "-m", "ckpt", "run", "--output", str(tmp_path / "run.out"),
+                                   *map(str, args)], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                  start_new_session=True)
+    log.close()
+    procs.popens.append(supervisor)
+    procs.pids.add(supervisor.pid)
+    return supervisor
+
+
+def events(tmp_path) -> list[str]:
+    return read_lines(tmp_path / "run.stderr")
+
+
+def child_pid(tmp_path) -> int:
+    line = wait_until(lambda: [e for e in events(tmp_path) if "started PID" in e], what="start")[0]
+    return int(line.split("started PID ")[1].split(":")[0])
+
+
+def ints(path: Path) -> list[int]:
+    return [int(x) for x in read_lines(path)]
+
+
+def test_killed_command_carries_on_from_the_last_checkpoint(procs, tmp_path):
+    out = tmp_path / "count.txt"
+    supervisor = start_run(tmp_path, procs, "--every", "1s", "--name", "counter", "--keep-last", "2", "--",
+                           sys.executable, FIXTURES / "counter.py", out, 0.05)
+    pid = child_pid(tmp_path)
+    procs.pids.add(pid)
+    wait_until(lambda: sum("checkpoint " in e for e in events(tmp_path)) >= 3, what="three checkpoints")
+    os.kill(pid, signal.SIGKILL)
+    killed_at = ints(out)[-1]
+    wait_until(lambda: any("restored" in e for e in events(tmp_path)), what="the restore")
+    n = len(ints(out))
+    wait_until(lambda: len(ints(out)) >= n + 5, what="the restored counter")
+    after = ints(out)[n:]
+    # It goes on from a checkpointed value: not from 1, and not past where it was killed.
+    assert 10 < after[0] <= killed_at
+    assert after == list(range(after[0], after[0] + len(after)))
+    assert len([c for c in ckpt_json("list") if c["name"] == "counter"]) <= 3
+    supervisor.send_signal(signal.SIGTERM)  # forwarded to the command
+    assert supervisor.wait(timeout=15) == 128 + signal.SIGTERM
+    assert state(pid) in (None, "Z")
+    assert "supervision ends" in events(tmp_path)[-1]
+
+
+def test_restore_limit(procs, tmp_path):
+    out = tmp_path / "count.txt"
+    supervisor = start_run(tmp_path, procs, "--every", "1s", "--max-restores", "1", "--",
+                           sys.executable, FIXTURES / "counter.py", out, 0.05)
+    pid = child_pid(tmp_path)
+    procs.pids.add(pid)
+    wait_until(lambda: any("checkpoint " in e for e in events(tmp_path)), what="a checkpoint")
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: any("restored" in e for e in events(tmp_path)), what="the restore")
+    os.kill(pid, signal.SIGKILL)  # the restored command has the same PID
+    assert supervisor.wait(timeout=30) == 128 + signal.SIGKILL
+    assert any("restore limit (1) reached" in e for e in events(tmp_path))
+
+
+def test_clean_exit_ends_supervision_with_its_status(procs, tmp_path):
+    supervisor = start_run(tmp_path, procs, "--every", "1s", "--", sys.executable, "-c",
+                           "import time; time.sleep(2.5)")
+    assert supervisor.wait(timeout=30) == 0
+    assert any("exited with status 0; supervision ends" in e for e in events(tmp_path))
+
+
+def test_failure_before_any_checkpoint_is_handed_on(procs, tmp_path):
+    supervisor = start_run(tmp_path, procs, "--every", "1m", "--", sys.executable, "-c", "import sys; sys.exit(3)")
+    assert supervisor.wait(timeout=30) == 3
+    assert any("nothing to restore" in e for e in events(tmp_path))
