@@ -9,7 +9,8 @@ import pytest
 from ckpt.cli.main import app, main
 from tests.helpers import ROOT
 
-COMMANDS = ["check", "dump", "restore", "list", "show", "rm", "verify"]
+COMMANDS = ["check", "dump", "restore", "list", "show", "rm", "verify", "forget", "run"]
+SCHEDULE_COMMANDS = ["add", "list", "rm", "run"]
 
 
 def run(capsys, *argv):
@@ -26,6 +27,10 @@ def test_every_command_is_registered_and_has_help_with_examples(capsys):
         code, out, err = run(capsys, command, "--help")
         assert code == 0, err
         assert "Examples:" in out and f"ckpt {command}" in out, command
+    for command in SCHEDULE_COMMANDS:
+        code, out, err = run(capsys, "schedule", command, "--help")
+        assert code == 0, err
+        assert "Examples:" in out and f"ckpt schedule {command}" in out, command
 
 
 def test_list_on_empty_store_is_an_empty_json_array(capsys):

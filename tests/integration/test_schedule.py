@@ -1,0 +1,137 @@
+"""Schedules: cron entries, what `schedule run` records, retention, and a real cron daemon."""
+
+import fcntl
+import json
+import os
+import secrets
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ckpt, ckpt_json, state, wait_until
+
+
+@pytest.fixture
+def cron_dir(tmp_path, monkeypatch):
+    path = tmp_path / "cron.d"
+    monkeypatch.setenv("CKPT_CRON_DIR", str(path))
+    return path
+
+
+def test_add_list_rm(procs, tmp_path, cron_dir, isolated_env):
+    target = procs.start("counter.py", tmp_path / "c.txt")
+    ckpt("schedule", "add", "agent", "--pid", target.pid, "--every", "5m", "--keep-last", "3")
+    entry = cron_dir / "ckpt-agent"
+    text = entry.read_text()
+    assert oct(entry.stat().st_mode & 0o777) == "0o644"
+    line = [x for x in text.splitlines() if x.startswith("*/5 * * * * root ")][0]
+    assert f"schedule run agent --store {isolated_env}" in line and line.split()[6].startswith("/")
+    assert "PATH=/usr/local/sbin:" in text
+    rows = ckpt_json("schedule", "list")
+    assert rows[0]["name"] == "agent" and rows[0]["cron"] == "*/5 * * * *" and rows[0]["last"] is None
+    assert rows[0]["target"] == {"pid": target.pid} and rows[0]["retention"]["keep_last"] == 3
+    assert rows[0]["next_run"][-2:] in ("00", "05", "10", "15", "20", "25", "30", "35", "40", "45", "50", "55")
+
+    checkpoint = ckpt("schedule", "run", "agent").stdout.strip()
+    assert ckpt_json("schedule", "list")[0]["last"]["id"] == checkpoint
+    ckpt("schedule", "rm", "agent")
+    assert not entry.exists() and ckpt_json("schedule", "list") == []
+    assert [c["id"] for c in ckpt_json("list")] == [checkpoint], "rm removes the schedule, not checkpoints"
+
+
+@pytest.mark.parametrize("args", [
+    ["--pid", "1", "--every", "30s"],  # cron cannot do seconds
+    ["--pid", "1", "--every", "7m"],  # not a divisor of an hour
+    ["--pid", "1", "--cron", "61 * * * *"],
+    ["--pid", "1"],
+    ["--every", "5m"],
+    ["--pid", "1", "--match", "x", "--every", "5m"],
+    ["--match", "(", "--every", "5m"],
+])
+def test_bad_schedules_are_refused(args, cron_dir):
+    proc = ckpt("schedule", "add", "bad", *args, check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith("Error: ") and "Traceback" not in proc.stderr
+    assert not (cron_dir / "ckpt-bad").exists()
+    assert ckpt("schedule", "add", "bad.name", "--pid", "1", "--every", "5m", check=False).returncode == 2
+
+
+def test_vanished_target_and_bad_matches_are_recorded(procs, tmp_path, cron_dir):
+    target = procs.start("counter.py", tmp_path / "c.txt")
+    ckpt("schedule", "add", "gone", "--pid", target.pid, "--every", "1m")
+    procs.kill_tree(target.pid)
+    proc = ckpt("schedule", "run", "gone", check=False)
+    assert proc.returncode == 3 and "is gone" in proc.stderr and "Traceback" not in proc.stderr
+    last = ckpt_json("schedule", "list")[0]["last"]
+    assert last["outcome"] == "target-gone"
+
+    tag = secrets.token_hex(4)
+    ckpt("schedule", "add", "nomatch", "--match", f"no-such-program-{tag}", "--every", "1m")
+    assert ckpt("schedule", "run", "nomatch", check=False).returncode == 3
+    a = procs.start("counter.py", tmp_path / f"twin-{tag}-a.txt")
+    b = procs.start("counter.py", tmp_path / f"twin-{tag}-b.txt")
+    ckpt("schedule", "add", "twins", "--match", f"twin-{tag}", "--every", "1m")
+    proc = ckpt("schedule", "run", "twins", check=False)
+    assert proc.returncode == 2 and "refusing to guess" in proc.stderr
+    assert str(a.pid) in proc.stderr and str(b.pid) in proc.stderr
+    states = {r["name"]: r["last"]["outcome"] for r in ckpt_json("schedule", "list")}
+    assert states == {"gone": "target-gone", "nomatch": "target-gone", "twins": "failed"}
+    assert ckpt_json("list") == []
+
+
+def test_overlapping_run_waits_then_skips(procs, tmp_path, cron_dir, isolated_env):
+    target = procs.start("counter.py", tmp_path / "c.txt")
+    ckpt("schedule", "add", "busy", "--pid", target.pid, "--every", "1m")
+    lock = os.open(isolated_env / "schedules" / "busy.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # as a run still going would hold it
+    try:
+        proc = ckpt("schedule", "run", "busy", check=False, env={"CKPT_SCHEDULE_WAIT": "1"})
+    finally:
+        os.close(lock)
+    assert proc.returncode == 7 and "skipped" in proc.stderr
+    assert ckpt_json("schedule", "list")[0]["last"]["outcome"] == "skipped"
+    assert ckpt_json("list") == []
+    assert ckpt("schedule", "run", "busy").returncode == 0  # lock released: runs
+
+
+def test_schedule_retention_keeps_only_what_it_should(procs, tmp_path, cron_dir):
+    target = procs.start("counter.py", tmp_path / "c.txt")
+    ckpt("schedule", "add", "kept", "--match", f"counter.py {tmp_path}", "--every", "1m", "--keep-last", "2")
+    ids = [ckpt("schedule", "run", "kept").stdout.strip() for _ in range(4)]
+    assert [c["id"] for c in ckpt_json("list")] == ids[-2:]
+    assert ckpt_json("schedule", "list")[0]["last"]["forgot"] == [ids[1]]
+    assert ckpt_json("verify", "--all")[0]["problems"] == []
+
+
+@pytest.fixture
+def cron_daemon():
+    """Debian's cron, started here (CI has no init system) unless one runs already; ended by PID."""
+    pidfile = Path("/run/crond.pid")
+    if pidfile.exists():
+        try:
+            if state(int(pidfile.read_text().split()[0])) not in (None, "Z"):
+                yield None
+                return
+        except ValueError:
+            pass
+    daemon = subprocess.Popen(["cron", "-f"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    yield daemon
+    daemon.terminate()
+    daemon.wait(timeout=10)
+
+
+def test_real_cron_takes_a_checkpoint_within_130_s(procs, tmp_path, cron_daemon):
+    target = procs.start("counter.py", tmp_path / "c.txt")
+    name = f"test-{secrets.token_hex(4)}"
+    ckpt("schedule", "add", name, "--pid", target.pid, "--every", "1m", "--keep-last", "1")
+    try:
+        assert Path(f"/etc/cron.d/ckpt-{name}").exists()
+        checkpoints = wait_until(lambda: ckpt_json("list"), timeout=130, interval=2, what="cron to run the schedule")
+        assert checkpoints[0]["name"] == name and checkpoints[0]["pid"] == target.pid
+        last = wait_until(lambda: ckpt_json("schedule", "list")[0]["last"], timeout=30, what="the outcome")
+        assert last["outcome"] == "ok"
+    finally:
+        ckpt("schedule", "rm", name)
+    assert not Path(f"/etc/cron.d/ckpt-{name}").exists()
