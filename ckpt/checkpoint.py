@@ -46,7 +46,9 @@ class DumpResult:
             "id": m.id, "name": m.name, "pid": m.pid, "command": m.command,
             "processes": len(m.processes), "bytes_total": m.bytes_total, "bytes_stored": m.bytes_stored,
             "freeze_ms": m.stats.get("freeze_ms"), "duration_ms": m.stats.get("duration_ms"),
-            "pages_written": m.stats.get("pages_written"), "stopped": m.criu["options"]["leave_running"] is False,
+            "pages": m.stats.get("pages"), "pages_new": m.stats.get("pages_new"),
+            "bytes_dedup": m.stats.get("bytes_dedup"), "compression_ratio": m.stats.get("compression_ratio"),
+            "stopped": m.criu["options"]["leave_running"] is False,
             "log": str(self.log_path),
         }
 
@@ -133,8 +135,7 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
     commands = _commands(facts)
     for proc in processes:
         proc["command"] = commands.get(proc["pid"], proc.get("comm", "?"))
-    reporter.step("storing images")
-    entries, added = store.ingest(staging, request.codec, reporter)
+    entries, added, block_stats = store.ingest(staging, request.codec, reporter)
     manifest = Manifest(
         id=checkpoint_id,
         name=request.name,
@@ -147,6 +148,10 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
         criu={"version": binary.version_text, "options": options_used},
         stats={"freeze_ms": stats.get("frozen_ms", frozen_ms), "pages_written": stats.get("pages_written"),
                "pages_scanned": stats.get("pages_scanned"),
+               "pages": block_stats.pages, "pages_new": block_stats.new_pages,
+               "bytes_dedup": block_stats.bytes_dedup,
+               "compression_ratio": round(block_stats.new_pages * 4096 / block_stats.bytes_new, 2)
+               if block_stats.bytes_new else None,
                "duration_ms": round((time.monotonic() - started) * 1000, 1)},
         bytes_total=sum(e.size for e in entries),
         bytes_stored=added,

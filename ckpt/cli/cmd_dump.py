@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
                                help="Allow UNIX sockets whose peer is outside the tree.")] = False,
         file_locks: Annotated[Optional[bool], typer.Option("--file-locks/--no-file-locks",
                               help="Save file locks [default: detect].")] = None,
-        compression: Annotated[str, typer.Option("--compression", help="zstd or none.")] = "zstd",
+        compression: Annotated[str, typer.Option("--compression", help="zstd, lz4 or none.")] = "zstd",
         pre_dump: Annotated[Optional[str], typer.Option(
             "--pre-dump", help="Shell command run before the dump (CKPT_PID, CKPT_ID in its environment); "
                                "if it fails, nothing is dumped.")] = None,

@@ -22,12 +22,14 @@ import zstandard
 from ckpt.errors import (CheckpointNotFound, DamagedCheckpoint, PermissionProblem, StoreError)
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import ids
+from ckpt.store.blocks import BlockStore, IngestStats
 from ckpt.store.fsutil import (DIR_MODE, FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir,
                                translate_os_error)
 from ckpt.store.lock import store_lock
 
-FORMAT = 1
+FORMAT = 2
 CODECS = ("zstd", "none")
+DUMP_CODECS = ("zstd", "lz4", "none")
 CODEC_SUFFIX = {"none": "", "zstd": ".zst"}
 ZSTD_LEVEL = 1
 CHUNK = 4 << 20
@@ -37,11 +39,15 @@ SAMPLES = 16
 
 @dataclass
 class FileEntry:
+    """One image file. kind "file": `hash` names an object holding the file. kind "pages": a
+    pages-*.img kept in the block store; `hash` names the object holding its page list."""
+
     name: str
     size: int
     hash: str
     codec: str
     stored_size: int
+    kind: str = "file"
 
 
 @dataclass
@@ -72,7 +78,8 @@ class Manifest:
                              f"understands ({FORMAT})", hint="upgrade ckpt")
         known = {f for f in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in data.items() if k in known}
-        kwargs["files"] = [FileEntry(**{k: f[k] for k in FileEntry.__dataclass_fields__}) for f in data["files"]]
+        kwargs["files"] = [FileEntry(**{k: f[k] for k in FileEntry.__dataclass_fields__ if k in f})
+                           for f in data["files"]]
         return cls(**kwargs)
 
     @property
@@ -140,6 +147,13 @@ class Store:
         self.objects_dir = root / "objects"
         self.logs_root = root / "logs"
         self.tmp_dir = root / "tmp"
+        self._blocks: BlockStore | None = None
+
+    @property
+    def blocks(self) -> BlockStore:
+        if self._blocks is None:
+            self._blocks = BlockStore(self.root)
+        return self._blocks
 
     # ---- opening -------------------------------------------------------------------------
 
@@ -154,7 +168,7 @@ class Store:
                     raise CheckpointNotFound(f"no ckpt store at {root}, so no checkpoints",
                                              hint="dump a process first, or pass --store")
                 make_private_dir(root)
-                for sub in ("checkpoints", "objects", "logs", "tmp", "holders"):
+                for sub in ("checkpoints", "objects", "packs", "index", "logs", "tmp", "holders"):
                     make_private_dir(root / sub)
                 atomic_write_bytes(meta, json.dumps(
                     {"format": FORMAT, "created": datetime.now(timezone.utc).isoformat()}).encode())
@@ -267,26 +281,36 @@ class Store:
         return None
 
     def ingest(self, staging: DumpStaging, codec: str, reporter: Reporter = NullReporter()
-               ) -> tuple[list[FileEntry], int]:
-        """Moves every image file of the staging area into the object store, durably.
+               ) -> tuple[list[FileEntry], int, IngestStats]:
+        """Moves every image file of the staging area into the store, durably.
 
-        Returns the file entries and the number of bytes this added to the store.
+        pages-*.img go to the block store (only pages the store lacks are written); every other
+        file becomes an object. Returns the file entries, the bytes this added to the store and
+        the block figures.
         """
-        if codec not in CODECS:
-            raise StoreError(f"unknown codec '{codec}'", hint=f"use one of: {', '.join(CODECS)}")
+        if codec not in DUMP_CODECS:
+            raise StoreError(f"unknown compression '{codec}'", hint=f"use one of: {', '.join(DUMP_CODECS)}")
+        object_codec = "none" if codec == "none" else "zstd"
+        files = staging.image_files()
+        page_images = [p for p in files if p.name.startswith("pages-") and p.name.endswith(".img")]
+        other_files = [p for p in files if p not in page_images]
         entries: list[FileEntry] = []
         added = 0
-        files = staging.image_files()
-        total = sum(p.stat().st_size for p in files)
-        done = 0
-        # Writing CRIU's images back to disk is the slowest part of a dump (CRIU does not fsync):
-        # start it at once, in a thread, and hash and compress meanwhile. The descriptors are
-        # opened before any rename so they follow the files into the object store.
-        fds = [os.open(p, os.O_RDONLY) for p in files]
+        # Writing the small images back to disk runs in a thread while the pages are hashed.
+        fds = [os.open(p, os.O_RDONLY) for p in other_files]
         with ThreadPoolExecutor(max_workers=1) as pool:
             flushed = pool.submit(lambda: [os.fsync(fd) for fd in fds])
             try:
-                for path in files:
+                sizes = {p.name: p.stat().st_size for p in page_images}
+                reporter.step(f"storing {sum(sizes.values()) // 4096} pages")
+                page_lists, block_stats, _ = self.blocks.ingest(
+                    page_images, lambda image: codec if codec == "none" or _worth_compressing(image) else "none")
+                added += block_stats.bytes_new
+                for image in page_images:
+                    digest, stored, new = self._put_bytes(page_lists[image.name])
+                    added += new
+                    entries.append(FileEntry(image.name, sizes[image.name], digest, "pages", stored, kind="pages"))
+                for path in other_files:
                     size = path.stat().st_size
                     digest = hash_file(path)
                     existing = self.find_object(digest)
@@ -294,11 +318,9 @@ class Store:
                         stored_path, stored_codec = existing
                         entries.append(FileEntry(path.name, size, digest, stored_codec, stored_path.stat().st_size))
                     else:
-                        stored_codec, stored_size = self._store_object(path, digest, codec)
+                        stored_codec, stored_size = self._store_object(path, digest, object_codec)
                         added += stored_size
                         entries.append(FileEntry(path.name, size, digest, stored_codec, stored_size))
-                    done += size
-                    reporter.progress(done, total, "storing")
                 flushed.result()
                 for sub in {e.hash[:2] for e in entries}:
                     fsync_dir(self.objects_dir / sub)
@@ -308,7 +330,27 @@ class Store:
                 flushed.exception()  # never leave the thread running past the descriptors
                 for fd in fds:
                     os.close(fd)
-        return entries, added
+        entries.sort(key=lambda e: e.name)
+        return entries, added, block_stats
+
+    def _put_bytes(self, data: bytes) -> tuple[str, int, int]:
+        """Stores bytes as an object (codec none); returns (hash, stored size, bytes added)."""
+        digest = blake3.blake3(data).hexdigest()
+        if self.find_object(digest):
+            return digest, len(data), 0
+        path = self.object_path(digest, "none")
+        make_private_dir(path.parent)
+        atomic_write_bytes(path, data)
+        return digest, len(data), len(data)
+
+    def load_page_list(self, entry: FileEntry) -> bytes:
+        found = self.find_object(entry.hash)
+        if found is None:
+            raise DamagedCheckpoint(f"image {entry.name}: its page list is missing from the store")
+        data = found[0].read_bytes()
+        if blake3.blake3(data).hexdigest() != entry.hash:
+            raise DamagedCheckpoint(f"image {entry.name}: its page list is damaged")
+        return data
 
     def _store_object(self, source: Path, digest: str, codec: str) -> tuple[str, int]:
         """Stores one file under its hash; returns the codec used and the stored size."""
@@ -362,7 +404,10 @@ class Store:
                 out.close()
         return hasher.hexdigest()
 
-    def check_entry(self, entry: FileEntry, dest: Path | None = None) -> None:
+    def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False) -> None:
+        if entry.kind == "pages":
+            self.blocks.write_image(entry.name, self.load_page_list(entry), dest, check_ids=thorough)
+            return
         digest = self._read_object_into(entry, dest)
         if digest != entry.hash:
             raise DamagedCheckpoint(f"image {entry.name} is damaged: its content hash is {digest[:16]}…, "
@@ -391,7 +436,7 @@ class Store:
         done = 0
         for entry in manifest.files:
             try:
-                self.check_entry(entry)
+                self.check_entry(entry, thorough=True)
             except DamagedCheckpoint as exc:
                 problems.append(exc.message)
             done += entry.size
@@ -407,21 +452,10 @@ class Store:
         fsync_dir(self.checkpoints_dir)
 
     def collect_garbage(self) -> tuple[int, int]:
-        """Deletes objects no manifest names. Returns (objects removed, bytes freed)."""
-        damaged: list[str] = []
-        referenced = {e.hash for m in self.manifests(lambda i, e: damaged.append(i)) for e in m.files}
-        if damaged:
-            raise StoreError(f"cannot reclaim space: manifest(s) {', '.join(damaged)} cannot be read",
-                             hint="remove or repair them first ('ckpt verify --all' lists them)")
-        removed = freed = 0
-        for sub in self.objects_dir.iterdir() if self.objects_dir.exists() else []:
-            for obj in sub.iterdir():
-                digest = obj.name.split(".", 1)[0]
-                if obj.name.startswith(".") or digest not in referenced:
-                    freed += obj.stat().st_size
-                    obj.unlink()
-                    removed += 1
-        return removed, freed
+        """Plans and executes a prune. Returns (files removed, bytes freed)."""
+        plan = prune_plan(self)
+        execute_prune(self, plan)
+        return plan.files_removed, plan.bytes_freed
 
     def remove_leftovers(self) -> int:
         """Removes staging and restore directories of ckpt commands that are gone."""
@@ -448,9 +482,15 @@ class Store:
             shutil.rmtree(path, ignore_errors=True)
 
     def iter_object_bytes(self) -> Iterator[int]:
-        for sub in self.objects_dir.iterdir() if self.objects_dir.exists() else []:
-            for obj in sub.iterdir():
-                yield obj.stat().st_size
+        for top in (self.objects_dir, self.root / "packs"):
+            for sub in top.iterdir() if top.exists() else []:
+                for obj in sub.iterdir():
+                    yield obj.stat().st_size
+        for obj in (self.root / "index").iterdir() if (self.root / "index").exists() else []:
+            yield obj.stat().st_size
 
     def total_bytes(self) -> int:
         return sum(self.iter_object_bytes())
+
+
+from ckpt.store.prune import execute_prune, prune_plan  # noqa: E402  (prune builds on Store)

@@ -134,20 +134,18 @@ def test_pid_in_use_on_restore(procs, tmp_path):
 def test_damaged_image_is_named_by_verify_and_refused_by_restore(procs, tmp_path, isolated_env):
     target = procs.start("counter.py", tmp_path / "c.txt")
     dumped = ckpt_json("dump", target.pid)
-    manifest = json.loads((isolated_env / "checkpoints" / f"{dumped['id']}.json").read_text())
-    pages = max(manifest["files"], key=lambda f: f["size"])
-    objects = list((isolated_env / "objects" / pages["hash"][:2]).glob(pages["hash"] + "*"))
-    assert len(objects) == 1
-    with open(objects[0], "r+b") as f:
-        f.seek(objects[0].stat().st_size // 2)
+    packs = list((isolated_env / "packs").glob("*/*"))
+    assert len(packs) == 1
+    with open(packs[0], "r+b") as f:  # flip one byte of the page data
+        f.seek(packs[0].stat().st_size // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
     proc = ckpt("verify", dumped["id"], check=False)
-    assert proc.returncode == 6 and pages["name"] in proc.stderr and "DAMAGED" in proc.stderr
+    assert proc.returncode == 6 and "pages-1.img" in proc.stderr and "DAMAGED" in proc.stderr
     procs.kill_tree(target.pid)
     proc = ckpt("restore", dumped["id"], check=False)
-    assert_clean_error(proc, 6, pages["name"])
+    assert_clean_error(proc, 6, "pages-1.img", "damaged")
     assert state(target.pid) is None, "a damaged checkpoint must not be restored"
 
 

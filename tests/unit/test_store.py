@@ -12,13 +12,15 @@ import pytest
 from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy
 from ckpt.store import Manifest, Store, ids
 
+PAGE = 4096
+
 
 def fake_dump(store: Store, files: dict[str, bytes], name=None, codec="zstd") -> Manifest:
     checkpoint_id = ids.new_id()
     staging = store.begin_dump(checkpoint_id)
     for file_name, content in files.items():
         (staging.images_dir / file_name).write_bytes(content)
-    entries, added = store.ingest(staging, codec)
+    entries, added, _ = store.ingest(staging, codec)
     manifest = Manifest(id=checkpoint_id, created="2026-11-30T23:00:00+00:00", pid=4242, command="x",
                         processes=[{"pid": 4242, "threads": [4242, 4243]}], files=entries, name=name,
                         bytes_total=sum(e.size for e in entries), bytes_stored=added)
@@ -70,8 +72,8 @@ def test_resolve_latest_name_prefix(store):
 
 def test_remove_never_breaks_a_remaining_checkpoint(store):
     shared = os.urandom(100000)
-    a = fake_dump(store, {"pages": shared, "x": b"a"})
-    b = fake_dump(store, {"pages": shared, "x": b"b"})
+    a = fake_dump(store, {"big": shared, "x": b"a"})
+    b = fake_dump(store, {"big": shared, "x": b"b"})
     store.remove([a.id])
     removed, freed = store.collect_garbage()
     assert removed == 1  # only a's own "x"
@@ -92,23 +94,74 @@ def test_uncommitted_dump_is_invisible_and_cleaned(store):
     assert list(store.tmp_dir.iterdir()) == []
 
 
-def test_damage_is_detected_and_named(store):
-    m = fake_dump(store, {"pages-1.img": os.urandom(50000), "core-1.img": b"c"}, codec="none")
-    path, _ = store.find_object(m.files[1].hash if m.files[1].name == "pages-1.img" else m.files[0].hash)
+def flip_byte(path, at):
     data = bytearray(path.read_bytes())
-    data[100] ^= 1
+    data[at] ^= 1
     path.write_bytes(bytes(data))
+
+
+def test_damage_is_detected_and_named(store):
+    m = fake_dump(store, {"pages-1.img": os.urandom(PAGE * 12), "core-1.img": b"c" * 5000}, codec="none")
+    core = next(e for e in m.files if e.name == "core-1.img")
+    flip_byte(store.find_object(core.hash)[0], 100)
     problems = store.verify(m)
-    assert len(problems) == 1 and "pages-1.img" in problems[0]
-    with pytest.raises(DamagedCheckpoint, match="pages-1.img"):
+    assert len(problems) == 1 and "core-1.img" in problems[0]
+    with pytest.raises(DamagedCheckpoint, match="core-1.img"):
         store.materialize(m)
     assert list(store.tmp_dir.glob("restore-*")) == []
+
+
+def test_damaged_pack_is_detected(store):
+    m = fake_dump(store, {"pages-1.img": os.urandom(PAGE * 12)}, codec="zstd")
+    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    flip_byte(pack, PAGE * 5)
+    problems = store.verify(m)
+    assert len(problems) == 1 and "damaged" in problems[0] and "pages-1.img" in problems[0]
+    with pytest.raises(DamagedCheckpoint):
+        store.materialize(m)
+
+
+def test_pages_dedup_even_when_mappings_move(store):
+    """Pages are named by content: the same pages at other offsets (a mapping added before
+    them) are not stored again; a changed page costs one page."""
+    pages = [os.urandom(PAGE) for _ in range(64)]
+    first = fake_dump(store, {"pages-1.img": b"".join(pages)}, codec="none")
+    assert first.bytes_stored >= 64 * PAGE
+    moved = [os.urandom(PAGE)] + pages[:10] + [os.urandom(PAGE)] + pages[11:]
+    second = fake_dump(store, {"pages-1.img": b"".join(moved)}, codec="none")
+    page_list_bytes = 65 * 16
+    assert second.bytes_stored == 2 * PAGE + page_list_bytes
+    dest = store.materialize(second)
+    assert (dest / "pages-1.img").read_bytes() == b"".join(moved)
+
+
+def test_prune_repacks_and_keeps_every_remaining_checkpoint(store):
+    base = [os.urandom(PAGE) for _ in range(40)]
+    made = []
+    for k in range(6):
+        pages = list(base)
+        for j in range(k * 5, k * 5 + 5):
+            pages[j] = os.urandom(PAGE)
+        made.append((fake_dump(store, {"pages-1.img": b"".join(pages), "core-1.img": bytes([k]) * 100},
+                               codec="zstd"), b"".join(pages)))
+    store.remove([m.id for m, _ in made[:4]])
+    before = store.total_bytes()
+    removed, freed = store.collect_garbage()
+    assert removed > 0 and freed > 0 and store.total_bytes() < before
+    for m, content in made[4:]:
+        assert store.verify(m) == []
+        dest = store.materialize(m)
+        assert (dest / "pages-1.img").read_bytes() == content
+    assert len(store.blocks.index_file_names()) == 1
+    # A second prune finds nothing more to do.
+    removed, freed = store.collect_garbage()
+    assert (removed, freed) == (0, 0)
 
 
 def test_manifest_is_json_with_format_first(store):
     m = fake_dump(store, {"a": b"1"})
     data = json.loads(store.manifest_path(m.id).read_text())
-    assert list(data)[:2] == ["format", "id"] and data["format"] == 1
+    assert list(data)[:2] == ["format", "id"] and data["format"] == 2
 
 
 def test_exclusive_lock_waits_and_names_holder(store, tmp_path):

@@ -1,0 +1,326 @@
+"""Page data, content-addressed in blocks of one page, packed into pack files.
+
+CRIU's pages-*.img holds the contents of the pages its pagemap-*.img lists, page after page, in
+the order of the pagemap's virtual addresses. ckpt cuts it at every page (so block boundaries
+are the pagemap's page boundaries, whatever mappings come and go), names each page by its
+keyed XXH3-128 hash, and stores only the pages the store does not hold yet. Runs of new pages
+form segments, each encoded with one codec and written into one pack file per dump; index
+files say which segment of which pack holds each page. A checkpoint keeps, for each pages
+image, its page list: the ids of its pages in order. See docs/design.md.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+import xxhash
+import zstandard
+
+from ckpt.errors import DamagedCheckpoint
+from ckpt.store.fsutil import FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir
+
+PAGE = 4096
+ID_LEN = 16
+SEGMENT_PAGES = 256  # 1 MiB of pages per segment at most
+CODECS = {"none": 0, "zstd": 1, "lz4": 2}
+CODEC_NAMES = {v: k for k, v in CODECS.items()}
+INDEX_MAGIC = b"CKPTIDX1"
+SEGMENT = struct.Struct("<IQIHB16s")  # pack number, offset, stored length, pages, codec, checksum
+ENTRY = struct.Struct("<16sIH")  # page id, segment number, page within segment
+ZSTD_LEVEL = 1
+
+
+def _encode(codec: str, data: bytes | memoryview) -> bytes:
+    if codec == "zstd":
+        return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+    if codec == "lz4":
+        import lz4.block
+
+        return lz4.block.compress(data, store_size=True)
+    return bytes(data)
+
+
+def _decode(codec: int, data: bytes) -> bytes:
+    if codec == 1:
+        return zstandard.ZstdDecompressor().decompress(data)
+    if codec == 2:
+        import lz4.block
+
+        return lz4.block.decompress(data)
+    return data
+
+
+@dataclass
+class Segment:
+    pack: str
+    offset: int
+    length: int
+    pages: int
+    codec: int
+    checksum: bytes
+
+
+@dataclass
+class IngestStats:
+    pages: int = 0
+    new_pages: int = 0
+    bytes_new: int = 0  # stored bytes of new segments
+    bytes_dedup: int = 0  # raw bytes of pages the store already held
+
+    def add(self, other: IngestStats) -> None:
+        self.pages += other.pages
+        self.new_pages += other.new_pages
+        self.bytes_new += other.bytes_new
+        self.bytes_dedup += other.bytes_dedup
+
+
+class BlockIndex:
+    """Every index file of the store, loaded: page id -> (segment key, page within segment)."""
+
+    def __init__(self) -> None:
+        self.segments: dict[tuple[str, int], Segment] = {}
+        self.pages: dict[bytes, tuple[tuple[str, int], int]] = {}
+        self.files: list[str] = []
+
+    def add_file(self, name: str, data: bytes) -> None:
+        if data[:8] != INDEX_MAGIC:
+            raise DamagedCheckpoint(f"index file {name} is damaged (bad magic)")
+        pos = 8
+        (n_packs,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        packs = [data[pos + 32 * i: pos + 32 * (i + 1)].decode() for i in range(n_packs)]
+        pos += 32 * n_packs
+        (n_segments,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        for k in range(n_segments):
+            pack_no, offset, length, pages, codec, checksum = SEGMENT.unpack_from(data, pos)
+            pos += SEGMENT.size
+            self.segments[(name, k)] = Segment(packs[pack_no], offset, length, pages, codec, checksum)
+        (n_entries,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        pages = self.pages
+        for page_id, seg, within in ENTRY.iter_unpack(data[pos:pos + ENTRY.size * n_entries]):
+            pages[page_id] = ((name, seg), within)
+        self.files.append(name)
+
+
+def render_index(segments: list[Segment], entries: list[tuple[bytes, int, int]]) -> bytes:
+    packs = sorted({s.pack for s in segments})
+    pack_no = {p: i for i, p in enumerate(packs)}
+    parts = [INDEX_MAGIC, struct.pack("<I", len(packs))] + [p.encode() for p in packs]
+    parts.append(struct.pack("<I", len(segments)))
+    parts += [SEGMENT.pack(pack_no[s.pack], s.offset, s.length, s.pages, s.codec, s.checksum) for s in segments]
+    parts.append(struct.pack("<I", len(entries)))
+    parts += [ENTRY.pack(*e) for e in entries]
+    return b"".join(parts)
+
+
+class BlockStore:
+    def __init__(self, root: Path):
+        self.root = root
+        self.packs_dir = root / "packs"
+        self.index_dir = root / "index"
+        key_path = root / "key"
+        if not key_path.exists():
+            make_private_dir(root)
+            atomic_write_bytes(key_path, secrets.token_bytes(8))
+        # Page ids are keyed: a process cannot craft pages that collide with another's.
+        self.seed = int.from_bytes(key_path.read_bytes()[:8], "little")
+        self._index: BlockIndex | None = None
+
+    def page_id(self, page) -> bytes:
+        return xxhash.xxh3_128_digest(page, self.seed)
+
+    def pack_path(self, pack: str) -> Path:
+        return self.packs_dir / pack[:2] / pack
+
+    def index(self) -> BlockIndex:
+        if self._index is None:
+            index = BlockIndex()
+            for path in sorted(self.index_dir.glob("*")) if self.index_dir.exists() else []:
+                if path.name.startswith("."):
+                    continue
+                index.add_file(path.name, path.read_bytes())
+            self._index = index
+        return self._index
+
+    def index_file_names(self) -> list[str]:
+        return sorted(p.name for p in self.index_dir.glob("*") if not p.name.startswith(".")) \
+            if self.index_dir.exists() else []
+
+    # ---- writing --------------------------------------------------------------------------
+
+    def ingest(self, images: list[Path], codec_for) -> tuple[dict[str, bytes], IngestStats, list[Path]]:
+        """Stores the new pages of each pages image in one new pack and an index file.
+
+        Returns each image's page list (ids in order), the figures, and the files written
+        (pack, index) which the caller must see fsynced before committing.
+        """
+        index = self.index()
+        stats = IngestStats()
+        page_lists: dict[str, bytes] = {}
+        pack = secrets.token_hex(16)
+        pack_path = self.pack_path(pack)
+        segments: list[Segment] = []
+        entries: list[tuple[bytes, int, int]] = []
+        seen: set[bytes] = set()
+        out = None
+        offset = 0
+        seed = self.seed
+        digest = xxhash.xxh3_128_digest
+        try:
+            for image in images:
+                size = image.stat().st_size
+                n = size // PAGE
+                if size % PAGE:
+                    raise DamagedCheckpoint(f"{image.name} is not a whole number of pages")
+                if n == 0:
+                    page_lists[image.name] = b""
+                    continue
+                codec = codec_for(image)
+                with open(image, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                    ids = [digest(mm[i:i + PAGE], seed) for i in range(0, size, PAGE)]
+                    page_lists[image.name] = b"".join(ids)
+                    run_start = None
+                    image_stats = IngestStats(pages=n)
+                    for i, page_id in enumerate(ids + [None]):
+                        is_new = page_id is not None and page_id not in index.pages and page_id not in seen
+                        if is_new:
+                            seen.add(page_id)
+                            if run_start is None:
+                                run_start = i
+                        if run_start is not None and (not is_new or i - run_start == SEGMENT_PAGES):
+                            end = i
+                            if out is None:
+                                make_private_dir(pack_path.parent)
+                                out = open(os.open(pack_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb")
+                            raw = mm[run_start * PAGE:end * PAGE]
+                            stored = _encode(codec, raw)
+                            if codec != "none" and len(stored) >= len(raw):
+                                stored, used = bytes(raw), "none"
+                            else:
+                                used = codec
+                            out.write(stored)
+                            seg_no = len(segments)
+                            segments.append(Segment(pack, offset, len(stored), end - run_start, CODECS[used],
+                                                    xxhash.xxh3_128_digest(stored)))
+                            entries += [(ids[k], seg_no, k - run_start) for k in range(run_start, end)]
+                            offset += len(stored)
+                            image_stats.new_pages += end - run_start
+                            image_stats.bytes_new += len(stored)
+                            run_start = i if is_new else None
+                    image_stats.bytes_dedup = (n - image_stats.new_pages) * PAGE
+                    stats.add(image_stats)
+            written: list[Path] = []
+            if out is not None:
+                out.flush()
+                os.fsync(out.fileno())
+                out.close()
+                out = None
+                fsync_dir(pack_path.parent)
+                data = render_index(segments, entries)
+                name = blake3.blake3(data).hexdigest()
+                make_private_dir(self.index_dir)
+                atomic_write_bytes(self.index_dir / name, data)
+                written = [pack_path, self.index_dir / name]
+                self._index = None
+        except BaseException:
+            if out is not None:
+                out.close()
+                pack_path.unlink(missing_ok=True)
+            raise
+        return page_lists, stats, written
+
+    # ---- reading --------------------------------------------------------------------------
+
+    def _segment_data(self, key, cache: dict, fds: dict) -> bytes:
+        if key in cache:
+            return cache[key]
+        seg = self.index().segments[key]
+        fd = fds.get(seg.pack)
+        if fd is None:
+            try:
+                fd = fds[seg.pack] = os.open(self.pack_path(seg.pack), os.O_RDONLY)
+            except FileNotFoundError:
+                raise DamagedCheckpoint(f"pack {seg.pack} is missing from the store") from None
+        stored = os.pread(fd, seg.length, seg.offset)
+        if len(stored) != seg.length or xxhash.xxh3_128_digest(stored) != seg.checksum:
+            raise DamagedCheckpoint(f"pack {seg.pack} is damaged at offset {seg.offset}")
+        try:
+            data = _decode(seg.codec, stored)
+        except Exception as exc:  # any decoder error means the same: damaged data
+            raise DamagedCheckpoint(f"pack {seg.pack}: segment at {seg.offset} cannot be decoded ({exc})") from exc
+        cache.clear()  # pages are read in order: one segment at a time is enough
+        cache[key] = data
+        return data
+
+    def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False) -> None:
+        """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
+
+        Segments are checked against their checksums; with check_ids every page is also
+        rehashed against its id (`ckpt verify`).
+        """
+        index = self.index()
+        cache: dict = {}
+        fds: dict = {}
+        out = open(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb", buffering=8 << 20) \
+            if dest is not None else None
+        try:
+            run_key = None
+            run_from = run_to = 0
+            for i in range(0, len(page_list), ID_LEN):
+                page_id = page_list[i:i + ID_LEN]
+                location = index.pages.get(page_id)
+                if location is None:
+                    raise DamagedCheckpoint(f"image {image_name}: page {i // ID_LEN} is missing from the store")
+                key, within = location
+                if key == run_key and within == run_to:
+                    run_to += 1
+                    continue
+                if run_key is not None:
+                    self._emit(run_key, run_from, run_to, cache, fds, out, check_ids, image_name, page_list,
+                               i // ID_LEN - (run_to - run_from))
+                run_key, run_from, run_to = key, within, within + 1
+            if run_key is not None:
+                self._emit(run_key, run_from, run_to, cache, fds, out, check_ids, image_name, page_list,
+                           len(page_list) // ID_LEN - (run_to - run_from))
+        except DamagedCheckpoint as exc:
+            if image_name in exc.message:
+                raise
+            raise DamagedCheckpoint(f"image {image_name}: {exc.message}") from None
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+            if out is not None:
+                out.close()
+
+    def _emit(self, key, first, end, cache, fds, out, check_ids, image_name, page_list, list_pos) -> None:
+        data = self._segment_data(key, cache, fds)
+        chunk = memoryview(data)[first * PAGE:end * PAGE]
+        if check_ids:
+            for k in range(end - first):
+                want = page_list[(list_pos + k) * ID_LEN:(list_pos + k + 1) * ID_LEN]
+                if self.page_id(chunk[k * PAGE:(k + 1) * PAGE]) != want:
+                    raise DamagedCheckpoint(f"image {image_name}: page {list_pos + k} does not match its id")
+        if out is not None:
+            out.write(chunk)
+
+
+def parallel_fsync(paths: list[Path]) -> None:
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(_fsync_path, paths))
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,158 @@
+"""Reclaiming space: a plan computed from every manifest, then its execution.
+
+The order of execution keeps every remaining checkpoint restorable at every instant, so a
+`kill -9` anywhere leaves the store consistent (at worst with space not yet reclaimed):
+  1. copy the live segments of packs worth repacking into a new pack, fsync it;
+  2. write one new index covering every live page, fsync it;
+  3. delete the old index files;
+  4. delete the packs no index names any more, then the objects no manifest names.
+Callers hold the store's exclusive lock.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import blake3
+
+from ckpt.errors import StoreError
+from ckpt.store.blocks import ID_LEN, Segment, render_index
+from ckpt.store.fsutil import FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir
+
+if TYPE_CHECKING:
+    from ckpt.store.repository import Store
+
+REPACK_DEAD_SHARE = 0.25  # repack a pack once a quarter of its bytes is dead
+
+
+@dataclass
+class PrunePlan:
+    objects: list[Path] = field(default_factory=list)  # unreferenced whole-file objects
+    drop_packs: list[str] = field(default_factory=list)  # no live segment
+    repack: list[str] = field(default_factory=list)  # live segments copied out, then dropped
+    unindexed_packs: list[Path] = field(default_factory=list)  # leftovers of interrupted dumps
+    rewrite_index: bool = False
+    bytes_freed: int = 0
+    files_removed: int = 0
+    live_segments: list = field(default_factory=list)
+    live_pages: set = field(default_factory=set)
+
+    def to_json(self) -> dict:
+        return {"objects": len(self.objects), "drop_packs": self.drop_packs, "repack": self.repack,
+                "unindexed_packs": [p.name for p in self.unindexed_packs], "rewrite_index": self.rewrite_index,
+                "bytes_freed": self.bytes_freed, "files_removed": self.files_removed}
+
+
+def prune_plan(store: Store) -> PrunePlan:
+    damaged: list[str] = []
+    manifests = store.manifests(lambda i, e: damaged.append(i))
+    if damaged:
+        raise StoreError(f"cannot reclaim space: manifest(s) {', '.join(damaged)} cannot be read",
+                         hint="remove or repair them first ('ckpt verify --all' lists them)")
+    plan = PrunePlan()
+    referenced = {e.hash for m in manifests for e in m.files}
+    for top in [store.objects_dir]:
+        for sub in top.iterdir() if top.exists() else []:
+            for obj in sub.iterdir():
+                if obj.name.startswith(".") or obj.name.split(".", 1)[0] not in referenced:
+                    plan.objects.append(obj)
+                    plan.bytes_freed += obj.stat().st_size
+    live_pages: set[bytes] = set()
+    for m in manifests:
+        for e in m.files:
+            if e.kind == "pages":
+                page_list = store.load_page_list(e)
+                live_pages.update(page_list[i:i + ID_LEN] for i in range(0, len(page_list), ID_LEN))
+    index = store.blocks.index()
+    live_keys = {index.pages[p][0] for p in live_pages if p in index.pages}
+    pack_bytes: dict[str, int] = {}
+    live_bytes: dict[str, int] = {}
+    for key, seg in index.segments.items():
+        pack_bytes[seg.pack] = pack_bytes.get(seg.pack, 0) + seg.length
+        if key in live_keys:
+            live_bytes[seg.pack] = live_bytes.get(seg.pack, 0) + seg.length
+    for pack, total in pack_bytes.items():
+        live = live_bytes.get(pack, 0)
+        if live == 0:
+            plan.drop_packs.append(pack)
+            plan.bytes_freed += _size(store.blocks.pack_path(pack))
+        elif (total - live) / total >= REPACK_DEAD_SHARE:
+            plan.repack.append(pack)
+            plan.bytes_freed += _size(store.blocks.pack_path(pack)) - live
+    indexed = set(pack_bytes)
+    packs_dir = store.blocks.packs_dir
+    for sub in packs_dir.iterdir() if packs_dir.exists() else []:
+        for pack in sub.iterdir():
+            if pack.name not in indexed:
+                plan.unindexed_packs.append(pack)
+                plan.bytes_freed += pack.stat().st_size
+    dead_entries = len(index.pages) - len(live_pages & index.pages.keys())
+    plan.rewrite_index = bool(plan.drop_packs or plan.repack or dead_entries or len(index.files) > 1)
+    plan.live_segments = sorted(live_keys)
+    plan.live_pages = live_pages
+    plan.files_removed = len(plan.objects) + len(plan.drop_packs) + len(plan.repack) + len(plan.unindexed_packs)
+    return plan
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def execute_prune(store: Store, plan: PrunePlan) -> None:
+    blocks = store.blocks
+    index = blocks.index()
+    old_index_files = list(index.files)
+    if plan.rewrite_index:
+        repack = set(plan.repack)
+        new_pack = secrets.token_hex(16)
+        new_pack_path = blocks.pack_path(new_pack)
+        segments: list[Segment] = []
+        seg_no: dict = {}
+        out = None
+        offset = 0
+        for key in plan.live_segments:
+            seg = index.segments[key]
+            if seg.pack in repack:
+                if out is None:
+                    make_private_dir(new_pack_path.parent)
+                    out = open(os.open(new_pack_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb")
+                with open(blocks.pack_path(seg.pack), "rb") as src:
+                    src.seek(seg.offset)
+                    data = src.read(seg.length)
+                out.write(data)  # stored bytes are copied as they are: no re-encoding
+                seg = Segment(new_pack, offset, seg.length, seg.pages, seg.codec, seg.checksum)
+                offset += seg.length
+            seg_no[key] = len(segments)
+            segments.append(seg)
+        if out is not None:
+            out.flush()
+            os.fsync(out.fileno())
+            out.close()
+            fsync_dir(new_pack_path.parent)
+        entries = [(page, seg_no[index.pages[page][0]], index.pages[page][1])
+                   for page in sorted(plan.live_pages) if page in index.pages]
+        new_index = b""
+        if segments:
+            data = render_index(segments, entries)
+            new_index = blake3.blake3(data).hexdigest()
+            make_private_dir(blocks.index_dir)
+            atomic_write_bytes(blocks.index_dir / new_index, data)
+        for name in old_index_files:
+            if name != new_index:
+                (blocks.index_dir / name).unlink(missing_ok=True)
+        if blocks.index_dir.exists():
+            fsync_dir(blocks.index_dir)
+        for pack in plan.drop_packs + plan.repack:
+            blocks.pack_path(pack).unlink(missing_ok=True)
+        blocks._index = None
+    for pack_path in plan.unindexed_packs:
+        pack_path.unlink(missing_ok=True)
+    for obj in plan.objects:
+        obj.unlink(missing_ok=True)
