@@ -13,7 +13,7 @@ def inspect(store: Store, ref: str, reporter: Reporter = NullReporter()) -> dict
 
     with store.lock(exclusive=False):
         manifest = store.load(store.resolve(ref))
-        image_dir = store.materialize(manifest, reporter)
+        image_dir = store.materialize(manifest, reporter, skip_pages=True)
         try:
             processes = images.describe(image_dir, manifest.processes)
         finally:

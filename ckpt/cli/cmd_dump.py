@@ -61,8 +61,12 @@ def register(app: typer.Typer) -> None:
             emit_json(result.to_json())
             return
         if not quiet:
+            ratio = m.stats.get("compression_ratio")
             stderr.print(f"[green]checkpoint {m.id}[/green]: {len(m.processes)} process(es), "
-                         f"{human_bytes(m.bytes_total)} of images, {human_bytes(m.bytes_stored)} new in the store, "
-                         f"frozen {m.stats.get('freeze_ms')} ms, took {m.stats.get('duration_ms')} ms"
+                         f"{m.stats.get('pages')} pages ({m.stats.get('pages_new')} new), "
+                         f"{human_bytes(m.bytes_stored)} new in the store, "
+                         f"{human_bytes(m.stats.get('bytes_dedup'))} deduplicated"
+                         + (f", compression {ratio}x" if ratio else "")
+                         + f", frozen {m.stats.get('freeze_ms')} ms, took {m.stats.get('duration_ms')} ms"
                          + (", target ended" if stop else ""))
         print(m.id)

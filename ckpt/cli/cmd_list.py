@@ -46,3 +46,5 @@ def register(app: typer.Typer) -> None:
             table.add_row(r["id"], r["name"] or "", created, str(r["pid"]), r["command"][:60],
                           str(r["processes"]), human_bytes(r["bytes_total"]), human_bytes(r["bytes_stored"]))
         stdout.print(table)
+        stderr.print(f"{len(rows)} checkpoint(s); the store holds {human_bytes(st.total_bytes())} in all "
+                     f"(STORED: what each checkpoint added when it was taken)")

@@ -10,8 +10,8 @@ import typer
 from typer.exceptions import Abort, Exit, TyperException
 
 from ckpt import __version__
-from ckpt.cli import (cmd_check, cmd_dump, cmd_forget, cmd_list, cmd_restore, cmd_rm, cmd_run, cmd_schedule,
-                      cmd_show, cmd_verify)
+from ckpt.cli import (cmd_check, cmd_diff, cmd_dump, cmd_forget, cmd_list, cmd_prune, cmd_restore, cmd_rm, cmd_run,
+                      cmd_schedule, cmd_show, cmd_verify)
 from ckpt.errors import CkptError, CriuFailed, ExitCode
 
 app = typer.Typer(
@@ -48,8 +48,8 @@ def root(
         _debug["on"] = True
 
 
-for module in (cmd_check, cmd_dump, cmd_restore, cmd_list, cmd_show, cmd_rm, cmd_verify, cmd_forget, cmd_schedule,
-               cmd_run):
+for module in (cmd_check, cmd_dump, cmd_restore, cmd_list, cmd_show, cmd_diff, cmd_rm, cmd_verify, cmd_forget,
+               cmd_prune, cmd_schedule, cmd_run):
     module.register(app)
 
 

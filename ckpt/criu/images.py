@@ -109,3 +109,22 @@ def describe(image_dir: Path, manifest_processes: list[dict]) -> list[dict]:
             info["fds"].sort(key=lambda d: d["fd"])
         result.append(info)
     return result
+
+
+PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
+
+
+def page_addresses(image_dir: Path, pid: int) -> tuple[str | None, list[int]]:
+    """The pages image of a process and the virtual address of each page it holds, in order."""
+    path = image_dir / f"pagemap-{pid}.img"
+    if not path.exists():
+        return None, []
+    entries = _load(path)["entries"]
+    pages_image = f"pages-{entries[0]['pages_id']}.img"
+    addresses: list[int] = []
+    for entry in entries[1:]:
+        flags = int(entry.get("flags", PE_PRESENT))
+        if flags & PE_PRESENT and not flags & PE_PARENT:
+            start = int(entry["vaddr"])
+            addresses.extend(range(start, start + int(entry["nr_pages"]) * 4096, 4096))
+    return pages_image, addresses

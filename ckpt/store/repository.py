@@ -413,14 +413,18 @@ class Store:
             raise DamagedCheckpoint(f"image {entry.name} is damaged: its content hash is {digest[:16]}…, "
                                     f"the manifest says {entry.hash[:16]}…")
 
-    def materialize(self, manifest: Manifest, reporter: Reporter = NullReporter()) -> Path:
-        """Writes the checkpoint's images into a fresh tmp/restore-* directory, verifying each."""
+    def materialize(self, manifest: Manifest, reporter: Reporter = NullReporter(), skip_pages: bool = False) -> Path:
+        """Writes the checkpoint's images into a fresh tmp/restore-* directory, verifying each.
+
+        skip_pages leaves out the page data (for inspection, which needs only the metadata)."""
         dest = self.tmp_dir / f"restore-{secrets.token_hex(6)}"
         make_private_dir(dest)
         total = manifest.bytes_total or 1
         done = 0
         try:
             for entry in manifest.files:
+                if skip_pages and entry.kind == "pages":
+                    continue
                 self.check_entry(entry, dest / entry.name)
                 done += entry.size
                 reporter.progress(done, total, "verifying images")

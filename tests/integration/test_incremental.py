@@ -1,0 +1,92 @@
+"""Incremental storage with real processes: ten checkpoints of a changing process, forget most,
+prune, and every remaining checkpoint restores with its own state; kill -9 during prune."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.helpers import ROOT, ckpt, ckpt_json, read_lines, wait_until
+
+
+def test_ten_checkpoints_forget_prune_and_restore_each(procs, tmp_path, isolated_env):
+    out = tmp_path / "sums.txt"
+    target = procs.start("bigmem.py", out, 32)
+    wait_until(lambda: read_lines(out), timeout=60, what="bigmem")
+    dumps = []
+    for k in range(10):
+        dumps.append(ckpt_json("dump", target.pid, "--name", "mem"))
+        time.sleep(0.2)
+    first, later = dumps[0], dumps[1:]
+    assert first["bytes_stored"] >= 32 << 20
+    for d in later:
+        # 32 MiB of unchanged random data is not stored again.
+        assert d["bytes_stored"] < 4 << 20, d
+        assert d["bytes_dedup"] >= 32 << 20
+    forgotten = ckpt_json("forget", "--name", "mem", "--keep-last", "3")
+    assert [r["id"] for r in forgotten["remove"]] == [d["id"] for d in dumps[:7]]
+    before = sum(f.stat().st_size for f in isolated_env.rglob("*") if f.is_file())
+    pruned = ckpt_json("prune")
+    after = sum(f.stat().st_size for f in isolated_env.rglob("*") if f.is_file())
+    assert pruned["bytes_freed"] > 0 and after < before
+    assert [c["id"] for c in ckpt_json("list")] == [d["id"] for d in dumps[7:]]
+    assert all(not r["problems"] for r in ckpt_json("verify", "--all"))
+
+    procs.kill_tree(target.pid)
+    out.unlink()
+    original = None
+    for d in dumps[7:]:
+        restored = ckpt_json("restore", d["id"])
+        procs.adopt(restored["pid"])
+        os.kill(restored["pid"], signal.SIGUSR1)
+        line = wait_until(lambda: read_lines(out), what="checksum")[0]
+        checksum, counter = line.split()
+        original = original or checksum
+        assert checksum == original  # the 32 MiB survived dedup, forget and prune
+        procs.kill_tree(restored["pid"])
+        out.unlink()
+        wait_until(lambda: not os.path.exists(f"/proc/{restored['pid']}"), what="PID free")
+
+
+def test_kill_9_during_prune_leaves_every_checkpoint_intact(procs, tmp_path, isolated_env):
+    out = tmp_path / "sums.txt"
+    target = procs.start("bigmem.py", out, 64)
+    wait_until(lambda: read_lines(out), timeout=60, what="bigmem")
+    ids = [ckpt("dump", target.pid).stdout.strip() for _ in range(4)]
+    procs.kill_tree(target.pid)
+    # Forget without pruning, then start prunes and kill them at different moments.
+    ckpt("forget", "--keep-last", "1")
+    for delay in (0.05, 0.15, 0.3):
+        pruner = subprocess.Popen([sys.executable, "-m", "ckpt", "prune"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        pruner.send_signal(signal.SIGKILL)
+        pruner.wait()
+        results = ckpt_json("verify", "--all")
+        assert [r["id"] for r in results] == [ids[-1]] and results[0]["problems"] == []
+    ckpt("prune")
+    assert ckpt_json("verify", "--all")[0]["problems"] == []
+    restored = ckpt_json("restore", ids[-1])
+    procs.adopt(restored["pid"])
+    out.unlink()
+    os.kill(restored["pid"], signal.SIGUSR1)
+    assert wait_until(lambda: read_lines(out), what="checksum")
+
+
+def test_diff_names_changed_pages_and_file_offsets(procs, tmp_path):
+    data = tmp_path / "data.txt"
+    data.write_text("".join(f"line{i:05d}\n" for i in range(10000)))
+    target = procs.start("file_reader.py", data, tmp_path / "read.txt")
+    wait_until(lambda: read_lines(tmp_path / "read.txt"), what="reader")
+    a = ckpt_json("dump", target.pid)["id"]
+    time.sleep(0.5)
+    b = ckpt_json("dump", target.pid)["id"]
+    result = ckpt_json("diff", a, b)
+    (proc,) = result["per_process"]
+    assert proc["pid"] == target.pid and proc["pages"]["changed"] > 0
+    (change,) = [c for c in proc["files"]["changed"] if c["to"].get("path") == str(data)]
+    assert change["to"]["offset"] > change["from"]["offset"]
+    text = ckpt("diff", a, b).stdout
+    assert "pages:" in text and str(data) in text
