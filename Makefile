@@ -40,7 +40,7 @@ demo: setup
 	bash scripts/demo.sh
 
 bench: setup
-	$(PY) scripts/bench_dump_restore.py
+	$(PY) scripts/bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

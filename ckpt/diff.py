@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import shutil
 
 from ckpt.store import Manifest, Store
+from ckpt.store.repository import discard
 from ckpt.store.blocks import ID_LEN, PAGE
 
 
@@ -25,7 +25,7 @@ def _snapshot(store: Store, manifest: Manifest) -> dict:
             vmas[pid] = {(int(v["start"]), int(v["end"])) for v in images._load(mm)["entries"][0].get("vmas", [])} \
                 if mm.exists() else set()
     finally:
-        shutil.rmtree(image_dir, ignore_errors=True)
+        discard(image_dir)
     return {"processes": processes, "pages": pages, "vmas": vmas}
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Store
+from ckpt.store.repository import discard
 
 
 def inspect(store: Store, ref: str, reporter: Reporter = NullReporter()) -> dict:
@@ -17,7 +17,7 @@ def inspect(store: Store, ref: str, reporter: Reporter = NullReporter()) -> dict
         try:
             processes = images.describe(image_dir, manifest.processes)
         finally:
-            shutil.rmtree(image_dir, ignore_errors=True)
+            discard(image_dir)
     data = manifest.to_json()
     data["processes"] = processes
     return data

@@ -21,6 +21,7 @@ class TargetFacts:
     needs_shell_job: bool
     has_tcp_established: bool
     has_file_locks: bool
+    memory_bytes: int = 0  # resident memory of the tree: roughly what CRIU will write
 
 
 def require_root() -> None:
@@ -99,8 +100,15 @@ def preflight(pid: int) -> TargetFacts:
                     has_tcp = True
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+    memory = 0
+    for proc in tree:
+        try:
+            memory += proc.memory_info().rss
+        except psutil.Error:
+            pass
     return TargetFacts(pid=pid, command=command_line(root), pids=tree_pids, needs_shell_job=needs_shell_job,
-                       has_tcp_established=has_tcp, has_file_locks=_holds_file_locks(set(tree_pids)))
+                       has_tcp_established=has_tcp, has_file_locks=_holds_file_locks(set(tree_pids)),
+                       memory_bytes=memory)
 
 
 def _needs_shell_job(root: psutil.Process) -> bool:

@@ -50,6 +50,8 @@ def check_readiness(store_root: Path) -> list[Finding]:
         findings.append(Finding("criu", False, exc.message, exc.hint or "run 'make setup'"))
     try:
         import pycriu.rpc_pb2  # noqa: F401  (imported only to prove it works)
+
+        assert pycriu.rpc_pb2.criu_req  # the generated protobuf module loads
         from google.protobuf import __version__ as pb_version
         findings.append(Finding("pycriu", True, f"pycriu importable (protobuf {pb_version})"))
     except Exception as exc:  # any import failure means the same thing to the user

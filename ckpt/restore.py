@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -15,6 +14,7 @@ from ckpt.criu.client import CriuClient, CriuOptions
 from ckpt.errors import HookFailed
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store
+from ckpt.store.repository import discard
 
 
 @dataclass
@@ -74,7 +74,7 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
             else:
                 pid = CriuClient(binary).restore(criu_options)
         finally:
-            shutil.rmtree(images_dir, ignore_errors=True)
+            discard(images_dir)
     hook_error = None
     if request.post_restore_hook:
         from ckpt.hooks import run_hook

@@ -1,5 +1,3 @@
-from typing import Annotated
-
 import typer
 
 from ckpt.cli.options import DryRunOption, JsonOption, QuietOption, StoreOption, open_store

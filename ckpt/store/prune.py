@@ -68,10 +68,10 @@ def prune_plan(store: Store) -> PrunePlan:
                 page_list = store.load_page_list(e)
                 live_pages.update(page_list[i:i + ID_LEN] for i in range(0, len(page_list), ID_LEN))
     index = store.blocks.index()
-    live_keys = {index.pages[p][0] for p in live_pages if p in index.pages}
+    live_keys = {index.pages[p] >> 16 for p in live_pages if p in index.pages}
     pack_bytes: dict[str, int] = {}
     live_bytes: dict[str, int] = {}
-    for key, seg in index.segments.items():
+    for key, seg in enumerate(index.segment_list):
         pack_bytes[seg.pack] = pack_bytes.get(seg.pack, 0) + seg.length
         if key in live_keys:
             live_bytes[seg.pack] = live_bytes.get(seg.pack, 0) + seg.length
@@ -91,6 +91,8 @@ def prune_plan(store: Store) -> PrunePlan:
                 plan.unindexed_packs.append(pack)
                 plan.bytes_freed += pack.stat().st_size
     dead_entries = len(index.pages) - len(live_pages & index.pages.keys())
+    # Entries of the same page in several index files (a page written by two concurrent dumps)
+    # count once in `pages`: rewriting merges the files.
     plan.rewrite_index = bool(plan.drop_packs or plan.repack or dead_entries or len(index.files) > 1)
     plan.live_segments = sorted(live_keys)
     plan.live_pages = live_pages
@@ -118,7 +120,7 @@ def execute_prune(store: Store, plan: PrunePlan) -> None:
         out = None
         offset = 0
         for key in plan.live_segments:
-            seg = index.segments[key]
+            seg = index.segment_list[key]
             if seg.pack in repack:
                 if out is None:
                     make_private_dir(new_pack_path.parent)
@@ -136,7 +138,7 @@ def execute_prune(store: Store, plan: PrunePlan) -> None:
             os.fsync(out.fileno())
             out.close()
             fsync_dir(new_pack_path.parent)
-        entries = [(page, seg_no[index.pages[page][0]], index.pages[page][1])
+        entries = [(page, seg_no[index.pages[page] >> 16], index.pages[page] & 0xFFFF)
                    for page in sorted(plan.live_pages) if page in index.pages]
         new_index = b""
         if segments:

@@ -5,6 +5,7 @@ See docs/design.md for the format and its invariants.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -96,6 +97,32 @@ class Manifest:
         return sorted(pids)
 
 
+RAM_BASE = Path("/dev/shm")
+
+
+def _remove_empty_ram_dir(path: Path) -> None:
+    """Removes a per-store staging directory in RAM once nothing is left in it."""
+    if path.parent == RAM_BASE:
+        try:
+            path.rmdir()
+        except OSError:
+            pass
+
+
+def discard(images_dir: Path) -> None:
+    """Removes a materialised images directory (and its RAM staging parent once empty)."""
+    shutil.rmtree(images_dir, ignore_errors=True)
+    _remove_empty_ram_dir(images_dir.parent)
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _worth_compressing(path: Path) -> bool:
     """Samples the file: data that does not shrink by 10% is stored as it is. Compressing it
     would cost a pass over it on every dump and every restore for nothing."""
@@ -138,6 +165,7 @@ class DumpStaging:
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
         os.close(self._owner_fd)
+        _remove_empty_ram_dir(self.root.parent)
 
 
 class Store:
@@ -258,10 +286,35 @@ class Store:
 
     # ---- staging and objects ---------------------------------------------------------------
 
-    def begin_dump(self, checkpoint_id: str) -> DumpStaging:
+    def ram_dir(self) -> Path:
+        """This store's staging area in RAM (tmpfs), one per user and store."""
+        tag = blake3.blake3(str(self.root).encode()).hexdigest()[:12]
+        return RAM_BASE / f"ckpt-{os.geteuid()}-{tag}"
+
+    def staging_base(self, expected_bytes: int) -> Path:
+        """Where images are written before they enter the store.
+
+        In RAM when they fit (CKPT_STAGING=auto, the default): CRIU then writes at memory speed,
+        and images the store already holds never cost a disk write. Otherwise in <store>/tmp.
+        """
+        mode = os.environ.get("CKPT_STAGING", "auto")
+        if mode == "disk" or not RAM_BASE.is_dir():
+            return self.tmp_dir
         try:
-            make_private_dir(self.tmp_dir)
-            return DumpStaging(self.tmp_dir / f"dump-{ids.check_id(checkpoint_id)}")
+            shm = os.statvfs(RAM_BASE)
+            free = shm.f_bavail * shm.f_frsize
+            available = _mem_available()
+        except OSError:
+            return self.tmp_dir
+        if mode == "ram" or (expected_bytes * 1.2 < free and expected_bytes < available / 2):
+            return self.ram_dir()
+        return self.tmp_dir
+
+    def begin_dump(self, checkpoint_id: str, expected_bytes: int = 0) -> DumpStaging:
+        try:
+            base = self.staging_base(expected_bytes)
+            make_private_dir(base)
+            return DumpStaging(base / f"dump-{ids.check_id(checkpoint_id)}")
         except OSError as exc:
             raise translate_os_error(exc, "creating the staging directory") from exc
 
@@ -359,9 +412,14 @@ class Store:
         final = self.object_path(digest, codec)
         make_private_dir(final.parent)
         if codec == "none":
-            # Same filesystem: a rename moves the data without copying it (fsynced by ingest).
             os.chmod(source, FILE_MODE)
-            os.rename(source, final)
+            try:
+                # Same filesystem: a rename moves the data without copying it (fsynced by ingest).
+                os.rename(source, final)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                atomic_write_bytes(final, source.read_bytes())  # staged in RAM: copy it
             return codec, final.stat().st_size
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=True)
@@ -386,7 +444,10 @@ class Store:
         path, codec = found
         if codec == "none":
             if dest is not None:
-                os.link(path, dest)
+                try:
+                    os.link(path, dest)
+                except OSError:  # staging in RAM: another filesystem
+                    shutil.copyfile(path, dest)
             return hash_file(path)
         hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
         out = open(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") if dest else None
@@ -414,10 +475,10 @@ class Store:
                                     f"the manifest says {entry.hash[:16]}…")
 
     def materialize(self, manifest: Manifest, reporter: Reporter = NullReporter(), skip_pages: bool = False) -> Path:
-        """Writes the checkpoint's images into a fresh tmp/restore-* directory, verifying each.
+        """Writes the checkpoint's images into a fresh restore-* directory, verifying each.
 
         skip_pages leaves out the page data (for inspection, which needs only the metadata)."""
-        dest = self.tmp_dir / f"restore-{secrets.token_hex(6)}"
+        dest = self.staging_base(0 if skip_pages else manifest.bytes_total) / f"restore-{secrets.token_hex(6)}"
         make_private_dir(dest)
         total = manifest.bytes_total or 1
         done = 0
@@ -429,7 +490,7 @@ class Store:
                 done += entry.size
                 reporter.progress(done, total, "verifying images")
         except BaseException:
-            shutil.rmtree(dest, ignore_errors=True)
+            discard(dest)
             raise
         return dest
 
@@ -461,10 +522,13 @@ class Store:
         execute_prune(self, plan)
         return plan.files_removed, plan.bytes_freed
 
+    def _staging_dirs(self) -> list[Path]:
+        return [p for base in (self.tmp_dir, self.ram_dir()) if base.exists() for p in base.iterdir()]
+
     def remove_leftovers(self) -> int:
         """Removes staging and restore directories of ckpt commands that are gone."""
         removed = 0
-        for path in self.tmp_dir.iterdir() if self.tmp_dir.exists() else []:
+        for path in self._staging_dirs():
             owner = path / "owner"
             if path.name.startswith("dump-") and owner.exists():
                 fd = os.open(owner, os.O_RDONLY)
@@ -479,11 +543,13 @@ class Store:
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed += 1
+        _remove_empty_ram_dir(self.ram_dir())
         return removed
 
     def remove_restore_leftovers(self) -> None:
-        for path in self.tmp_dir.glob("restore-*"):
-            shutil.rmtree(path, ignore_errors=True)
+        for path in self._staging_dirs():
+            if path.name.startswith("restore-"):
+                shutil.rmtree(path, ignore_errors=True)
 
     def iter_object_bytes(self) -> Iterator[int]:
         for top in (self.objects_dir, self.root / "packs"):

@@ -1,6 +1,5 @@
 """Bad input and failures: one clear line, a documented exit code, no traceback, nothing lost."""
 
-import json
 import os
 import signal
 import subprocess

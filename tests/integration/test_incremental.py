@@ -1,7 +1,6 @@
 """Incremental storage with real processes: ten checkpoints of a changing process, forget most,
 prune, and every remaining checkpoint restores with its own state; kill -9 during prune."""
 
-import json
 import os
 import signal
 import subprocess

@@ -1,11 +1,9 @@
 """Schedules: cron entries, what `schedule run` records, retention, and a real cron daemon."""
 
 import fcntl
-import json
 import os
 import secrets
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -96,7 +94,7 @@ def test_overlapping_run_waits_then_skips(procs, tmp_path, cron_dir, isolated_en
 
 
 def test_schedule_retention_keeps_only_what_it_should(procs, tmp_path, cron_dir):
-    target = procs.start("counter.py", tmp_path / "c.txt")
+    procs.start("counter.py", tmp_path / "c.txt")
     ckpt("schedule", "add", "kept", "--match", f"counter.py {tmp_path}", "--every", "1m", "--keep-last", "2")
     ids = [ckpt("schedule", "run", "kept").stdout.strip() for _ in range(4)]
     assert [c["id"] for c in ckpt_json("list")] == ids[-2:]

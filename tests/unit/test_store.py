@@ -31,7 +31,8 @@ def fake_dump(store: Store, files: dict[str, bytes], name=None, codec="zstd") ->
 
 
 @pytest.fixture
-def store(tmp_path):
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_STAGING", "disk")  # keep these tests out of /dev/shm
     return Store.open(tmp_path / "store")
 
 
