@@ -36,6 +36,7 @@ INDEX_MAGIC = b"CKPTIDX1"
 SEGMENT = struct.Struct("<IQIHB16s")  # pack number, offset, stored length, pages, codec, checksum
 ENTRY = struct.Struct("<16sIH")  # page id, segment number, page within segment
 ZSTD_LEVEL = 1
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # one pass of page faults, not one per page
 
 
 def _encode(codec: str, data: bytes | memoryview) -> bytes:
@@ -207,8 +208,10 @@ class BlockStore:
                     page_lists[image.name] = b""
                     continue
                 codec = codec_for(image)
-                with open(image, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
-                    ids = [digest(mm[i:i + PAGE], seed) for i in range(0, size, PAGE)]
+                with open(image, "rb") as f, mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | MAP_POPULATE,
+                                                       prot=mmap.PROT_READ) as mm:
+                    view = memoryview(mm)  # slices of a view copy nothing
+                    ids = [digest(view[i:i + PAGE], seed) for i in range(0, size, PAGE)]
                     page_lists[image.name] = b"".join(ids)
                     run_start = None
                     image_stats = IngestStats(pages=n)
@@ -223,12 +226,13 @@ class BlockStore:
                             if out is None:
                                 make_private_dir(pack_path.parent)
                                 out = open(os.open(pack_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb")
-                            raw = mm[run_start * PAGE:end * PAGE]
+                            raw = view[run_start * PAGE:end * PAGE]  # released below
                             stored = _encode(codec, raw)
                             if codec != "none" and len(stored) >= len(raw):
                                 stored, used = bytes(raw), "none"
                             else:
                                 used = codec
+                            raw.release()
                             out.write(stored)
                             seg_no = len(segments)
                             segments.append(Segment(pack, offset, len(stored), end - run_start, CODECS[used],
@@ -240,6 +244,7 @@ class BlockStore:
                             run_start = i if is_new else None
                     image_stats.bytes_dedup = (n - image_stats.new_pages) * PAGE
                     stats.add(image_stats)
+                    view.release()  # the mmap cannot close while a view exists
             written: list[Path] = []
             if out is not None:
                 out.flush()
