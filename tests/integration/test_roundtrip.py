@@ -230,3 +230,23 @@ def test_shell_pipeline_in_an_outside_session(procs, tmp_path):
     procs.adopt(restored["pid"])
     wait_until(lambda: len(ints(out)) >= n + 5, what="restored pipeline")
     assert ints(out) == list(range(1, len(ints(out)) + 1))
+
+
+def test_server_with_a_live_client_connection_keeps_serving_it(procs, tmp_path):
+    """The server side of an established connection: the client outside the tree never notices."""
+    log = tmp_path / "server.txt"
+    server = procs.start("echo_server.py", log)
+    port = int(wait_until(lambda: read_lines(log), what="server port")[0].split()[1])
+    out = tmp_path / "client.txt"
+    client = procs.start("tcp_client.py", port, out)
+    wait_until(lambda: len(read_lines(out)) >= 5, what="client traffic")
+    dumped = ckpt_json("dump", server.pid, "--stop")
+    server.wait(timeout=10)
+    n = len(read_lines(out))
+    restored = ckpt_json("restore", dumped["id"])
+    procs.adopt(restored["pid"])
+    wait_until(lambda: len(read_lines(out)) >= n + 10, what="client traffic through the restored server")
+    lines = read_lines(out)
+    assert "EOF" not in lines and alive(client.pid)
+    assert [int(x.split()[0]) for x in lines] == list(range(1, len(lines) + 1))
+    assert len({x.split()[1] for x in lines}) == 1, "the client had to reconnect"
