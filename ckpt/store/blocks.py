@@ -211,40 +211,47 @@ class BlockStore:
                 with open(image, "rb") as f, mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | MAP_POPULATE,
                                                        prot=mmap.PROT_READ) as mm:
                     view = memoryview(mm)  # slices of a view copy nothing
-                    ids = [digest(view[i:i + PAGE], seed) for i in range(0, size, PAGE)]
-                    page_lists[image.name] = b"".join(ids)
-                    run_start = None
-                    image_stats = IngestStats(pages=n)
-                    for i, page_id in enumerate(ids + [None]):
-                        is_new = page_id is not None and page_id not in index.pages and page_id not in seen
-                        if is_new:
-                            seen.add(page_id)
-                            if run_start is None:
-                                run_start = i
-                        if run_start is not None and (not is_new or i - run_start == SEGMENT_PAGES):
-                            end = i
-                            if out is None:
-                                make_private_dir(pack_path.parent)
-                                out = open(os.open(pack_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb")
-                            raw = view[run_start * PAGE:end * PAGE]  # released below
-                            stored = _encode(codec, raw)
-                            if codec != "none" and len(stored) >= len(raw):
-                                stored, used = bytes(raw), "none"
-                            else:
-                                used = codec
+                    raw = None
+                    try:
+                        ids = [digest(view[i:i + PAGE], seed) for i in range(0, size, PAGE)]
+                        page_lists[image.name] = b"".join(ids)
+                        run_start = None
+                        image_stats = IngestStats(pages=n)
+                        for i, page_id in enumerate(ids + [None]):
+                            is_new = page_id is not None and page_id not in index.pages and page_id not in seen
+                            if is_new:
+                                seen.add(page_id)
+                                if run_start is None:
+                                    run_start = i
+                            if run_start is not None and (not is_new or i - run_start == SEGMENT_PAGES):
+                                end = i
+                                if out is None:
+                                    make_private_dir(pack_path.parent)
+                                    out = open(os.open(pack_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb")
+                                raw = view[run_start * PAGE:end * PAGE]  # released below
+                                stored = _encode(codec, raw)
+                                if codec != "none" and len(stored) >= len(raw):
+                                    stored, used = bytes(raw), "none"
+                                else:
+                                    used = codec
+                                raw.release()
+                                out.write(stored)
+                                seg_no = len(segments)
+                                segments.append(Segment(pack, offset, len(stored), end - run_start, CODECS[used],
+                                                        xxhash.xxh3_128_digest(stored)))
+                                entries += [(ids[k], seg_no, k - run_start) for k in range(run_start, end)]
+                                offset += len(stored)
+                                image_stats.new_pages += end - run_start
+                                image_stats.bytes_new += len(stored)
+                                run_start = i if is_new else None
+                        image_stats.bytes_dedup = (n - image_stats.new_pages) * PAGE
+                        stats.add(image_stats)
+                    finally:
+                        # The mmap cannot close while a view of it exists, even on the way out of
+                        # an error (a full disk): release them first.
+                        if raw is not None:
                             raw.release()
-                            out.write(stored)
-                            seg_no = len(segments)
-                            segments.append(Segment(pack, offset, len(stored), end - run_start, CODECS[used],
-                                                    xxhash.xxh3_128_digest(stored)))
-                            entries += [(ids[k], seg_no, k - run_start) for k in range(run_start, end)]
-                            offset += len(stored)
-                            image_stats.new_pages += end - run_start
-                            image_stats.bytes_new += len(stored)
-                            run_start = i if is_new else None
-                    image_stats.bytes_dedup = (n - image_stats.new_pages) * PAGE
-                    stats.add(image_stats)
-                    view.release()  # the mmap cannot close while a view exists
+                        view.release()
             written: list[Path] = []
             if out is not None:
                 out.flush()
