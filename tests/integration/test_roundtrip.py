@@ -139,13 +139,19 @@ def test_open_file_offset_is_preserved(procs, tmp_path):
     assert int(offset) == int(last_offset) + len("line00000\n")
 
 
-def test_established_tcp_connection_keeps_talking(procs, tmp_path):
+def talking_pair(procs, tmp_path, lines: int):
+    """An echo server and a client with one connection, `lines` exchanged: (server, client, log, out)."""
     log = tmp_path / "server.txt"
     server = procs.start("echo_server.py", log)
     port = int(wait_until(lambda: read_lines(log), what="server port")[0].split()[1])
     out = tmp_path / "client.txt"
     client = procs.start("tcp_client.py", port, out)
-    wait_until(lambda: len(read_lines(out)) >= 10, what="client traffic")
+    wait_until(lambda: len(read_lines(out)) >= lines, what="client traffic")
+    return server, client, log, out
+
+
+def test_established_tcp_connection_keeps_talking(procs, tmp_path):
+    server, client, log, out = talking_pair(procs, tmp_path, 10)
     dumped = ckpt_json("dump", client.pid, "--stop")
     client.wait(timeout=10)
     assert ckpt_json("show", dumped["id"])["criu"]["options"]["tcp_established"] is True
@@ -234,12 +240,7 @@ def test_shell_pipeline_in_an_outside_session(procs, tmp_path):
 
 def test_server_with_a_live_client_connection_keeps_serving_it(procs, tmp_path):
     """The server side of an established connection: the client outside the tree never notices."""
-    log = tmp_path / "server.txt"
-    server = procs.start("echo_server.py", log)
-    port = int(wait_until(lambda: read_lines(log), what="server port")[0].split()[1])
-    out = tmp_path / "client.txt"
-    client = procs.start("tcp_client.py", port, out)
-    wait_until(lambda: len(read_lines(out)) >= 5, what="client traffic")
+    server, client, _, out = talking_pair(procs, tmp_path, 5)
     dumped = ckpt_json("dump", server.pid, "--stop")
     server.wait(timeout=10)
     n = len(read_lines(out))
