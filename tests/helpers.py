@@ -51,7 +51,11 @@ def tree_pids(pid: int) -> list[int]:
         if state(p) is None:
             continue
         result.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
+        try:
+            tasks = list(Path(f"/proc/{p}/task").iterdir())
+        except OSError:
+            continue  # it exited meanwhile (a pipeline's short-lived children do)
+        for task in tasks:
             try:
                 todo.extend(int(c) for c in (task / "children").read_text().split())
             except OSError:
