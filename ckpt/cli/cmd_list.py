@@ -2,10 +2,9 @@ from datetime import datetime
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from ckpt.cli.options import JsonOption, StoreOption, open_store
-from ckpt.cli.output import emit_json, human_bytes, stderr, stdout
+from ckpt.cli.output import emit_json, human_bytes, print_table, stderr
 
 HELP = """List the checkpoints in the store, oldest first.
 
@@ -38,13 +37,11 @@ def register(app: typer.Typer) -> None:
         if not rows:
             stderr.print("no checkpoints in the store yet: create one with 'ckpt dump PID'")
             return
-        table = Table(box=None, pad_edge=False)
-        for column in ("ID", "NAME", "CREATED", "PID", "COMMAND", "PROCS", "SIZE", "STORED"):
-            table.add_column(column, no_wrap=column != "COMMAND", overflow="ellipsis")
-        for r in rows:
-            created = datetime.fromisoformat(r["created"]).astimezone().strftime("%Y-%m-%d %H:%M:%S")
-            table.add_row(r["id"], r["name"] or "", created, str(r["pid"]), r["command"][:60],
-                          str(r["processes"]), human_bytes(r["bytes_total"]), human_bytes(r["bytes_stored"]))
-        stdout.print(table)
+        print_table(
+            ["ID", "NAME", "CREATED", "PID", "COMMAND", "PROCS", "SIZE", "STORED"],
+            [[r["id"], r["name"] or "", datetime.fromisoformat(r["created"]).astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+              str(r["pid"]), r["command"], str(r["processes"]), human_bytes(r["bytes_total"]),
+              human_bytes(r["bytes_stored"])] for r in rows],
+            widest={4: 60})
         stderr.print(f"{len(rows)} checkpoint(s); the store holds {human_bytes(st.total_bytes())} in all "
                      f"(STORED: what each checkpoint added when it was taken)")

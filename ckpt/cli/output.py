@@ -70,3 +70,15 @@ class CliReporter:
 
     def close(self) -> None:
         self._close_bar()
+
+
+def print_table(headers: list[str], rows: list[list[str]], widest: dict[int, int] | None = None) -> None:
+    """A plain aligned table on stdout. Rich's tables take seconds for a thousand rows; this is
+    data for people and for `grep`/`awk`, so plain text serves both."""
+    widest = widest or {}
+    cells = [[c if len(c) <= widest.get(i, 10**6) else c[:widest[i] - 1] + "…" for i, c in enumerate(row)]
+             for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    sys.stdout.write("\n".join(lines) + "\n")
