@@ -145,7 +145,7 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
         command=facts.command,
         processes=processes,
         files=entries,
-        criu={"version": binary.version_text, "options": options_used},
+        criu={"version": binary.version_text, "options": options_used, "tty": facts.has_tty},
         stats={"freeze_ms": stats.get("frozen_ms", frozen_ms), "pages_written": stats.get("pages_written"),
                "pages_scanned": stats.get("pages_scanned"),
                "pages": block_stats.pages, "pages_new": block_stats.new_pages,

@@ -22,6 +22,7 @@ class TargetFacts:
     has_tcp_established: bool
     has_file_locks: bool
     memory_bytes: int = 0  # resident memory of the tree: roughly what CRIU will write
+    has_tty: bool = False  # a controlling terminal: a restore must give it one
 
 
 def require_root() -> None:
@@ -108,7 +109,7 @@ def preflight(pid: int) -> TargetFacts:
             pass
     return TargetFacts(pid=pid, command=command_line(root), pids=tree_pids, needs_shell_job=needs_shell_job,
                        has_tcp_established=has_tcp, has_file_locks=_holds_file_locks(set(tree_pids)),
-                       memory_bytes=memory)
+                       memory_bytes=memory, has_tty=_has_tty(root.pid))
 
 
 def _needs_shell_job(root: psutil.Process) -> bool:
@@ -120,6 +121,13 @@ def _needs_shell_job(root: psutil.Process) -> bool:
     except (OSError, ValueError, IndexError):
         return False
     return sid != root.pid or pgid != root.pid or tty_nr != 0
+
+
+def _has_tty(pid: int) -> bool:
+    try:
+        return int(_stat_fields(pid)[4]) != 0
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def _holds_file_locks(pids: set[int]) -> bool:

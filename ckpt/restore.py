@@ -11,7 +11,7 @@ from pathlib import Path
 from ckpt import procs
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
-from ckpt.errors import HookFailed
+from ckpt.errors import HookFailed, UsageError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store
 from ckpt.store.repository import discard
@@ -57,13 +57,17 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                 reporter.step("waiting for the tree's PIDs to be free")
                 procs.wait_for_pids_free(manifest.all_pids, timeout=request.pid_wait_s)
             opts = manifest.criu.get("options", {})
+            has_tty = bool(manifest.criu.get("tty"))
+            if has_tty and not os.isatty(0):
+                raise UsageError(f"checkpoint {manifest.id} was taken of processes attached to a terminal",
+                                 hint="run 'ckpt restore' from a terminal: the restored processes take it over")
             stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
             log_dir = store.logs_dir(checkpoint_id)
             criu_options = CriuOptions(
                 images_dir=images_dir, log_dir=log_dir, log_name=f"restore-{stamp}-{os.getpid()}.log",
                 shell_job=bool(opts.get("shell_job")), tcp_established=bool(opts.get("tcp_established")),
                 ext_unix_sk=bool(opts.get("ext_unix_sk")), file_locks=bool(opts.get("file_locks")),
-                network_lock=opts.get("network_lock", "nftables"))
+                network_lock=opts.get("network_lock", "nftables"), inherit_stdio=has_tty)
             reporter.step(f"restoring {len(manifest.processes)} process(es) with CRIU {binary.version_text}")
             inner = None
             if request.new_pidns:

@@ -43,6 +43,8 @@ class CriuOptions:
     parent_img: str | None = None
     rst_sibling: bool = False
     log_level: int = 4
+    # Give CRIU ckpt's own stdin/stdout/stderr: a --shell-job restore takes its terminal from them.
+    inherit_stdio: bool = False
     extra: dict = field(default_factory=dict)
 
     @property
@@ -111,6 +113,8 @@ def explain_failure(action: str, log_path: Path) -> CriuFailed | PidInUse | Disk
         hint = "the tree uses a UNIX socket whose peer is outside it: retry with --ext-unix-sk"
     elif re.search(r"Connected TCP socket|TCP connection", text):
         hint = "the tree has established TCP connections: retry with --tcp-established"
+    elif action == "restore" and re.search(r"tty", text):
+        hint = "the checkpointed processes had a terminal: run 'ckpt restore' from a terminal, which they take over"
     elif re.search(r"shell job|session leader|Can't dump.*tty|tty:", text, re.I):
         hint = "the tree belongs to a terminal session it does not lead: retry with --shell-job"
     elif re.search(r"file lock", text, re.I):
@@ -134,9 +138,10 @@ class CriuClient:
         try:
             with open(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as stderr:
                 # CRIU opens images_dir_fd/work_dir_fd through /proc/<our pid>/fd, so we keep them open.
+                stdio = {} if options.inherit_stdio else {"stdin": subprocess.DEVNULL, "stdout": stderr,
+                                                           "stderr": stderr}
                 proc = subprocess.Popen([self.binary.path, "swrk", str(theirs.fileno())],
-                                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                        stdout=stderr, stderr=stderr, close_fds=True)
+                                        pass_fds=(theirs.fileno(),), close_fds=True, **stdio)
             theirs.close()
             req = rpc.criu_req()
             req.type = getattr(rpc, req_type)

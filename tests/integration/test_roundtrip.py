@@ -4,12 +4,13 @@ and the restored tree is running."""
 import json
 import os
 import subprocess
+import sys
 import signal
 import socket
 import time
 from pathlib import Path
 
-from tests.helpers import alive, ckpt, ckpt_json, read_lines, state, tree_pids, wait_until
+from tests.helpers import FIXTURES, ROOT, alive, ckpt, ckpt_json, read_lines, state, tree_pids, wait_until
 
 
 def ints(path: Path) -> list[int]:
@@ -251,3 +252,29 @@ def test_server_with_a_live_client_connection_keeps_serving_it(procs, tmp_path):
     assert "EOF" not in lines and alive(client.pid)
     assert [int(x.split()[0]) for x in lines] == list(range(1, len(lines) + 1))
     assert len({x.split()[1] for x in lines}) == 1, "the client had to reconnect"
+
+
+def test_process_on_a_terminal_restores_onto_the_terminal_of_the_restore(procs, tmp_path):
+    """A process whose stdio is a terminal: restored from a terminal it takes that one over;
+    from no terminal ckpt says so before CRIU runs."""
+    out = tmp_path / "count.txt"
+    counter = f"{sys.executable} {FIXTURES / 'counter.py'} {out} 0.05"
+    session = subprocess.Popen(["script", "-q", "-c", counter, "/dev/null"], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    procs.popens.append(session)
+    procs.pids.add(session.pid)
+    wait_until(lambda: len(ints(out)) >= 5, what="counter on a terminal")
+    target = [p for p in tree_pids(session.pid) if p != session.pid][0]
+    assert os.readlink(f"/proc/{target}/fd/0").startswith("/dev/pts/")
+    dumped = ckpt("dump", target, "--stop", "--json")
+    assert "detected: --shell-job" in dumped.stderr
+    wait_until(lambda: state(target) is None, what="the target to end")
+    last = ints(out)[-1]
+    refused = ckpt("restore", "latest", check=False)
+    assert refused.returncode == 2 and "attached to a terminal" in refused.stderr
+    restore = f"{sys.executable} -m ckpt restore latest; sleep 1"
+    subprocess.run(["script", "-q", "-c", restore, "/dev/null"], cwd=ROOT, stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    procs.pids.add(target)
+    values = ints(out)
+    assert len(values) > last + 3 and values[last] == last + 1, "the restored counter did not go on"
