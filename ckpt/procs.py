@@ -160,16 +160,18 @@ def pid_holder(pid: int) -> str | None:
     return f"'{what}' (PID {tgid}{'' if tgid == pid else f', thread {pid}'})"
 
 
-def wait_for_pids_free(pids: list[int], timeout: float = 5.0) -> None:
+def wait_for_pids_free(pids: list[int], timeout: float = 5.0, live_grace: float = 1.0) -> None:
     """Waits while PIDs are held by zombies or exiting processes (parents here reap late);
-    raises PidInUse naming the holder if one is still taken by a live process."""
-    deadline = time.monotonic() + timeout
+    raises PidInUse naming the holder if one is still taken by a live process after
+    live_grace seconds, or by anything after timeout seconds."""
+    started = time.monotonic()
     while True:
         taken = [p for p in pids if process_state(p) is not None]
         if not taken:
             return
         live = [p for p in taken if process_state(p) not in ("Z", "X")]
-        if time.monotonic() >= deadline or (live and time.monotonic() >= deadline - timeout + 1.0):
+        waited = time.monotonic() - started
+        if waited >= timeout or (live and waited >= live_grace):
             pid = (live or taken)[0]
             holder = pid_holder(pid) or "a process that is exiting"
             raise PidInUse(f"PID {pid} needed by the checkpoint is in use by {holder}",
