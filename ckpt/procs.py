@@ -75,7 +75,7 @@ def preflight(pid: int) -> TargetFacts:
             raise ProcessNotFound(f"process {pid} has exited (it is a zombie)")
     except psutil.NoSuchProcess:
         raise ProcessNotFound(f"no process with PID {pid}", hint="check the PID with 'ps'") from None
-    if pid == 2 or is_kernel_thread(pid):
+    if is_kernel_thread(pid):
         raise TargetRefused(f"PID {pid} is a kernel thread; only user processes can be checkpointed")
     me = os.getpid()
     ancestors = {p.pid for p in psutil.Process(me).parents()}
@@ -91,6 +91,7 @@ def preflight(pid: int) -> TargetFacts:
     except psutil.NoSuchProcess:
         raise ProcessNotFound(f"process {pid} exited during the pre-flight checks") from None
     tree_pids = [p.pid for p in tree]
+    _refuse_session_led_from_another_pid_namespace(root.pid, command_line(root))
     needs_shell_job = _needs_shell_job(root)
     has_tcp = False
     for proc in tree:
@@ -110,6 +111,21 @@ def preflight(pid: int) -> TargetFacts:
     return TargetFacts(pid=pid, command=command_line(root), pids=tree_pids, needs_shell_job=needs_shell_job,
                        has_tcp_established=has_tcp, has_file_locks=_holds_file_locks(set(tree_pids)),
                        memory_bytes=memory, has_tty=_has_tty(root.pid))
+
+
+def _refuse_session_led_from_another_pid_namespace(pid: int, command: str) -> None:
+    """/proc reads the session id as 0 when the session leader lives in an ancestor PID namespace
+    (a process started inside a container by something outside it, such as a CI runner).
+    CRIU refuses such a tree after freezing it, with a message that names neither cause nor fix."""
+    try:
+        sid = int(_stat_fields(pid)[3])
+    except (OSError, ValueError, IndexError):
+        return
+    if sid == 0:
+        raise TargetRefused(f"PID {pid} ({command}) belongs to a session led from outside this PID namespace, "
+                            "which CRIU cannot checkpoint",
+                            hint="start the program in a session of its own ('setsid PROGRAM') "
+                                 "or under 'ckpt run'")
 
 
 def _needs_shell_job(root: psutil.Process) -> bool:
@@ -144,10 +160,17 @@ def _holds_file_locks(pids: set[int]) -> bool:
 
 
 def pid_holder(pid: int) -> str | None:
-    """Describes the live process holding a PID (or thread ID), None when the PID is free."""
+    """Describes the process holding a PID (or thread ID), None when the PID is free."""
     state = process_state(pid)
     if state is None:
         return None
+    if state in ("Z", "X"):
+        try:
+            parent = int(_stat_fields(pid)[1])
+            return (f"an exited process that its parent has not reaped "
+                    f"({pid_holder(parent) or f'PID {parent}'} must wait() for it)")
+        except (OSError, ValueError, IndexError):
+            return "an exited process that its parent has not reaped"
     try:
         with open(f"/proc/{pid}/status") as f:
             status = dict(line.split(":", 1) for line in f if ":" in line)

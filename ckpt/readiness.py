@@ -66,6 +66,14 @@ def check_readiness(store_root: Path) -> list[Finding]:
             findings.append(Finding(f"feature {feature}", ok, ("works: " if ok else "missing: ") + gives,
                                     "" if ok else fix, required=False))
     findings.append(_store_writable(store_root))
+    if os.getsid(0) == 0:
+        # Reads 0 when the session leader is in an ancestor PID namespace (a container started
+        # by a runner outside it); every child of this shell inherits that session.
+        findings.append(Finding("session", False,
+                                "this shell's session is led from outside its PID namespace: CRIU cannot "
+                                "checkpoint programs started from it as they are",
+                                "start programs to checkpoint with 'setsid PROGRAM' or under 'ckpt run'",
+                                required=False))
     return findings
 
 

@@ -35,6 +35,20 @@ def test_nonexistent_pid():
     assert_clean_error(ckpt("dump", 4000000, check=False), 3, "no process with PID 4000000")
 
 
+def test_session_led_from_another_pid_namespace_is_refused_before_freezing(tmp_path):
+    """Inside a PID namespace whose processes inherited a session from outside it (a CI runner's
+    container), /proc reads their session id as 0 and CRIU cannot dump them: ckpt says so and why."""
+    script = (f"sleep 600 & echo $! > {tmp_path}/pid; {sys.executable} -m ckpt dump $! 2> {tmp_path}/err; "
+              f"echo $? > {tmp_path}/rc; kill $!")
+    # The namespace's init is `sh`, so everything in it ends when it exits.
+    subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script], cwd=ROOT,
+                   stdin=subprocess.DEVNULL, timeout=60, check=True)
+    stderr = (tmp_path / "err").read_text()
+    assert (tmp_path / "rc").read_text().strip() == "2", stderr
+    assert "Traceback" not in stderr
+    assert "session led from outside this PID namespace" in stderr and "setsid" in stderr, stderr
+
+
 def test_pid_1_and_kernel_thread():
     assert_clean_error(ckpt("dump", 1, check=False), 2, "PID 1")
     assert_clean_error(ckpt("dump", 2, check=False), 2, "kernel thread")

@@ -220,18 +220,26 @@ def test_restore_into_new_pid_namespace_while_original_runs(procs, tmp_path):
 
 
 def test_shell_pipeline_in_an_outside_session(procs, tmp_path):
-    """A `sh -c '... | cat >> file'` job in the caller's session: --shell-job is detected."""
+    """A `sh -c '... | cat >> file'` job in a session led by a process outside the tree
+    (as a job of an interactive shell is): --shell-job is detected."""
     out = tmp_path / "pipe.txt"
+    pidfile = tmp_path / "job.pid"
     script = f"i=0; while :; do i=$((i+1)); echo $i; sleep 0.05; done | cat >> {out}"
-    shell = subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-    procs.popens.append(shell)
-    procs.pids.add(shell.pid)
+    # The leader is a session of its own, so the test does not depend on the session pytest runs in
+    # (under a CI runner that session may be led from outside the PID namespace: see test_errors).
+    leader = subprocess.Popen(["sh", "-c", f'sh -c "$0" & echo $! > {pidfile}; wait; exec sleep 600', script],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    procs.popens.append(leader)
+    procs.pids.add(leader.pid)
+    wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), what="job PID")
+    job = int(pidfile.read_text())
+    procs.pids.add(job)
     wait_until(lambda: len(ints(out)) >= 5, what="pipeline")
-    dumped = ckpt("dump", shell.pid, "--stop", "--json")
+    dumped = ckpt("dump", job, "--stop", "--json")
     assert "detected: --shell-job" in dumped.stderr
     assert json.loads(dumped.stdout)["processes"] >= 3
-    shell.wait(timeout=10)
+    wait_until(lambda: not alive(job), what="the dumped job to end")
     n = len(ints(out))
     restored = ckpt_json("restore", "latest")
     procs.adopt(restored["pid"])
