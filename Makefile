@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CRIU_LIB_FILE := $(VENV)/.criu-lib
 
-.PHONY: setup test unit integration demo bench clean
+.PHONY: setup test unit integration vm-test demo bench clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,10 @@ unit: setup
 
 integration: setup
 	$(PY) -m pytest -ra tests/integration
+
+# The dirty-page-tracking tests, in a QEMU guest whose kernel has soft-dirty (scripts/vm-test.sh).
+vm-test: setup
+	bash scripts/vm-test.sh
 
 demo: setup
 	bash scripts/demo.sh

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ckpt import procs
+from ckpt import incremental, procs
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
 from ckpt.errors import CkptError, ProcessNotFound
@@ -33,6 +33,16 @@ class DumpRequest:
     ext_unix_sk: bool = False
     file_locks: bool | None = None
     pre_dump_hook: str | None = None
+    # Use the kernel's dirty-page tracking when it has it (False: always a full dump).
+    dirty_tracking: bool = True
+
+
+@dataclass
+class TrackingPlan:
+    """A dirty-tracking dump: of which process incarnation, against which parent (None: full)."""
+
+    target: incremental.TargetIdentity
+    parent: Manifest | None
 
 
 @dataclass
@@ -48,6 +58,8 @@ class DumpResult:
             "freeze_ms": m.stats.get("freeze_ms"), "duration_ms": m.stats.get("duration_ms"),
             "pages": m.stats.get("pages"), "pages_new": m.stats.get("pages_new"),
             "bytes_dedup": m.stats.get("bytes_dedup"), "compression_ratio": m.stats.get("compression_ratio"),
+            "pages_dumped": m.stats.get("pages_dumped"),
+            "dirty_tracking": m.criu.get("tracking"),
             "stopped": m.criu["options"]["leave_running"] is False,
             "log": str(self.log_path),
         }
@@ -76,6 +88,8 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
     if detected:
         reporter.info("detected: " + ", ".join(f"--{k.replace('_', '-')}" for k in detected))
 
+    tracking = _plan_tracking(store, request, binary, reporter)
+    options_used["track_mem"] = tracking is not None
     checkpoint_id = ids.new_id()
     if request.pre_dump_hook:
         from ckpt.hooks import run_hook
@@ -86,8 +100,16 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
         store.remove_leftovers()
         staging = store.begin_dump(checkpoint_id, facts.memory_bytes)
         log_dir = store.logs_dir(checkpoint_id)
+        parent_img = None
+        if tracking is not None:
+            # Recorded before CRIU clears the target's soft-dirty bits: if this dump is never
+            # committed, the next one knows not to trust them (see ckpt/incremental.py).
+            incremental.TrackingLog().record_attempt(tracking.target, store.root, checkpoint_id)
+            if tracking.parent is not None:
+                store.materialize_parent(tracking.parent, staging.root / "parent")
+                parent_img = "../parent"  # CRIU takes it relative to the images directory
         criu_options = CriuOptions(images_dir=staging.images_dir, log_dir=log_dir, log_name="dump.log",
-                                   pid=request.pid, **options_used)
+                                   pid=request.pid, parent_img=parent_img, **options_used)
         committed: list[Manifest] = []
         marks: dict[str, float] = {}
 
@@ -97,7 +119,7 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
                 # CRIU writes its stats only after this point: the freeze so far is measured here.
                 frozen_ms = round((marks["post-dump"] - marks.get("pre-dump", started)) * 1000, 1)
                 committed.append(_ingest_and_commit(store, staging, request, facts, binary, options_used,
-                                                    checkpoint_id, started, reporter, frozen_ms))
+                                                    checkpoint_id, started, reporter, tracking, frozen_ms))
                 reporter.step("checkpoint committed; CRIU ends the target")
 
         try:
@@ -110,7 +132,7 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
                         from None
                 raise
             manifest = committed[0] if committed else _ingest_and_commit(
-                store, staging, request, facts, binary, options_used, checkpoint_id, started, reporter)
+                store, staging, request, facts, binary, options_used, checkpoint_id, started, reporter, tracking)
         finally:
             staging.remove()
         if request.stop:
@@ -123,9 +145,37 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
     return DumpResult(manifest, log_dir / "dump.log")
 
 
+def _plan_tracking(store: Store, request: DumpRequest, binary, reporter: Reporter) -> TrackingPlan | None:
+    """Whether this dump uses dirty-page tracking, and against which parent checkpoint."""
+    from ckpt.criu.client import run_check
+
+    if not request.dirty_tracking:
+        return None
+    target = incremental.identify(request.pid)
+    if target is None or not run_check(binary, "mem_dirty_track")[0]:
+        return None  # no soft-dirty in this kernel: the block store still stores only new pages
+    log = incremental.TrackingLog()
+    log.forget_gone()
+    last = log.last_attempt(target)
+    parent = None
+    if last:
+        try:
+            candidate = store.load(last["checkpoint"])
+        except (CkptError, KeyError):
+            candidate = None
+        if incremental.choose_parent(last, store.root, target,
+                                     candidate.criu.get("tracking") if candidate else None):
+            parent = candidate
+    if parent is not None:
+        reporter.info(f"dirty-page tracking: reading only pages written since {parent.id}")
+    else:
+        reporter.info("dirty-page tracking: first tracked dump of this process, all pages are read")
+    return TrackingPlan(target, parent)
+
+
 def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs.TargetFacts, binary,
                        options_used: dict, checkpoint_id: str, started: float, reporter: Reporter,
-                       frozen_ms: float | None = None) -> Manifest:
+                       tracking: TrackingPlan | None, frozen_ms: float | None = None) -> Manifest:
     from ckpt.criu import images  # deferred: imports pycriu
 
     image_dir = staging.images_dir
@@ -135,7 +185,21 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
     commands = _commands(facts)
     for proc in processes:
         proc["command"] = commands.get(proc["pid"], proc.get("comm", "?"))
-    entries, added, block_stats = store.ingest(staging, request.codec, reporter)
+    completion = None
+    from_parent = [0]
+    if tracking is not None and tracking.parent is not None:
+        complete = incremental.completer(image_dir, staging.root / "parent",
+                                         {e.name: e for e in tracking.parent.files}, store.load_page_list)
+
+        def completion(page_lists: dict[str, bytes]) -> int:
+            from_parent[0] = complete(page_lists)
+            return from_parent[0]
+    entries, added, block_stats = store.ingest(staging, request.codec, reporter, completion)
+    criu_facts = {"version": binary.version_text, "options": options_used, "tty": facts.has_tty}
+    if tracking is not None:
+        criu_facts["tracking"] = {"target": tracking.target.key,
+                                  "parent": tracking.parent.id if tracking.parent else None,
+                                  "pages_from_parent": from_parent[0]}
     manifest = Manifest(
         id=checkpoint_id,
         name=request.name,
@@ -145,10 +209,12 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
         command=facts.command,
         processes=processes,
         files=entries,
-        criu={"version": binary.version_text, "options": options_used, "tty": facts.has_tty},
+        criu=criu_facts,
         stats={"freeze_ms": stats.get("frozen_ms", frozen_ms), "pages_written": stats.get("pages_written"),
                "pages_scanned": stats.get("pages_scanned"),
                "pages": block_stats.pages, "pages_new": block_stats.new_pages,
+               # what CRIU read while the tree was frozen (with dirty tracking: the dirty pages)
+               "pages_dumped": block_stats.pages - from_parent[0],
                "bytes_dedup": block_stats.bytes_dedup,
                "compression_ratio": round(block_stats.new_pages * 4096 / block_stats.bytes_new, 2)
                if block_stats.bytes_new else None,

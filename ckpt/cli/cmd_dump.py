@@ -40,6 +40,10 @@ def register(app: typer.Typer) -> None:
                                help="Allow UNIX sockets whose peer is outside the tree.")] = False,
         file_locks: Annotated[Optional[bool], typer.Option("--file-locks/--no-file-locks",
                               help="Save file locks [default: detect].")] = None,
+        dirty_tracking: Annotated[bool, typer.Option(
+            "--dirty-tracking/--no-dirty-tracking",
+            help="On kernels with soft-dirty, read only the pages written since this process's last "
+                 "checkpoint while it is frozen [default: on where the kernel has it].")] = True,
         compression: Annotated[str, typer.Option("--compression", help="zstd, lz4 or none.")] = "zstd",
         pre_dump: Annotated[Optional[str], typer.Option(
             "--pre-dump", help="Shell command run before the dump (CKPT_PID, CKPT_ID in its environment); "
@@ -53,7 +57,7 @@ def register(app: typer.Typer) -> None:
             result = dump(resolve_store_path(store), DumpRequest(
                 pid=pid, name=name, stop=stop, codec=compression, shell_job=shell_job,
                 tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
-                pre_dump_hook=pre_dump), reporter)
+                pre_dump_hook=pre_dump, dirty_tracking=dirty_tracking), reporter)
         finally:
             reporter.close()
         m = result.manifest
@@ -67,6 +71,15 @@ def register(app: typer.Typer) -> None:
                          f"{human_bytes(m.bytes_stored)} new in the store, "
                          f"{human_bytes(m.stats.get('bytes_dedup'))} deduplicated"
                          + (f", compression {ratio}x" if ratio else "")
+                         + _tracking_note(m)
                          + f", frozen {m.stats.get('freeze_ms')} ms, took {m.stats.get('duration_ms')} ms"
                          + (", target ended" if stop else ""))
         print(m.id)
+
+
+def _tracking_note(manifest) -> str:
+    tracking = manifest.criu.get("tracking")
+    if not tracking or not tracking.get("parent"):
+        return ""
+    return (f", {manifest.stats.get('pages_dumped')} dirty pages read while frozen "
+            f"({tracking['pages_from_parent']} unchanged since {tracking['parent']})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -128,3 +129,30 @@ def page_addresses(image_dir: Path, pid: int) -> tuple[str | None, list[int]]:
             start = int(entry["vaddr"])
             addresses.extend(range(start, start + int(entry["nr_pages"]) * 4096, 4096))
     return pages_image, addresses
+
+
+def _number(value) -> int:
+    return int(value, 0) if isinstance(value, str) else int(value)
+
+
+def read_pagemap(path: Path) -> tuple[int, list[tuple[int, int, int]]]:
+    """A pagemap image: its pages image id and its runs (vaddr, nr_pages, flags)."""
+    entries = _load(path)["entries"]
+    runs = [(_number(e["vaddr"]), int(e.get("nr_pages") or e.get("compat_nr_pages", 0)),
+             int(e["flags"]) if "flags" in e else (PE_PARENT if e.get("in_parent") else PE_PRESENT))
+            for e in entries[1:]]
+    return int(entries[0]["pages_id"]), runs
+
+
+def write_pagemap(path: Path, pages_id: int, runs: list[tuple[int, int, int]]) -> None:
+    """Replaces a pagemap image (atomically) with the given runs."""
+    from pycriu import images
+
+    image = {"magic": "PAGEMAP", "entries": [{"pages_id": pages_id}] + [
+        # compat_nr_pages is required by the format; CRIU writes 0 and reads nr_pages.
+        {"vaddr": vaddr, "compat_nr_pages": 0, "flags": flags, "nr_pages": nr_pages}
+        for vaddr, nr_pages, flags in runs]}
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        images.dump(image, f)
+    os.replace(tmp, path)

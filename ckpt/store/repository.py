@@ -23,7 +23,7 @@ import zstandard
 from ckpt.errors import (CheckpointNotFound, DamagedCheckpoint, PermissionProblem, StoreError)
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import ids
-from ckpt.store.blocks import BlockStore, IngestStats
+from ckpt.store.blocks import ID_LEN as PAGE_ID_SIZE, PAGE, BlockStore, IngestStats
 from ckpt.store.fsutil import (DIR_MODE, FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir,
                                translate_os_error)
 from ckpt.store.lock import store_lock
@@ -333,13 +333,15 @@ class Store:
                 return path, codec
         return None
 
-    def ingest(self, staging: DumpStaging, codec: str, reporter: Reporter = NullReporter()
-               ) -> tuple[list[FileEntry], int, IngestStats]:
+    def ingest(self, staging: DumpStaging, codec: str, reporter: Reporter = NullReporter(),
+               complete_page_lists=None) -> tuple[list[FileEntry], int, IngestStats]:
         """Moves every image file of the staging area into the store, durably.
 
         pages-*.img go to the block store (only pages the store lacks are written); every other
-        file becomes an object. Returns the file entries, the bytes this added to the store and
-        the block figures.
+        file becomes an object. complete_page_lists, when given, is called with the page lists
+        before anything else is stored: it may lengthen them with pages the store already
+        holds (dirty-page tracking) and returns how many pages it added. Returns the file
+        entries, the bytes this added to the store and the block figures.
         """
         if codec not in DUMP_CODECS:
             raise StoreError(f"unknown compression '{codec}'", hint=f"use one of: {', '.join(DUMP_CODECS)}")
@@ -359,10 +361,16 @@ class Store:
                 page_lists, block_stats, _ = self.blocks.ingest(
                     page_images, lambda image: codec if codec == "none" or _worth_compressing(image) else "none")
                 added += block_stats.bytes_new
-                for image in page_images:
-                    digest, stored, new = self._put_bytes(page_lists[image.name])
+                if complete_page_lists is not None:
+                    from_parent = complete_page_lists(page_lists)
+                    block_stats.pages += from_parent
+                    block_stats.bytes_dedup += from_parent * PAGE
+                    # The pagemaps were rewritten: take their sizes again.
+                    sizes = {name: len(page_list) // PAGE_ID_SIZE * PAGE for name, page_list in page_lists.items()}
+                for name in sorted(page_lists):  # completion may name a pages image CRIU left empty
+                    digest, stored, new = self._put_bytes(page_lists[name])
                     added += new
-                    entries.append(FileEntry(image.name, sizes[image.name], digest, "pages", stored, kind="pages"))
+                    entries.append(FileEntry(name, sizes[name], digest, "pages", stored, kind="pages"))
                 for path in other_files:
                     size = path.stat().st_size
                     digest = hash_file(path)
@@ -473,6 +481,18 @@ class Store:
         if digest != entry.hash:
             raise DamagedCheckpoint(f"image {entry.name} is damaged: its content hash is {digest[:16]}…, "
                                     f"the manifest says {entry.hash[:16]}…")
+
+    def materialize_parent(self, manifest: Manifest, dest: Path) -> None:
+        """Lays out a checkpoint as the parent images of a dirty-tracking dump: CRIU reads only
+        the parent's inventory and pagemaps, so its pages images are left as sparse files of
+        their size (no page is read or written)."""
+        make_private_dir(dest)
+        for entry in manifest.files:
+            if entry.kind == "pages":
+                with open(os.open(dest / entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
+                    f.truncate(entry.size)
+            elif entry.name == "inventory.img" or entry.name.startswith("pagemap-"):
+                self.check_entry(entry, dest / entry.name)
 
     def materialize(self, manifest: Manifest, reporter: Reporter = NullReporter(), skip_pages: bool = False) -> Path:
         """Writes the checkpoint's images into a fresh restore-* directory, verifying each.

@@ -1,0 +1,148 @@
+"""Dirty-page tracking (soft-dirty): a second dump of a mostly unchanged process reads only the
+pages written since the first, freezes it for less time, and is stored self-contained.
+
+These need a kernel with soft-dirty; the hosts of this project have none, so `make vm-test`
+runs them in a VM with Debian's stock kernel, where CKPT_REQUIRE_DIRTY_TRACKING=1 turns a
+missing feature into a failure instead of a skip.
+"""
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from tests.helpers import alive, ckpt, ckpt_json, read_lines, wait_until
+
+pytestmark = pytest.mark.dirty_tracking
+
+# Read at import: the isolated_env fixture clears CKPT_* variables before each test.
+REQUIRED = os.environ.get("CKPT_REQUIRE_DIRTY_TRACKING") == "1"
+FIGURES = os.environ.get("CKPT_TEST_FIGURES")
+SIZE_MIB = 128
+SMALL_MIB = 64  # for the tests that dump many times (the VM emulates its CPU: minutes count)
+DIRTY_PAGES = 256
+
+
+def _criu() -> str:
+    return "/usr/local/sbin/criu" if os.path.exists("/usr/local/sbin/criu") else "criu"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def soft_dirty():
+    probe = subprocess.run([_criu(), "check", "--feature", "mem_dirty_track"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        message = "this kernel has no dirty-page tracking (soft-dirty); 'make vm-test' runs these tests"
+        if REQUIRED:
+            pytest.fail(message + ": " + (probe.stdout + probe.stderr).strip())
+        pytest.skip(message)
+
+
+def record(figures: dict) -> None:
+    if FIGURES:
+        with open(FIGURES, "a") as f:
+            f.write(json.dumps(figures) + "\n")
+
+
+class Memory:
+    """The dirtymem fixture and its replies."""
+
+    def __init__(self, procs, tmp_path, thp: str, size_mib: int = SIZE_MIB):
+        self.out = tmp_path / f"mem-{thp}.txt"
+        self.proc = procs.start("dirtymem.py", self.out, size_mib, thp, DIRTY_PAGES)
+        self.pid = self.proc.pid
+        wait_until(lambda: "ready" in read_lines(self.out), timeout=120, what="dirtymem to fill its memory")
+
+    def _ask(self, pid: int, sig: int, prefix: str) -> str:
+        before = len(read_lines(self.out))
+        os.kill(pid, sig)
+        wait_until(lambda: len([x for x in read_lines(self.out)[before:] if x.startswith(prefix)]) > 0,
+                   timeout=120, what=f"reply '{prefix}'")
+        return [x for x in read_lines(self.out)[before:] if x.startswith(prefix)][0]
+
+    def checksum(self, pid: int | None = None) -> str:
+        return self._ask(pid or self.pid, signal.SIGUSR1, "sum ").split()[1]
+
+    def dirty(self) -> None:
+        self._ask(self.pid, signal.SIGUSR2, "dirtied")
+
+
+def test_second_dump_reads_only_dirty_pages_and_stands_alone(procs, tmp_path):
+    mem = Memory(procs, tmp_path, "off")
+    first = ckpt_json("dump", mem.pid, "--name", "mem")
+    assert first["dirty_tracking"] == {"target": first["dirty_tracking"]["target"], "parent": None,
+                                       "pages_from_parent": 0}
+    assert first["pages_dumped"] >= SIZE_MIB * 256  # every page of the mapping was read
+    mem.dirty()
+    second = ckpt_json("dump", mem.pid, "--name", "mem")
+    expected = mem.checksum()
+    tracking = second["dirty_tracking"]
+    assert tracking["parent"] == first["id"]
+    # Only the dirtied pages (plus the interpreter's own few) were read while frozen...
+    assert second["pages_dumped"] < first["pages_dumped"] / 10, (first, second)
+    assert tracking["pages_from_parent"] >= SIZE_MIB * 256 - DIRTY_PAGES
+    # ...and frozen for less time.
+    assert second["freeze_ms"] < first["freeze_ms"], (first["freeze_ms"], second["freeze_ms"])
+    # The checkpoint is whole: same logical pages as the first.
+    assert second["pages"] >= first["pages"] - 64
+    record({"test": "thp off", "size_mib": SIZE_MIB, "dirtied_pages": DIRTY_PAGES,
+            "first": {k: first[k] for k in ("pages_dumped", "bytes_stored", "freeze_ms", "duration_ms")},
+            "second": {k: second[k] for k in ("pages_dumped", "bytes_stored", "freeze_ms", "duration_ms")}})
+
+    # Self-contained: with the parent removed and the store pruned, the second restores whole.
+    procs.kill_tree(mem.pid)
+    wait_until(lambda: not alive(mem.pid), what="the target to end")
+    ckpt("rm", first["id"])
+    ckpt("prune")
+    assert all(not r["problems"] for r in ckpt_json("verify", "--all"))
+    restored = ckpt_json("restore", second["id"])
+    procs.adopt(restored["pid"])
+    assert mem.checksum(restored["pid"]) == expected
+
+
+def test_a_dump_into_another_store_forces_a_full_dump(procs, tmp_path, isolated_env):
+    """Another store's dump clears the soft-dirty bits too: trusting them would lose the pages
+    written before it. The next dump into the first store must read everything."""
+    mem = Memory(procs, tmp_path, "off", SMALL_MIB)
+    first = ckpt_json("dump", mem.pid)
+    mem.dirty()
+    other = ckpt_json("dump", mem.pid, env={"CKPT_STORE": str(tmp_path / "other-store")})
+    assert other["dirty_tracking"]["parent"] is None
+    mem.dirty()
+    third = ckpt_json("dump", mem.pid)
+    assert third["dirty_tracking"]["parent"] is None
+    assert third["pages_dumped"] >= SMALL_MIB * 256
+    # And a failed dump (here: its checkpoint removed before the next) is never a parent.
+    fourth = ckpt_json("dump", mem.pid)
+    assert fourth["dirty_tracking"]["parent"] == third["id"]
+    ckpt("rm", fourth["id"])
+    mem.dirty()
+    fifth = ckpt_json("dump", mem.pid)
+    assert fifth["dirty_tracking"]["parent"] is None
+    expected = mem.checksum()
+    procs.kill_tree(mem.pid)
+    wait_until(lambda: not alive(mem.pid), what="the target to end")
+    restored = ckpt_json("restore", fifth["id"])
+    procs.adopt(restored["pid"])
+    assert mem.checksum(restored["pid"]) == expected
+    assert first["id"] != fifth["id"]
+
+
+def test_huge_pages_and_a_stopping_dump(procs, tmp_path):
+    """With transparent huge pages the kernel tracks 2 MiB at a time: more is read, nothing is
+    lost. A --stop dump (moving a process) uses the parent as well."""
+    mem = Memory(procs, tmp_path, "on", SMALL_MIB)
+    first = ckpt_json("dump", mem.pid)
+    mem.dirty()
+    expected = mem.checksum()
+    second = ckpt_json("dump", mem.pid, "--stop")
+    assert second["dirty_tracking"]["parent"] == first["id"]
+    assert second["pages_dumped"] < first["pages_dumped"]
+    record({"test": "thp on, --stop", "size_mib": SMALL_MIB, "dirtied_pages": DIRTY_PAGES,
+            "first": {k: first[k] for k in ("pages_dumped", "bytes_stored", "freeze_ms")},
+            "second": {k: second[k] for k in ("pages_dumped", "bytes_stored", "freeze_ms")}})
+    wait_until(lambda: not alive(mem.pid), what="the stopped target to end")
+    restored = ckpt_json("restore", second["id"])
+    procs.adopt(restored["pid"])
+    assert mem.checksum(restored["pid"]) == expected
