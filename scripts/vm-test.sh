@@ -17,6 +17,10 @@
 #    boot, or tests that did not run (none collected, any skipped), fail the run.
 set -euo pipefail
 
+# All of it runs inside main, which bash reads whole before running: editing this file while
+# a run is in progress cannot change what that run does.
+main() {
+
 here=$(cd "$(dirname "$0")" && pwd)
 project=$(cd "$here/.." && pwd)
 cache=${CKPT_VM_CACHE:-/var/cache/ckpt-vm}
@@ -37,12 +41,18 @@ need=()
 command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
+command -v vagrant >/dev/null || need+=(vagrant)
+dpkg -s vagrant-libvirt >/dev/null 2>&1 || need+=(vagrant-libvirt)
 if [ ${#need[@]} -gt 0 ]; then
     say "installing ${need[*]}"
     apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null \
         || die "could not install ${need[*]} with apt-get"
 fi
+
+# The Vagrantfile users start from (vagrant/README.md) must at least be valid.
+(cd "$project/vagrant" && vagrant validate >/dev/null) || die "vagrant/Vagrantfile does not validate ('cd vagrant && vagrant validate')"
+say "vagrant/Vagrantfile validates"
 
 # ---- the image recipe and its key ----------------------------------------------------------
 . /etc/os-release
@@ -78,15 +88,6 @@ trap cleanup EXIT
     | grep -viE '^(pycriu|ckpt)( |=|@)' | grep -v '^-e ' > "$work/requirements.txt"
 packages="linux-image-amd64,initramfs-tools,kmod,iproute2,procps,python3,python3-venv,tini,nftables,util-linux"
 packages="$packages,$(criu_lib_packages | paste -sd, -)"
-key=$( {
-    echo "suite=$suite packages=$packages python=$guest_python"
-    cat "$here/vm/guest-init.sh" "$work/requirements.txt"
-    sed -n '/^# ---- the image recipe/,/^# ---- booting/p' "$0"
-    sha256sum "$criu_bin" | cut -d' ' -f1
-    cat "$project/.venv/.criu-lib" 2>/dev/null
-} | sha256sum | cut -c1-16)
-image_dir="$cache/$key"
-
 build_image() {
     local rootfs="$work/rootfs" wheels="$work/wheelhouse" staging="$cache/.building-$key"
     say "building the guest image $key (Debian $suite, about 2 minutes; cached in $cache)"
@@ -123,6 +124,16 @@ build_image() {
     find "$cache" -mindepth 1 -maxdepth 1 -type d ! -name "$key" ! -name ".building-$key" -exec rm -rf {} +
     mv "$staging" "$image_dir"
 }
+
+key=$( {
+    echo "suite=$suite packages=$packages python=$guest_python"
+    cat "$here/vm/guest-init.sh" "$work/requirements.txt"
+    declare -f build_image  # the recipe itself
+    sha256sum "$criu_bin" | cut -d' ' -f1
+    cat "$project/.venv/.criu-lib" 2>/dev/null
+} | sha256sum | cut -c1-16)
+image_dir="$cache/$key"
+
 
 [ -f "$image_dir/disk.img" ] || build_image
 say "guest image $image_dir"
@@ -205,3 +216,6 @@ EOF
 rc=$(cat "$out/rc")
 [ "$rc" = 0 ] || die "the guest's tests exited with status $rc (logs: $results)"
 say "passed (logs: $results)"
+}
+
+main "$@"

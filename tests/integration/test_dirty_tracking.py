@@ -137,12 +137,15 @@ def test_huge_pages_and_a_stopping_dump(procs, tmp_path):
     mem.dirty()
     expected = mem.checksum()
     second = ckpt_json("dump", mem.pid, "--stop")
+    mem.proc.wait(timeout=30)  # reap it: its PID must be free for the restore
     assert second["dirty_tracking"]["parent"] == first["id"]
-    assert second["pages_dumped"] < first["pages_dumped"]
+    # 256 random pages touch nearly every 2 MiB huge page of 64 MiB: nearly all is read again,
+    # yet the store, which dedups 4 KiB pages, takes only the changed ones.
+    assert second["pages_dumped"] <= first["pages_dumped"]
+    assert second["bytes_stored"] < 8 << 20, second
     record({"test": "thp on, --stop", "size_mib": SMALL_MIB, "dirtied_pages": DIRTY_PAGES,
             "first": {k: first[k] for k in ("pages_dumped", "bytes_stored", "freeze_ms")},
             "second": {k: second[k] for k in ("pages_dumped", "bytes_stored", "freeze_ms")}})
-    wait_until(lambda: not alive(mem.pid), what="the stopped target to end")
     restored = ckpt_json("restore", second["id"])
     procs.adopt(restored["pid"])
     assert mem.checksum(restored["pid"]) == expected
