@@ -148,7 +148,8 @@ boot() {  # boot ACCEL: runs the guest to its end; the console goes to stdout an
     [ "$accel" = kvm ] && cpu=host
     rm -f "$out/booted" "$out/rc"
     local started=$SECONDS
-    timeout --foreground -k 10 "$timeout_s" qemu-system-x86_64 \
+    # In a subshell: a QEMU that aborts (KVM refusing the guest) is reported below, not by bash.
+    ( timeout --foreground -k 10 "$timeout_s" qemu-system-x86_64 \
         -accel "$accel$([ "$accel" = tcg ] && echo ,thread=multi)" -cpu "$cpu" -smp 2 -m "$memory_mib" \
         -nodefaults -no-reboot -display none -serial stdio -nic none \
         -kernel "$image_dir/vmlinuz" -initrd "$image_dir/initrd.img" \
@@ -156,7 +157,7 @@ boot() {  # boot ACCEL: runs the guest to its end; the console goes to stdout an
         -drive "file=$image_dir/disk.img,format=raw,if=virtio,snapshot=on" \
         -virtfs "local,path=$project,mount_tag=project,security_model=none,readonly=on" \
         -virtfs "local,path=$out,mount_tag=out,security_model=none" \
-        </dev/null 2>"$work/qemu-$accel.err" | tee "$work/console-$accel.log"
+        </dev/null 2>"$work/qemu-$accel.err" | tee "$work/console-$accel.log" ) 2>/dev/null
     say "guest ($accel) ran for $((SECONDS - started)) s"
 }
 

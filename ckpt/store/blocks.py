@@ -132,6 +132,17 @@ class BlockIndex:
         self.files.append(name)
 
 
+def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
+    """Sorted positions as [start, end) runs of consecutive ones, each at most `longest` long."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and runs[-1][1] == p and p - runs[-1][0] < longest:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs
+
+
 def render_index(segments: list[Segment], entries: list[tuple[bytes, int, int]]) -> bytes:
     packs = sorted({s.pack for s in segments})
     pack_no = {p: i for i, p in enumerate(packs)}
@@ -215,35 +226,34 @@ class BlockStore:
                     try:
                         ids = [digest(view[i:i + PAGE], seed) for i in range(0, size, PAGE)]
                         page_lists[image.name] = b"".join(ids)
-                        run_start = None
                         image_stats = IngestStats(pages=n)
-                        for i, page_id in enumerate(ids + [None]):
-                            is_new = page_id is not None and page_id not in index.pages and page_id not in seen
-                            if is_new:
-                                seen.add(page_id)
-                                if run_start is None:
-                                    run_start = i
-                            if run_start is not None and (not is_new or i - run_start == SEGMENT_PAGES):
-                                end = i
-                                if out is None:
-                                    make_private_dir(pack_path.parent)
-                                    out = open(os.open(pack_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb")
-                                raw = view[run_start * PAGE:end * PAGE]  # released below
-                                stored = _encode(codec, raw)
-                                if codec != "none" and len(stored) >= len(raw):
-                                    stored, used = bytes(raw), "none"
-                                else:
-                                    used = codec
-                                raw.release()
-                                out.write(stored)
-                                seg_no = len(segments)
-                                segments.append(Segment(pack, offset, len(stored), end - run_start, CODECS[used],
-                                                        xxhash.xxh3_128_digest(stored)))
-                                entries += [(ids[k], seg_no, k - run_start) for k in range(run_start, end)]
-                                offset += len(stored)
-                                image_stats.new_pages += end - run_start
-                                image_stats.bytes_new += len(stored)
-                                run_start = i if is_new else None
+                        # Most pages are known: find the new ones in one pass, then store them
+                        # as runs of consecutive pages (a page repeated in this dump once).
+                        known = index.pages
+                        fresh = []
+                        for i in [i for i, page_id in enumerate(ids) if page_id not in known]:
+                            if ids[i] not in seen:
+                                seen.add(ids[i])
+                                fresh.append(i)
+                        for run_start, end in _runs(fresh, SEGMENT_PAGES):
+                            if out is None:
+                                make_private_dir(pack_path.parent)
+                                out = open(os.open(pack_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb")
+                            raw = view[run_start * PAGE:end * PAGE]  # released below
+                            stored = _encode(codec, raw)
+                            if codec != "none" and len(stored) >= len(raw):
+                                stored, used = bytes(raw), "none"
+                            else:
+                                used = codec
+                            raw.release()
+                            out.write(stored)
+                            seg_no = len(segments)
+                            segments.append(Segment(pack, offset, len(stored), end - run_start, CODECS[used],
+                                                    xxhash.xxh3_128_digest(stored)))
+                            entries += [(ids[k], seg_no, k - run_start) for k in range(run_start, end)]
+                            offset += len(stored)
+                            image_stats.new_pages += end - run_start
+                            image_stats.bytes_new += len(stored)
                         image_stats.bytes_dedup = (n - image_stats.new_pages) * PAGE
                         stats.add(image_stats)
                     finally:

@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -109,9 +110,44 @@ def _remove_empty_ram_dir(path: Path) -> None:
             pass
 
 
+LARGE_TREE = 512 << 20
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for sub in (path, path / "images"):
+        try:
+            total += sum(e.stat().st_size for e in os.scandir(sub) if e.is_file(follow_symlinks=False))
+        except OSError:
+            pass
+    return total
+
+
+def remove_tree(path: Path) -> None:
+    """Removes a staging or restore directory.
+
+    Freeing a large one takes a while (about 0.2 s per GiB in tmpfs) that the user should not
+    wait for: it is renamed to trash-* at once and removed by a detached `rm`. If that rm is
+    killed, the next dump's sweep of leftovers removes the trash-* directory."""
+    if _tree_bytes(path) >= LARGE_TREE:
+        trash = path.with_name(f"trash-{secrets.token_hex(6)}")
+        try:
+            os.rename(path, trash)
+        except OSError:
+            trash = None
+        if trash is not None:
+            try:
+                subprocess.Popen(["rm", "-rf", "--", str(trash)], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                return
+            except OSError:
+                path = trash
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def discard(images_dir: Path) -> None:
     """Removes a materialised images directory (and its RAM staging parent once empty)."""
-    shutil.rmtree(images_dir, ignore_errors=True)
+    remove_tree(images_dir)
     _remove_empty_ram_dir(images_dir.parent)
 
 
@@ -163,7 +199,7 @@ class DumpStaging:
         return sorted(p for p in self.images_dir.iterdir() if p.is_file())
 
     def remove(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove_tree(self.root)
         os.close(self._owner_fd)
         _remove_empty_ram_dir(self.root.parent)
 
