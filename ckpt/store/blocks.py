@@ -94,8 +94,31 @@ class BlockIndex:
     def __init__(self) -> None:
         self.segment_list: list[Segment] = []
         self.segment_file: list[str] = []
-        self.pages: dict[bytes, int] = {}
         self.files: list[str] = []
+        # Per index file: (its page ids, their segment numbers, their positions, segment base).
+        self._columns: list[tuple[list[bytes], array.array, array.array, int]] = []
+        self._pages: dict[bytes, int] | None = None
+        self._known: set[bytes] | None = None
+
+    @property
+    def pages(self) -> dict[bytes, int]:
+        """Page id -> location (built on first use: a dump needs only `known`)."""
+        if self._pages is None:
+            pages: dict[bytes, int] = {}
+            for ids, segs, within, base in self._columns:
+                pages.update(zip(ids, [(base + g) << 16 | w for g, w in zip(segs, within)]))
+            self._pages = pages
+        return self._pages
+
+    @property
+    def known(self) -> set[bytes]:
+        """The ids of every page the store holds (a set builds in half the time of `pages`)."""
+        if self._known is None:
+            known: set[bytes] = set()
+            for ids, _, _, _ in self._columns:
+                known.update(ids)
+            self._known = known
+        return self._known
 
     def segment_of(self, location: int) -> tuple[int, int]:
         return location >> 16, location & 0xFFFF
@@ -128,7 +151,8 @@ class BlockIndex:
         except (struct.error, ValueError, UnicodeDecodeError) as exc:
             raise DamagedCheckpoint(f"index file {name} is damaged ({exc})") from None
         ids = [data[o:o + ID_LEN] for o in range(pos, ids_end, ID_LEN)]
-        self.pages.update(zip(ids, [(base + g) << 16 | w for g, w in zip(segs, within)]))
+        self._columns.append((ids, segs, within, base))
+        self._pages = self._known = None
         self.files.append(name)
 
 
@@ -229,7 +253,7 @@ class BlockStore:
                         image_stats = IngestStats(pages=n)
                         # Most pages are known: find the new ones in one pass, then store them
                         # as runs of consecutive pages (a page repeated in this dump once).
-                        known = index.pages
+                        known = index.known
                         fresh = []
                         for i in [i for i, page_id in enumerate(ids) if page_id not in known]:
                             if ids[i] not in seen:
@@ -284,77 +308,152 @@ class BlockStore:
 
     # ---- reading --------------------------------------------------------------------------
 
-    def _segment_data(self, key, cache: dict, fds: dict) -> bytes:
-        if key in cache:
-            return cache[key]
-        seg = self.index().segment_list[key]
-        fd = fds.get(seg.pack)
-        if fd is None:
-            try:
-                fd = fds[seg.pack] = os.open(self.pack_path(seg.pack), os.O_RDONLY)
-            except FileNotFoundError:
-                raise DamagedCheckpoint(f"pack {seg.pack} is missing from the store") from None
-        stored = os.pread(fd, seg.length, seg.offset)
-        if len(stored) != seg.length or xxhash.xxh3_128_digest(stored) != seg.checksum:
-            raise DamagedCheckpoint(f"pack {seg.pack} is damaged at offset {seg.offset}")
-        try:
-            data = _decode(seg.codec, stored)
-        except Exception as exc:  # any decoder error means the same: damaged data
-            raise DamagedCheckpoint(f"pack {seg.pack}: segment at {seg.offset} cannot be decoded ({exc})") from exc
-        cache.clear()  # pages are read in order: one segment at a time is enough
-        cache[key] = data
-        return data
-
     def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False) -> None:
         """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
 
         Segments are checked against their checksums; with check_ids every page is also
-        rehashed against its id (`ckpt verify`).
+        rehashed against its id (`ckpt verify`). Uncompressed segments are checked through a
+        mapping of the pack and copied by the kernel (sendfile): the bytes never pass through
+        a Python buffer, which halves the memory traffic of a restore.
         """
         index = self.index()
-        cache: dict = {}
-        fds: dict = {}
-        out = open(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb", buffering=8 << 20) \
-            if dest is not None else None
+        n = len(page_list) // ID_LEN
+        ids = [page_list[i:i + ID_LEN] for i in range(0, n * ID_LEN, ID_LEN)]
+        locations = list(map(index.pages.get, ids))
+        if None in locations:
+            missing = locations.index(None)
+            raise DamagedCheckpoint(f"image {image_name}: page {missing} is missing from the store")
+        # Runs of pages that follow each other within one segment: location + 1 is the next page.
+        starts = [0] + [i for i in range(1, n) if locations[i] != locations[i - 1] + 1]
+        reader = _SegmentReader(self, index)
+        out_fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE) if dest is not None else None
         try:
-            run_key = None
-            run_from = run_to = 0
-            for i in range(0, len(page_list), ID_LEN):
-                page_id = page_list[i:i + ID_LEN]
-                location = index.pages.get(page_id)
-                if location is None:
-                    raise DamagedCheckpoint(f"image {image_name}: page {i // ID_LEN} is missing from the store")
-                key, within = location >> 16, location & 0xFFFF
-                if key == run_key and within == run_to:
-                    run_to += 1
-                    continue
-                if run_key is not None:
-                    self._emit(run_key, run_from, run_to, cache, fds, out, check_ids, image_name, page_list,
-                               i // ID_LEN - (run_to - run_from))
-                run_key, run_from, run_to = key, within, within + 1
-            if run_key is not None:
-                self._emit(run_key, run_from, run_to, cache, fds, out, check_ids, image_name, page_list,
-                           len(page_list) // ID_LEN - (run_to - run_from))
+            for k, first in enumerate(starts):
+                end = starts[k + 1] if k + 1 < len(starts) else n
+                key, within = locations[first] >> 16, locations[first] & 0xFFFF
+                count = end - first
+                if check_ids:
+                    chunk = reader.pages(key, within, count)
+                    for j in range(count):
+                        if self.page_id(chunk[j * PAGE:(j + 1) * PAGE]) != ids[first + j]:
+                            raise DamagedCheckpoint(f"image {image_name}: page {first + j} does not match its id")
+                    if out_fd is not None:
+                        _write_all(out_fd, chunk)
+                elif out_fd is not None:
+                    reader.copy(key, within, count, out_fd)
+                else:
+                    reader.pages(key, within, count)  # checks the segment's checksum
         except DamagedCheckpoint as exc:
             if image_name in exc.message:
                 raise
             raise DamagedCheckpoint(f"image {image_name}: {exc.message}") from None
         finally:
-            for fd in fds.values():
-                os.close(fd)
-            if out is not None:
-                out.close()
+            reader.close()
+            if out_fd is not None:
+                os.close(out_fd)
 
-    def _emit(self, key, first, end, cache, fds, out, check_ids, image_name, page_list, list_pos) -> None:
-        data = self._segment_data(key, cache, fds)
-        chunk = memoryview(data)[first * PAGE:end * PAGE]
-        if check_ids:
-            for k in range(end - first):
-                want = page_list[(list_pos + k) * ID_LEN:(list_pos + k + 1) * ID_LEN]
-                if self.page_id(chunk[k * PAGE:(k + 1) * PAGE]) != want:
-                    raise DamagedCheckpoint(f"image {image_name}: page {list_pos + k} does not match its id")
-        if out is not None:
-            out.write(chunk)
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+class _SegmentReader:
+    """Reads pages out of packs, checking each segment's checksum once."""
+
+    def __init__(self, blocks: BlockStore, index: BlockIndex):
+        self.blocks = blocks
+        self.index = index
+        self.fds: dict[str, int] = {}
+        self.maps: dict[str, mmap.mmap] = {}
+        self.checked: set[int] = set()
+        self.decoded_key: int | None = None
+        self.decoded: bytes = b""
+
+    def _fd(self, pack: str) -> int:
+        fd = self.fds.get(pack)
+        if fd is None:
+            try:
+                fd = self.fds[pack] = os.open(self.blocks.pack_path(pack), os.O_RDONLY)
+            except FileNotFoundError:
+                raise DamagedCheckpoint(f"pack {pack} is missing from the store") from None
+        return fd
+
+    def _stored(self, seg: Segment):
+        """The segment's stored bytes, as a view of the mapped pack (no copy)."""
+        mm = self.maps.get(seg.pack)
+        if mm is None:
+            fd = self._fd(seg.pack)
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise DamagedCheckpoint(f"pack {seg.pack} is empty")
+            mm = self.maps[seg.pack] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        if seg.offset + seg.length > len(mm):
+            raise DamagedCheckpoint(f"pack {seg.pack} is damaged at offset {seg.offset} (truncated)")
+        return memoryview(mm)[seg.offset:seg.offset + seg.length]
+
+    def _check(self, key: int, seg: Segment, stored) -> None:
+        if key not in self.checked:
+            if xxhash.xxh3_128_digest(stored) != seg.checksum:
+                raise DamagedCheckpoint(f"pack {seg.pack} is damaged at offset {seg.offset}")
+            self.checked.add(key)
+
+    def _segment(self, key: int, within: int, count: int) -> Segment:
+        seg = self.index.segment_list[key]
+        if within + count > seg.pages or (seg.codec == CODECS["none"] and seg.length != seg.pages * PAGE):
+            raise DamagedCheckpoint(f"the index of pack {seg.pack} is damaged (segment at {seg.offset})")
+        return seg
+
+    def pages(self, key: int, within: int, count: int):
+        """count pages from position within of segment key, checked and decoded."""
+        seg = self._segment(key, within, count)
+        if seg.codec == CODECS["none"]:
+            stored = self._stored(seg)
+            try:
+                self._check(key, seg, stored)
+                return bytes(stored[within * PAGE:(within + count) * PAGE])
+            finally:
+                stored.release()
+        if self.decoded_key != key:
+            stored = self._stored(seg)
+            try:
+                self._check(key, seg, stored)
+                try:
+                    self.decoded = _decode(seg.codec, bytes(stored))
+                except Exception as exc:  # any decoder error means the same: damaged data
+                    raise DamagedCheckpoint(
+                        f"pack {seg.pack}: segment at {seg.offset} cannot be decoded ({exc})") from exc
+            finally:
+                stored.release()
+            self.decoded_key = key
+        return memoryview(self.decoded)[within * PAGE:(within + count) * PAGE]
+
+    def copy(self, key: int, within: int, count: int, out_fd: int) -> None:
+        seg = self._segment(key, within, count)
+        if seg.codec != CODECS["none"]:
+            _write_all(out_fd, self.pages(key, within, count))
+            return
+        stored = self._stored(seg)
+        try:
+            self._check(key, seg, stored)
+        finally:
+            stored.release()
+        offset, remaining = seg.offset + within * PAGE, count * PAGE
+        fd = self._fd(seg.pack)
+        while remaining:
+            sent = os.sendfile(out_fd, fd, offset, remaining)
+            if sent == 0:
+                raise DamagedCheckpoint(f"pack {seg.pack} is damaged at offset {offset} (truncated)")
+            offset += sent
+            remaining -= sent
+
+    def close(self) -> None:
+        for mm in self.maps.values():
+            mm.close()
+        for fd in self.fds.values():
+            os.close(fd)
 
 
 def parallel_fsync(paths: list[Path]) -> None:

@@ -122,6 +122,23 @@ def test_damaged_pack_is_detected(store):
         store.materialize(m)
 
 
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_or_truncated_pack_is_refused_whatever_the_codec(store, codec, damage):
+    """Uncompressed segments are copied by the kernel: their checksum is still checked first."""
+    data = os.urandom(PAGE * 300) if codec == "none" else bytes(PAGE * 150) + os.urandom(PAGE * 150)
+    m = fake_dump(store, {"pages-1.img": data}, codec=codec)
+    assert store.materialize(m).joinpath("pages-1.img").read_bytes() == data
+    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    if damage == "flip":
+        flip_byte(pack, pack.stat().st_size - PAGE)
+    else:
+        os.truncate(pack, pack.stat().st_size - 100)
+    assert store.verify(m)
+    with pytest.raises(DamagedCheckpoint, match="pages-1.img"):
+        store.materialize(m)
+
+
 def test_pages_dedup_even_when_mappings_move(store):
     """Pages are named by content: the same pages at other offsets (a mapping added before
     them) are not stored again; a changed page costs one page."""
