@@ -110,7 +110,6 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
                 parent_img = "../parent"  # CRIU takes it relative to the images directory
         criu_options = CriuOptions(images_dir=staging.images_dir, log_dir=log_dir, log_name="dump.log",
                                    pid=request.pid, parent_img=parent_img, **options_used)
-        store.blocks.prefetch_index()
         committed: list[Manifest] = []
         marks: dict[str, float] = {}
 

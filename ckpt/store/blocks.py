@@ -16,7 +16,6 @@ import mmap
 import os
 import secrets
 import struct
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,22 +192,6 @@ class BlockStore:
         # Page ids are keyed: a process cannot craft pages that collide with another's.
         self.seed = int.from_bytes(key_path.read_bytes()[:8], "little")
         self._index: BlockIndex | None = None
-        self._prefetch: threading.Thread | None = None
-
-    def prefetch_index(self) -> None:
-        """Starts loading the index (the set of known pages) in a background thread.
-
-        A dump calls it before CRIU runs: ckpt only waits on CRIU's socket meanwhile, so the
-        load overlaps the dump instead of following it. The caller must hold the store lock
-        (no prune can change the index files meanwhile)."""
-        def load() -> None:
-            try:
-                _ = self.index().known
-            except Exception:  # noqa: BLE001  the caller's own index() call raises it again
-                self._index = None
-
-        self._prefetch = threading.Thread(target=load, name="ckpt-index-prefetch", daemon=True)
-        self._prefetch.start()
 
     def page_id(self, page) -> bytes:
         return xxhash.xxh3_128_digest(page, self.seed)
@@ -217,10 +200,6 @@ class BlockStore:
         return self.packs_dir / pack[:2] / pack
 
     def index(self) -> BlockIndex:
-        prefetch = self._prefetch
-        if prefetch is not None and prefetch is not threading.current_thread():
-            prefetch.join()
-            self._prefetch = None
         if self._index is None:
             index = BlockIndex()
             for path in sorted(self.index_dir.glob("*")) if self.index_dir.exists() else []:
