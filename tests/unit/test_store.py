@@ -200,3 +200,29 @@ def test_exclusive_lock_waits_and_names_holder(store, tmp_path):
         holder.wait()
     with store.lock(exclusive=True, timeout=2):
         pass  # released by the kernel when its holder died
+
+
+def test_runs_of_new_pages_are_consecutive_and_bounded():
+    from ckpt.store.blocks import _runs
+
+    assert _runs([], 4) == []
+    assert _runs([1, 2, 3, 7, 8, 10], 2) == [(1, 3), (3, 4), (7, 9), (10, 11)]
+    assert _runs(list(range(10)), 256) == [(0, 10)]
+
+
+def test_large_staging_is_moved_aside_at_once_and_removed_in_the_background(tmp_path, monkeypatch):
+    from ckpt.store import repository
+
+    monkeypatch.setattr(repository, "LARGE_TREE", 1 << 20)
+    small, large = tmp_path / "dump-small", tmp_path / "dump-large"
+    for path, size in ((small, 1000), (large, 2 << 20)):
+        (path / "images").mkdir(parents=True)
+        (path / "images" / "pages-1.img").write_bytes(b"x" * size)
+    repository.remove_tree(small)
+    assert not small.exists()
+    repository.remove_tree(large)
+    assert not large.exists()  # renamed to trash-* before returning
+    deadline = time.monotonic() + 10
+    while list(tmp_path.glob("trash-*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.iterdir()) == []
