@@ -16,7 +16,7 @@ from pathlib import Path
 from ckpt import incremental, procs
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
-from ckpt.errors import CkptError, ProcessNotFound
+from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store, ids
 
@@ -106,8 +106,13 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
             # committed, the next one knows not to trust them (see ckpt/incremental.py).
             incremental.TrackingLog().record_attempt(tracking.target, store.root, checkpoint_id)
             if tracking.parent is not None:
-                store.materialize_parent(tracking.parent, staging.root / "parent")
-                parent_img = "../parent"  # CRIU takes it relative to the images directory
+                try:
+                    store.materialize_parent(tracking.parent, staging.root / "parent")
+                    parent_img = "../parent"  # CRIU takes it relative to the images directory
+                except DamagedCheckpoint as exc:
+                    # A damaged older checkpoint must not stop a new one: read every page.
+                    reporter.warn(f"{exc.message}; dirty-page tracking reads every page this time")
+                    tracking = TrackingPlan(tracking.target, None)
         criu_options = CriuOptions(images_dir=staging.images_dir, log_dir=log_dir, log_name="dump.log",
                                    pid=request.pid, parent_img=parent_img, **options_used)
         committed: list[Manifest] = []
@@ -186,20 +191,15 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
     for proc in processes:
         proc["command"] = commands.get(proc["pid"], proc.get("comm", "?"))
     completion = None
-    from_parent = [0]
     if tracking is not None and tracking.parent is not None:
-        complete = incremental.completer(image_dir, staging.root / "parent",
-                                         {e.name: e for e in tracking.parent.files}, store.load_page_list)
-
-        def completion(page_lists: dict[str, bytes]) -> int:
-            from_parent[0] = complete(page_lists)
-            return from_parent[0]
+        completion = incremental.completer(image_dir, staging.root / "parent",
+                                           {e.name: e for e in tracking.parent.files}, store.load_page_list)
     entries, added, block_stats = store.ingest(staging, request.codec, reporter, completion)
     criu_facts = {"version": binary.version_text, "options": options_used, "tty": facts.has_tty}
     if tracking is not None:
         criu_facts["tracking"] = {"target": tracking.target.key,
                                   "parent": tracking.parent.id if tracking.parent else None,
-                                  "pages_from_parent": from_parent[0]}
+                                  "pages_from_parent": block_stats.pages_from_parent}
     manifest = Manifest(
         id=checkpoint_id,
         name=request.name,
@@ -214,7 +214,7 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
                "pages_scanned": stats.get("pages_scanned"),
                "pages": block_stats.pages, "pages_new": block_stats.new_pages,
                # what CRIU read while the tree was frozen (with dirty tracking: the dirty pages)
-               "pages_dumped": block_stats.pages - from_parent[0],
+               "pages_dumped": block_stats.pages - block_stats.pages_from_parent,
                "bytes_dedup": block_stats.bytes_dedup,
                "compression_ratio": round(block_stats.new_pages * 4096 / block_stats.bytes_new, 2)
                if block_stats.bytes_new else None,

@@ -75,6 +75,7 @@ class IngestStats:
     new_pages: int = 0
     bytes_new: int = 0  # stored bytes of new segments
     bytes_dedup: int = 0  # raw bytes of pages the store already held
+    pages_from_parent: int = 0  # pages a dirty-tracking dump took from its parent checkpoint
 
     def add(self, other: IngestStats) -> None:
         self.pages += other.pages

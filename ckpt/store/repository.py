@@ -133,14 +133,11 @@ def remove_tree(path: Path) -> None:
         trash = path.with_name(f"trash-{secrets.token_hex(6)}")
         try:
             os.rename(path, trash)
+            subprocess.Popen(["rm", "-rf", "--", str(trash)], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            return
         except OSError:
-            trash = None
-        if trash is not None:
-            try:
-                subprocess.Popen(["rm", "-rf", "--", str(trash)], stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-                return
-            except OSError:
+            if trash.exists():
                 path = trash
     shutil.rmtree(path, ignore_errors=True)
 
@@ -404,6 +401,7 @@ class Store:
                 added += block_stats.bytes_new
                 if complete_page_lists is not None:
                     from_parent = complete_page_lists(page_lists)
+                    block_stats.pages_from_parent = from_parent
                     block_stats.pages += from_parent
                     block_stats.bytes_dedup += from_parent * PAGE
                     # The pagemaps were rewritten: take their sizes again.
