@@ -9,7 +9,9 @@ from ckpt.verify import verify
 
 HELP = """Recompute the hash of every image of a checkpoint (or of all) and name what is damaged.
 
-Exit code 0 when everything is intact, 6 when something is damaged.
+Exit code 0 when everything is intact, 6 when something is damaged. Damage found is recorded
+in the store: later dumps never reuse damaged data, and a dump that meets the same content
+again stores a fresh copy, which heals the older checkpoints that named it.
 
 Examples:
 
@@ -47,4 +49,7 @@ def register(app: typer.Typer) -> None:
                     stderr.print(f"[green]ok[/green] {r['id']} ({r['files']} files)")
         if damaged:
             raise DamagedCheckpoint(f"{len(damaged)} of {len(results)} checkpoint(s) damaged: "
-                                    + ", ".join(r["id"] for r in damaged))
+                                    + ", ".join(r["id"] for r in damaged),
+                                    hint="damaged data is never reused: the next dump of a process "
+                                         "holding the same content stores it again and heals these; "
+                                         "otherwise remove them with 'ckpt rm'")

@@ -100,26 +100,48 @@ class BlockIndex:
         self._columns: list[tuple[list[bytes], array.array, array.array, int]] = []
         self._pages: dict[bytes, int] | None = None
         self._known: set[bytes] | None = None
+        # Segment numbers recorded as damaged (see "Damage and healing" in docs/design.md).
+        self.damaged: set[int] = set()
 
     @property
     def pages(self) -> dict[bytes, int]:
-        """Page id -> location (built on first use: a dump needs only `known`)."""
+        """Page id -> location (built on first use: a dump needs only `known`). A page with a
+        healthy copy and a damaged one is located at the healthy one."""
         if self._pages is None:
             pages: dict[bytes, int] = {}
+            damaged = self.damaged
             for ids, segs, within, base in self._columns:
-                pages.update(zip(ids, [(base + g) << 16 | w for g, w in zip(segs, within)]))
+                locations = [(base + g) << 16 | w for g, w in zip(segs, within)]
+                if not damaged:
+                    pages.update(zip(ids, locations))
+                    continue
+                for page_id, location in zip(ids, locations):  # rare: the store has recorded damage
+                    if location >> 16 in damaged:
+                        pages.setdefault(page_id, location)
+                    else:
+                        pages[page_id] = location
             self._pages = pages
         return self._pages
 
     @property
     def known(self) -> set[bytes]:
-        """The ids of every page the store holds (a set builds in half the time of `pages`)."""
+        """The ids of every page the store holds a healthy copy of (a set builds in half the
+        time of `pages`). A dump stores again the pages that are not known."""
         if self._known is None:
+            if self.damaged:
+                self._known = {i for i, location in self.pages.items() if location >> 16 not in self.damaged}
+                return self._known
             known: set[bytes] = set()
             for ids, _, _, _ in self._columns:
                 known.update(ids)
             self._known = known
         return self._known
+
+    def mark_damaged(self, keys) -> None:
+        new = set(keys) - self.damaged
+        if new:
+            self.damaged |= new
+            self._pages = self._known = None
 
     def segment_of(self, location: int) -> tuple[int, int]:
         return location >> 16, location & 0xFFFF
@@ -186,6 +208,7 @@ class BlockStore:
         self.root = root
         self.packs_dir = root / "packs"
         self.index_dir = root / "index"
+        self.damaged_dir = root / "damaged"
         key_path = root / "key"
         if not key_path.exists():
             make_private_dir(root)
@@ -207,8 +230,46 @@ class BlockStore:
                 if path.name.startswith("."):
                     continue
                 index.add_file(path.name, path.read_bytes())
+            markers = set(self.damage_markers())
+            if markers:
+                index.mark_damaged(key for key, seg in enumerate(index.segment_list)
+                                   if (seg.pack, seg.offset) in markers)
             self._index = index
         return self._index
+
+    # ---- damage markers (see "Damage and healing" in docs/design.md) -------------------------
+
+    def damage_markers(self) -> list[tuple[str, int]]:
+        """(pack, offset) of every segment recorded as damaged."""
+        try:
+            names = os.listdir(self.damaged_dir)
+        except FileNotFoundError:
+            return []
+        markers = []
+        for name in names:
+            pack, _, offset = name.partition("-")
+            if offset.isdigit():
+                markers.append((pack, int(offset)))
+        return markers
+
+    def record_damage(self, segment: Segment) -> None:
+        """Records a damaged segment so that no later dump reuses its pages. Best effort: a
+        store that cannot be written still reports the damage to the caller."""
+        try:
+            make_private_dir(self.damaged_dir)
+            os.close(os.open(self.damaged_dir / f"{segment.pack}-{segment.offset}",
+                             os.O_WRONLY | os.O_CREAT, FILE_MODE))
+        except OSError:
+            pass
+        if self._index is not None:
+            self._index.mark_damaged(key for key, seg in enumerate(self._index.segment_list)
+                                     if (seg.pack, seg.offset) == (segment.pack, segment.offset))
+
+    def drop_stale_markers(self, indexed: set[tuple[str, int]]) -> None:
+        """Deletes the markers of segments no index names any more (after a prune)."""
+        for pack, offset in self.damage_markers():
+            if (pack, offset) not in indexed:
+                (self.damaged_dir / f"{pack}-{offset}").unlink(missing_ok=True)
 
     def index_file_names(self) -> list[str]:
         return sorted(p.name for p in self.index_dir.glob("*") if not p.name.startswith(".")) \
@@ -337,6 +398,7 @@ class BlockStore:
                     chunk = reader.pages(key, within, count)
                     for j in range(count):
                         if self.page_id(chunk[j * PAGE:(j + 1) * PAGE]) != ids[first + j]:
+                            self.record_damage(index.segment_list[key])
                             raise DamagedCheckpoint(f"image {image_name}: page {first + j} does not match its id")
                     if out_fd is not None:
                         _write_all(out_fd, chunk)
@@ -373,38 +435,42 @@ class _SegmentReader:
         self.decoded_key: int | None = None
         self.decoded: bytes = b""
 
-    def _fd(self, pack: str) -> int:
-        fd = self.fds.get(pack)
+    def _damaged(self, seg: Segment, message: str) -> DamagedCheckpoint:
+        self.blocks.record_damage(seg)
+        return DamagedCheckpoint(message)
+
+    def _fd(self, seg: Segment) -> int:
+        fd = self.fds.get(seg.pack)
         if fd is None:
             try:
-                fd = self.fds[pack] = os.open(self.blocks.pack_path(pack), os.O_RDONLY)
+                fd = self.fds[seg.pack] = os.open(self.blocks.pack_path(seg.pack), os.O_RDONLY)
             except FileNotFoundError:
-                raise DamagedCheckpoint(f"pack {pack} is missing from the store") from None
+                raise self._damaged(seg, f"pack {seg.pack} is missing from the store") from None
         return fd
 
     def _stored(self, seg: Segment):
         """The segment's stored bytes, as a view of the mapped pack (no copy)."""
         mm = self.maps.get(seg.pack)
         if mm is None:
-            fd = self._fd(seg.pack)
+            fd = self._fd(seg)
             size = os.fstat(fd).st_size
             if size == 0:
-                raise DamagedCheckpoint(f"pack {seg.pack} is empty")
+                raise self._damaged(seg, f"pack {seg.pack} is empty")
             mm = self.maps[seg.pack] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         if seg.offset + seg.length > len(mm):
-            raise DamagedCheckpoint(f"pack {seg.pack} is damaged at offset {seg.offset} (truncated)")
+            raise self._damaged(seg, f"pack {seg.pack} is damaged at offset {seg.offset} (truncated)")
         return memoryview(mm)[seg.offset:seg.offset + seg.length]
 
     def _check(self, key: int, seg: Segment, stored) -> None:
         if key not in self.checked:
             if xxhash.xxh3_128_digest(stored) != seg.checksum:
-                raise DamagedCheckpoint(f"pack {seg.pack} is damaged at offset {seg.offset}")
+                raise self._damaged(seg, f"pack {seg.pack} is damaged at offset {seg.offset}")
             self.checked.add(key)
 
     def _segment(self, key: int, within: int, count: int) -> Segment:
         seg = self.index.segment_list[key]
         if within + count > seg.pages or (seg.codec == CODECS["none"] and seg.length != seg.pages * PAGE):
-            raise DamagedCheckpoint(f"the index of pack {seg.pack} is damaged (segment at {seg.offset})")
+            raise self._damaged(seg, f"the index of pack {seg.pack} is damaged (segment at {seg.offset})")
         return seg
 
     def pages(self, key: int, within: int, count: int):
@@ -424,8 +490,8 @@ class _SegmentReader:
                 try:
                     self.decoded = _decode(seg.codec, bytes(stored))
                 except Exception as exc:  # any decoder error means the same: damaged data
-                    raise DamagedCheckpoint(
-                        f"pack {seg.pack}: segment at {seg.offset} cannot be decoded ({exc})") from exc
+                    raise self._damaged(
+                        seg, f"pack {seg.pack}: segment at {seg.offset} cannot be decoded ({exc})") from exc
             finally:
                 stored.release()
             self.decoded_key = key
@@ -442,11 +508,11 @@ class _SegmentReader:
         finally:
             stored.release()
         offset, remaining = seg.offset + within * PAGE, count * PAGE
-        fd = self._fd(seg.pack)
+        fd = self._fd(seg)
         while remaining:
             sent = os.sendfile(out_fd, fd, offset, remaining)
             if sent == 0:
-                raise DamagedCheckpoint(f"pack {seg.pack} is damaged at offset {offset} (truncated)")
+                raise self._damaged(seg, f"pack {seg.pack} is damaged at offset {offset} (truncated)")
             offset += sent
             remaining -= sent
 

@@ -131,6 +131,8 @@ def execute_prune(store: Store, plan: PrunePlan) -> None:
                 out.write(data)  # stored bytes are copied as they are: no re-encoding
                 seg = Segment(new_pack, offset, seg.length, seg.pages, seg.codec, seg.checksum)
                 offset += seg.length
+                if key in index.damaged:  # the only copy of a live page: still damaged at its new place
+                    blocks.record_damage(seg)
             seg_no[key] = len(segments)
             segments.append(seg)
         if out is not None:
@@ -153,6 +155,7 @@ def execute_prune(store: Store, plan: PrunePlan) -> None:
             fsync_dir(blocks.index_dir)
         for pack in plan.drop_packs + plan.repack:
             blocks.pack_path(pack).unlink(missing_ok=True)
+        blocks.drop_stale_markers({(s.pack, s.offset) for s in segments})
         blocks._index = None
     for pack_path in plan.unindexed_packs:
         pack_path.unlink(missing_ok=True)

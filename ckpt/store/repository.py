@@ -389,6 +389,7 @@ class Store:
         other_files = [p for p in files if p not in page_images]
         entries: list[FileEntry] = []
         added = 0
+        superseded: list[Path] = []  # damaged copies under another codec's name, deleted last
         # Writing the small images back to disk runs in a thread while the pages are hashed.
         fds = [os.open(p, os.O_RDONLY) for p in other_files]
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -407,23 +408,29 @@ class Store:
                     # The pagemaps were rewritten: take their sizes again.
                     sizes = {name: len(page_list) // PAGE_ID_SIZE * PAGE for name, page_list in page_lists.items()}
                 for name in sorted(page_lists):  # completion may name a pages image CRIU left empty
-                    digest, stored, new = self._put_bytes(page_lists[name])
+                    digest, stored, new = self._put_bytes(page_lists[name], superseded)
                     added += new
                     entries.append(FileEntry(name, sizes[name], digest, "pages", stored, kind="pages"))
                 for path in other_files:
                     size = path.stat().st_size
                     digest = hash_file(path)
                     existing = self.find_object(digest)
-                    if existing:
+                    if existing and self._object_intact(*existing, digest):
                         stored_path, stored_codec = existing
                         entries.append(FileEntry(path.name, size, digest, stored_codec, stored_path.stat().st_size))
-                    else:
-                        stored_codec, stored_size = self._store_object(path, digest, object_codec)
-                        added += stored_size
-                        entries.append(FileEntry(path.name, size, digest, stored_codec, stored_size))
+                        continue
+                    # New, or damaged: a damaged object is replaced, which heals every older
+                    # checkpoint naming it (see "Damage and healing" in docs/design.md).
+                    stored_codec, stored_size = self._store_object(path, digest, object_codec)
+                    if existing and existing[1] != stored_codec:
+                        superseded.append(existing[0])
+                    added += stored_size
+                    entries.append(FileEntry(path.name, size, digest, stored_codec, stored_size))
                 flushed.result()
                 for sub in {e.hash[:2] for e in entries}:
                     fsync_dir(self.objects_dir / sub)
+                for path in superseded:  # only now that the fresh copies are durable
+                    path.unlink(missing_ok=True)
             except OSError as exc:
                 raise translate_os_error(exc, "storing the images") from exc
             finally:
@@ -433,15 +440,26 @@ class Store:
         entries.sort(key=lambda e: e.name)
         return entries, added, block_stats
 
-    def _put_bytes(self, data: bytes) -> tuple[str, int, int]:
-        """Stores bytes as an object (codec none); returns (hash, stored size, bytes added)."""
+    def _put_bytes(self, data: bytes, superseded: list[Path]) -> tuple[str, int, int]:
+        """Stores bytes as an object (codec none); returns (hash, stored size, bytes added).
+        A damaged existing copy is replaced (one under another codec's name goes to superseded)."""
         digest = blake3.blake3(data).hexdigest()
-        if self.find_object(digest):
+        existing = self.find_object(digest)
+        if existing and self._object_intact(*existing, digest):
             return digest, len(data), 0
         path = self.object_path(digest, "none")
         make_private_dir(path.parent)
         atomic_write_bytes(path, data)
+        if existing and existing[0] != path:
+            superseded.append(existing[0])
         return digest, len(data), len(data)
+
+    def _object_intact(self, path: Path, codec: str, digest: str) -> bool:
+        """Whether a stored object still holds the content its name promises."""
+        try:
+            return self._read_object_into(FileEntry(path.name, 0, digest, codec, 0), None) == digest
+        except (DamagedCheckpoint, OSError):
+            return False
 
     def load_page_list(self, entry: FileEntry) -> bytes:
         found = self.find_object(entry.hash)
@@ -525,6 +543,16 @@ class Store:
         """Lays out a checkpoint as the parent images of a dirty-tracking dump: CRIU reads only
         the parent's inventory and pagemaps, so its pages images are left as sparse files of
         their size (no page is read or written)."""
+        if self.blocks.damage_markers():
+            # CRIU would take pages from the parent without reading them: none may be damaged.
+            known = self.blocks.index().known
+            for entry in manifest.files:
+                if entry.kind == "pages":
+                    page_list = self.load_page_list(entry)
+                    if not all(page_list[i:i + PAGE_ID_SIZE] in known
+                               for i in range(0, len(page_list), PAGE_ID_SIZE)):
+                        raise DamagedCheckpoint(f"checkpoint {manifest.id}: image {entry.name} holds pages "
+                                                "recorded as damaged")
         make_private_dir(dest)
         for entry in manifest.files:
             if entry.kind == "pages":

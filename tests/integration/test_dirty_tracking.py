@@ -149,3 +149,43 @@ def test_huge_pages_and_a_stopping_dump(procs, tmp_path):
     restored = ckpt_json("restore", second["id"])
     procs.adopt(restored["pid"])
     assert mem.checksum(restored["pid"]) == expected
+
+
+def _flip_middle_byte(path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_damaged_parent_gives_a_full_dump_not_a_broken_one(procs, tmp_path, isolated_env):
+    """CRIU takes the unchanged pages from the parent without reading them: a parent whose
+    pages are known to be damaged, or whose pagemap is damaged, must not be used."""
+    mem = Memory(procs, tmp_path, "off", SMALL_MIB)
+    first = ckpt_json("dump", mem.pid)
+    (pack,) = list((isolated_env / "packs").glob("*/*"))
+    _flip_middle_byte(pack)
+    assert ckpt("verify", first["id"], check=False).returncode == 6  # found, and recorded
+    mem.dirty()
+    dumped = ckpt("dump", mem.pid, "--json")
+    second = json.loads(dumped.stdout)
+    assert "reads every page this time" in dumped.stderr and "recorded as damaged" in dumped.stderr
+    assert second["dirty_tracking"]["parent"] is None and second["pages_dumped"] >= SMALL_MIB * 256
+
+    manifest = json.loads((isolated_env / "checkpoints" / f"{second['id']}.json").read_text())
+    pagemap = next(f for f in manifest["files"] if f["name"].startswith("pagemap-") and f["size"] > 100)
+    _flip_middle_byte(next((isolated_env / "objects" / pagemap["hash"][:2]).glob(pagemap["hash"] + "*")))
+    mem.dirty()
+    dumped = ckpt("dump", mem.pid, "--json")
+    third = json.loads(dumped.stdout)
+    assert "reads every page this time" in dumped.stderr and pagemap["name"] in dumped.stderr
+    assert third["dirty_tracking"]["parent"] is None and third["pages_dumped"] >= SMALL_MIB * 256
+
+    expected = mem.checksum()
+    procs.kill_tree(mem.pid)
+    wait_until(lambda: not alive(mem.pid), what="the target to end")
+    assert ckpt_json("verify", third["id"])[0]["problems"] == []
+    restored = ckpt_json("restore", third["id"])
+    procs.adopt(restored["pid"])
+    assert mem.checksum(restored["pid"]) == expected

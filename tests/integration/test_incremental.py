@@ -89,3 +89,39 @@ def test_diff_names_changed_pages_and_file_offsets(procs, tmp_path):
     assert change["to"]["offset"] > change["from"]["offset"]
     text = ckpt("diff", a, b).stdout
     assert "pages:" in text and str(data) in text
+
+
+def test_damage_found_by_verify_is_not_reused_and_heals(procs, tmp_path, isolated_env):
+    """A damaged segment must not spread to the next checkpoint of the same memory, and the
+    fresh copy that next dump stores makes the damaged checkpoint restorable again."""
+    out = tmp_path / "sums.txt"
+    target = procs.start("bigmem.py", out, 16)
+    original = wait_until(lambda: read_lines(out), timeout=60, what="bigmem")[0].split()[0]
+    first = ckpt_json("dump", target.pid)
+    (pack,) = list((isolated_env / "packs").glob("*/*"))
+    with open(pack, "r+b") as f:  # flip one byte in the middle of the 16 MiB of random data
+        f.seek(pack.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    refused = ckpt("restore", first["id"], check=False)
+    assert refused.returncode == 6 and "damaged" in refused.stderr, refused.stderr
+    assert list((isolated_env / "damaged").iterdir()), "the damage found must be recorded"
+
+    second = ckpt_json("dump", target.pid)
+    assert second["pages_new"] >= 1, "the pages of the damaged segment must be stored again"
+    assert second["bytes_stored"] < 4 << 20, "only the damaged segment, not all 16 MiB"
+    assert all(not r["problems"] for r in ckpt_json("verify", "--all")), "both checkpoints are whole again"
+    ckpt("prune")  # the damaged segment is dead now: no index names it, nor any record
+    assert not list((isolated_env / "damaged").iterdir())
+    assert all(not r["problems"] for r in ckpt_json("verify", "--all"))
+
+    procs.kill_tree(target.pid)
+    for checkpoint in (first, second):
+        out.unlink()
+        restored = ckpt_json("restore", checkpoint["id"])
+        procs.adopt(restored["pid"])
+        os.kill(restored["pid"], signal.SIGUSR1)
+        assert wait_until(lambda: read_lines(out), what="checksum")[0].split()[0] == original
+        procs.kill_tree(restored["pid"])
+        wait_until(lambda: not os.path.exists(f"/proc/{restored['pid']}"), what="PID free")

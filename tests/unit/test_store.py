@@ -226,3 +226,79 @@ def test_large_staging_is_moved_aside_at_once_and_removed_in_the_background(tmp_
     while list(tmp_path.glob("trash-*")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- damage does not spread to new checkpoints, and heals (docs/design.md, "Damage and healing")
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_a_damaged_object_is_replaced_by_the_next_dump_that_holds_it(store, codec):
+    core = os.urandom(3000) * 3  # compressible: stored as zstd when asked
+    first = fake_dump(store, {"core-1.img": core, "pages-1.img": os.urandom(PAGE * 4)}, codec=codec)
+    entry = next(e for e in first.files if e.name == "core-1.img")
+    flip_byte(store.find_object(entry.hash)[0], 50)
+    assert store.verify(first), "the damage must be seen"
+    second = fake_dump(store, {"core-1.img": core, "pages-1.img": os.urandom(PAGE * 4)}, codec=codec)
+    assert second.bytes_stored > len(core) // 10, "the damaged object must be stored again"
+    assert store.verify(second) == []
+    assert store.verify(first) == [], "replacing the object heals the older checkpoint too"
+    assert (store.materialize(first) / "core-1.img").read_bytes() == core
+
+
+def test_a_damaged_page_list_is_replaced_by_the_next_dump_with_the_same_pages(store):
+    pages = os.urandom(PAGE * 8)
+    first = fake_dump(store, {"pages-1.img": pages, "core-1.img": b"a"}, codec="none")
+    entry = next(e for e in first.files if e.kind == "pages")
+    flip_byte(store.find_object(entry.hash)[0], 3)
+    second = fake_dump(store, {"pages-1.img": pages, "core-1.img": b"b"}, codec="none")
+    assert store.verify(second) == [] and store.verify(first) == []
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_a_damaged_segment_once_seen_is_stored_again_and_prune_drops_it(store, codec):
+    pages = bytes(PAGE * 20) + os.urandom(PAGE * 20)
+    first = fake_dump(store, {"pages-1.img": pages}, codec=codec)
+    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    flip_byte(pack, pack.stat().st_size - 10)
+    assert store.verify(first), "verify finds the damage"
+    assert store.blocks.damage_markers(), "and records it"
+    second = fake_dump(store, {"pages-1.img": pages}, codec=codec)
+    assert second.bytes_stored > PAGE, "pages known only from a damaged segment are stored again"
+    assert store.verify(second) == []
+    assert store.verify(first) == [], "the older checkpoint reads the healthy copy"
+    store.collect_garbage()
+    assert not pack.exists(), "the damaged segment was dead: its pack is gone"
+    assert store.blocks.damage_markers() == []
+    for m in (first, second):
+        assert (store.materialize(m) / "pages-1.img").read_bytes() == pages
+    # Without a record of the damage, a dump reuses pages as it always did.
+    assert fake_dump(store, {"pages-1.img": pages}, codec=codec).bytes_stored < PAGE
+
+
+def test_a_repacked_damaged_segment_keeps_its_record(store):
+    pages = [os.urandom(PAGE) for _ in range(300)]  # segments of 256 and 44 pages
+    whole = fake_dump(store, {"pages-1.img": b"".join(pages)}, codec="none")
+    tail = fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
+    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    flip_byte(pack, 280 * PAGE)
+    assert store.verify(tail)
+    store.remove([whole.id])
+    store.collect_garbage()  # the 256-page segment is dead: the damaged one is copied to a new pack
+    assert not pack.exists()
+    (marker,) = store.blocks.damage_markers()
+    assert marker[0] != pack.name
+    assert store.verify(tail), "still damaged at its new place"
+    fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
+    assert store.verify(tail) == [], "healed by a dump of the same pages"
+
+
+def test_a_parent_with_pages_recorded_damaged_is_not_used(store, tmp_path):
+    pages = os.urandom(PAGE * 8)
+    parent = fake_dump(store, {"pages-1.img": pages, "pagemap-1.img": b"pm", "inventory.img": b"inv"},
+                       codec="none")
+    store.materialize_parent(parent, tmp_path / "ok")
+    assert (tmp_path / "ok" / "pagemap-1.img").read_bytes() == b"pm"
+    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    flip_byte(pack, 100)
+    assert store.verify(parent)
+    with pytest.raises(DamagedCheckpoint, match="recorded as damaged"):
+        store.materialize_parent(parent, tmp_path / "damaged")
