@@ -98,7 +98,7 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
         run_hook(request.pre_dump_hook, "pre-dump", request.pid, checkpoint_id, request.name)
     with store.lock(exclusive=False, on_wait=lambda h: reporter.info("waiting for the store lock")):
         store.remove_leftovers()
-        staging = store.begin_dump(checkpoint_id, facts.memory_bytes)
+        staging = store.begin_dump(checkpoint_id)
         log_dir = store.logs_dir(checkpoint_id)
         parent_img = None
         if tracking is not None:

@@ -72,8 +72,12 @@ class Processes:
         self.pids: set[int] = set()
 
     def start(self, fixture: str, *args: str) -> subprocess.Popen:
-        log = open(self.workdir / f"{fixture}.{len(self.popens)}.stdio", "wb")
-        proc = subprocess.Popen([sys.executable, str(FIXTURES / fixture), *map(str, args)],
+        return self.start_program([sys.executable, str(FIXTURES / fixture), *map(str, args)], fixture)
+
+    def start_program(self, argv: list, label: str) -> subprocess.Popen:
+        """Any program, in a session of its own, its output in the test's directory."""
+        log = open(self.workdir / f"{label}.{len(self.popens)}.stdio", "wb")
+        proc = subprocess.Popen([str(a) for a in argv],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
         self.popens.append(proc)

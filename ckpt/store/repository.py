@@ -148,14 +148,6 @@ def discard(images_dir: Path) -> None:
     _remove_empty_ram_dir(images_dir.parent)
 
 
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _worth_compressing(path: Path) -> bool:
     """Samples the file: data that does not shrink by 10% is stored as it is. Compressing it
     would cost a pass over it on every dump and every restore for nothing."""
@@ -324,33 +316,24 @@ class Store:
         tag = blake3.blake3(str(self.root).encode()).hexdigest()[:12]
         return RAM_BASE / f"ckpt-{os.geteuid()}-{tag}"
 
-    def staging_base(self, expected_bytes: int, for_restore: bool = False) -> Path:
+    def staging_base(self) -> Path:
         """Where images are written before they enter the store, or before CRIU restores them.
 
-        Dumps stage in RAM when they fit (CKPT_STAGING=auto, the default): CRIU then writes at
-        memory speed, and images the store already holds never cost a disk write. Otherwise in
-        <store>/tmp. Restores stage in <store>/tmp unless CKPT_STAGING=ram: CRIU reads a disk
-        filesystem's page cache (large folios) faster than tmpfs (4 KiB pages), 5.9 s against
-        7.2 s for a 2 GiB restore here, and page cache, unlike tmpfs, can be written back
-        under memory pressure. The file is deleted right after the restore, usually before
-        any of it reaches the disk.
+        <store>/tmp by default (CKPT_STAGING=disk or auto): CRIU writes and reads a disk
+        filesystem's page cache (large folios) faster than tmpfs (4 KiB pages). Measured here,
+        2 GiB target, medians of 4: frozen 1440 ms staging on disk against 1828 ms in
+        /dev/shm (raw `criu dump` to disk: 1381 ms), whole dump 3.8 s against 4.7 s; restores
+        5.9 s against 7.2 s. Staging files live a few seconds and are deleted before the kernel
+        writes most of them back; page cache, unlike tmpfs, can also be written back under
+        memory pressure. CKPT_STAGING=ram stages in /dev/shm instead.
         """
-        mode = os.environ.get("CKPT_STAGING", "auto")
-        if mode == "disk" or not RAM_BASE.is_dir() or (for_restore and mode != "ram"):
-            return self.tmp_dir
-        try:
-            shm = os.statvfs(RAM_BASE)
-            free = shm.f_bavail * shm.f_frsize
-            available = _mem_available()
-        except OSError:
-            return self.tmp_dir
-        if mode == "ram" or (expected_bytes * 1.2 < free and expected_bytes < available / 2):
+        if os.environ.get("CKPT_STAGING", "auto") == "ram" and RAM_BASE.is_dir():
             return self.ram_dir()
         return self.tmp_dir
 
-    def begin_dump(self, checkpoint_id: str, expected_bytes: int = 0) -> DumpStaging:
+    def begin_dump(self, checkpoint_id: str) -> DumpStaging:
         try:
-            base = self.staging_base(expected_bytes)
+            base = self.staging_base()
             make_private_dir(base)
             return DumpStaging(base / f"dump-{ids.check_id(checkpoint_id)}")
         except OSError as exc:
@@ -565,8 +548,7 @@ class Store:
         """Writes the checkpoint's images into a fresh restore-* directory, verifying each.
 
         skip_pages leaves out the page data (for inspection, which needs only the metadata)."""
-        dest = self.staging_base(0 if skip_pages else manifest.bytes_total, for_restore=True) \
-            / f"restore-{secrets.token_hex(6)}"
+        dest = self.staging_base() / f"restore-{secrets.token_hex(6)}"
         make_private_dir(dest)
         total = manifest.bytes_total or 1
         done = 0
