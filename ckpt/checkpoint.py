@@ -88,6 +88,9 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
     if detected:
         reporter.info("detected: " + ", ".join(f"--{k.replace('_', '-')}" for k in detected))
 
+    for pipe in facts.external_pipes:
+        reporter.warn(_external_pipe_note(pipe))
+
     tracking = _plan_tracking(store, request, binary, reporter)
     options_used["track_mem"] = tracking is not None
     checkpoint_id = ids.new_id()
@@ -196,6 +199,8 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
                                            {e.name: e for e in tracking.parent.files}, store.load_page_list)
     entries, added, block_stats = store.ingest(staging, request.codec, reporter, completion)
     criu_facts = {"version": binary.version_text, "options": options_used, "tty": facts.has_tty}
+    if facts.external_pipes:
+        criu_facts["external_pipes"] = facts.external_pipes
     if tracking is not None:
         criu_facts["tracking"] = {"target": tracking.target.key,
                                   "parent": tracking.parent.id if tracking.parent else None,
@@ -224,6 +229,15 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
     )
     store.commit(manifest)
     return manifest
+
+
+def _external_pipe_note(pipe: dict) -> str:
+    peer = pipe["peer"] or "a process outside the tree"
+    if pipe["end"] == "write":
+        return (f"PID {pipe['pid']} writes (fd {pipe['fd']}) into a pipe that {peer} reads: after a restore "
+                "that output goes to a file ('ckpt restore --output' chooses where)")
+    return (f"PID {pipe['pid']} reads (fd {pipe['fd']}) from a pipe that {peer} writes: after a restore "
+            "it reads end of file there")
 
 
 def _commands(facts: procs.TargetFacts) -> dict[int, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -23,6 +23,8 @@ class TargetFacts:
     has_file_locks: bool
     memory_bytes: int = 0  # resident memory of the tree: roughly what CRIU will write
     has_tty: bool = False  # a controlling terminal: a restore must give it one
+    # Pipe ends whose other end is outside the tree (`agent | tee log`): see external_pipes.
+    external_pipes: list[dict] = field(default_factory=list)
 
 
 def require_root() -> None:
@@ -110,7 +112,66 @@ def preflight(pid: int) -> TargetFacts:
             pass
     return TargetFacts(pid=pid, command=command_line(root), pids=tree_pids, needs_shell_job=needs_shell_job,
                        has_tcp_established=has_tcp, has_file_locks=_holds_file_locks(set(tree_pids)),
-                       memory_bytes=memory, has_tty=_has_tty(root.pid))
+                       memory_bytes=memory, has_tty=_has_tty(root.pid),
+                       external_pipes=external_pipes(tree_pids))
+
+
+O_ACCMODE = 0o3
+
+
+def _pipe_fds(pid: int) -> list[tuple[int, int, bool]]:
+    """(fd, pipe inode, is the write end) of every pipe the process holds."""
+    result = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return result
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if not link.startswith("pipe:["):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+        except (OSError, StopIteration, ValueError):
+            continue
+        result.append((int(fd), int(link[6:-1]), flags & O_ACCMODE == os.O_WRONLY))
+    return result
+
+
+def external_pipes(tree_pids: list[int]) -> list[dict]:
+    """Pipe ends of the tree whose other end no process of the tree holds.
+
+    CRIU dumps them without complaint, but restores them as new pipes with nobody at the other
+    end: a restored `agent` of `agent | tee log` dies of SIGPIPE at its next write. ckpt
+    records them so that a restore can give the write ends somewhere to write (see restore).
+    Each: {"pid", "fd", "inode", "end": "write"|"read", "peer": "command (PID n)" or None}."""
+    ends: dict[int, set[bool]] = {}
+    held = []
+    for pid in tree_pids:
+        for fd, inode, write in _pipe_fds(pid):
+            ends.setdefault(inode, set()).add(write)
+            held.append((pid, fd, inode, write))
+    outside = {inode for inode, kinds in ends.items() if len(kinds) < 2}
+    if not outside:
+        return []
+    peers = _pipe_holders(outside, set(tree_pids))
+    return [{"pid": pid, "fd": fd, "inode": inode, "end": "write" if write else "read", "peer": peers.get(inode)}
+            for pid, fd, inode, write in sorted(held) if inode in outside]
+
+
+def _pipe_holders(inodes: set[int], exclude: set[int]) -> dict[int, str]:
+    """For each pipe inode, one process outside `exclude` that holds it (for messages)."""
+    found: dict[int, str] = {}
+    for proc in psutil.process_iter():
+        if proc.pid in exclude:
+            continue
+        for _, inode, _ in _pipe_fds(proc.pid):
+            if inode in inodes and inode not in found:
+                found[inode] = f"{command_line(proc).split(' ')[0].rsplit('/', 1)[-1]} (PID {proc.pid})"
+        if len(found) == len(inodes):
+            break
+    return found
 
 
 def _refuse_session_led_from_another_pid_namespace(pid: int, command: str) -> None:

@@ -23,6 +23,9 @@ class RestoreRequest:
     pid_wait_s: float = 5.0
     new_pidns: bool = False
     post_restore_hook: str | None = None
+    # Where the tree's pipes to programs outside it now write: a file, "-" for ckpt's own
+    # stdout/stderr, None for a file in the checkpoint's log directory.
+    output: str | None = None
 
 
 @dataclass
@@ -33,10 +36,11 @@ class RestoreResult:
     log_path: Path
     pid_in_namespace: int | None = None
     hook_error: str | None = None
+    output: str | None = None  # where output to pipes outside the tree now goes
 
     def to_json(self) -> dict:
         return {"id": self.manifest.id, "name": self.manifest.name, "pid": self.pid,
-                "pid_in_namespace": self.pid_in_namespace, "hook_error": self.hook_error,
+                "pid_in_namespace": self.pid_in_namespace, "hook_error": self.hook_error, "output": self.output,
                 "processes": len(self.manifest.processes), "duration_ms": self.duration_ms,
                 "log": str(self.log_path)}
 
@@ -52,6 +56,7 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
         manifest = store.load(checkpoint_id)
         reporter.step(f"verifying checkpoint {checkpoint_id}")
         images_dir = store.materialize(manifest, reporter)
+        inherit: list[tuple[str, int]] = []
         try:
             if not request.new_pidns:
                 reporter.step("waiting for the tree's PIDs to be free")
@@ -63,11 +68,14 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                                  hint="run 'ckpt restore' from a terminal: the restored processes take it over")
             stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
             log_dir = store.logs_dir(checkpoint_id)
+            output, inherit = _external_pipe_fds(manifest, request.output, log_dir / f"output-{stamp}.log")
             criu_options = CriuOptions(
                 images_dir=images_dir, log_dir=log_dir, log_name=f"restore-{stamp}-{os.getpid()}.log",
                 shell_job=bool(opts.get("shell_job")), tcp_established=bool(opts.get("tcp_established")),
                 ext_unix_sk=bool(opts.get("ext_unix_sk")), file_locks=bool(opts.get("file_locks")),
-                network_lock=opts.get("network_lock", "nftables"), inherit_stdio=has_tty)
+                network_lock=opts.get("network_lock", "nftables"), inherit_stdio=has_tty, inherit_fds=inherit)
+            if output:
+                reporter.info(f"what the tree wrote into pipes to programs outside it now goes to {output}")
             reporter.step(f"restoring {len(manifest.processes)} process(es) with CRIU {binary.version_text}")
             inner = None
             if request.new_pidns:
@@ -79,6 +87,8 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                 pid = CriuClient(binary).restore(criu_options)
         finally:
             discard(images_dir)
+            for _, fd in inherit:
+                os.close(fd)
     hook_error = None
     if request.post_restore_hook:
         from ckpt.hooks import run_hook
@@ -91,4 +101,43 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
             hook_error = str(exc)
             reporter.warn(f"{hook_error}; the restored tree keeps running")
     return RestoreResult(manifest, pid, round((time.monotonic() - started) * 1000, 1), criu_options.log_path,
-                         inner, hook_error)
+                         inner, hook_error, output)
+
+
+def _external_pipe_fds(manifest: Manifest, output: str | None, default_path: Path
+                       ) -> tuple[str | None, list[tuple[str, int]]]:
+    """The descriptors CRIU puts in place of the tree's pipe ends to programs outside it.
+
+    CRIU would restore such a pipe with nobody at its other end: the first write kills the
+    writer (SIGPIPE). Each write end instead inherits the output file (or ckpt's own stdout or
+    stderr); read ends are left to CRIU (they read end of file). Returns a description of the
+    output and the (CRIU key, descriptor) pairs, which the caller closes."""
+    write_ends: dict[int, int] = {}  # inode -> the fd number it had (the lowest)
+    for pipe in manifest.criu.get("external_pipes", []):
+        if pipe.get("end") == "write":
+            inode = int(pipe["inode"])
+            write_ends[inode] = min(write_ends.get(inode, 1 << 30), int(pipe["fd"]))
+    if not write_ends:
+        return None, []
+    inherit: list[tuple[str, int]] = []
+    try:
+        if output == "-":
+            for inode, fd in sorted(write_ends.items()):
+                inherit.append((f"pipe:[{inode}]", os.dup(2 if fd == 2 else 1)))
+            return "ckpt's own stdout and stderr", inherit
+        path = Path(output) if output else default_path
+        try:
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as exc:
+            raise UsageError(f"cannot open {path} for the restored tree's output: {exc.strerror}",
+                             hint="give another file with --output, or '-' for ckpt's own stdout") from None
+        try:
+            for inode in sorted(write_ends):
+                inherit.append((f"pipe:[{inode}]", os.dup(target)))
+        finally:
+            os.close(target)
+        return str(path), inherit
+    except BaseException:
+        for _, fd in inherit:
+            os.close(fd)
+        raise

@@ -15,6 +15,8 @@ original PIDs back: if one is held by another process, ckpt says which; --new-pi
 restores the tree into a PID namespace of its own, where it keeps its PIDs (the host sees
 others; stdout then carries the host's PID of the root).
 stdout carries the restored root PID alone (with --json, one JSON object).
+A pipe from the tree to a program outside it ('agent | tee log') has nobody at its other
+end after a restore: what the tree writes there goes to a file instead (--output).
 
 Examples:
 
@@ -25,6 +27,8 @@ Examples:
   ckpt restore 20261130-230102-123-3fa9c1
 
   ckpt restore agent --new-pidns     # the original is still running
+
+  ckpt restore agent --output agent.log   # was 'agent | tee agent.log'
 """
 
 
@@ -37,6 +41,11 @@ def register(app: typer.Typer) -> None:
                                    "environment); its failure is reported, the tree keeps running.")] = None,
         new_pidns: Annotated[bool, typer.Option(
             "--new-pidns", help="Restore into a new PID namespace, for when the tree's PIDs are taken.")] = False,
+        output: Annotated[Optional[str], typer.Option(
+            "--output", metavar="FILE",
+            help="Where the tree now writes what it wrote into pipes to programs outside it ('agent | tee "
+                 "log'): FILE (appended), or '-' for ckpt's own stdout and stderr. Default: "
+                 "output-TIME.log in the checkpoint's log directory.")] = None,
         store: StoreOption = None,
         json_out: JsonOption = False,
         quiet: QuietOption = False,
@@ -44,7 +53,8 @@ def register(app: typer.Typer) -> None:
         reporter = CliReporter(quiet=quiet)
         try:
             result = restore(resolve_store_path(store), RestoreRequest(ref=ref, new_pidns=new_pidns,
-                                                                        post_restore_hook=post_restore), reporter)
+                                                                        post_restore_hook=post_restore,
+                                                                        output=output), reporter)
         finally:
             reporter.close()
         if json_out:

@@ -45,6 +45,9 @@ class CriuOptions:
     log_level: int = 4
     # Give CRIU ckpt's own stdin/stdout/stderr: a --shell-job restore takes its terminal from them.
     inherit_stdio: bool = False
+    # (key, descriptor of ours): CRIU restores the file CRIU calls `key` (e.g. "pipe:[123]") as
+    # that descriptor instead (--inherit-fd).
+    inherit_fds: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -79,6 +82,10 @@ def _fill_opts(rpc, opts_msg, options: CriuOptions, images_fd: int, work_fd: int
     lock = {"nftables": rpc.NFTABLES, "iptables": rpc.IPTABLES, "skip": rpc.SKIP}[options.network_lock]
     opts_msg.network_lock = lock
     opts_msg.notify_scripts = True
+    for key, fd in options.inherit_fds:
+        inherited = opts_msg.inherit_fd.add()
+        inherited.key = key
+        inherited.fd = fd
     for key, value in options.extra.items():
         setattr(opts_msg, key, value)
 
@@ -109,6 +116,11 @@ def explain_failure(action: str, log_path: Path) -> CriuFailed | PidInUse | Disk
     if re.search(r"No space left on device", text):
         return DiskFull("no space left on the store's disk during the dump", hint=where)
     hint = None
+    if action == "restore" and (m := re.search(r"Can't open file (\S+) on restore: No such file or directory", text)):
+        path = m.group(1) if m.group(1).startswith("/") else "/" + m.group(1)  # CRIU logs it without its "/"
+        return CriuFailed(f"a file the checkpointed tree had open is gone: {path}", log_path=str(log_path),
+                          log_lines=lines, hint="recreate it (for a log file an empty one will do) and restore again; "
+                                                + where)
     if re.search(r"External socket|unix: .*external|Can't dump half of stream unix", text, re.I):
         hint = "the tree uses a UNIX socket whose peer is outside it: retry with --ext-unix-sk"
     elif re.search(r"Connected TCP socket|TCP connection", text):
@@ -141,7 +153,8 @@ class CriuClient:
                 stdio = {} if options.inherit_stdio else {"stdin": subprocess.DEVNULL, "stdout": stderr,
                                                            "stderr": stderr}
                 proc = subprocess.Popen([self.binary.path, "swrk", str(theirs.fileno())],
-                                        pass_fds=(theirs.fileno(),), close_fds=True, **stdio)
+                                        pass_fds=(theirs.fileno(), *(fd for _, fd in options.inherit_fds)),
+                                        close_fds=True, **stdio)
             theirs.close()
             req = rpc.criu_req()
             req.type = getattr(rpc, req_type)

@@ -286,3 +286,44 @@ def test_process_on_a_terminal_restores_onto_the_terminal_of_the_restore(procs, 
     procs.pids.add(target)
     values = ints(out)
     assert len(values) > last + 3 and values[last] == last + 1, "the restored counter did not go on"
+
+
+def test_pipe_to_a_program_outside_the_tree_gets_a_file_after_restore(procs, tmp_path):
+    """`agent | tee log`, the agent dumped alone: CRIU would restore its stdout as a pipe that
+    nobody reads, and the agent would die of SIGPIPE at its next write."""
+    read_end, write_end = os.pipe()
+    seen = tmp_path / "seen-by-cat.txt"
+    with open(seen, "wb") as sink:
+        reader = subprocess.Popen(["cat"], stdin=read_end, stdout=sink, start_new_session=True)
+    procs.adopt(reader.pid)
+    writer = subprocess.Popen([sys.executable, "-u", "-c", (
+        "import itertools, time\n"
+        "for i in itertools.count(1):\n"
+        "    print(i, flush=True); time.sleep(0.05)\n")],
+        stdin=subprocess.DEVNULL, stdout=write_end, stderr=subprocess.DEVNULL, start_new_session=True)
+    procs.adopt(writer.pid)
+    os.close(read_end)
+    os.close(write_end)
+    wait_until(lambda: len(ints(seen)) >= 5, what="cat to see the writer's lines")
+
+    dumped = ckpt("dump", writer.pid, "--stop", "--json")
+    assert f"a pipe that cat (PID {reader.pid}) reads" in dumped.stderr, dumped.stderr
+    writer.wait(timeout=10)
+    last = ints(seen)[-1]
+    checkpoint = json.loads(dumped.stdout)["id"]
+
+    output = tmp_path / "after-restore.txt"
+    restored = ckpt_json("restore", checkpoint, "--output", output)
+    procs.adopt(restored["pid"])
+    assert restored["output"] == str(output)
+    wait_until(lambda: len(ints(output)) >= 10, what="the restored writer's lines in the output file")
+    assert ints(output)[:10] == list(range(last + 1, last + 11)), "it goes on from where it stopped"
+    assert alive(restored["pid"]) and state(restored["pid"]) != "Z"
+    procs.kill_tree(restored["pid"])
+    wait_until(lambda: not alive(restored["pid"]), what="the restored writer to end")
+
+    # By default the output goes to a file in the checkpoint's log directory.
+    restored = ckpt_json("restore", checkpoint)
+    procs.adopt(restored["pid"])
+    assert Path(restored["output"]).parent.name == checkpoint  # logs/<id>/output-<time>.log
+    wait_until(lambda: len(ints(Path(restored["output"]))) >= 3, what="lines in the default output file")

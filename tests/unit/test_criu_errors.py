@@ -1,0 +1,28 @@
+"""CRIU's failures, read from its log, become errors that say what to do."""
+
+from ckpt.criu.client import explain_failure
+from ckpt.errors import CriuFailed, PidInUse
+
+
+def failure(tmp_path, action, *log_lines):
+    log = tmp_path / "criu.log"
+    log.write_text("\n".join(f"(00.0{k:05d}) {line}" for k, line in enumerate(log_lines)) + "\n")
+    return explain_failure(action, log)
+
+
+def test_a_file_gone_since_the_dump_is_named_with_its_fix(tmp_path):
+    error = failure(tmp_path, "restore",
+                    "1234: Error (criu/files-reg.c:2353): Can't open file var/log/agent.log on restore: "
+                    "No such file or directory",
+                    "Error (criu/cr-restore.c:2331): Restoring FAILED.")
+    assert isinstance(error, CriuFailed)
+    assert error.message == "a file the checkpointed tree had open is gone: /var/log/agent.log"
+    assert "recreate it" in error.hint and str(tmp_path / "criu.log") in error.hint
+
+
+def test_a_pid_in_use_and_an_unknown_failure(tmp_path):
+    assert isinstance(failure(tmp_path, "restore", "Error (criu/cr-restore.c:1): Can't fork for 4242: File exists"),
+                      PidInUse)
+    error = failure(tmp_path, "dump", "Error (criu/x.c:1): something new")
+    assert isinstance(error, CriuFailed) and "something new" in error.message
+    assert "full log" in error.hint
