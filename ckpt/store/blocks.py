@@ -102,6 +102,8 @@ class BlockIndex:
         self._known: set[bytes] | None = None
         # Segment numbers recorded as damaged (see "Damage and healing" in docs/design.md).
         self.damaged: set[int] = set()
+        # Index files that could not be read: their pages are not known (dumps store them again).
+        self.damaged_files: list[str] = []
 
     @property
     def pages(self) -> dict[bytes, int]:
@@ -147,8 +149,13 @@ class BlockIndex:
         return location >> 16, location & 0xFFFF
 
     def add_file(self, name: str, data: bytes) -> None:
+        """Adds one index file, checked first against its name (the BLAKE3 of its content): a
+        flipped bit in an entry would otherwise send a page to another page's place."""
+        if blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest() != name:
+            raise DamagedCheckpoint(f"index file {name} is damaged (its content does not match its name)")
         if data[:8] != INDEX_MAGIC:
             raise DamagedCheckpoint(f"index file {name} is damaged (bad magic)")
+        segments = []
         try:
             pos = 8
             (n_packs,) = struct.unpack_from("<I", data, pos)
@@ -157,11 +164,9 @@ class BlockIndex:
             pos += 32 * n_packs
             (n_segments,) = struct.unpack_from("<I", data, pos)
             pos += 4
-            base = len(self.segment_list)
             for pack_no, offset, length, pages, codec, checksum in SEGMENT.iter_unpack(
                     data[pos:pos + SEGMENT.size * n_segments]):
-                self.segment_list.append(Segment(packs[pack_no], offset, length, pages, codec, checksum))
-                self.segment_file.append(name)
+                segments.append(Segment(packs[pack_no], offset, length, pages, codec, checksum))
             pos += SEGMENT.size * n_segments
             (n_entries,) = struct.unpack_from("<I", data, pos)
             pos += 4
@@ -171,8 +176,11 @@ class BlockIndex:
             within = array.array("H", data[ids_end + 4 * n_entries:ids_end + 6 * n_entries])
             if len(within) != n_entries:
                 raise ValueError("truncated")
-        except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        except (struct.error, ValueError, UnicodeDecodeError, IndexError) as exc:
             raise DamagedCheckpoint(f"index file {name} is damaged ({exc})") from None
+        base = len(self.segment_list)
+        self.segment_list += segments
+        self.segment_file += [name] * len(segments)
         ids = [data[o:o + ID_LEN] for o in range(pos, ids_end, ID_LEN)]
         self._columns.append((ids, segs, within, base))
         self._pages = self._known = None
@@ -229,7 +237,12 @@ class BlockStore:
             for path in sorted(self.index_dir.glob("*")) if self.index_dir.exists() else []:
                 if path.name.startswith("."):
                     continue
-                index.add_file(path.name, path.read_bytes())
+                try:
+                    index.add_file(path.name, path.read_bytes())
+                except DamagedCheckpoint:
+                    # Not fatal: dumps store the pages it named again (healing the checkpoints
+                    # that name them); reads name it; prune refuses to run (see prune.py).
+                    index.damaged_files.append(path.name)
             markers = set(self.damage_markers())
             if markers:
                 index.mark_damaged(key for key, seg in enumerate(index.segment_list)
@@ -384,7 +397,8 @@ class BlockStore:
         locations = list(map(index.pages.get, ids))
         if None in locations:
             missing = locations.index(None)
-            raise DamagedCheckpoint(f"image {image_name}: page {missing} is missing from the store")
+            cause = f" (index file {', '.join(index.damaged_files)} is damaged)" if index.damaged_files else ""
+            raise DamagedCheckpoint(f"image {image_name}: page {missing} is missing from the store{cause}")
         # Runs of pages that follow each other within one segment: location + 1 is the next page.
         starts = [0] + [i for i in range(1, n) if locations[i] != locations[i - 1] + 1]
         reader = _SegmentReader(self, index)

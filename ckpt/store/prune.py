@@ -53,6 +53,12 @@ def prune_plan(store: Store) -> PrunePlan:
     if damaged:
         raise StoreError(f"cannot reclaim space: manifest(s) {', '.join(damaged)} cannot be read",
                          hint="remove or repair them first ('ckpt verify --all' lists them)")
+    index = store.blocks.index()
+    if index.damaged_files:
+        paths = ", ".join(str(store.blocks.index_dir / name) for name in index.damaged_files)
+        raise StoreError(f"cannot reclaim space: index file {paths} is damaged, and the packs it names would "
+                         "look unused", hint="dumps of the same processes store their pages again; to reclaim "
+                         "the space anyway, remove the damaged file first (their checkpoints stay damaged)")
     plan = PrunePlan()
     referenced = {e.hash for m in manifests for e in m.files}
     for top in [store.objects_dir]:
@@ -67,7 +73,6 @@ def prune_plan(store: Store) -> PrunePlan:
             if e.kind == "pages":
                 page_list = store.load_page_list(e)
                 live_pages.update(page_list[i:i + ID_LEN] for i in range(0, len(page_list), ID_LEN))
-    index = store.blocks.index()
     live_keys = {index.pages[p] >> 16 for p in live_pages if p in index.pages}
     pack_bytes: dict[str, int] = {}
     live_bytes: dict[str, int] = {}

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy
+from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy, StoreError
 from ckpt.store import Manifest, Store, ids
 
 PAGE = 4096
@@ -302,3 +302,23 @@ def test_a_parent_with_pages_recorded_damaged_is_not_used(store, tmp_path):
     assert store.verify(parent)
     with pytest.raises(DamagedCheckpoint, match="recorded as damaged"):
         store.materialize_parent(parent, tmp_path / "damaged")
+
+
+def test_a_damaged_index_file_is_named_healed_by_the_next_dump_and_stops_prune(store):
+    pages = os.urandom(PAGE * 30)
+    first = fake_dump(store, {"pages-1.img": pages}, codec="none")
+    (index_file,) = list(store.blocks.index_dir.iterdir())
+    flip_byte(index_file, index_file.stat().st_size - 3)  # in the last entry: a page's place
+    store.blocks._index = None
+    (problem,) = store.verify(first)
+    assert "missing from the store" in problem and index_file.name in problem and "damaged" in problem
+    with pytest.raises(StoreError, match="index file .* is damaged"):
+        store.collect_garbage()
+    second = fake_dump(store, {"pages-1.img": pages}, codec="none")
+    assert second.bytes_stored >= 30 * PAGE, "pages named only by the damaged index are stored again"
+    assert store.verify(second) == [] and store.verify(first) == [], "and the first checkpoint is whole again"
+    index_file.unlink()  # what prune's hint says to do
+    store.blocks._index = None  # as a new command would see the store
+    store.collect_garbage()
+    for m in (first, second):
+        assert (store.materialize(m) / "pages-1.img").read_bytes() == pages
