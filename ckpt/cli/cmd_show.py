@@ -46,6 +46,10 @@ def register(app: typer.Typer) -> None:
                      f"frozen {stats.get('freeze_ms')} ms")
         opts = [k for k, v in data["criu"].get("options", {}).items() if v is True]
         stdout.print(f"  options: {', '.join(opts) or 'none'}")
+        for pipe in data["criu"].get("external_pipes", []):
+            peer = pipe.get("peer") or "a process outside the tree"
+            verb = "writes into" if pipe["end"] == "write" else "reads from"
+            stdout.print(f"  PID {pipe['pid']} fd {pipe['fd']} {verb} a pipe to {peer} (restore --output)")
         tree = Tree("processes")
         nodes = {}
         for proc in data["processes"]:

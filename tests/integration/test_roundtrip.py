@@ -311,6 +311,7 @@ def test_pipe_to_a_program_outside_the_tree_gets_a_file_after_restore(procs, tmp
     writer.wait(timeout=10)
     last = ints(seen)[-1]
     checkpoint = json.loads(dumped.stdout)["id"]
+    assert f"fd 1 writes into a pipe to cat (PID {reader.pid})" in ckpt("show", checkpoint).stdout
 
     output = tmp_path / "after-restore.txt"
     restored = ckpt_json("restore", checkpoint, "--output", output)
