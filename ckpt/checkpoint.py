@@ -90,6 +90,10 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
 
     for pipe in facts.external_pipes:
         reporter.warn(_external_pipe_note(pipe))
+    for sock in facts.external_sockets:
+        reporter.warn(f"PID {sock['pid']} has a UNIX stream socket (fd {sock['fd']}) connected to "
+                      f"{sock['peer'] or 'a process outside the tree'}: after a restore what it writes there "
+                      "goes to a file ('ckpt restore --output' chooses where)")
 
     tracking = _plan_tracking(store, request, binary, reporter)
     options_used["track_mem"] = tracking is not None
@@ -117,7 +121,9 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
                     reporter.warn(f"{exc.message}; dirty-page tracking reads every page this time")
                     tracking = TrackingPlan(tracking.target, None)
         criu_options = CriuOptions(images_dir=staging.images_dir, log_dir=log_dir, log_name="dump.log",
-                                   pid=request.pid, parent_img=parent_img, **options_used)
+                                   pid=request.pid, parent_img=parent_img,
+                                   external=[f"unix[{s['inode']}]" for s in facts.external_sockets],
+                                   **options_used)
         committed: list[Manifest] = []
         marks: dict[str, float] = {}
 
@@ -201,6 +207,8 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
     criu_facts = {"version": binary.version_text, "options": options_used, "tty": facts.has_tty}
     if facts.external_pipes:
         criu_facts["external_pipes"] = facts.external_pipes
+    if facts.external_sockets:
+        criu_facts["external_sockets"] = facts.external_sockets
     if tracking is not None:
         criu_facts["tracking"] = {"target": tracking.target.key,
                                   "parent": tracking.parent.id if tracking.parent else None,

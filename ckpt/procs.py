@@ -25,6 +25,9 @@ class TargetFacts:
     has_tty: bool = False  # a controlling terminal: a restore must give it one
     # Pipe ends whose other end is outside the tree (`agent | tee log`): see external_pipes.
     external_pipes: list[dict] = field(default_factory=list)
+    # UNIX stream sockets connected to a process outside the tree (a systemd service's stdout
+    # to journald, a child's stdio under Node.js): see external_stream_sockets.
+    external_sockets: list[dict] = field(default_factory=list)
 
 
 def require_root() -> None:
@@ -113,7 +116,8 @@ def preflight(pid: int) -> TargetFacts:
     return TargetFacts(pid=pid, command=command_line(root), pids=tree_pids, needs_shell_job=needs_shell_job,
                        has_tcp_established=has_tcp, has_file_locks=_holds_file_locks(set(tree_pids)),
                        memory_bytes=memory, has_tty=_has_tty(root.pid),
-                       external_pipes=external_pipes(tree_pids))
+                       external_pipes=external_pipes(tree_pids),
+                       external_sockets=external_stream_sockets(tree_pids))
 
 
 O_ACCMODE = 0o3
@@ -162,16 +166,63 @@ def external_pipes(tree_pids: list[int]) -> list[dict]:
 
 def _pipe_holders(inodes: set[int], exclude: set[int]) -> dict[int, str]:
     """For each pipe inode, one process outside `exclude` that holds it (for messages)."""
+    return _holders(inodes, exclude, lambda pid: [inode for _, inode, _ in _pipe_fds(pid)])
+
+
+def _holders(inodes: set[int], exclude: set[int], inodes_of) -> dict[int, str]:
     found: dict[int, str] = {}
     for proc in psutil.process_iter():
         if proc.pid in exclude:
             continue
-        for _, inode, _ in _pipe_fds(proc.pid):
+        for inode in inodes_of(proc.pid):
             if inode in inodes and inode not in found:
                 found[inode] = f"{command_line(proc).split(' ')[0].rsplit('/', 1)[-1]} (PID {proc.pid})"
         if len(found) == len(inodes):
             break
     return found
+
+
+def _socket_fds(pid: int) -> list[tuple[int, int]]:
+    """(fd, socket inode) of every socket the process holds."""
+    result = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return result
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            result.append((int(fd), int(link[8:-1])))
+    return result
+
+
+def external_stream_sockets(tree_pids: list[int]) -> list[dict]:
+    """UNIX stream sockets of the tree connected to a socket no process of the tree holds.
+
+    CRIU refuses to dump them ("Can't dump half of stream unix connection", even with
+    --ext-unix-sk). ckpt names them to CRIU as external (`unix[<inode>]`) and a restore gives
+    them a file, as for pipes to the outside. Each: {"pid", "fd", "inode", "peer_inode",
+    "peer": "journald (PID n)" or None}."""
+    held = [(pid, fd, inode) for pid in tree_pids for fd, inode in _socket_fds(pid)]
+    if not held:
+        return []
+    from ckpt.unixdiag import stream_peers  # netlink, only when the tree holds sockets
+
+    try:
+        peers = stream_peers()
+    except OSError:
+        return []  # no sock_diag here (a restricted container): CRIU's own error then names the socket
+    inside = {inode for _, _, inode in held}
+    outside = {(pid, fd, inode): peers[inode] for pid, fd, inode in held
+               if peers.get(inode) and peers[inode] not in inside}
+    if not outside:
+        return []
+    names = _holders(set(outside.values()), set(tree_pids), lambda pid: [i for _, i in _socket_fds(pid)])
+    return [{"pid": pid, "fd": fd, "inode": inode, "peer_inode": peer, "peer": names.get(peer)}
+            for (pid, fd, inode), peer in sorted(outside.items())]
 
 
 def _refuse_session_led_from_another_pid_namespace(pid: int, command: str) -> None:

@@ -23,7 +23,7 @@ class RestoreRequest:
     pid_wait_s: float = 5.0
     new_pidns: bool = False
     post_restore_hook: str | None = None
-    # Where the tree's pipes to programs outside it now write: a file, "-" for ckpt's own
+    # Where the tree's pipes and sockets to programs outside it now write: a file, "-" for ckpt's own
     # stdout/stderr, None for a file in the checkpoint's log directory.
     output: str | None = None
 
@@ -75,7 +75,7 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                 ext_unix_sk=bool(opts.get("ext_unix_sk")), file_locks=bool(opts.get("file_locks")),
                 network_lock=opts.get("network_lock", "nftables"), inherit_stdio=has_tty, inherit_fds=inherit)
             if output:
-                reporter.info(f"what the tree wrote into pipes to programs outside it now goes to {output}")
+                reporter.info(f"what the tree wrote into pipes or sockets to programs outside it now goes to {output}")
             reporter.step(f"restoring {len(manifest.processes)} process(es) with CRIU {binary.version_text}")
             inner = None
             if request.new_pidns:
@@ -106,34 +106,39 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
 
 def _external_pipe_fds(manifest: Manifest, output: str | None, default_path: Path
                        ) -> tuple[str | None, list[tuple[str, int]]]:
-    """The descriptors CRIU puts in place of the tree's pipe ends to programs outside it.
+    """The descriptors CRIU puts in place of the tree's pipes and sockets to programs outside it.
 
     CRIU would restore such a pipe with nobody at its other end: the first write kills the
-    writer (SIGPIPE). Each write end instead inherits the output file (or ckpt's own stdout or
-    stderr); read ends are left to CRIU (they read end of file). Returns a description of the
-    output and the (CRIU key, descriptor) pairs, which the caller closes."""
-    write_ends: dict[int, int] = {}  # inode -> the fd number it had (the lowest)
+    writer (SIGPIPE); a socket dumped as external needs a descriptor. Each write end and each
+    socket instead inherits the output file (or ckpt's own stdout or stderr); pipe read ends
+    are left to CRIU (they read end of file). Returns a description of the output and the
+    (CRIU key, descriptor) pairs, which the caller closes."""
+    write_ends: dict[str, int] = {}  # CRIU's key -> the fd number it had (the lowest)
     for pipe in manifest.criu.get("external_pipes", []):
         if pipe.get("end") == "write":
-            inode = int(pipe["inode"])
-            write_ends[inode] = min(write_ends.get(inode, 1 << 30), int(pipe["fd"]))
+            key = f"pipe:[{int(pipe['inode'])}]"
+            write_ends[key] = min(write_ends.get(key, 1 << 30), int(pipe["fd"]))
+    for sock in manifest.criu.get("external_sockets", []):  # dumped as external: CRIU needs a file for each
+        key = f"socket:[{int(sock['inode'])}]"
+        write_ends[key] = min(write_ends.get(key, 1 << 30), int(sock["fd"]))
     if not write_ends:
         return None, []
     inherit: list[tuple[str, int]] = []
     try:
         if output == "-":
-            for inode, fd in sorted(write_ends.items()):
-                inherit.append((f"pipe:[{inode}]", os.dup(2 if fd == 2 else 1)))
+            for key, fd in sorted(write_ends.items()):
+                inherit.append((key, os.dup(2 if fd == 2 else 1)))
             return "ckpt's own stdout and stderr", inherit
         path = Path(output) if output else default_path
         try:
-            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            # Read-write: a socket end is read as well; reading the file gives end of file.
+            target = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         except OSError as exc:
             raise UsageError(f"cannot open {path} for the restored tree's output: {exc.strerror}",
                              hint="give another file with --output, or '-' for ckpt's own stdout") from None
         try:
-            for inode in sorted(write_ends):
-                inherit.append((f"pipe:[{inode}]", os.dup(target)))
+            for key in sorted(write_ends):
+                inherit.append((key, os.dup(target)))
         finally:
             os.close(target)
         return str(path), inherit

@@ -15,8 +15,9 @@ original PIDs back: if one is held by another process, ckpt says which; --new-pi
 restores the tree into a PID namespace of its own, where it keeps its PIDs (the host sees
 others; stdout then carries the host's PID of the root).
 stdout carries the restored root PID alone (with --json, one JSON object).
-A pipe from the tree to a program outside it ('agent | tee log') has nobody at its other
-end after a restore: what the tree writes there goes to a file instead (--output).
+A pipe or UNIX socket from the tree to a program outside it ('agent | tee log', a service's
+stdout to journald) has nobody at its other end after a restore: what the tree writes there
+goes to a file instead (--output).
 
 Examples:
 
@@ -43,8 +44,8 @@ def register(app: typer.Typer) -> None:
             "--new-pidns", help="Restore into a new PID namespace, for when the tree's PIDs are taken.")] = False,
         output: Annotated[Optional[str], typer.Option(
             "--output", metavar="FILE",
-            help="Where the tree now writes what it wrote into pipes to programs outside it ('agent | tee "
-                 "log'): FILE (appended), or '-' for ckpt's own stdout and stderr. Default: "
+            help="Where the tree now writes what it wrote into pipes or sockets to programs outside it "
+                 "('agent | tee log'): FILE (appended), or '-' for ckpt's own stdout and stderr. Default: "
                  "output-TIME.log in the checkpoint's log directory.")] = None,
         store: StoreOption = None,
         json_out: JsonOption = False,

@@ -50,6 +50,10 @@ def register(app: typer.Typer) -> None:
             peer = pipe.get("peer") or "a process outside the tree"
             verb = "writes into" if pipe["end"] == "write" else "reads from"
             stdout.print(f"  PID {pipe['pid']} fd {pipe['fd']} {verb} a pipe to {peer} (restore --output)")
+        for sock in data["criu"].get("external_sockets", []):
+            peer = sock.get("peer") or "a process outside the tree"
+            stdout.print(f"  PID {sock['pid']} fd {sock['fd']} is a UNIX stream socket connected to {peer} "
+                         "(restore --output)")
         tree = Tree("processes")
         nodes = {}
         for proc in data["processes"]:

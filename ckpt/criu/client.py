@@ -51,6 +51,8 @@ class CriuOptions:
     # (key, descriptor of ours): CRIU restores the file CRIU calls `key` (e.g. "pipe:[123]") as
     # that descriptor instead (--inherit-fd).
     inherit_fds: list = field(default_factory=list)
+    # Resources CRIU is to treat as external (--external), e.g. "unix[123]".
+    external: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -90,6 +92,8 @@ def _fill_opts(rpc, opts_msg, options: CriuOptions, images_fd: int, work_fd: int
     lock = {"nftables": rpc.NFTABLES, "iptables": rpc.IPTABLES, "skip": rpc.SKIP}[options.network_lock]
     opts_msg.network_lock = lock
     opts_msg.notify_scripts = True
+    for key in options.external:
+        opts_msg.external.append(key)
     for key, fd in options.inherit_fds:
         inherited = opts_msg.inherit_fd.add()
         inherited.key = key
@@ -129,7 +133,10 @@ def explain_failure(action: str, log_path: Path) -> CriuFailed | PidInUse | Disk
         return CriuFailed(f"a file the checkpointed tree had open is gone: {path}", log_path=str(log_path),
                           log_lines=lines, hint="recreate it (for a log file an empty one will do) and restore again; "
                                                 + where)
-    if re.search(r"External socket|unix: .*external|Can't dump half of stream unix", text, re.I):
+    if re.search(r"Can't dump half of stream unix", text):
+        hint = ("a UNIX stream socket of the tree is connected to a process outside it that ckpt did not "
+                "see when it looked (it connected meanwhile?): retry the dump")
+    elif re.search(r"External socket|unix: .*external", text, re.I):
         hint = "the tree uses a UNIX socket whose peer is outside it: retry with --ext-unix-sk"
     elif re.search(r"Connected TCP socket|TCP connection", text):
         hint = "the tree has established TCP connections: retry with --tcp-established"

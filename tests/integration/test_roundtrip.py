@@ -10,6 +10,8 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import FIXTURES, ROOT, alive, ckpt, ckpt_json, read_lines, state, tree_pids, wait_until
 
 
@@ -288,10 +290,16 @@ def test_process_on_a_terminal_restores_onto_the_terminal_of_the_restore(procs, 
     assert len(values) > last + 3 and values[last] == last + 1, "the restored counter did not go on"
 
 
-def test_pipe_to_a_program_outside_the_tree_gets_a_file_after_restore(procs, tmp_path):
-    """`agent | tee log`, the agent dumped alone: CRIU would restore its stdout as a pipe that
-    nobody reads, and the agent would die of SIGPIPE at its next write."""
-    read_end, write_end = os.pipe()
+@pytest.mark.parametrize("channel", ["pipe", "socket"])
+def test_output_to_a_program_outside_the_tree_goes_to_a_file_after_restore(procs, tmp_path, channel):
+    """`agent | tee log`, or a service whose stdout is a UNIX socket to journald (or to a Node.js
+    parent), the agent dumped alone. CRIU would restore a pipe that nobody reads (the agent dies
+    of SIGPIPE at its next write) and refuses to dump half of a stream socket."""
+    if channel == "pipe":
+        read_end, write_end = os.pipe()
+    else:
+        reader_sock, writer_sock = socket.socketpair()
+        read_end, write_end = reader_sock.detach(), writer_sock.detach()
     seen = tmp_path / "seen-by-cat.txt"
     with open(seen, "wb") as sink:
         reader = subprocess.Popen(["cat"], stdin=read_end, stdout=sink, start_new_session=True)
@@ -307,11 +315,15 @@ def test_pipe_to_a_program_outside_the_tree_gets_a_file_after_restore(procs, tmp
     wait_until(lambda: len(ints(seen)) >= 5, what="cat to see the writer's lines")
 
     dumped = ckpt("dump", writer.pid, "--stop", "--json")
-    assert f"a pipe that cat (PID {reader.pid}) reads" in dumped.stderr, dumped.stderr
+    described = {"pipe": f"writes (fd 1) into a pipe that cat (PID {reader.pid}) reads",
+                 "socket": f"UNIX stream socket (fd 1) connected to cat (PID {reader.pid})"}[channel]
+    assert described in dumped.stderr, dumped.stderr
     writer.wait(timeout=10)
     last = ints(seen)[-1]
     checkpoint = json.loads(dumped.stdout)["id"]
-    assert f"fd 1 writes into a pipe to cat (PID {reader.pid})" in ckpt("show", checkpoint).stdout
+    shown = {"pipe": f"fd 1 writes into a pipe to cat (PID {reader.pid})",
+             "socket": f"fd 1 is a UNIX stream socket connected to cat (PID {reader.pid})"}[channel]
+    assert shown in ckpt("show", checkpoint).stdout
 
     output = tmp_path / "after-restore.txt"
     restored = ckpt_json("restore", checkpoint, "--output", output)
