@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from ckpt.errors import PermissionProblem, PidInUse, ProcessNotFound, TargetRefused
+from ckpt.textutil import printable
 
 PF_KTHREAD = 0x00200000
 
@@ -39,7 +40,7 @@ def require_root() -> None:
 def command_line(proc: psutil.Process) -> str:
     try:
         cmd = proc.cmdline()
-        return " ".join(cmd) if cmd else f"[{proc.name()}]"
+        return " ".join(printable(a) for a in cmd) if cmd else f"[{printable(proc.name())}]"
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return "?"
 

@@ -1,7 +1,7 @@
 import typer
 
 from ckpt.cli.options import JsonOption, StoreOption
-from ckpt.cli.output import emit_json, stdout
+from ckpt.cli.output import emit_json, stdout, styled
 from ckpt.config import resolve_store_path
 from ckpt.errors import CkptError, ExitCode
 from ckpt.readiness import as_json, check_readiness, ready
@@ -30,8 +30,8 @@ def register(app: typer.Typer) -> None:
             emit_json(as_json(findings))
         else:
             for f in findings:
-                mark = "[green]ok[/green]  " if f.ok else ("[red]FAIL[/red]" if f.required else "[yellow]warn[/yellow]")
-                stdout.print(f"{mark} {f.name}: {f.detail}" + (f"\n       fix: {f.fix}" if f.fix else ""))
+                label, style = ("ok  ", "green") if f.ok else (("FAIL", "red") if f.required else ("warn", "yellow"))
+                stdout.print(styled(label, style, f" {f.name}: {f.detail}" + (f"\n       fix: {f.fix}" if f.fix else "")))
         if not ready(findings):
             failed = ", ".join(f.name for f in findings if f.required and not f.ok)
             raise NotReady(f"dump and restore cannot work here yet ({failed})", hint="see the fixes above")

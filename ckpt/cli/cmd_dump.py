@@ -5,7 +5,7 @@ import typer
 from ckpt.checkpoint import DumpRequest, dump
 from ckpt.cli.options import JsonOption, QuietOption, StoreOption
 from ckpt.config import resolve_store_path
-from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr
+from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr, styled
 
 HELP = """Checkpoint the process tree rooted at PID into the store.
 
@@ -66,14 +66,14 @@ def register(app: typer.Typer) -> None:
             return
         if not quiet:
             ratio = m.stats.get("compression_ratio")
-            stderr.print(f"[green]checkpoint {m.id}[/green]: {len(m.processes)} process(es), "
+            stderr.print(styled(f"checkpoint {m.id}", "green", f": {len(m.processes)} process(es), "
                          f"{m.stats.get('pages')} pages ({m.stats.get('pages_new')} new), "
                          f"{human_bytes(m.bytes_stored)} new in the store, "
                          f"{human_bytes(m.stats.get('bytes_dedup'))} deduplicated"
                          + (f", compression {ratio}x" if ratio else "")
                          + _tracking_note(m)
                          + f", frozen {m.stats.get('freeze_ms')} ms, took {m.stats.get('duration_ms')} ms"
-                         + (", target ended" if stop else ""))
+                         + (", target ended" if stop else "")))
         print(m.id)
 
 

@@ -4,7 +4,7 @@ from typing import Annotated, Optional
 import typer
 
 from ckpt.cli.options import JsonOption, StoreOption, open_store
-from ckpt.cli.output import emit_json, human_bytes, print_table, stderr
+from ckpt.cli.output import emit_json, human_bytes, print_table, stderr, styled
 
 HELP = """List the checkpoints in the store, oldest first.
 
@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOption = False,
     ) -> None:
         st = open_store(store)
-        manifests = st.manifests(on_damaged=lambda i, e: stderr.print(f"[yellow]Warning:[/yellow] {e}"))
+        manifests = st.manifests(on_damaged=lambda i, e: stderr.print(styled("Warning:", "yellow", f" {e}")))
         if name:
             manifests = [m for m in manifests if m.name == name]
         rows = [{

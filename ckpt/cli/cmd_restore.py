@@ -4,7 +4,7 @@ import typer
 
 from ckpt.cli.options import JsonOption, QuietOption, StoreOption
 from ckpt.config import resolve_store_path
-from ckpt.cli.output import CliReporter, emit_json, stderr
+from ckpt.cli.output import CliReporter, emit_json, stderr, styled
 from ckpt.restore import RestoreRequest, restore
 
 HELP = """Restore a checkpoint: the tree continues where it stopped, detached from ckpt.
@@ -63,6 +63,6 @@ def register(app: typer.Typer) -> None:
             return
         if not quiet:
             inside = f" ({result.pid_in_namespace} in its PID namespace)" if result.pid_in_namespace else ""
-            stderr.print(f"[green]restored {result.manifest.id}[/green]: root PID {result.pid}{inside}, "
-                         f"{len(result.manifest.processes)} process(es), took {result.duration_ms} ms")
+            stderr.print(styled(f"restored {result.manifest.id}", "green", f": root PID {result.pid}{inside}, "
+                                f"{len(result.manifest.processes)} process(es), took {result.duration_ms} ms"))
         print(result.pid)

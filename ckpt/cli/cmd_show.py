@@ -1,6 +1,7 @@
 from typing import Annotated
 
 import typer
+from rich.text import Text
 from rich.tree import Tree
 
 from ckpt.cli.options import JsonOption, StoreOption, open_store
@@ -61,8 +62,8 @@ def register(app: typer.Typer) -> None:
                      f"{proc['mappings']} mappings, {human_bytes(proc['mapped_bytes'])} mapped, "
                      f"{proc['pages']} pages dumped]")
             parent = nodes.get(proc["ppid"], tree)
-            node = parent.add(label)
+            node = parent.add(Text(label))
             nodes[proc["pid"]] = node
             for fd in proc["fds"]:
-                node.add(_fd_line(fd))
+                node.add(Text(_fd_line(fd)))
         stdout.print(tree)

@@ -3,7 +3,7 @@ from typing import Annotated, Optional
 import typer
 
 from ckpt.cli.options import JsonOption, QuietOption, StoreOption, open_store
-from ckpt.cli.output import CliReporter, emit_json, stderr
+from ckpt.cli.output import CliReporter, emit_json, stderr, styled
 from ckpt.errors import DamagedCheckpoint, UsageError
 from ckpt.verify import verify
 
@@ -44,9 +44,9 @@ def register(app: typer.Typer) -> None:
             for r in results:
                 if r["problems"]:
                     for p in r["problems"]:
-                        stderr.print(f"[red]DAMAGED[/red] {r['id']}: {p}")
+                        stderr.print(styled("DAMAGED", "red", f" {r['id']}: {p}"))
                 elif not quiet:
-                    stderr.print(f"[green]ok[/green] {r['id']} ({r['files']} files)")
+                    stderr.print(styled("ok", "green", f" {r['id']} ({r['files']} files)"))
         if damaged:
             raise DamagedCheckpoint(f"{len(damaged)} of {len(results)} checkpoint(s) damaged: "
                                     + ", ".join(r["id"] for r in damaged),

@@ -7,10 +7,21 @@ import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
-stderr = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
+from ckpt.textutil import printable
+
+# No markup: what ckpt prints carries commands, paths and arguments of other programs, and a
+# "[/]" in one of them must print as it is, not be read as markup (or fail). Styles are set
+# explicitly with styled().
+stderr = Console(stderr=True, highlight=False, markup=False, soft_wrap=not sys.stderr.isatty())
 # Piped output is not cut at 80 columns: scripts and pagers get whole lines.
-stdout = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+stdout = Console(highlight=False, markup=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+
+
+def styled(label: str, style: str, rest: str = "") -> Text:
+    """label in style, then rest as it is."""
+    return Text.assemble((label, style), rest)
 
 
 def emit_json(data) -> None:
@@ -45,7 +56,7 @@ class CliReporter:
     def step(self, message: str) -> None:
         self._close_bar()
         if not self.quiet:
-            stderr.print(f"[dim]ckpt:[/dim] {message}")
+            stderr.print(styled("ckpt:", "dim", f" {message}"))
 
     def progress(self, done: int, total: int, what: str) -> None:
         if self.quiet or not stderr.is_terminal or total < (64 << 20):
@@ -62,11 +73,11 @@ class CliReporter:
     def info(self, message: str) -> None:
         self._close_bar()
         if not self.quiet:
-            stderr.print(f"[dim]ckpt:[/dim] {message}")
+            stderr.print(styled("ckpt:", "dim", f" {message}"))
 
     def warn(self, message: str) -> None:
         self._close_bar()
-        stderr.print(f"[yellow]Warning:[/yellow] {message}")
+        stderr.print(styled("Warning:", "yellow", f" {message}"))
 
     def close(self) -> None:
         self._close_bar()
@@ -76,6 +87,7 @@ def print_table(headers: list[str], rows: list[list[str]], widest: dict[int, int
     """A plain aligned table on stdout. Rich's tables take seconds for a thousand rows; this is
     data for people and for `grep`/`awk`, so plain text serves both."""
     widest = widest or {}
+    rows = [[printable(c) for c in row] for row in rows]  # one line per row, whatever a command holds
     cells = [[c if len(c) <= widest.get(i, 10**6) else c[:widest[i] - 1] + "…" for i, c in enumerate(row)]
              for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]

@@ -201,3 +201,18 @@ def test_kill_9_during_dump_leaves_target_running_and_no_checkpoint(procs, tmp_p
     os.kill(target.pid, signal.SIGUSR1)
     wait_until(lambda: len(read_lines(out)) >= 2, what="checksum after the dumps")
     assert read_lines(out)[0].split()[0] == read_lines(out)[-1].split()[0]
+
+
+def test_a_command_line_with_brackets_newlines_and_escapes_prints_as_it_is(procs, tmp_path):
+    """Other programs' arguments reach ckpt's output: a '[/]' must not be read as markup (it
+    made 'ckpt show' fail), a newline must not break a table row, an escape must not reach
+    the terminal."""
+    target = procs.start_program([sys.executable, "-c", "import time\ntime.sleep(600)", "[/]", "\x1b[31mred"],
+                                 "odd-argv")
+    time.sleep(0.5)
+    dumped = ckpt("dump", target.pid, "--name", "odd")
+    assert "checkpoint " in dumped.stderr and "\x1b[31m" not in dumped.stderr
+    shown = ckpt("show", "odd").stdout
+    assert "import time\\ntime.sleep(600) [/] \\x1b[31mred" in shown and "\x1b" not in shown
+    listed = ckpt("list").stdout.splitlines()
+    assert len(listed) == 2 and "import time\\n" in listed[1]

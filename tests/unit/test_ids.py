@@ -38,3 +38,11 @@ def test_unsafe_references_are_refused(bad):
 def test_invalid_names(bad):
     with pytest.raises(InvalidReference):
         ids.check_name(bad)
+
+
+def test_text_from_other_programs_prints_on_one_line_without_escapes():
+    from ckpt.textutil import printable
+
+    assert printable("python3 agent.py") == "python3 agent.py"
+    assert printable("-c import time\ntime.sleep(1)") == "-c import time\\ntime.sleep(1)"
+    assert printable("\x1b[31mred") == "\\x1b[31mred"
