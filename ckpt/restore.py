@@ -26,6 +26,10 @@ class RestoreRequest:
     # Where the tree's pipes and sockets to programs outside it now write: a file, "-" for ckpt's own
     # stdout/stderr, None for a file in the checkpoint's log directory.
     output: str | None = None
+    # Restore established TCP connections closed: the program sees them fail and reconnects.
+    # For a restore on another machine (the connection's address is not there) or long after
+    # the peers gave up.
+    tcp_close: bool = False
 
 
 @dataclass
@@ -73,7 +77,8 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                 images_dir=images_dir, log_dir=log_dir, log_name=f"restore-{stamp}-{os.getpid()}.log",
                 shell_job=bool(opts.get("shell_job")), tcp_established=bool(opts.get("tcp_established")),
                 ext_unix_sk=bool(opts.get("ext_unix_sk")), file_locks=bool(opts.get("file_locks")),
-                network_lock=opts.get("network_lock", "nftables"), inherit_stdio=has_tty, inherit_fds=inherit)
+                network_lock=opts.get("network_lock", "nftables"), inherit_stdio=has_tty, inherit_fds=inherit,
+                extra={"tcp_close": True} if request.tcp_close else {})
             if output:
                 reporter.info(f"what the tree wrote into pipes or sockets to programs outside it now goes to {output}")
             reporter.step(f"restoring {len(manifest.processes)} process(es) with CRIU {binary.version_text}")

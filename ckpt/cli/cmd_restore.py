@@ -30,6 +30,8 @@ Examples:
   ckpt restore agent --new-pidns     # the original is still running
 
   ckpt restore agent --output agent.log   # was 'agent | tee agent.log'
+
+  ckpt restore agent --tcp-close   # on another machine: its connections fail, it reconnects
 """
 
 
@@ -42,6 +44,10 @@ def register(app: typer.Typer) -> None:
                                    "environment); its failure is reported, the tree keeps running.")] = None,
         new_pidns: Annotated[bool, typer.Option(
             "--new-pidns", help="Restore into a new PID namespace, for when the tree's PIDs are taken.")] = False,
+        tcp_close: Annotated[bool, typer.Option(
+            "--tcp-close", help="Restore established TCP connections closed: the program sees them fail and "
+                                "reconnects. For a restore on another machine, or long after the peers gave "
+                                "up.")] = False,
         output: Annotated[Optional[str], typer.Option(
             "--output", metavar="FILE",
             help="Where the tree now writes what it wrote into pipes or sockets to programs outside it "
@@ -55,7 +61,7 @@ def register(app: typer.Typer) -> None:
         try:
             result = restore(resolve_store_path(store), RestoreRequest(ref=ref, new_pidns=new_pidns,
                                                                         post_restore_hook=post_restore,
-                                                                        output=output), reporter)
+                                                                        output=output, tcp_close=tcp_close), reporter)
         finally:
             reporter.close()
         if json_out:

@@ -133,7 +133,11 @@ def explain_failure(action: str, log_path: Path) -> CriuFailed | PidInUse | Disk
         return CriuFailed(f"a file the checkpointed tree had open is gone: {path}", log_path=str(log_path),
                           log_lines=lines, hint="recreate it (for a log file an empty one will do) and restore again; "
                                                 + where)
-    if re.search(r"Can't dump half of stream unix", text):
+    if action == "restore" and re.search(r"Can't bind inet socket|Cannot assign requested address|"
+                                         r"Can't restore TCP|repair", text):
+        hint = ("the tree's TCP connections cannot be re-established here (another machine, or its address "
+                "is gone): restore with --tcp-close, and the program sees them fail")
+    elif re.search(r"Can't dump half of stream unix", text):
         hint = ("a UNIX stream socket of the tree is connected to a process outside it that ckpt did not "
                 "see when it looked (it connected meanwhile?): retry the dump")
     elif re.search(r"External socket|unix: .*external", text, re.I):

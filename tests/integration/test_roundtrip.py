@@ -172,6 +172,21 @@ def test_established_tcp_connection_keeps_talking(procs, tmp_path):
     assert alive(server.pid)
 
 
+def test_tcp_close_restores_connections_closed_and_the_program_sees_it(procs, tmp_path):
+    """For a restore where the connection cannot live on (another machine, peers long gone):
+    the program must see its connection fail, not hang on it."""
+    server, client, log, out = talking_pair(procs, tmp_path, 5)
+    dumped = ckpt_json("dump", client.pid, "--stop")
+    client.wait(timeout=10)
+    n = len(read_lines(out))
+    restored = ckpt_json("restore", dumped["id"], "--tcp-close")
+    procs.adopt(restored["pid"])
+    # The client's next exchange fails: it reads end of file (and says so) or its write fails.
+    wait_until(lambda: not alive(restored["pid"]), timeout=15, what="the client to see its connection closed")
+    assert all(line.split()[0].isdigit() for line in read_lines(out)[:n])
+    assert read_lines(out)[n:] in ([], ["EOF"]), read_lines(out)[n:]
+
+
 def test_listening_server_accepts_new_connections(procs, tmp_path):
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))
