@@ -34,8 +34,11 @@ def translate_os_error(exc: OSError, what: str) -> StoreError:
     return StoreError(f"store I/O error while {what}: {exc.strerror} ({exc.filename})")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Temp file in the same directory, write, fsync, rename, fsync the directory."""
+def atomic_write_bytes(path: Path, data: bytes, replace: bool = True) -> None:
+    """Temp file in the same directory, write, fsync, rename, fsync the directory.
+
+    replace=False never replaces an existing file: the temp file is linked into place (which
+    fails with FileExistsError if path exists), then unlinked."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:
@@ -47,7 +50,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(tmp, path)
+        if replace:
+            os.rename(tmp, path)
+        else:
+            os.link(tmp, path)
+            os.unlink(tmp)
     except BaseException:
         try:
             os.unlink(tmp)

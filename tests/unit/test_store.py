@@ -322,3 +322,12 @@ def test_a_damaged_index_file_is_named_healed_by_the_next_dump_and_stops_prune(s
     store.collect_garbage()
     for m in (first, second):
         assert (store.materialize(m) / "pages-1.img").read_bytes() == pages
+
+
+def test_a_second_checkpoint_never_replaces_one_with_the_same_id(store):
+    first = fake_dump(store, {"core-1.img": b"first"})
+    twin = Manifest(id=first.id, created=first.created, pid=1, command="twin", processes=[], files=[])
+    with pytest.raises(StoreError, match="already exists"):
+        store.commit(twin)
+    assert store.load(first.id).command == "x" and store.verify(store.load(first.id)) == []
+    assert [p.name for p in store.checkpoints_dir.iterdir()] == [f"{first.id}.json"]
