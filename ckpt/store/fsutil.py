@@ -53,8 +53,19 @@ def atomic_write_bytes(path: Path, data: bytes, replace: bool = True) -> None:
         if replace:
             os.rename(tmp, path)
         else:
-            os.link(tmp, path)
-            os.unlink(tmp)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError as exc:
+                # A filesystem without hard links (some FUSE or network ones): check, then rename.
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                if os.path.lexists(path):
+                    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+                os.rename(tmp, path)
+            else:
+                os.unlink(tmp)
     except BaseException:
         try:
             os.unlink(tmp)
