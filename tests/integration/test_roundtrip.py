@@ -334,7 +334,11 @@ def test_output_to_a_program_outside_the_tree_goes_to_a_file_after_restore(procs
                  "socket": f"UNIX stream socket (fd 1) connected to cat (PID {reader.pid})"}[channel]
     assert described in dumped.stderr, dumped.stderr
     writer.wait(timeout=10)
-    last = ints(seen)[-1]
+    # cat may still be copying what the writer put into the pipe before it was frozen.
+    settled = []
+    wait_until(lambda: settled.append(ints(seen)) or (len(settled) > 1 and settled[-1] == settled[-2]),
+               interval=0.2, what="cat to drain the pipe")
+    last = settled[-1][-1]
     checkpoint = json.loads(dumped.stdout)["id"]
     shown = {"pipe": f"fd 1 writes into a pipe to cat (PID {reader.pid})",
              "socket": f"fd 1 is a UNIX stream socket connected to cat (PID {reader.pid})"}[channel]
