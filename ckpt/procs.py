@@ -124,8 +124,9 @@ def preflight(pid: int) -> TargetFacts:
 O_ACCMODE = 0o3
 
 
-def _pipe_fds(pid: int) -> list[tuple[int, int, bool]]:
-    """(fd, pipe inode, is the write end) of every pipe the process holds."""
+def _fd_inodes(pid: int, kind: str) -> list[tuple[int, int]]:
+    """(fd, inode) of every descriptor of the process that is a `kind` ("pipe", "socket")."""
+    prefix = f"{kind}:["
     result = []
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
@@ -134,13 +135,23 @@ def _pipe_fds(pid: int) -> list[tuple[int, int, bool]]:
     for fd in fds:
         try:
             link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if not link.startswith("pipe:["):
-                continue
+        except OSError:
+            continue
+        if link.startswith(prefix):
+            result.append((int(fd), int(link[len(prefix):-1])))
+    return result
+
+
+def _pipe_fds(pid: int) -> list[tuple[int, int, bool]]:
+    """(fd, pipe inode, is the write end) of every pipe the process holds."""
+    result = []
+    for fd, inode in _fd_inodes(pid, "pipe"):
+        try:
             with open(f"/proc/{pid}/fdinfo/{fd}") as f:
                 flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
         except (OSError, StopIteration, ValueError):
             continue
-        result.append((int(fd), int(link[6:-1]), flags & O_ACCMODE == os.O_WRONLY))
+        result.append((fd, inode, flags & O_ACCMODE == os.O_WRONLY))
     return result
 
 
@@ -183,23 +194,6 @@ def _holders(inodes: set[int], exclude: set[int], inodes_of) -> dict[int, str]:
     return found
 
 
-def _socket_fds(pid: int) -> list[tuple[int, int]]:
-    """(fd, socket inode) of every socket the process holds."""
-    result = []
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return result
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            result.append((int(fd), int(link[8:-1])))
-    return result
-
-
 def external_stream_sockets(tree_pids: list[int]) -> list[dict]:
     """UNIX stream sockets of the tree connected to a socket no process of the tree holds.
 
@@ -207,7 +201,7 @@ def external_stream_sockets(tree_pids: list[int]) -> list[dict]:
     --ext-unix-sk). ckpt names them to CRIU as external (`unix[<inode>]`) and a restore gives
     them a file, as for pipes to the outside. Each: {"pid", "fd", "inode", "peer_inode",
     "peer": "journald (PID n)" or None}."""
-    held = [(pid, fd, inode) for pid in tree_pids for fd, inode in _socket_fds(pid)]
+    held = [(pid, fd, inode) for pid in tree_pids for fd, inode in _fd_inodes(pid, "socket")]
     if not held:
         return []
     from ckpt.unixdiag import stream_peers  # netlink, only when the tree holds sockets
@@ -221,7 +215,8 @@ def external_stream_sockets(tree_pids: list[int]) -> list[dict]:
                if peers.get(inode) and peers[inode] not in inside}
     if not outside:
         return []
-    names = _holders(set(outside.values()), set(tree_pids), lambda pid: [i for _, i in _socket_fds(pid)])
+    names = _holders(set(outside.values()), set(tree_pids),
+                     lambda pid: [inode for _, inode in _fd_inodes(pid, "socket")])
     return [{"pid": pid, "fd": fd, "inode": inode, "peer_inode": peer, "peer": names.get(peer)}
             for (pid, fd, inode), peer in sorted(outside.items())]
 
