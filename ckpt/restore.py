@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -115,9 +117,12 @@ def _external_pipe_fds(manifest: Manifest, output: str | None, default_path: Pat
 
     CRIU would restore such a pipe with nobody at its other end: the first write kills the
     writer (SIGPIPE); a socket dumped as external needs a descriptor. Each write end and each
-    socket instead inherits the output file (or ckpt's own stdout or stderr); pipe read ends
-    are left to CRIU (they read end of file). Returns a description of the output and the
-    (CRIU key, descriptor) pairs, which the caller closes."""
+    socket instead gets a new pipe (or socketpair, so the program finds the same kind of file)
+    read by a detached `cat` that appends to the output. A file cannot be handed to CRIU
+    directly: CRIU reopens an inherited pipe with the pipe's own flags, so the file would lose
+    O_APPEND and overwrite what it held. The relays end by themselves when the last writer
+    closes its end. Pipe read ends are left to CRIU (they read end of file). Returns a
+    description of the output and the (CRIU key, descriptor) pairs, which the caller closes."""
     write_ends: dict[str, int] = {}  # CRIU's key -> the fd number it had (the lowest)
     for pipe in manifest.criu.get("external_pipes", []):
         if pipe.get("end") == "write":
@@ -128,26 +133,49 @@ def _external_pipe_fds(manifest: Manifest, output: str | None, default_path: Pat
         write_ends[key] = min(write_ends.get(key, 1 << 30), int(sock["fd"]))
     if not write_ends:
         return None, []
-    inherit: list[tuple[str, int]] = []
-    try:
-        if output == "-":
-            for key, fd in sorted(write_ends.items()):
-                inherit.append((key, os.dup(2 if fd == 2 else 1)))
-            return "ckpt's own stdout and stderr", inherit
+    if output == "-":
+        targets = {"out": os.dup(1), "err": os.dup(2)}
+        described = "ckpt's own stdout and stderr"
+    else:
         path = Path(output) if output else default_path
         try:
-            # Read-write: a socket end is read as well; reading the file gives end of file.
-            target = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+            targets = {"out": os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)}
         except OSError as exc:
             raise UsageError(f"cannot open {path} for the restored tree's output: {exc.strerror}",
                              hint="give another file with --output, or '-' for ckpt's own stdout") from None
-        try:
-            for key in sorted(write_ends):
-                inherit.append((key, os.dup(target)))
-        finally:
-            os.close(target)
-        return str(path), inherit
+        targets["err"] = targets["out"]
+        described = str(path)
+    relays: dict[tuple[str, str], int] = {}  # (pipe or socket, out or err) -> the relay's write end
+    inherit: list[tuple[str, int]] = []
+    try:
+        for key, fd in sorted(write_ends.items()):
+            channel = (key.split(":")[0], "err" if fd == 2 else "out")
+            if channel not in relays:
+                relays[channel] = _start_relay(channel[0], targets[channel[1]])
+            inherit.append((key, os.dup(relays[channel])))
     except BaseException:
         for _, fd in inherit:
             os.close(fd)
         raise
+    finally:
+        for fd in set(relays.values()) | set(targets.values()):
+            os.close(fd)
+    return described, inherit
+
+
+def _start_relay(kind: str, target: int) -> int:
+    """A detached `cat` copying a new pipe (or socketpair) into target; returns the write end."""
+    if kind == "pipe":
+        read_end, write_end = os.pipe()
+    else:
+        ours, theirs = socket.socketpair()
+        read_end, write_end = ours.detach(), theirs.detach()
+    try:
+        subprocess.Popen(["cat"], stdin=read_end, stdout=target, stderr=subprocess.DEVNULL,
+                         start_new_session=True, close_fds=True)
+    except OSError:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    return write_end

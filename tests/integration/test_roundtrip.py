@@ -345,10 +345,12 @@ def test_output_to_a_program_outside_the_tree_goes_to_a_file_after_restore(procs
     assert shown in ckpt("show", checkpoint).stdout
 
     output = tmp_path / "after-restore.txt"
+    output.write_text("kept\n")  # --output appends: what the file held stays
     restored = ckpt_json("restore", checkpoint, "--output", output)
     procs.adopt(restored["pid"])
     assert restored["output"] == str(output)
     wait_until(lambda: len(ints(output)) >= 10, what="the restored writer's lines in the output file")
+    assert read_lines(output)[0] == "kept"
     assert ints(output)[:10] == list(range(last + 1, last + 11)), "it goes on from where it stopped"
     assert alive(restored["pid"]) and state(restored["pid"]) != "Z"
     procs.kill_tree(restored["pid"])
