@@ -60,6 +60,9 @@ class DumpResult:
             "bytes_dedup": m.stats.get("bytes_dedup"), "compression_ratio": m.stats.get("compression_ratio"),
             "pages_dumped": m.stats.get("pages_dumped"),
             "dirty_tracking": m.criu.get("tracking"),
+            # what a restore relays to --output: pipes and UNIX stream sockets to outside the tree
+            "external_pipes": m.criu.get("external_pipes", []),
+            "external_sockets": m.criu.get("external_sockets", []),
             "stopped": m.criu["options"]["leave_running"] is False,
             "log": str(self.log_path),
         }

@@ -333,6 +333,8 @@ def test_output_to_a_program_outside_the_tree_goes_to_a_file_after_restore(procs
     described = {"pipe": f"writes (fd 1) into a pipe that cat (PID {reader.pid}) reads",
                  "socket": f"UNIX stream socket (fd 1) connected to cat (PID {reader.pid})"}[channel]
     assert described in dumped.stderr, dumped.stderr
+    (recorded,) = json.loads(dumped.stdout)[f"external_{channel}s"]
+    assert (recorded["pid"], recorded["fd"]) == (writer.pid, 1) and recorded["peer"] == f"cat (PID {reader.pid})"
     writer.wait(timeout=10)
     # cat may still be copying what the writer put into the pipe before it was frozen.
     settled = []
