@@ -91,12 +91,8 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
     if detected:
         reporter.info("detected: " + ", ".join(f"--{k.replace('_', '-')}" for k in detected))
 
-    for pipe in facts.external_pipes:
-        reporter.warn(_external_pipe_note(pipe))
-    for sock in facts.external_sockets:
-        reporter.warn(f"PID {sock['pid']} has a UNIX stream socket (fd {sock['fd']}) connected to "
-                      f"{sock['peer'] or 'a process outside the tree'}: after a restore what it writes there "
-                      "goes to a file ('ckpt restore --output' chooses where)")
+    for note in _outside_notes(facts):
+        reporter.warn(note)
 
     tracking = _plan_tracking(store, request, binary, reporter)
     options_used["track_mem"] = tracking is not None
@@ -242,13 +238,21 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
     return manifest
 
 
-def _external_pipe_note(pipe: dict) -> str:
-    peer = pipe["peer"] or "a process outside the tree"
-    if pipe["end"] == "write":
-        return (f"PID {pipe['pid']} writes (fd {pipe['fd']}) into a pipe that {peer} reads: after a restore "
-                "that output goes to a file ('ckpt restore --output' chooses where)")
-    return (f"PID {pipe['pid']} reads (fd {pipe['fd']}) from a pipe that {peer} writes: after a restore "
-            "it reads end of file there")
+def _outside_notes(facts: procs.TargetFacts) -> list[str]:
+    """What a restore will do with the tree's pipes and sockets to programs outside it."""
+    to_output = "after a restore that output goes to a file ('ckpt restore --output' chooses where)"
+    notes = []
+    for pipe in facts.external_pipes:
+        peer = pipe["peer"] or "a process outside the tree"
+        if pipe["end"] == "write":
+            notes.append(f"PID {pipe['pid']} writes (fd {pipe['fd']}) into a pipe that {peer} reads: {to_output}")
+        else:
+            notes.append(f"PID {pipe['pid']} reads (fd {pipe['fd']}) from a pipe that {peer} writes: after a "
+                         "restore it reads end of file there")
+    for sock in facts.external_sockets:
+        notes.append(f"PID {sock['pid']} has a UNIX stream socket (fd {sock['fd']}) connected to "
+                     f"{sock['peer'] or 'a process outside the tree'}: {to_output}")
+    return notes
 
 
 def _commands(facts: procs.TargetFacts) -> dict[int, str]:

@@ -171,17 +171,13 @@ def external_pipes(tree_pids: list[int]) -> list[dict]:
     outside = {inode for inode, kinds in ends.items() if len(kinds) < 2}
     if not outside:
         return []
-    peers = _pipe_holders(outside, set(tree_pids))
+    peers = _holders(outside, set(tree_pids), lambda pid: [inode for _, inode in _fd_inodes(pid, "pipe")])
     return [{"pid": pid, "fd": fd, "inode": inode, "end": "write" if write else "read", "peer": peers.get(inode)}
             for pid, fd, inode, write in sorted(held) if inode in outside]
 
 
-def _pipe_holders(inodes: set[int], exclude: set[int]) -> dict[int, str]:
-    """For each pipe inode, one process outside `exclude` that holds it (for messages)."""
-    return _holders(inodes, exclude, lambda pid: [inode for _, inode, _ in _pipe_fds(pid)])
-
-
 def _holders(inodes: set[int], exclude: set[int], inodes_of) -> dict[int, str]:
+    """For each inode, one process outside `exclude` whose descriptors (inodes_of) hold it."""
     found: dict[int, str] = {}
     for proc in psutil.process_iter():
         if proc.pid in exclude:
@@ -198,8 +194,8 @@ def external_stream_sockets(tree_pids: list[int]) -> list[dict]:
     """UNIX stream sockets of the tree connected to a socket no process of the tree holds.
 
     CRIU refuses to dump them ("Can't dump half of stream unix connection", even with
-    --ext-unix-sk). ckpt names them to CRIU as external (`unix[<inode>]`) and a restore gives
-    them a file, as for pipes to the outside. Each: {"pid", "fd", "inode", "peer_inode",
+    --ext-unix-sk). ckpt names them to CRIU as external (`unix[<inode>]`) and a restore relays
+    what the tree writes there to its output, as for pipes to the outside. Each: {"pid", "fd", "inode", "peer_inode",
     "peer": "journald (PID n)" or None}."""
     held = [(pid, fd, inode) for pid in tree_pids for fd, inode in _fd_inodes(pid, "socket")]
     if not held:

@@ -42,7 +42,7 @@ class RestoreResult:
     log_path: Path
     pid_in_namespace: int | None = None
     hook_error: str | None = None
-    output: str | None = None  # where output to pipes outside the tree now goes
+    output: str | None = None  # where output to pipes and sockets outside the tree now goes
 
     def to_json(self) -> dict:
         return {"id": self.manifest.id, "name": self.manifest.name, "pid": self.pid,
@@ -74,7 +74,7 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                                  hint="run 'ckpt restore' from a terminal: the restored processes take it over")
             stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
             log_dir = store.logs_dir(checkpoint_id)
-            output, inherit = _external_pipe_fds(manifest, request.output, log_dir / f"output-{stamp}.log")
+            output, inherit = _relays_to_output(manifest, request.output, log_dir / f"output-{stamp}.log")
             criu_options = CriuOptions(
                 images_dir=images_dir, log_dir=log_dir, log_name=f"restore-{stamp}-{os.getpid()}.log",
                 shell_job=bool(opts.get("shell_job")), tcp_established=bool(opts.get("tcp_established")),
@@ -111,7 +111,7 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                          inner, hook_error, output)
 
 
-def _external_pipe_fds(manifest: Manifest, output: str | None, default_path: Path
+def _relays_to_output(manifest: Manifest, output: str | None, default_path: Path
                        ) -> tuple[str | None, list[tuple[str, int]]]:
     """The descriptors CRIU puts in place of the tree's pipes and sockets to programs outside it.
 

@@ -25,6 +25,11 @@ BENIGN_ERRORS = (re.compile(r"rlimit: Can't setup RLIMIT_NOFILE"),)
 NotifyHandler = Callable[[str, int], None]
 
 
+def _log_level() -> int:
+    value = os.environ.get("CKPT_CRIU_LOG_LEVEL", "3")
+    return int(value) if value in ("0", "1", "2", "3", "4") else 3
+
+
 @dataclass
 class CriuOptions:
     """The options ckpt uses; names follow CRIU's command line."""
@@ -45,7 +50,7 @@ class CriuOptions:
     # 3 (errors, warnings, info) by default: debug (4) writes a few lines per MiB of memory
     # while the tree is frozen, about 5% of a large dump's freeze. CKPT_CRIU_LOG_LEVEL=4 for
     # a full trace when investigating a failure.
-    log_level: int = field(default_factory=lambda: _log_level())
+    log_level: int = field(default_factory=_log_level)
     # Give CRIU ckpt's own stdin/stdout/stderr: a --shell-job restore takes its terminal from them.
     inherit_stdio: bool = False
     # (key, descriptor of ours): CRIU restores the file CRIU calls `key` (e.g. "pipe:[123]") as
@@ -58,11 +63,6 @@ class CriuOptions:
     @property
     def log_path(self) -> Path:
         return self.log_dir / self.log_name
-
-
-def _log_level() -> int:
-    value = os.environ.get("CKPT_CRIU_LOG_LEVEL", "3")
-    return int(value) if value in ("0", "1", "2", "3", "4") else 3
 
 
 def _rpc():
