@@ -13,9 +13,14 @@ from pathlib import Path
 from ckpt import procs
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
+from ckpt.criu.images import lazy_runs
 from ckpt.errors import HookFailed, UsageError
+from ckpt.lazy import AUTO_MIN_BYTES, LazyPlan, start_page_server
+from ckpt.lazy import supported as lazy_supported
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store
+from ckpt.store.blocks import PAGE
+from ckpt.store.fsutil import make_private_dir
 from ckpt.store.repository import discard
 
 
@@ -32,6 +37,9 @@ class RestoreRequest:
     # For a restore on another machine (the connection's address is not there) or long after
     # the peers gave up.
     tcp_close: bool = False
+    # Lazy restore (ckpt/lazy.py): True, False, or None to decide (lazy when the tree has at
+    # least lazy.AUTO_MIN_BYTES of memory CRIU can restore lazily and the kernel can).
+    lazy: bool | None = None
 
 
 @dataclass
@@ -43,12 +51,13 @@ class RestoreResult:
     pid_in_namespace: int | None = None
     hook_error: str | None = None
     output: str | None = None  # where output to pipes and sockets outside the tree now goes
+    lazy: dict | None = None  # a lazy restore: pages, bytes, page server PID, its log
 
     def to_json(self) -> dict:
         return {"id": self.manifest.id, "name": self.manifest.name, "pid": self.pid,
                 "pid_in_namespace": self.pid_in_namespace, "hook_error": self.hook_error, "output": self.output,
                 "processes": len(self.manifest.processes), "duration_ms": self.duration_ms,
-                "log": str(self.log_path)}
+                "log": str(self.log_path), "lazy": self.lazy}
 
 
 def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:
@@ -57,12 +66,24 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
     procs.require_root()
     binary = find_criu()
     store = Store.open(store_root, create=False)
+    lazy_info = None
     with store.lock(exclusive=False, on_wait=lambda h: reporter.info("waiting for the store lock")):
         checkpoint_id = store.resolve(request.ref)
         manifest = store.load(checkpoint_id)
+        lazy = _wants_lazy(request, manifest, binary, reporter)
         reporter.step(f"verifying checkpoint {checkpoint_id}")
-        images_dir = store.materialize(manifest, reporter)
+        plan = LazyPlan()
+        if lazy:
+            def holes_for(directory: Path) -> dict[str, list[tuple[int, int]]]:
+                plan.runs = lazy_runs(directory)
+                return plan.holes() if plan.pages * PAGE >= (AUTO_MIN_BYTES if request.lazy is None else 1) else {}
+
+            images_dir, plan.locations = store.materialize_lazily(manifest, holes_for, reporter)
+            lazy = bool(plan.locations)
+        else:
+            images_dir = store.materialize(manifest, reporter)
         inherit: list[tuple[str, int]] = []
+        server = None
         try:
             if not request.new_pidns:
                 reporter.step("waiting for the tree's PIDs to be free")
@@ -75,14 +96,26 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
             stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
             log_dir = store.logs_dir(checkpoint_id)
             output, inherit = _relays_to_output(manifest, request.output, log_dir / f"output-{stamp}.log")
+            extra = {"tcp_close": True} if request.tcp_close else {}
+            work_dir = log_dir
+            if lazy:
+                # CRIU finds the daemon at <work dir>/lazy-pages.socket: one directory per restore.
+                work_dir = log_dir / f"lazy-{stamp}-{os.getpid()}"
+                make_private_dir(work_dir)
+                extra["lazy_pages"] = True
             criu_options = CriuOptions(
-                images_dir=images_dir, log_dir=log_dir, log_name=f"restore-{stamp}-{os.getpid()}.log",
+                images_dir=images_dir, log_dir=work_dir, log_name=f"restore-{stamp}-{os.getpid()}.log",
                 shell_job=bool(opts.get("shell_job")), tcp_established=bool(opts.get("tcp_established")),
                 ext_unix_sk=bool(opts.get("ext_unix_sk")), file_locks=bool(opts.get("file_locks")),
                 network_lock=opts.get("network_lock", "nftables"), inherit_stdio=has_tty, inherit_fds=inherit,
-                extra={"tcp_close": True} if request.tcp_close else {})
+                extra=extra)
             if output:
                 reporter.info(f"what the tree wrote into pipes or sockets to programs outside it now goes to {output}")
+            if lazy:
+                reporter.step(f"starting a page server for {plan.pages * PAGE / (1 << 20):.0f} MiB of memory "
+                              "restored lazily")
+                server = start_page_server(store, checkpoint_id, binary, images_dir, work_dir, plan,
+                                           manifest.all_pids, criu_options.log_level)
             reporter.step(f"restoring {len(manifest.processes)} process(es) with CRIU {binary.version_text}")
             inner = None
             if request.new_pidns:
@@ -92,8 +125,16 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                 pid, inner = run_in_new_pidns(lambda: CriuClient(binary).restore(criu_options))
             else:
                 pid = CriuClient(binary).restore(criu_options)
+            if server is not None:
+                lazy_info = {"pages": plan.pages, "bytes": plan.pages * PAGE, "server_pid": server.pid,
+                             "log": str(server.log_path)}
+                server = None  # it now owns the images and removes them when the daemon is done
+                images_dir = None
         finally:
-            discard(images_dir)
+            if server is not None:
+                server.stop()
+            if images_dir is not None:
+                discard(images_dir)
             for _, fd in inherit:
                 os.close(fd)
     hook_error = None
@@ -108,7 +149,26 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
             hook_error = str(exc)
             reporter.warn(f"{hook_error}; the restored tree keeps running")
     return RestoreResult(manifest, pid, round((time.monotonic() - started) * 1000, 1), criu_options.log_path,
-                         inner, hook_error, output)
+                         inner, hook_error, output, lazy_info)
+
+
+def _wants_lazy(request: RestoreRequest, manifest: Manifest, binary, reporter: Reporter) -> bool:
+    if request.lazy is False:
+        return False
+    if request.new_pidns:
+        if request.lazy:
+            raise UsageError("--lazy and --new-pidns cannot be combined",
+                             hint="drop one of them (a restore into a new PID namespace is a full one)")
+        return False
+    if request.lazy is None and manifest.bytes_total < AUTO_MIN_BYTES:
+        return False
+    works, output = lazy_supported(binary)
+    if not works:
+        if request.lazy:
+            raise UsageError("this kernel cannot restore lazily (CRIU's uffd-noncoop check fails)",
+                             hint="restore with --eager")
+        return False
+    return True
 
 
 def _relays_to_output(manifest: Manifest, output: str | None, default_path: Path

@@ -4,12 +4,16 @@ import pytest
 
 from tests.helpers import Processes
 
+PASSED_TO_TESTS = {"CKPT_LAZY_MIN_MIB"}
+
 
 @pytest.fixture(autouse=True)
 def isolated_env(tmp_path, monkeypatch):
-    """Every test gets its own store and no CKPT_* settings from the caller's environment."""
+    """Every test gets its own store and no CKPT_* settings from the caller's environment, but
+    for the ones that choose how a whole run restores (CKPT_LAZY_MIN_MIB=0: every restore that
+    can be lazy is)."""
     for key in list(os.environ):
-        if key.startswith("CKPT_"):
+        if key.startswith("CKPT_") and key not in PASSED_TO_TESTS:
             monkeypatch.delenv(key)
     store = tmp_path / "store"
     monkeypatch.setenv("CKPT_STORE", str(store))

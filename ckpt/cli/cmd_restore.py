@@ -18,6 +18,10 @@ stdout carries the restored root PID alone (with --json, one JSON object).
 A pipe or UNIX socket from the tree to a program outside it ('agent | tee log', a service's
 stdout to journald) has nobody at its other end after a restore: what the tree writes there
 goes to a file instead (--output).
+A large tree is restored lazily where the kernel can (userfaultfd): it runs again before its
+memory is all back, and a page server that ckpt leaves running fills the memory in from the
+store, where the tree touches it first, then the rest in the background (seconds for GiBs).
+--eager restores all memory first; --lazy restores lazily whatever the size.
 
 Examples:
 
@@ -32,6 +36,8 @@ Examples:
   ckpt restore agent --output agent.log   # was 'agent | tee agent.log'
 
   ckpt restore agent --tcp-close   # on another machine: its connections fail, it reconnects
+
+  ckpt restore agent --eager       # all memory in place before the tree runs
 """
 
 
@@ -53,6 +59,11 @@ def register(app: typer.Typer) -> None:
             help="Where the tree now writes what it wrote into pipes or sockets to programs outside it "
                  "('agent | tee log'): FILE (appended), or '-' for ckpt's own stdout and stderr. Default: "
                  "output-TIME.log in the checkpoint's log directory.")] = None,
+        lazy: Annotated[Optional[bool], typer.Option(
+            "--lazy/--eager",
+            help="Restore memory lazily (the tree runs at once, a page server fills its memory in) or all "
+                 "of it first. Default: lazily for trees with 64 MiB or more of private memory, where the "
+                 "kernel can.")] = None,
         store: StoreOption = None,
         json_out: JsonOption = False,
         quiet: QuietOption = False,
@@ -61,7 +72,8 @@ def register(app: typer.Typer) -> None:
         try:
             result = restore(resolve_store_path(store), RestoreRequest(ref=ref, new_pidns=new_pidns,
                                                                         post_restore_hook=post_restore,
-                                                                        output=output, tcp_close=tcp_close), reporter)
+                                                                        output=output, tcp_close=tcp_close,
+                                                                        lazy=lazy), reporter)
         finally:
             reporter.close()
         if json_out:
@@ -71,4 +83,7 @@ def register(app: typer.Typer) -> None:
             inside = f" ({result.pid_in_namespace} in its PID namespace)" if result.pid_in_namespace else ""
             stderr.print(styled(f"restored {result.manifest.id}", "green", f": root PID {result.pid}{inside}, "
                                 f"{len(result.manifest.processes)} process(es), took {result.duration_ms} ms"))
+            if result.lazy:
+                stderr.print(f"{result.lazy['bytes'] / (1 << 20):.0f} MiB of its memory is being filled in by page "
+                             f"server {result.lazy['server_pid']} (log: {result.lazy['log']})")
         print(result.pid)

@@ -156,3 +156,23 @@ def write_pagemap(path: Path, pages_id: int, runs: list[tuple[int, int, int]]) -
     with open(tmp, "wb") as f:
         images.dump(image, f)
     os.replace(tmp, path)
+
+
+def lazy_runs(image_dir: Path) -> dict[int, tuple[str, list[tuple[int, int, int]]]]:
+    """Per process: its pages image and the pagemap entries a lazy restore serves (PE_LAZY,
+    which CRIU sets on private anonymous memory other than the stack) as (vaddr, nr_pages,
+    position of the first page in the pages image)."""
+    result = {}
+    for path in sorted(image_dir.glob("pagemap-*.img")):
+        pid = path.name[len("pagemap-"):-len(".img")]
+        if not pid.isdigit():  # pagemap-shmem-*: shared memory is never lazy
+            continue
+        pages_id, runs = read_pagemap(path)
+        lazy, position = [], 0
+        for vaddr, nr_pages, flags in runs:
+            if flags & PE_PRESENT and not flags & PE_PARENT:
+                if flags & PE_LAZY:
+                    lazy.append((vaddr, nr_pages, position))
+                position += nr_pages
+        result[int(pid)] = (f"pages-{pages_id}.img", lazy)
+    return result

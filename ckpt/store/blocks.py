@@ -383,24 +383,40 @@ class BlockStore:
 
     # ---- reading --------------------------------------------------------------------------
 
-    def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False) -> None:
-        """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
-
-        Segments are checked against their checksums; with check_ids every page is also
-        rehashed against its id (`ckpt verify`). Uncompressed segments are checked through a
-        mapping of the pack and copied by the kernel (sendfile): the bytes never pass through
-        a Python buffer, which halves the memory traffic of a restore.
-        """
+    def locate(self, image_name: str, page_list: bytes) -> list[int]:
+        """The location of each page of a pages image, in order (see BlockIndex.pages)."""
         index = self.index()
         n = len(page_list) // ID_LEN
-        ids = [page_list[i:i + ID_LEN] for i in range(0, n * ID_LEN, ID_LEN)]
-        locations = list(map(index.pages.get, ids))
+        locations = list(map(index.pages.get, [page_list[i:i + ID_LEN] for i in range(0, n * ID_LEN, ID_LEN)]))
         if None in locations:
             missing = locations.index(None)
             cause = f" (index file {', '.join(index.damaged_files)} is damaged)" if index.damaged_files else ""
             raise DamagedCheckpoint(f"image {image_name}: page {missing} is missing from the store{cause}")
-        # Runs of pages that follow each other within one segment: location + 1 is the next page.
-        starts = [0] + [i for i in range(1, n) if locations[i] != locations[i - 1] + 1]
+        return locations
+
+    def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,
+                    holes: list[tuple[int, int]] = ()) -> list[int]:
+        """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
+        Returns the location of each page (BlockIndex.pages).
+
+        Segments are checked against their checksums; with check_ids every page is also
+        rehashed against its id (`ckpt verify`). Uncompressed segments are checked through a
+        mapping of the pack and copied by the kernel (sendfile): the bytes never pass through
+        a Python buffer, which halves the memory traffic of a restore. holes are (first page,
+        count) ranges that are checked but left as holes of the file: a lazy restore serves
+        those pages from the packs (ckpt/lazy.py) and CRIU never reads them from the image.
+        """
+        index = self.index()
+        locations = self.locate(image_name, page_list)
+        n = len(locations)
+        ids = [page_list[i:i + ID_LEN] for i in range(0, n * ID_LEN, ID_LEN)] if check_ids else []
+        in_hole = bytearray(n + 1)
+        for first, count in holes:
+            in_hole[first:first + count] = b"\x01" * count
+        # Runs of pages that follow each other within one segment (location + 1 is the next
+        # page), split where a hole starts or ends.
+        starts = [0] + [i for i in range(1, n)
+                        if locations[i] != locations[i - 1] + 1 or in_hole[i] != in_hole[i - 1]]
         reader = _SegmentReader(self, index)
         out_fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE) if dest is not None else None
         try:
@@ -416,10 +432,15 @@ class BlockStore:
                             raise DamagedCheckpoint(f"image {image_name}: page {first + j} does not match its id")
                     if out_fd is not None:
                         _write_all(out_fd, chunk)
-                elif out_fd is not None:
-                    reader.copy(key, within, count, out_fd)
-                else:
+                elif out_fd is None:
                     reader.pages(key, within, count)  # checks the segment's checksum
+                elif in_hole[first]:
+                    reader.check(key, within, count)
+                    os.lseek(out_fd, count * PAGE, os.SEEK_CUR)
+                else:
+                    reader.copy(key, within, count, out_fd)
+            if out_fd is not None and holes:
+                os.ftruncate(out_fd, n * PAGE)  # a hole at the end leaves the file short
         except DamagedCheckpoint as exc:
             if image_name in exc.message:
                 raise
@@ -428,6 +449,30 @@ class BlockStore:
             reader.close()
             if out_fd is not None:
                 os.close(out_fd)
+        return locations
+
+    def page_sender(self) -> "PageSender":
+        return PageSender(_SegmentReader(self, self.index()))
+
+
+class PageSender:
+    """Writes pages, given their locations, to a descriptor (a lazy restore's page server)."""
+
+    def __init__(self, reader: "_SegmentReader"):
+        self.reader = reader
+
+    def send(self, locations: list[int], first: int, count: int, out_fd: int) -> None:
+        end = first + count
+        while first < end:
+            run = first + 1
+            while run < end and locations[run] == locations[run - 1] + 1:
+                run += 1
+            location = locations[first]
+            self.reader.copy(location >> 16, location & 0xFFFF, run - first, out_fd)
+            first = run
+
+    def close(self) -> None:
+        self.reader.close()
 
 
 def _write_all(fd: int, data) -> None:
@@ -510,6 +555,15 @@ class _SegmentReader:
                 stored.release()
             self.decoded_key = key
         return memoryview(self.decoded)[within * PAGE:(within + count) * PAGE]
+
+    def check(self, key: int, within: int, count: int) -> None:
+        """Checks the segment's checksum without decoding or copying it."""
+        seg = self._segment(key, within, count)
+        stored = self._stored(seg)
+        try:
+            self._check(key, seg, stored)
+        finally:
+            stored.release()
 
     def copy(self, key: int, within: int, count: int, out_fd: int) -> None:
         seg = self._segment(key, within, count)

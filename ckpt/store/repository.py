@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import blake3
 import zstandard
@@ -519,14 +519,18 @@ class Store:
                 out.close()
         return hasher.hexdigest()
 
-    def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False) -> None:
+    def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False,
+                    holes: list[tuple[int, int]] = ()) -> list[int] | None:
+        """Checks one image (writing it to dest if given). For a pages image, returns the
+        location of each of its pages; holes are page ranges checked but not written."""
         if entry.kind == "pages":
-            self.blocks.write_image(entry.name, self.load_page_list(entry), dest, check_ids=thorough)
-            return
+            return self.blocks.write_image(entry.name, self.load_page_list(entry), dest, check_ids=thorough,
+                                           holes=holes)
         digest = self._read_object_into(entry, dest)
         if digest != entry.hash:
             raise DamagedCheckpoint(f"image {entry.name} is damaged: its content hash is {digest[:16]}…, "
                                     f"the manifest says {entry.hash[:16]}…")
+        return None
 
     def materialize_parent(self, manifest: Manifest, dest: Path) -> None:
         """Lays out a checkpoint as the parent images of a dirty-tracking dump: CRIU reads only
@@ -554,21 +558,44 @@ class Store:
         """Writes the checkpoint's images into a fresh restore-* directory, verifying each.
 
         skip_pages leaves out the page data (for inspection, which needs only the metadata)."""
+        return self._materialize(manifest, reporter, skip_pages, None)[0]
+
+    def materialize_lazily(self, manifest: Manifest, holes_for: Callable[[Path], dict[str, list[tuple[int, int]]]],
+                           reporter: Reporter = NullReporter()) -> tuple[Path, dict[str, list[int]]]:
+        """Like materialize, for a lazy restore: holes_for(directory), called once every image
+        but the pages images is written, names per pages image the page ranges a page server
+        is to serve; they are verified but left out. Returns the directory and, per pages
+        image, the location of each page (what the page server reads)."""
+        return self._materialize(manifest, reporter, False, holes_for)
+
+    def _materialize(self, manifest: Manifest, reporter: Reporter, skip_pages: bool,
+                     holes_for: Callable[[Path], dict[str, list[tuple[int, int]]]] | None
+                     ) -> tuple[Path, dict[str, list[int]]]:
         dest = self.staging_base() / f"restore-{secrets.token_hex(6)}"
         make_private_dir(dest)
         total = manifest.bytes_total or 1
         done = 0
+        locations: dict[str, list[int]] = {}
+        holes: dict[str, list[tuple[int, int]]] | None = None
         try:
-            for entry in manifest.files:
-                if skip_pages and entry.kind == "pages":
-                    continue
-                self.check_entry(entry, dest / entry.name)
+            # Pages images last: which of their pages a lazy restore leaves out depends on the pagemaps.
+            for entry in sorted(manifest.files, key=lambda e: e.kind == "pages"):
+                if entry.kind == "pages":
+                    if skip_pages:
+                        continue
+                    if holes is None:
+                        holes = holes_for(dest) if holes_for is not None else {}
+                    found = self.check_entry(entry, dest / entry.name, holes=holes.get(entry.name, ()))
+                    if holes.get(entry.name):
+                        locations[entry.name] = found
+                else:
+                    self.check_entry(entry, dest / entry.name)
                 done += entry.size
                 reporter.progress(done, total, "verifying images")
         except BaseException:
             discard(dest)
             raise
-        return dest
+        return dest, locations
 
     def verify(self, manifest: Manifest, reporter: Reporter = NullReporter()) -> list[str]:
         """Recomputes every file's hash. Returns the problems found (empty: the checkpoint is intact)."""

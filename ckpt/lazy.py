@@ -1,0 +1,274 @@
+"""Lazy restore: the tree runs again before its memory is back.
+
+A restore of a large tree spends most of its time writing a pages image that CRIU then reads
+once. A lazy restore writes only the pages CRIU cannot take lazily (stacks, shared and file
+mappings) and leaves the private anonymous memory as holes; CRIU recreates the tree with that
+memory registered with userfaultfd, and its lazy-pages daemon fills it in (where the tree
+touches it first, then the rest in the background) from a page server that ckpt runs here,
+reading the pages from the store's packs. Every page is verified before the tree is restored,
+as in a full restore.
+
+The page server is a detached process: it outlives `ckpt restore`, holds the store's shared
+lock (so no prune removes a pack it reads), and removes the staged images once the daemon is
+done. While it runs, it leaves a record in /run/ckpt/lazy naming the tree's PIDs: a dump of
+the tree waits for it, as CRIU would otherwise dump the pages not filled in yet as missing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckpt.criu import lazypages
+from ckpt.criu.binary import CriuBinary
+from ckpt.criu.client import error_lines, run_check
+from ckpt.errors import CriuFailed, UsageError
+from ckpt.store import Store
+from ckpt.store.blocks import PAGE
+from ckpt.store.repository import discard
+
+DEFAULT_RECORDS_DIR = Path("/run/ckpt/lazy")  # tmpfs: forgotten at reboot, as the servers are
+# Below this much lazily restorable memory a full restore is as quick: a restore restores
+# fully unless told --lazy. CKPT_LAZY_MIN_MIB changes it (0: lazily whenever possible).
+AUTO_MIN_BYTES = int(os.environ.get("CKPT_LAZY_MIN_MIB", "64")) << 20
+READY_TIMEOUT_S = 30.0
+
+
+def records_dir() -> Path:
+    return Path(os.environ.get("CKPT_LAZY_DIR", DEFAULT_RECORDS_DIR))
+
+
+def supported(binary: CriuBinary) -> tuple[bool, str]:
+    """Whether this kernel and CRIU can restore lazily (userfaultfd with fork/remap events)."""
+    return run_check(binary, "uffd-noncoop")
+
+
+@dataclass
+class LazyPlan:
+    """What a page server serves: per process, its pagemap's lazy entries
+    (vaddr, nr_pages, first position in its pages image) and its pages image's name; per
+    pages image, the location of each page in the store."""
+
+    runs: dict[int, tuple[str, list[tuple[int, int, int]]]] = field(default_factory=dict)
+    locations: dict[str, list[int]] = field(default_factory=dict)
+
+    def holes(self) -> dict[str, list[tuple[int, int]]]:
+        holes: dict[str, list[tuple[int, int]]] = {}
+        for image, runs in self.runs.values():
+            holes.setdefault(image, []).extend((first, nr_pages) for _, nr_pages, first in runs)
+        return holes
+
+    @property
+    def pages(self) -> int:
+        return sum(nr_pages for _, runs in self.runs.values() for _, nr_pages, _ in runs)
+
+
+class _StorePages:
+    """lazypages.PageSource over a LazyPlan: pages come out of the store's packs."""
+
+    def __init__(self, store: Store, plan: LazyPlan):
+        self.sender = store.blocks.page_sender()
+        self.plan = plan
+        self.starts = {pid: [vaddr for vaddr, _, _ in runs] for pid, (_, runs) in plan.runs.items()}
+
+    def _run(self, pid: int, vaddr: int) -> tuple[str, tuple[int, int, int]] | None:
+        starts = self.starts.get(pid)
+        if not starts:
+            return None
+        i = bisect.bisect_right(starts, vaddr) - 1
+        image, runs = self.plan.runs[pid]
+        if i < 0 or vaddr >= runs[i][0] + runs[i][1] * PAGE or vaddr % PAGE:
+            return None
+        return image, runs[i]
+
+    def available(self, pid: int, vaddr: int, nr_pages: int) -> int:
+        found = self._run(pid, vaddr)
+        if found is None:
+            return 0
+        start, count, _ = found[1]
+        return min(nr_pages, count - (vaddr - start) // PAGE)
+
+    def send(self, pid: int, vaddr: int, nr_pages: int, out_fd: int) -> None:
+        image, (start, _, first) = self._run(pid, vaddr)
+        self.sender.send(self.plan.locations[image], first + (vaddr - start) // PAGE, nr_pages, out_fd)
+
+
+@dataclass
+class PageServer:
+    """The parent's handle on a started page server."""
+
+    pid: int
+    work_dir: Path
+    log_path: Path
+
+    def stop(self) -> None:
+        """Ends the server and its daemon (the restore failed)."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start_page_server(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,
+                      plan: LazyPlan, tree_pids: list[int], log_level: int) -> PageServer:
+    """Starts the detached page server and its lazy-pages daemon; returns once the daemon
+    listens on work_dir/lazy-pages.socket, where the restoring CRIU finds it."""
+    ours, theirs = _connected_pair()
+    ready_read, ready_write = os.pipe()
+    log_path = work_dir / "lazy-pages.log"
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the forked server, reported through the pipe
+        code = 1
+        try:
+            os.close(ready_read)
+            ours_fd, theirs_fd = ours.detach(), theirs.detach()
+            code = _server_main(store, checkpoint_id, binary, images_dir, work_dir, plan, tree_pids, log_level,
+                                ours_fd, theirs_fd, ready_write)
+        finally:
+            os._exit(code)
+    ours.close()
+    theirs.close()
+    os.close(ready_write)
+    os.waitpid(child, 0)  # the first child only forks the server and leaves
+    try:
+        server_pid, ready = _read_ready(ready_read)
+    finally:
+        os.close(ready_read)
+    server = PageServer(server_pid, work_dir, log_path)
+    if not ready:
+        server.stop()
+        lines = error_lines(log_path)
+        raise CriuFailed(f"CRIU's lazy-pages daemon did not start: {lines[-1] if lines else 'no error in its log'}",
+                         log_path=str(log_path), log_lines=lines,
+                         hint="restore with --eager (a full restore needs no daemon)")
+    return server
+
+
+def _connected_pair() -> tuple[socket.socket, socket.socket]:
+    """Two ends of a loopback TCP connection. CRIU's page server protocol is TCP's: over a UNIX
+    socket the daemon logs a warning for each request (TCP_NODELAY) and cannot cork. The
+    listener lives for one accept, and the connection accepted must be the one made here."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        theirs = socket.create_connection(listener.getsockname())
+        while True:
+            ours, peer = listener.accept()
+            if peer == theirs.getsockname():
+                # Each answer is a header then pages: without NODELAY the header waits for an ACK.
+                ours.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return ours, theirs
+            ours.close()  # another local program raced to connect: not ours
+
+
+def _read_ready(fd: int) -> tuple[int, bool]:
+    """The server writes its PID (4 bytes), then the daemon writes one byte once it listens.
+    End of file before that byte: the daemon failed."""
+    data = b""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while len(data) < 5:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            break
+        chunk = os.read(fd, 5 - len(data))
+        if not chunk:
+            break
+        data += chunk
+    pid = struct.unpack("=i", data[:4])[0] if len(data) >= 4 else 0
+    if pid == 0:
+        raise CriuFailed("the lazy restore's page server did not start",
+                         hint="restore with --eager (a full restore needs no page server)")
+    return pid, len(data) == 5
+
+
+def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,
+                 plan: LazyPlan, tree_pids: list[int], log_level: int, ours_fd: int, theirs_fd: int,
+                 ready_write: int) -> int:  # pragma: no cover - runs in the forked server
+    os.setsid()
+    if os.fork():  # the server is the grandchild: nobody has to reap it but init
+        return 0
+    keep = {ours_fd, theirs_fd, ready_write}
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # a caller reading ckpt's output must see its end when ckpt exits
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for `ckpt restore` must not end it
+    os.write(ready_write, struct.pack("=i", os.getpid()))
+    record = records_dir() / f"{os.getpid()}.json"
+    served = 0
+    try:
+        with store.lock(exclusive=False, timeout=READY_TIMEOUT_S):
+            records_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
+            record.write_text(json.dumps({"server_pid": os.getpid(), "checkpoint": checkpoint_id,
+                                          "pids": tree_pids, "store": str(store.root)}))
+            daemon = lazypages.start_daemon(binary, images_dir, work_dir, theirs_fd, ready_write,
+                                            "lazy-pages.log", log_level)
+            os.close(theirs_fd)
+            os.close(ready_write)
+            sock = socket.socket(fileno=ours_fd)
+            try:
+                served = lazypages.serve(sock, _StorePages(store, plan))
+                status = "done"
+            except Exception as exc:  # noqa: BLE001 - any failure is logged: nobody else would see it
+                status = f"failed: {exc}"
+            finally:
+                sock.close()
+            daemon.wait()
+            (work_dir / "lazy-pages.socket").unlink(missing_ok=True)
+            with open(os.open(work_dir / "page-server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
+                      "w") as log:
+                log.write(f"{status}; {served} pages served of {plan.pages}; daemon exit code {daemon.returncode}\n")
+    finally:
+        record.unlink(missing_ok=True)
+        discard(images_dir)
+    return 0
+
+
+def wait_for_lazy_restores(pids: set[int], on_wait, timeout: float = 600.0) -> None:
+    """Waits until no page server is still filling in memory of these processes: a dump taken
+    before would miss the pages not there yet."""
+    deadline = time.monotonic() + timeout
+    told = False
+    while True:
+        busy = [r for r in _live_records() if pids & set(r.get("pids", []))]
+        if not busy:
+            return
+        if not told:
+            on_wait(busy[0])
+            told = True
+        if time.monotonic() > deadline:
+            raise UsageError(f"the memory of process {sorted(pids & set(busy[0]['pids']))[0]} is still being "
+                             f"restored lazily (page server {busy[0]['server_pid']})",
+                             hint="try the dump again once it is done")
+        time.sleep(0.1)
+
+
+def _live_records() -> list[dict]:
+    try:
+        names = os.listdir(records_dir())
+    except FileNotFoundError:
+        return []
+    records = []
+    for name in names:
+        try:
+            record = json.loads((records_dir() / name).read_text())
+            os.kill(int(record["server_pid"]), 0)
+        except (OSError, ValueError, KeyError):
+            continue
+        records.append(record)
+    return records
