@@ -17,6 +17,7 @@ from ckpt import incremental, procs
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
 from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound
+from ckpt.lazy import wait_for_lazy_restores
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store, ids
 
@@ -75,6 +76,9 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
         ids.check_name(request.name)
     procs.require_root()
     facts = procs.preflight(request.pid)
+    # CRIU would dump memory a lazy restore has not filled in yet as missing.
+    wait_for_lazy_restores(set(facts.pids), lambda record: reporter.info(
+        f"waiting for the lazy restore of checkpoint {record.get('checkpoint')} to bring back all of its memory"))
     binary = find_criu()
     store = Store.open(store_root, create=True)
     options_used = {

@@ -110,11 +110,13 @@ class PageServer:
     log_path: Path
 
     def stop(self) -> None:
-        """Ends the server and its daemon (the restore failed)."""
+        """Ends the server and its daemon (the restore failed); the caller removes the images."""
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        (records_dir() / f"{self.pid}.json").unlink(missing_ok=True)
+        (self.work_dir / "lazy-pages.socket").unlink(missing_ok=True)
 
 
 def start_page_server(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,
@@ -265,9 +267,13 @@ def _live_records() -> list[dict]:
         return []
     records = []
     for name in names:
+        path = records_dir() / name
         try:
-            record = json.loads((records_dir() / name).read_text())
+            record = json.loads(path.read_text())
             os.kill(int(record["server_pid"]), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)  # its server was killed
+            continue
         except (OSError, ValueError, KeyError):
             continue
         records.append(record)

@@ -112,8 +112,8 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
             if output:
                 reporter.info(f"what the tree wrote into pipes or sockets to programs outside it now goes to {output}")
             if lazy:
-                reporter.step(f"starting a page server for {plan.pages * PAGE / (1 << 20):.0f} MiB of memory "
-                              "restored lazily")
+                reporter.step(f"starting a page server: {plan.pages * PAGE / (1 << 20):.0f} MiB of memory "
+                              "will come back while the tree runs")
                 server = start_page_server(store, checkpoint_id, binary, images_dir, work_dir, plan,
                                            manifest.all_pids, criu_options.log_level)
             reporter.step(f"restoring {len(manifest.processes)} process(es) with CRIU {binary.version_text}")
