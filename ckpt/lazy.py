@@ -212,7 +212,7 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for `ckpt restore` must not end it
     os.write(ready_write, struct.pack("=i", os.getpid()))
     record = records_dir() / f"{os.getpid()}.json"
-    served = 0
+    served = requests = 0
     try:
         with store.lock(exclusive=False, timeout=READY_TIMEOUT_S):
             records_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -223,8 +223,9 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
             os.close(theirs_fd)
             os.close(ready_write)
             sock = socket.socket(fileno=ours_fd)
+            began = time.monotonic()
             try:
-                served = lazypages.serve(sock, _StorePages(store, plan))
+                served, requests = lazypages.serve(sock, _StorePages(store, plan))
                 status = "done"
             except Exception as exc:  # noqa: BLE001 - any failure is logged: nobody else would see it
                 status = f"failed: {exc}"
@@ -234,7 +235,8 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
             (work_dir / "lazy-pages.socket").unlink(missing_ok=True)
             with open(os.open(work_dir / "page-server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
                       "w") as log:
-                log.write(f"{status}; {served} pages served of {plan.pages}; daemon exit code {daemon.returncode}\n")
+                log.write(f"{status}; {served} pages served of {plan.pages} in {requests} requests in "
+                          f"{time.monotonic() - began:.2f} s; daemon exit code {daemon.returncode}\n")
     finally:
         record.unlink(missing_ok=True)
         discard(images_dir)

@@ -18,7 +18,8 @@ FEATURES = {
                         "boot a kernel built with CONFIG_MEM_SOFT_DIRTY=y (Debian's stock kernel has it)"),
     "network_lock_nftables": ("checkpointing established TCP connections (nftables network lock)",
                               "install nftables and a CRIU built with libnftables ('make setup')"),
-    "uffd": ("lazy restore through userfaultfd", "a kernel with CONFIG_USERFAULTFD"),
+    "uffd-noncoop": ("lazy restore (the tree runs before its memory is back; userfaultfd)",
+                     "a kernel with CONFIG_USERFAULTFD (4.11 or newer); restores are then all eager"),
     "pidfd_store": ("reliable PID reuse detection between dumps", "Linux 5.4 or newer"),
 }
 

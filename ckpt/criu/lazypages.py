@@ -51,9 +51,10 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     return data
 
 
-def serve(sock: socket.socket, source: PageSource) -> int:
-    """Answers the lazy-pages daemon's requests until it says it is done; returns the pages sent."""
-    sent = 0
+def serve(sock: socket.socket, source: PageSource) -> tuple[int, int]:
+    """Answers the lazy-pages daemon's requests until it says it is done; returns the pages sent
+    and the number of requests."""
+    sent = requests = 0
     while True:
         header = _recv_exactly(sock, _IOV.size)
         if len(header) < _IOV.size:
@@ -62,7 +63,7 @@ def serve(sock: socket.socket, source: PageSource) -> int:
         cmd &= (1 << _PS_CMD_BITS) - 1
         if cmd in (_PS_IOV_CLOSE, _PS_IOV_FORCE_CLOSE):
             sock.sendall(struct.pack("=i", 0))  # the daemon waits for this answer before it exits
-            return sent
+            return sent, requests
         if cmd != _PS_IOV_GET:
             raise PageServerError(f"unexpected page server command {cmd}")
         count = source.available(pid, vaddr, nr_pages)
@@ -73,6 +74,7 @@ def serve(sock: socket.socket, source: PageSource) -> int:
         sock.sendall(_IOV.pack(_PE_PRESENT << _PS_CMD_BITS | _PS_IOV_ADD_F, count, vaddr, pid))
         source.send(pid, vaddr, count, sock.fileno())
         sent += count
+        requests += 1
 
 
 def start_daemon(binary: CriuBinary, images_dir: Path, work_dir: Path, page_server_fd: int, status_fd: int,

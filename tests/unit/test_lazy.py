@@ -1,0 +1,123 @@
+"""The parts of a lazy restore that need no CRIU: images with holes, the page source, and CRIU's
+page server protocol spoken over a socket pair."""
+
+import os
+import socket
+import struct
+import threading
+
+import pytest
+
+from ckpt.criu import lazypages
+from ckpt.errors import DamagedCheckpoint
+from ckpt.lazy import LazyPlan, _StorePages
+from ckpt.store import Store
+from tests.unit.test_store import PAGE, fake_dump, flip_byte
+
+IOV = struct.Struct("=I4xQQQ")  # criu/page-xfer.c: struct page_server_iov
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_STAGING", "disk")
+    return Store.open(tmp_path / "store")
+
+
+def lazy_materialise(store, manifest, holes):
+    return store.materialize_lazily(manifest, lambda directory: holes)
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_holes_are_left_out_of_the_image_and_every_other_page_is_written(store, codec):
+    pages = [os.urandom(PAGE) for _ in range(40)]
+    manifest = fake_dump(store, {"pages-1.img": b"".join(pages), "core-1.img": b"core"}, codec=codec)
+    directory, locations = lazy_materialise(store, manifest, {"pages-1.img": [(0, 5), (10, 20), (38, 2)]})
+    image = (directory / "pages-1.img").read_bytes()
+    assert len(image) == 40 * PAGE, "the image keeps its size: CRIU counts offsets through the holes"
+    for i, page in enumerate(pages):
+        hole = i < 5 or 10 <= i < 30 or i >= 38
+        assert image[i * PAGE:(i + 1) * PAGE] == (bytes(PAGE) if hole else page), i
+    assert (directory / "core-1.img").read_bytes() == b"core"
+    assert len(locations["pages-1.img"]) == 40
+    # Mostly holes on disk: the lazily served pages were never written.
+    assert os.stat(directory / "pages-1.img").st_blocks * 512 <= 15 * PAGE
+
+
+def test_a_damaged_segment_under_a_hole_is_still_refused(store):
+    manifest = fake_dump(store, {"pages-1.img": os.urandom(8 * PAGE)}, codec="none")
+    pack = next((store.root / "packs").rglob("*"))
+    while pack.is_dir():
+        pack = next(pack.iterdir())
+    flip_byte(pack, 3 * PAGE)
+    with pytest.raises(DamagedCheckpoint):
+        lazy_materialise(store, manifest, {"pages-1.img": [(0, 8)]})
+    assert not any(store.tmp_dir.iterdir()), "a refused restore leaves nothing staged"
+
+
+def served_store(store, codec="zstd"):
+    pages = [os.urandom(PAGE) for _ in range(64)]
+    manifest = fake_dump(store, {"pages-7.img": b"".join(pages)}, codec=codec)
+    # Process 42: pagemap entries at 0x10000 (8 pages, image pages 0-7, not lazy), 0x40000
+    # (16 lazy pages from image page 8) and 0x90000 (40 lazy pages from image page 24).
+    plan = LazyPlan(runs={42: ("pages-7.img", [(0x40000, 16, 8), (0x90000, 40, 24)])})
+    _, plan.locations = lazy_materialise(store, manifest, plan.holes())
+    return pages, plan
+
+
+def test_the_page_source_answers_within_one_pagemap_entry(store):
+    pages, plan = served_store(store)
+    source = _StorePages(store, plan)
+    assert source.available(42, 0x40000, 4) == 4
+    assert source.available(42, 0x40000 + 14 * PAGE, 10) == 2, "stops at the end of the entry"
+    assert source.available(42, 0x10000, 1) == 0, "not a lazy entry"
+    assert source.available(42, 0x40000 + 100, 1) == 0, "not page aligned"
+    assert source.available(43, 0x40000, 1) == 0, "another process"
+    read, write = os.pipe()
+    try:
+        source.send(42, 0x90000 + 3 * PAGE, 5, write)
+        assert os.read(read, 5 * PAGE + 1) == b"".join(pages[27:32])
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_the_page_server_speaks_criu_s_protocol(store, codec):
+    pages, plan = served_store(store, codec)
+    daemon, server = socket.socketpair()
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        served=lazypages.serve(server, _StorePages(store, plan))))
+    thread.start()
+    try:
+        def ask(vaddr, count):
+            daemon.sendall(IOV.pack(7, count, vaddr, 42))  # PS_IOV_GET
+            header = daemon.recv(IOV.size, socket.MSG_WAITALL)
+            cmd, nr_pages, answered_vaddr, pid = IOV.unpack(header)
+            assert (cmd, answered_vaddr, pid) == (4 << 16 | 6, vaddr, 42)  # PS_IOV_ADD_F, PE_PRESENT
+            return nr_pages, daemon.recv(nr_pages * PAGE, socket.MSG_WAITALL)
+
+        assert ask(0x40000, 16) == (16, b"".join(pages[8:24]))
+        assert ask(0x90000 + 30 * PAGE, 64) == (10, b"".join(pages[54:64])), "cut at the entry's end"
+        daemon.sendall(IOV.pack(0x1024, 0, 0, 0))  # PS_IOV_FORCE_CLOSE
+        assert daemon.recv(4, socket.MSG_WAITALL) == struct.pack("=i", 0)
+    finally:
+        thread.join(timeout=10)
+        daemon.close()
+        server.close()
+    assert result["served"] == (26, 2)
+
+
+def test_a_request_outside_the_lazy_memory_is_an_error_not_an_answer(store):
+    _, plan = served_store(store)
+    daemon, server = socket.socketpair()
+    try:
+        daemon.sendall(IOV.pack(7, 1, 0x10000, 42))
+        with pytest.raises(lazypages.PageServerError, match="does not hold as lazy pages"):
+            lazypages.serve(server, _StorePages(store, plan))
+        daemon.close()
+        with pytest.raises(lazypages.PageServerError, match="closed the connection"):
+            lazypages.serve(server, _StorePages(store, plan))
+    finally:
+        daemon.close()
+        server.close()
