@@ -209,7 +209,11 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
                 os.close(fd)
             except OSError:
                 pass
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for `ckpt restore` must not end it
+    # Ending the server or its daemon early would leave the tree's memory not yet filled in to
+    # read as zeros: a Ctrl-C meant for `ckpt restore`, a hang-up or a stray SIGTERM must not.
+    # The daemon inherits this (ignored signals survive exec). It ends by itself in seconds.
+    for number in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(number, signal.SIG_IGN)
     os.write(ready_write, struct.pack("=i", os.getpid()))
     record = records_dir() / f"{os.getpid()}.json"
     served = requests = 0
