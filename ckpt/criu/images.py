@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import os
 from pathlib import Path
 
@@ -159,15 +160,30 @@ def write_pagemap(path: Path, pages_id: int, runs: list[tuple[int, int, int]]) -
 
 
 def lazy_runs(image_dir: Path) -> dict[int, tuple[str, list[tuple[int, int, int]]]]:
-    """Per process: its pages image and the pagemap entries a lazy restore serves (PE_LAZY,
-    which CRIU sets on private anonymous memory other than the stack) as (vaddr, nr_pages,
-    position of the first page in the pages image)."""
+    """Prepares staged images for a lazy restore. Returns per process its pages image and the
+    pagemap entries a lazy restore serves as (vaddr, nr_pages, position of the first page in
+    the pages image).
+
+    CRIU marks PE_LAZY the pages of private anonymous memory (but each thread's stack page).
+    A mapping is served lazily only if every page of it is: CRIU writes the other pages into
+    it before userfaultfd watches it, and with transparent huge pages one such write fills a
+    whole 2 MiB with zeros where lazy pages were to arrive (CRIU guards against that only for
+    images with a parent; ckpt's are flattened). Seen in the test VM (Linux 6.1): the restored
+    process hung. The pagemaps of such mappings are rewritten without PE_LAZY."""
     result = {}
     for path in sorted(image_dir.glob("pagemap-*.img")):
         pid = path.name[len("pagemap-"):-len(".img")]
         if not pid.isdigit():  # pagemap-shmem-*: shared memory is never lazy
             continue
         pages_id, runs = read_pagemap(path)
+        mm_path = image_dir / f"mm-{pid}.img"
+        vmas = sorted((_number(v["start"]), _number(v["end"]))
+                      for v in _load(mm_path)["entries"][0].get("vmas", [])) if mm_path.exists() else []
+        demoted = {i for i in _entries_in_mixed_mappings(runs, vmas) if runs[i][2] & PE_LAZY}
+        if demoted:
+            runs = [(vaddr, nr_pages, flags & ~PE_LAZY if i in demoted else flags)
+                    for i, (vaddr, nr_pages, flags) in enumerate(runs)]
+            write_pagemap(path, pages_id, runs)
         lazy, position = [], 0
         for vaddr, nr_pages, flags in runs:
             if flags & PE_PRESENT and not flags & PE_PARENT:
@@ -176,3 +192,27 @@ def lazy_runs(image_dir: Path) -> dict[int, tuple[str, list[tuple[int, int, int]
                 position += nr_pages
         result[int(pid)] = (f"pages-{pages_id}.img", lazy)
     return result
+
+
+def _entries_in_mixed_mappings(runs: list[tuple[int, int, int]], vmas: list[tuple[int, int]]) -> set[int]:
+    """The indexes of the present pagemap entries that share a mapping with a present page that
+    is not lazy (an entry may span mappings: repeated until nothing changes). Without the
+    mappings (no mm image), every entry."""
+    present = [i for i, (_, _, flags) in enumerate(runs) if flags & PE_PRESENT and not flags & PE_PARENT]
+    if not vmas:
+        return set(present)
+    starts = [start for start, _ in vmas]
+
+    def mappings(i: int) -> range:
+        vaddr, nr_pages, _ = runs[i]
+        first = max(bisect.bisect_right(starts, vaddr) - 1, 0)
+        last = max(bisect.bisect_right(starts, vaddr + nr_pages * 4096 - 1) - 1, 0)
+        return range(first, last + 1)
+
+    eager = {i for i in present if not runs[i][2] & PE_LAZY}
+    while True:
+        mixed = {m for i in eager for m in mappings(i)}
+        more = {i for i in present if i not in eager and any(m in mixed for m in mappings(i))}
+        if not more:
+            return eager
+        eager |= more

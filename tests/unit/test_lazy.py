@@ -121,3 +121,27 @@ def test_a_request_outside_the_lazy_memory_is_an_error_not_an_answer(store):
     finally:
         daemon.close()
         server.close()
+
+
+P, L = 4, 2  # PE_PRESENT, PE_LAZY
+K = 4096
+
+
+@pytest.mark.parametrize("runs, vmas, eager", [
+    # one mapping, all lazy: nothing eager
+    ([(0x10000, 4, P | L), (0x20000, 2, P | L)], [(0x10000, 0x30000)], set()),
+    # a stack-like mapping: one page not lazy makes the mapping's other entries eager too
+    ([(0x10000, 4, P | L), (0x20000, 1, P), (0x40000, 8, P | L)], [(0x10000, 0x30000), (0x40000, 0x50000)],
+     {0, 1}),
+    # an entry spanning two mappings carries the second one along
+    ([(0x10000, 1, P), (0x1f000, 2, P | L), (0x22000, 1, P | L), (0x40000, 1, P | L)],
+     [(0x10000, 0x20000), (0x20000, 0x30000), (0x40000, 0x41000)], {0, 1, 2}),
+    # entries taken from a parent (PE_PARENT) are not present here: left alone
+    ([(0x10000, 1, 1), (0x11000, 1, P | L)], [(0x10000, 0x20000)], set()),
+    # no mappings known: nothing is lazy
+    ([(0x10000, 1, P | L)], [], {0}),
+])
+def test_a_mapping_is_lazy_only_if_all_its_pages_are(runs, vmas, eager):
+    from ckpt.criu.images import _entries_in_mixed_mappings
+
+    assert _entries_in_mixed_mappings(runs, vmas) == eager
