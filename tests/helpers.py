@@ -136,3 +136,16 @@ def _criu_log_tail(stderr: str) -> str:
             lines = Path(word).read_text(errors="replace").splitlines()[-40:]
             return "\n--- end of " + word + " ---\n" + "\n".join(lines)
     return ""
+
+
+def dumped_file_reader(procs, tmp_path: Path, lines: int, records: int) -> tuple[Path, Path, dict]:
+    """file_reader.py over a file of `lines` records, dumped with --stop once it has read
+    `records` of them: (the file, the reader's output, the dump's JSON)."""
+    data = tmp_path / "data.txt"
+    data.write_text("".join(f"line{i:05d}\n" for i in range(lines)))
+    out = tmp_path / "read.txt"
+    target = procs.start("file_reader.py", data, out)
+    wait_until(lambda: len(read_lines(out)) >= records, what="reader")
+    dumped = ckpt_json("dump", target.pid, "--stop")
+    target.wait(timeout=10)
+    return data, out, dumped

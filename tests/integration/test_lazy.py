@@ -7,7 +7,7 @@ import re
 import signal
 from pathlib import Path
 
-from tests.helpers import alive, ckpt, ckpt_json, read_lines, wait_until
+from tests.helpers import alive, ckpt, ckpt_json, dumped_file_reader, read_lines, wait_until
 
 LAZY_RECORDS = Path("/run/ckpt/lazy")
 
@@ -88,13 +88,7 @@ def test_dump_right_after_a_lazy_restore_holds_every_page(procs, tmp_path):
 
 
 def test_failed_lazy_restore_leaves_no_page_server_and_nothing_staged(procs, tmp_path, isolated_env):
-    data = tmp_path / "data.txt"
-    data.write_text("".join(f"line{i:05d}\n" for i in range(1000)))
-    out = tmp_path / "read.txt"
-    target = procs.start("file_reader.py", data, out)
-    wait_until(lambda: len(read_lines(out)) >= 3, what="reader")
-    dumped = ckpt_json("dump", target.pid, "--stop")
-    target.wait(timeout=10)
+    data, _, dumped = dumped_file_reader(procs, tmp_path, lines=1000, records=3)
     data.unlink()  # CRIU's restore fails: the file it reopens is gone
 
     before = {p.name for p in LAZY_RECORDS.glob("*.json")}

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FIXTURES, ROOT, alive, ckpt, ckpt_json, read_lines, state, tree_pids, wait_until
+from tests.helpers import (FIXTURES, ROOT, alive, ckpt, ckpt_json, dumped_file_reader, read_lines, state, tree_pids,
+                           wait_until)
 
 
 def ints(path: Path) -> list[int]:
@@ -122,13 +123,7 @@ def test_parent_and_child_with_pipe_and_socketpair(procs, tmp_path):
 
 
 def test_open_file_offset_is_preserved(procs, tmp_path):
-    data = tmp_path / "data.txt"
-    data.write_text("".join(f"line{i:05d}\n" for i in range(100000)))
-    out = tmp_path / "read.txt"
-    target = procs.start("file_reader.py", data, out)
-    wait_until(lambda: len(read_lines(out)) >= 10, what="reader")
-    dumped = ckpt_json("dump", target.pid, "--stop")
-    target.wait(timeout=10)
+    data, out, dumped = dumped_file_reader(procs, tmp_path, lines=100000, records=10)
     n = len(read_lines(out))
     last_line, last_offset = read_lines(out)[-1].split()
     shown = ckpt_json("show", dumped["id"])["processes"][0]["fds"]

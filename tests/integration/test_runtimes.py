@@ -2,7 +2,6 @@
 holding a keep-alive connection, a JVM with many threads. Skipped where the runtime is absent."""
 
 import http.client
-import os
 import shutil
 import time
 
