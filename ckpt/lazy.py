@@ -46,6 +46,14 @@ def records_dir() -> Path:
     return Path(os.environ.get("CKPT_LAZY_DIR", DEFAULT_RECORDS_DIR))
 
 
+def thp_always() -> bool:
+    """Whether transparent huge pages are on for every mapping, not only madvised ones."""
+    try:
+        return "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
 def supported(binary: CriuBinary) -> tuple[bool, str]:
     """Whether this kernel and CRIU can restore lazily (userfaultfd with fork/remap events)."""
     return run_check(binary, "uffd-noncoop")

@@ -15,7 +15,7 @@ from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
 from ckpt.criu.images import lazy_runs
 from ckpt.errors import HookFailed, UsageError
-from ckpt.lazy import AUTO_MIN_BYTES, LazyPlan, start_page_server
+from ckpt.lazy import AUTO_MIN_BYTES, LazyPlan, start_page_server, thp_always
 from ckpt.lazy import supported as lazy_supported
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store
@@ -75,7 +75,12 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
         plan = LazyPlan()
         if lazy:
             def holes_for(directory: Path) -> dict[str, list[tuple[int, int]]]:
-                plan.runs = lazy_runs(directory)
+                runs = lazy_runs(directory, thp_always())
+                if runs is None:
+                    reporter.info("restoring all memory first: a mapping that may use huge pages holds pages "
+                                  "that cannot come back lazily")
+                    return {}
+                plan.runs = runs
                 return plan.holes() if plan.pages * PAGE >= (AUTO_MIN_BYTES if request.lazy is None else 1) else {}
 
             images_dir, plan.locations = store.materialize_lazily(manifest, holes_for, reporter)

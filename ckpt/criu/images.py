@@ -159,7 +159,10 @@ def write_pagemap(path: Path, pages_id: int, runs: list[tuple[int, int, int]]) -
     os.replace(tmp, path)
 
 
-def lazy_runs(image_dir: Path) -> dict[int, tuple[str, list[tuple[int, int, int]]]]:
+MADV_HUGEPAGE_BIT, MADV_NOHUGEPAGE_BIT = 1 << 14, 1 << 15  # VmaEntry.madv: 1 << MADV_*
+
+
+def lazy_runs(image_dir: Path, thp_always: bool = False) -> dict[int, tuple[str, list[tuple[int, int, int]]]] | None:
     """Prepares staged images for a lazy restore. Returns per process its pages image and the
     pagemap entries a lazy restore serves as (vaddr, nr_pages, position of the first page in
     the pages image).
@@ -168,8 +171,11 @@ def lazy_runs(image_dir: Path) -> dict[int, tuple[str, list[tuple[int, int, int]
     A mapping is served lazily only if every page of it is: CRIU writes the other pages into
     it before userfaultfd watches it, and with transparent huge pages one such write fills a
     whole 2 MiB with zeros where lazy pages were to arrive (CRIU guards against that only for
-    images with a parent; ckpt's are flattened). Seen in the test VM (Linux 6.1): the restored
-    process hung. The pagemaps of such mappings are rewritten without PE_LAZY."""
+    images with a parent; ckpt's are flattened). The pagemaps of such mappings are rewritten
+    without PE_LAZY. CRIU still watches such a mapping with userfaultfd, and if it may use
+    huge pages (MADV_HUGEPAGE, or every mapping when the system's THP mode is "always") the
+    restored process hangs or its lazy restore never ends (seen in the test VM, Linux 6.1, with
+    a flattened dirty-tracking checkpoint): then None, the restore must not be lazy."""
     result = {}
     for path in sorted(image_dir.glob("pagemap-*.img")):
         pid = path.name[len("pagemap-"):-len(".img")]
@@ -177,9 +183,12 @@ def lazy_runs(image_dir: Path) -> dict[int, tuple[str, list[tuple[int, int, int]
             continue
         pages_id, runs = read_pagemap(path)
         mm_path = image_dir / f"mm-{pid}.img"
-        vmas = sorted((_number(v["start"]), _number(v["end"]))
-                      for v in _load(mm_path)["entries"][0].get("vmas", [])) if mm_path.exists() else []
-        demoted = {i for i in _entries_in_mixed_mappings(runs, vmas) if runs[i][2] & PE_LAZY}
+        entries = sorted((_number(v["start"]), _number(v["end"]), int(v.get("madv", 0)))
+                         for v in _load(mm_path)["entries"][0].get("vmas", [])) if mm_path.exists() else []
+        eager = _entries_in_mixed_mappings(runs, [(start, end) for start, end, _ in entries])
+        if _huge_pages_in(runs, eager, entries, thp_always):
+            return None
+        demoted = {i for i in eager if runs[i][2] & PE_LAZY}
         if demoted:
             runs = [(vaddr, nr_pages, flags & ~PE_LAZY if i in demoted else flags)
                     for i, (vaddr, nr_pages, flags) in enumerate(runs)]
@@ -194,6 +203,22 @@ def lazy_runs(image_dir: Path) -> dict[int, tuple[str, list[tuple[int, int, int]
     return result
 
 
+def _mappings_of(starts: list[int], vaddr: int, nr_pages: int) -> range:
+    """The indexes of the mappings (sorted by start) a pagemap entry falls in."""
+    first = max(bisect.bisect_right(starts, vaddr) - 1, 0)
+    last = max(bisect.bisect_right(starts, vaddr + nr_pages * 4096 - 1) - 1, 0)
+    return range(first, last + 1)
+
+
+def _huge_pages_in(runs: list[tuple[int, int, int]], entries: set[int], vmas: list[tuple[int, int, int]],
+                   thp_always: bool) -> bool:
+    """Whether any of these pagemap entries lies in a mapping (start, end, madv) that may use
+    transparent huge pages."""
+    starts = [start for start, _, _ in vmas]
+    return any(madv & MADV_HUGEPAGE_BIT or (thp_always and not madv & MADV_NOHUGEPAGE_BIT)
+               for i in entries for _, _, madv in (vmas[m] for m in _mappings_of(starts, *runs[i][:2])))
+
+
 def _entries_in_mixed_mappings(runs: list[tuple[int, int, int]], vmas: list[tuple[int, int]]) -> set[int]:
     """The indexes of the present pagemap entries that share a mapping with a present page that
     is not lazy (an entry may span mappings: repeated until nothing changes). Without the
@@ -204,10 +229,7 @@ def _entries_in_mixed_mappings(runs: list[tuple[int, int, int]], vmas: list[tupl
     starts = [start for start, _ in vmas]
 
     def mappings(i: int) -> range:
-        vaddr, nr_pages, _ = runs[i]
-        first = max(bisect.bisect_right(starts, vaddr) - 1, 0)
-        last = max(bisect.bisect_right(starts, vaddr + nr_pages * 4096 - 1) - 1, 0)
-        return range(first, last + 1)
+        return _mappings_of(starts, *runs[i][:2])
 
     eager = {i for i in present if not runs[i][2] & PE_LAZY}
     while True:

@@ -145,3 +145,21 @@ def test_a_mapping_is_lazy_only_if_all_its_pages_are(runs, vmas, eager):
     from ckpt.criu.images import _entries_in_mixed_mappings
 
     assert _entries_in_mixed_mappings(runs, vmas) == eager
+
+
+HUGE, NOHUGE = 1 << 14, 1 << 15  # VmaEntry.madv bits of MADV_HUGEPAGE, MADV_NOHUGEPAGE
+
+
+@pytest.mark.parametrize("madv, thp_always, refused", [
+    (HUGE, False, True),     # madvised huge pages: a write before userfaultfd fills 2 MiB
+    (0, False, False),       # THP only where madvised (Debian's default): safe
+    (0, True, True),         # THP for every mapping
+    (NOHUGE, True, False),   # ... but this one opted out
+])
+def test_eager_pages_in_a_huge_page_mapping_refuse_a_lazy_restore(madv, thp_always, refused):
+    from ckpt.criu.images import _huge_pages_in
+
+    runs = [(0x10000, 1, P), (0x11000, 4, P | L), (0x40000, 8, P | L)]
+    vmas = [(0x10000, 0x20000, madv), (0x40000, 0x50000, HUGE)]
+    assert _huge_pages_in(runs, {0, 1}, vmas, thp_always) is refused
+    assert _huge_pages_in(runs, set(), vmas, thp_always) is False, "all lazy: huge pages are fine"
