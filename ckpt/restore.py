@@ -75,7 +75,10 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
         plan = LazyPlan()
         if lazy:
             def holes_for(directory: Path) -> dict[str, list[tuple[int, int]]]:
-                runs = lazy_runs(directory, thp_always())
+                # Under THP "always", a checkpoint that took pages from its parent (dirty tracking)
+                # may hold many eager pages in any mapping: treated like a MADV_HUGEPAGE one.
+                took_from_parent = bool((manifest.criu.get("tracking") or {}).get("pages_from_parent"))
+                runs = lazy_runs(directory, huge_pages_everywhere=thp_always() and took_from_parent)
                 if runs is None:
                     reporter.info("restoring all memory first: a mapping that may use huge pages holds pages "
                                   "that cannot come back lazily")

@@ -162,7 +162,7 @@ def write_pagemap(path: Path, pages_id: int, runs: list[tuple[int, int, int]]) -
 MADV_HUGEPAGE_BIT, MADV_NOHUGEPAGE_BIT = 1 << 14, 1 << 15  # VmaEntry.madv: 1 << MADV_*
 
 
-def lazy_runs(image_dir: Path, thp_always: bool = False) -> dict[int, tuple[str, list[tuple[int, int, int]]]] | None:
+def lazy_runs(image_dir: Path, huge_pages_everywhere: bool = False) -> dict[int, tuple[str, list[tuple[int, int, int]]]] | None:
     """Prepares staged images for a lazy restore. Returns per process its pages image and the
     pagemap entries a lazy restore serves as (vaddr, nr_pages, position of the first page in
     the pages image).
@@ -172,10 +172,11 @@ def lazy_runs(image_dir: Path, thp_always: bool = False) -> dict[int, tuple[str,
     it before userfaultfd watches it, and with transparent huge pages one such write fills a
     whole 2 MiB with zeros where lazy pages were to arrive (CRIU guards against that only for
     images with a parent; ckpt's are flattened). The pagemaps of such mappings are rewritten
-    without PE_LAZY. CRIU still watches such a mapping with userfaultfd, and if it may use
-    huge pages (MADV_HUGEPAGE, or every mapping when the system's THP mode is "always") the
-    restored process hangs or its lazy restore never ends (seen in the test VM, Linux 6.1, with
-    a flattened dirty-tracking checkpoint): then None, the restore must not be lazy."""
+    without PE_LAZY. CRIU still watches such a mapping with userfaultfd, and if it uses huge
+    pages (MADV_HUGEPAGE; with huge_pages_everywhere any mapping not MADV_NOHUGEPAGE) the
+    restored process hangs or its memory comes back wrong (seen in the test VM, Linux 6.1, with
+    a flattened dirty-tracking checkpoint): then None, the restore must not be lazy. (Each
+    thread's one eager stack page under THP "always" restored right in the VM.)"""
     result = {}
     for path in sorted(image_dir.glob("pagemap-*.img")):
         pid = path.name[len("pagemap-"):-len(".img")]
@@ -186,7 +187,7 @@ def lazy_runs(image_dir: Path, thp_always: bool = False) -> dict[int, tuple[str,
         entries = sorted((_number(v["start"]), _number(v["end"]), int(v.get("madv", 0)))
                          for v in _load(mm_path)["entries"][0].get("vmas", [])) if mm_path.exists() else []
         eager = _entries_in_mixed_mappings(runs, [(start, end) for start, end, _ in entries])
-        if _huge_pages_in(runs, eager, entries, thp_always):
+        if _huge_pages_in(runs, eager, entries, huge_pages_everywhere):
             return None
         demoted = {i for i in eager if runs[i][2] & PE_LAZY}
         if demoted:
@@ -211,11 +212,11 @@ def _mappings_of(starts: list[int], vaddr: int, nr_pages: int) -> range:
 
 
 def _huge_pages_in(runs: list[tuple[int, int, int]], entries: set[int], vmas: list[tuple[int, int, int]],
-                   thp_always: bool) -> bool:
-    """Whether any of these pagemap entries lies in a mapping (start, end, madv) that may use
-    transparent huge pages."""
+                   everywhere: bool) -> bool:
+    """Whether any of these pagemap entries lies in a mapping (start, end, madv) that uses
+    transparent huge pages (everywhere: unless it opted out)."""
     starts = [start for start, _, _ in vmas]
-    return any(madv & MADV_HUGEPAGE_BIT or (thp_always and not madv & MADV_NOHUGEPAGE_BIT)
+    return any(madv & MADV_HUGEPAGE_BIT or (everywhere and not madv & MADV_NOHUGEPAGE_BIT)
                for i in entries for _, _, madv in (vmas[m] for m in _mappings_of(starts, *runs[i][:2])))
 
 

@@ -98,3 +98,23 @@ def test_failed_lazy_restore_leaves_no_page_server_and_nothing_staged(procs, tmp
     assert {p.name for p in LAZY_RECORDS.glob("*.json")} <= before, "a page server outlived the failed restore"
     assert not any((isolated_env / "tmp").iterdir()), "the failed restore left its staged images"
     ckpt("prune", env={"CKPT_LOCK_TIMEOUT": "5"})  # no page server holds the store's lock
+
+
+def test_lazy_restore_of_memory_in_huge_pages(procs, tmp_path):
+    """A MADV_HUGEPAGE mapping whose pages are all lazy: the daemon fills it 4 KiB at a time."""
+    out = tmp_path / "mem.txt"
+    target = procs.start("dirtymem.py", out, 64, "on", 16)
+    wait_until(lambda: "ready" in read_lines(out), timeout=60, what="dirtymem to fill its memory")
+    os.kill(target.pid, signal.SIGUSR1)
+    wait_until(lambda: any(x.startswith("sum ") for x in read_lines(out)), what="the checksum")
+    expected = [x for x in read_lines(out) if x.startswith("sum ")][0].split()[1]
+    dumped = ckpt_json("dump", target.pid, "--stop")
+    target.wait(timeout=10)
+    out.unlink()
+    restored = ckpt_json("restore", dumped["id"], "--lazy")
+    procs.adopt(restored["pid"])
+    assert restored["lazy"] is not None and restored["lazy"]["bytes"] >= 64 << 20
+    os.kill(restored["pid"], signal.SIGUSR1)
+    wait_until(lambda: any(x.startswith("sum ") for x in read_lines(out)), timeout=60, what="the restored checksum")
+    assert [x for x in read_lines(out) if x.startswith("sum ")][0].split()[1] == expected
+    assert "done" in wait_for_server_end(procs, restored["lazy"])
