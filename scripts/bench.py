@@ -151,10 +151,10 @@ def bench_dump_restore(size_mib: int, runs: int, work: Path, criu: str) -> dict:
         checkpoint = None
         for who in order:
             if who == "ckpt":
-                elapsed, out = timed(CKPT + ["dump", str(pid), "--json"], env)
+                elapsed, out = timed(CKPT + ["dump", str(pid), "--json", "--name", "bench"], env)
                 rows["ckpt_first_dump_s"].append(elapsed)
                 target.rewrite_one_percent()
-                elapsed, out = timed(CKPT + ["dump", str(pid), "--json"], env)
+                elapsed, out = timed(CKPT + ["dump", str(pid), "--json", "--name", "bench"], env)
                 rows["ckpt_next_dump_s"].append(elapsed)
                 result = json.loads(out)
                 checkpoint = result["id"]
@@ -187,6 +187,7 @@ def bench_dump_restore(size_mib: int, runs: int, work: Path, criu: str) -> dict:
                 rows["criu_restore_s"].append(elapsed)
                 kill(pid)
         shutil.rmtree(raw_dir)
+        # One name for every run: the store holds one earlier checkpoint when the next run starts.
         subprocess.run(CKPT + ["forget", "--keep-last", "1", "--prune", "--allow-remove-all", "-q"], env=env,
                        capture_output=True)
     med = {k: statistics.median(v) for k, v in rows.items()}

@@ -99,6 +99,7 @@ class BlockIndex:
         # Per index file: (its page ids, their segment numbers, their positions, segment base).
         self._columns: list[tuple[list[bytes], array.array, array.array, int]] = []
         self._pages: dict[bytes, int] | None = None
+        self._locate_calls = 0
         self._known: set[bytes] | None = None
         # Segment numbers recorded as damaged (see "Damage and healing" in docs/design.md).
         self.damaged: set[int] = set()
@@ -138,6 +139,26 @@ class BlockIndex:
                 known.update(ids)
             self._known = known
         return self._known
+
+    def locate(self, wanted: list[bytes]) -> list[int | None]:
+        """The location of each wanted page id (None: not held), as `pages` gives it, without
+        building `pages` for the whole store: a restore wants its own pages, and building a
+        dict of every page a store of several large checkpoints holds cost more than the rest
+        of the restore (1.1 s for 2.7 million pages). Each call reads every index column once;
+        from the third call on (a tree of many processes) `pages` is built once instead."""
+        self._locate_calls += 1
+        if self._pages is not None or self._locate_calls > 2:
+            return list(map(self.pages.get, wanted))
+        found: dict[bytes, int | None] = dict.fromkeys(wanted)
+        damaged = self.damaged
+        for ids, segs, within, base in self._columns:
+            for i in [i for i, page_id in enumerate(ids) if page_id in found]:
+                location = (base + segs[i]) << 16 | within[i]
+                previous = found[ids[i]]
+                # Like `pages`: a later copy wins, but never a damaged copy over a healthy one.
+                if previous is None or not damaged or location >> 16 not in damaged or previous >> 16 in damaged:
+                    found[ids[i]] = location
+        return list(map(found.__getitem__, wanted))
 
     def mark_damaged(self, keys) -> None:
         new = set(keys) - self.damaged
@@ -387,7 +408,7 @@ class BlockStore:
         """The location of each page of a pages image, in order (see BlockIndex.pages)."""
         index = self.index()
         n = len(page_list) // ID_LEN
-        locations = list(map(index.pages.get, [page_list[i:i + ID_LEN] for i in range(0, n * ID_LEN, ID_LEN)]))
+        locations = index.locate([page_list[i:i + ID_LEN] for i in range(0, n * ID_LEN, ID_LEN)])
         if None in locations:
             missing = locations.index(None)
             cause = f" (index file {', '.join(index.damaged_files)} is damaged)" if index.damaged_files else ""
