@@ -30,8 +30,9 @@ from pathlib import Path
 from ckpt.criu import lazypages
 from ckpt.criu.binary import CriuBinary
 from ckpt.criu.client import error_lines, run_check
+from ckpt.criu.images import lazy_runs
 from ckpt.errors import CriuFailed, UsageError
-from ckpt.store import Store
+from ckpt.store import Manifest, Store
 from ckpt.store.blocks import PAGE
 from ckpt.store.repository import discard
 
@@ -54,9 +55,9 @@ def thp_always() -> bool:
         return False
 
 
-def supported(binary: CriuBinary) -> tuple[bool, str]:
+def supported(binary: CriuBinary) -> bool:
     """Whether this kernel and CRIU can restore lazily (userfaultfd with fork/remap events)."""
-    return run_check(binary, "uffd-noncoop")
+    return run_check(binary, "uffd-noncoop")[0]
 
 
 @dataclass
@@ -67,6 +68,20 @@ class LazyPlan:
 
     runs: dict[int, tuple[str, list[tuple[int, int, int]]]] = field(default_factory=dict)
     locations: dict[str, list[int]] = field(default_factory=dict)
+
+    def prepare(self, images_dir: Path, manifest: Manifest, minimum_bytes: int
+                ) -> dict[str, list[tuple[int, int]]] | None:
+        """Reads (and adjusts) the staged pagemaps: the page ranges to leave out of each pages
+        image, {} when fewer than minimum_bytes would be lazy, None when the restore must not
+        be lazy (criu/images.py, lazy_runs)."""
+        # Under THP "always", a checkpoint that took pages from its parent (dirty tracking) may
+        # hold many eager pages in any mapping: treated like a MADV_HUGEPAGE one.
+        took_from_parent = bool((manifest.criu.get("tracking") or {}).get("pages_from_parent"))
+        runs = lazy_runs(images_dir, huge_pages_everywhere=thp_always() and took_from_parent)
+        if runs is None:
+            return None
+        self.runs = runs
+        return self.holes() if self.pages * PAGE >= minimum_bytes else {}
 
     def holes(self) -> dict[str, list[tuple[int, int]]]:
         holes: dict[str, list[tuple[int, int]]] = {}

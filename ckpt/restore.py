@@ -13,9 +13,8 @@ from pathlib import Path
 from ckpt import procs
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
-from ckpt.criu.images import lazy_runs
 from ckpt.errors import HookFailed, UsageError
-from ckpt.lazy import AUTO_MIN_BYTES, LazyPlan, start_page_server, thp_always
+from ckpt.lazy import AUTO_MIN_BYTES, LazyPlan, start_page_server
 from ckpt.lazy import supported as lazy_supported
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store
@@ -70,24 +69,19 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
     with store.lock(exclusive=False, on_wait=lambda h: reporter.info("waiting for the store lock")):
         checkpoint_id = store.resolve(request.ref)
         manifest = store.load(checkpoint_id)
-        lazy = _wants_lazy(request, manifest, binary, reporter)
+        lazy = _wants_lazy(request, manifest, binary)
         reporter.step(f"verifying checkpoint {checkpoint_id}")
         plan = LazyPlan()
         if lazy:
             def holes_for(directory: Path) -> dict[str, list[tuple[int, int]]]:
-                # Under THP "always", a checkpoint that took pages from its parent (dirty tracking)
-                # may hold many eager pages in any mapping: treated like a MADV_HUGEPAGE one.
-                took_from_parent = bool((manifest.criu.get("tracking") or {}).get("pages_from_parent"))
-                runs = lazy_runs(directory, huge_pages_everywhere=thp_always() and took_from_parent)
-                if runs is None:
+                holes = plan.prepare(directory, manifest, AUTO_MIN_BYTES if request.lazy is None else 1)
+                if holes is None:
                     reporter.info("restoring all memory first: a mapping that may use huge pages holds pages "
                                   "that cannot come back lazily")
-                    return {}
-                plan.runs = runs
-                return plan.holes() if plan.pages * PAGE >= (AUTO_MIN_BYTES if request.lazy is None else 1) else {}
+                return holes or {}
 
             images_dir, plan.locations = store.materialize_lazily(manifest, holes_for, reporter)
-            lazy = bool(plan.locations)
+            lazy = bool(plan.locations)  # none left out: nothing to serve
         else:
             images_dir = store.materialize(manifest, reporter)
         inherit: list[tuple[str, int]] = []
@@ -160,7 +154,8 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                          inner, hook_error, output, lazy_info)
 
 
-def _wants_lazy(request: RestoreRequest, manifest: Manifest, binary, reporter: Reporter) -> bool:
+def _wants_lazy(request: RestoreRequest, manifest: Manifest, binary) -> bool:
+    """Whether to try a lazy restore (LazyPlan.prepare then decides from the images)."""
     if request.lazy is False:
         return False
     if request.new_pidns:
@@ -169,9 +164,8 @@ def _wants_lazy(request: RestoreRequest, manifest: Manifest, binary, reporter: R
                              hint="drop one of them (a restore into a new PID namespace is a full one)")
         return False
     if request.lazy is None and manifest.bytes_total < AUTO_MIN_BYTES:
-        return False
-    works, output = lazy_supported(binary)
-    if not works:
+        return False  # too small whatever its pages: spares the kernel check
+    if not lazy_supported(binary):
         if request.lazy:
             raise UsageError("this kernel cannot restore lazily (CRIU's uffd-noncoop check fails)",
                              hint="restore with --eager")
