@@ -538,12 +538,10 @@ class Store:
         their size (no page is read or written)."""
         if self.blocks.damage_markers():
             # CRIU would take pages from the parent without reading them: none may be damaged.
-            known = self.blocks.index().known
+            index = self.blocks.index()
             for entry in manifest.files:
                 if entry.kind == "pages":
-                    page_list = self.load_page_list(entry)
-                    if not all(page_list[i:i + PAGE_ID_SIZE] in known
-                               for i in range(0, len(page_list), PAGE_ID_SIZE)):
+                    if not index.held(self.load_page_list(entry)).all():
                         raise DamagedCheckpoint(f"checkpoint {manifest.id}: image {entry.name} holds pages "
                                                 "recorded as damaged")
         make_private_dir(dest)

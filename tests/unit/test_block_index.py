@@ -1,0 +1,112 @@
+"""BlockIndex.find: sorted searches over index files, checked against a plain dict."""
+
+import os
+import random
+
+import blake3
+import numpy as np
+import pytest
+
+from ckpt.errors import DamagedCheckpoint
+from ckpt.store.blocks import ID_LEN, BlockIndex, Segment, _by_id, render_index
+
+
+def index_file(ids: list[bytes], sort: bool = True) -> tuple[str, bytes]:
+    """An index file naming each id at its own page of a few segments."""
+    segments = [Segment("ab" * 16, k << 20, 100, 256, 0, bytes(16)) for k in range(len(ids) // 256 + 1)]
+    entries = [(page_id, k // 256, k % 256) for k, page_id in enumerate(ids)]
+    data = render_index(segments, _by_id(entries) if sort else entries)
+    return blake3.blake3(data).hexdigest(), data
+
+
+def expected(index: BlockIndex, wanted: list[bytes]) -> list[int]:
+    return [index.pages.get(w, -1) for w in wanted]
+
+
+def random_ids(n: int) -> list[bytes]:
+    return [os.urandom(ID_LEN) for _ in range(n)]
+
+
+@pytest.mark.parametrize("sizes,sort", [
+    ([5000], True),  # one large sorted file: searched for each wanted id
+    ([5000, 40, 3], True),  # small files: each of their ids searched among the wanted ones
+    ([3000, 2000], False),  # files written before index files were sorted
+    ([0, 10], True),  # an empty index file
+])
+def test_find_agrees_with_a_dict(sizes, sort):
+    index = BlockIndex()
+    held = []
+    for size in sizes:
+        ids = random_ids(size)
+        held += ids
+        index.add_file(*index_file(ids, sort))
+    rng = random.Random(7)
+    wanted = rng.sample(held, min(len(held), 1500)) + random_ids(200)
+    wanted += wanted[:50]  # a page list repeats ids (a zero page, many times)
+    rng.shuffle(wanted)
+    found = index.find(b"".join(wanted)).tolist()
+    assert found == expected(index, wanted)
+    held_set = set(held)
+    assert [f >= 0 for f in found] == [w in held_set for w in wanted]
+    assert index.held(b"".join(wanted)).tolist() == [f >= 0 for f in found]
+
+
+def test_ids_that_share_their_first_half():
+    """Two ids with the same first 8 bytes (which the searches compare first) stay apart."""
+    base = os.urandom(8)
+    twins = [base + os.urandom(8) for _ in range(4)]
+    others = random_ids(3000)
+    index = BlockIndex()
+    index.add_file(*index_file(others + twins[:3]))  # large and sorted: searched per wanted id
+    small = BlockIndex()
+    small.add_file(*index_file(twins[1:3]))  # small: searched the other way round
+    for idx in (index, small):
+        # (100 more ids: a file of 2 is searched the other way round, among the wanted ids)
+        wanted = [twins[3], twins[2], twins[0], twins[1], twins[2]] + others[:100]
+        assert idx.find(b"".join(wanted)).tolist() == expected(idx, wanted)
+    assert index.held(b"".join(twins)).tolist() == [True, True, True, False]
+
+
+def test_a_page_in_two_index_files_and_a_damaged_copy():
+    page = os.urandom(ID_LEN)
+    first_ids, second_ids = [page] + random_ids(10), random_ids(5) + [page]
+    index = BlockIndex()
+    index.add_file(*index_file(first_ids))
+    index.add_file(*index_file(second_ids))
+    assert index.find(page).tolist()[0] >= 0
+    # The copy in the first file's segment is damaged: the healthy copy in the second is found.
+    first_location = dict(zip(first_ids, index._columns[0].locations().tolist()))[page]
+    index.mark_damaged([first_location >> 16])
+    location = index.find(page).tolist()[0]
+    assert location >> 16 != first_location >> 16
+    assert index.held(page).tolist() == [True]
+    # Both copies damaged: still located (a restore names the damage), but not held.
+    index.mark_damaged([location >> 16])
+    assert index.find(page).tolist()[0] >= 0
+    assert index.held(page).tolist() == [False]
+
+
+def test_index_files_are_written_in_id_order():
+    ids = random_ids(1000)
+    name, data = index_file(ids)
+    index = BlockIndex()
+    index.add_file(name, data)
+    assert index._columns[0].sorted
+    assert index._columns[0].id_list() == sorted(ids)
+    unsorted = BlockIndex()
+    unsorted.add_file(*index_file(ids, sort=False))
+    assert not unsorted._columns[0].sorted
+
+
+@pytest.mark.parametrize("damage", ["truncate", "extend", "segment"])
+def test_damaged_index_files_are_refused(damage):
+    ids = random_ids(300)
+    _, data = index_file(ids)
+    if damage == "truncate":
+        data = data[:-3]
+    elif damage == "extend":
+        data += b"\0"
+    else:  # an entry naming a segment past the file's segments
+        data = data[:-300 * 6] + np.full(300, 99, dtype="<u4").tobytes() + data[-300 * 2:]
+    with pytest.raises(DamagedCheckpoint, match="is damaged"):
+        BlockIndex().add_file(blake3.blake3(data).hexdigest(), data)
