@@ -2,20 +2,28 @@
 
 import os
 import random
+from unittest import mock
 
 import blake3
 import numpy as np
 import pytest
 
 from ckpt.errors import DamagedCheckpoint
-from ckpt.store.blocks import ID_LEN, BlockIndex, Segment, _by_id, render_index
+from ckpt.store.blockindex import BlockIndex
+from ckpt.store.blocks import ID_LEN, Segment, render_index
+
+
+def unsorted_index(segments, entries) -> bytes:
+    """An index file as ckpt wrote them before their entries were in id order."""
+    with mock.patch("ckpt.store.blockindex.by_id", lambda e: e):
+        return render_index(segments, entries)
 
 
 def index_file(ids: list[bytes], sort: bool = True) -> tuple[str, bytes]:
     """An index file naming each id at its own page of a few segments."""
     segments = [Segment("ab" * 16, k << 20, 100, 256, 0, bytes(16)) for k in range(len(ids) // 256 + 1)]
     entries = [(page_id, k // 256, k % 256) for k, page_id in enumerate(ids)]
-    data = render_index(segments, _by_id(entries) if sort else entries)
+    data = render_index(segments, entries) if sort else unsorted_index(segments, entries)
     return blake3.blake3(data).hexdigest(), data
 
 
