@@ -1,0 +1,66 @@
+"""Large pages images are hashed by two processes; the ids must be those of one."""
+
+import os
+import subprocess
+
+import pytest
+import xxhash
+
+from ckpt.store import blocks
+from ckpt.store.blocks import PAGE, BlockStore
+
+SIZE = blocks.PARALLEL_HASH_MIN + 3 * PAGE  # an odd number of pages: the halves differ in size
+
+
+@pytest.fixture
+def image(tmp_path):
+    path = tmp_path / "pages-1.img"
+    with open(path, "wb") as f:
+        for _ in range(SIZE // (1 << 20)):
+            f.write(os.urandom(1 << 20))
+        f.write(os.urandom(SIZE % (1 << 20)))
+    return path
+
+
+def serial_ids(path, seed) -> bytes:
+    data = path.read_bytes()
+    return b"".join(xxhash.xxh3_128_digest(data[i:i + PAGE], seed) for i in range(0, len(data), PAGE))
+
+
+def test_two_processes_hash_like_one(tmp_path, image, monkeypatch):
+    forked = []
+    real_fork = os.fork
+
+    def recording_fork():
+        pid = real_fork()
+        if pid:
+            forked.append(pid)
+        return pid
+
+    monkeypatch.setattr(blocks.os, "fork", recording_fork)
+    store = BlockStore(tmp_path / "blocks")
+    page_lists, stats, _ = store.ingest([image], lambda _: "none")
+    assert len(forked) == 1, "the second half was not hashed by a helper"
+    assert page_lists[image.name] == serial_ids(image, store.seed)
+    assert stats.new_pages == SIZE // PAGE
+    with pytest.raises(ChildProcessError):
+        os.waitpid(forked[0], os.WNOHANG)  # reaped by ingest
+
+
+def test_a_failed_helper_is_replaced(tmp_path, image, monkeypatch):
+    """A helper that dies without answering: this process hashes its half itself."""
+    started = []
+
+    def fork_that_fails():
+        child = subprocess.Popen(["false"])
+        started.append(child.pid)
+        return child.pid
+
+    monkeypatch.setattr(blocks.os, "fork", fork_that_fails)
+    store = BlockStore(tmp_path / "blocks")
+    page_lists, _, _ = store.ingest([image], lambda _: "none")
+    assert started, "the helper was not started"
+    assert page_lists[image.name] == serial_ids(image, store.seed)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(started[0], os.WNOHANG)  # reaped by ingest
+
