@@ -138,8 +138,9 @@ class _HalfHasher:
         os.close(write_fd)
         return cls(pid, read_fd, start_at, size, seed)
 
-    def result(self, view: memoryview) -> list[bytes]:
-        """The ids of the second half (hashed here from view if the child failed)."""
+    def result(self, view: memoryview) -> bytes:
+        """The ids of the second half, one after the other (hashed here from view if the
+        child failed)."""
         expected = (self.size - self.start_at) // PAGE * ID_LEN
         chunks, received = [], 0
         try:
@@ -155,8 +156,8 @@ class _HalfHasher:
         data = b"".join(chunks)
         if status != 0 or received != expected:
             digest = xxhash.xxh3_128_digest
-            return [digest(view[i:i + PAGE], self.seed) for i in range(self.start_at, self.size, PAGE)]
-        return [data[o:o + ID_LEN] for o in range(0, expected, ID_LEN)]
+            return b"".join([digest(view[i:i + PAGE], self.seed) for i in range(self.start_at, self.size, PAGE)])
+        return data
 
     def abandon(self) -> None:
         """Ends the child (an error or an interrupt in this process)."""
@@ -179,21 +180,19 @@ def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
     return runs
 
 
-def render_index(segments: list[Segment], entries: list[tuple[bytes, int, int]]) -> bytes:
-    """An index file's bytes; its entries are written in the order of their ids (readers
-    search them: ckpt/store/blockindex.py)."""
-    from ckpt.store.blockindex import by_id
+def render_index(segments: list[Segment], ids: bytes, segment_numbers, positions) -> bytes:
+    """An index file's bytes, from its entries as columns: their ids one after the other, the
+    number of each one's segment, its position there. The entries are written in the order of
+    their ids (readers search them: ckpt/store/blockindex.py)."""
+    from ckpt.store.blockindex import in_id_order
 
-    entries = by_id(entries)
+    ids, segment_numbers, positions = in_id_order(ids, segment_numbers, positions)
     packs = sorted({s.pack for s in segments})
     pack_no = {p: i for i, p in enumerate(packs)}
     parts = [INDEX_MAGIC, struct.pack("<I", len(packs))] + [p.encode() for p in packs]
     parts.append(struct.pack("<I", len(segments)))
     parts += [SEGMENT.pack(pack_no[s.pack], s.offset, s.length, s.pages, s.codec, s.checksum) for s in segments]
-    parts.append(struct.pack("<I", len(entries)))
-    parts += [e[0] for e in entries]
-    parts.append(array.array("I", [e[1] for e in entries]).tobytes())
-    parts.append(array.array("H", [e[2] for e in entries]).tobytes())
+    parts += [struct.pack("<I", len(ids) // ID_LEN), ids, segment_numbers, positions]
     return b"".join(parts)
 
 
@@ -291,7 +290,10 @@ class BlockStore:
         pack = secrets.token_hex(16)
         pack_path = self.pack_path(pack)
         segments: list[Segment] = []
-        entries: list[tuple[bytes, int, int]] = []
+        # The new index file's entries, as columns: ids, segment numbers, positions within.
+        entry_ids: list[bytes] = []
+        entry_segments = array.array("I")
+        entry_positions = array.array("H")
         seen: set[bytes] = set()
         out = None
         offset = 0
@@ -316,23 +318,25 @@ class BlockStore:
                     raw = None
                     try:
                         if helper is None:
-                            ids = [digest(view[i:i + PAGE], seed) for i in range(0, size, PAGE)]
+                            page_list = b"".join([digest(view[i:i + PAGE], seed) for i in range(0, size, PAGE)])
                         else:
                             try:
                                 _populate(mm, helper.start_at)
-                                ids = [digest(view[i:i + PAGE], seed) for i in range(0, helper.start_at, PAGE)]
+                                first_half = b"".join([digest(view[i:i + PAGE], seed)
+                                                       for i in range(0, helper.start_at, PAGE)])
                             except BaseException:
                                 helper.abandon()
                                 raise
-                            ids += helper.result(view)
-                        page_list = page_lists[image.name] = b"".join(ids)
+                            page_list = first_half + helper.result(view)
+                        page_lists[image.name] = page_list
                         image_stats = IngestStats(pages=n)
                         # Most pages are known: find the new ones in one search, then store
                         # them as runs of consecutive pages (a page repeated in this dump once).
                         fresh = []
                         for i in index.missing(page_list):
-                            if ids[i] not in seen:
-                                seen.add(ids[i])
+                            page_id = page_list[i * ID_LEN:(i + 1) * ID_LEN]
+                            if page_id not in seen:
+                                seen.add(page_id)
                                 fresh.append(i)
                         for run_start, end in _runs(fresh, SEGMENT_PAGES):
                             if out is None:
@@ -349,7 +353,9 @@ class BlockStore:
                             seg_no = len(segments)
                             segments.append(Segment(pack, offset, len(stored), end - run_start, CODECS[used],
                                                     xxhash.xxh3_128_digest(stored)))
-                            entries += [(ids[k], seg_no, k - run_start) for k in range(run_start, end)]
+                            entry_ids.append(page_list[run_start * ID_LEN:end * ID_LEN])
+                            entry_segments.extend([seg_no] * (end - run_start))
+                            entry_positions.extend(range(end - run_start))
                             offset += len(stored)
                             image_stats.new_pages += end - run_start
                             image_stats.bytes_new += len(stored)
@@ -368,7 +374,7 @@ class BlockStore:
                 out.close()
                 out = None
                 fsync_dir(pack_path.parent)
-                data = render_index(segments, entries)
+                data = render_index(segments, b"".join(entry_ids), entry_segments, entry_positions)
                 name = blake3.blake3(data).hexdigest()
                 make_private_dir(self.index_dir)
                 atomic_write_bytes(self.index_dir / name, data)

@@ -145,11 +145,11 @@ def execute_prune(store: Store, plan: PrunePlan) -> None:
             os.fsync(out.fileno())
             out.close()
             fsync_dir(new_pack_path.parent)
-        entries = [(page, seg_no[index.pages[page] >> 16], index.pages[page] & 0xFFFF)
-                   for page in sorted(plan.live_pages) if page in index.pages]
+        live = [page for page in plan.live_pages if page in index.pages]
         new_index = b""
         if segments:
-            data = render_index(segments, entries)
+            data = render_index(segments, b"".join(live), [seg_no[index.pages[page] >> 16] for page in live],
+                                [index.pages[page] & 0xFFFF for page in live])
             new_index = blake3.blake3(data).hexdigest()
             make_private_dir(blocks.index_dir)
             atomic_write_bytes(blocks.index_dir / new_index, data)

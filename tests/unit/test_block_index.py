@@ -13,17 +13,20 @@ from ckpt.store.blockindex import BlockIndex
 from ckpt.store.blocks import ID_LEN, Segment, render_index
 
 
-def unsorted_index(segments, entries) -> bytes:
-    """An index file as ckpt wrote them before their entries were in id order."""
-    with mock.patch("ckpt.store.blockindex.by_id", lambda e: e):
-        return render_index(segments, entries)
+def as_written(ids, segment_numbers, positions):
+    return (ids, np.asarray(segment_numbers, dtype="<u4").tobytes(), np.asarray(positions, dtype="<u2").tobytes())
 
 
 def index_file(ids: list[bytes], sort: bool = True) -> tuple[str, bytes]:
-    """An index file naming each id at its own page of a few segments."""
+    """An index file naming each id at its own page of a few segments (unsorted: as ckpt
+    wrote them before their entries were in id order)."""
     segments = [Segment("ab" * 16, k << 20, 100, 256, 0, bytes(16)) for k in range(len(ids) // 256 + 1)]
-    entries = [(page_id, k // 256, k % 256) for k, page_id in enumerate(ids)]
-    data = render_index(segments, entries) if sort else unsorted_index(segments, entries)
+    columns = (b"".join(ids), [k // 256 for k in range(len(ids))], [k % 256 for k in range(len(ids))])
+    if sort:
+        data = render_index(segments, *columns)
+    else:
+        with mock.patch("ckpt.store.blockindex.in_id_order", as_written):
+            data = render_index(segments, *columns)
     return blake3.blake3(data).hexdigest(), data
 
 
