@@ -139,6 +139,9 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
                                                     checkpoint_id, started, reporter, tracking, frozen_ms))
                 reporter.step("checkpoint committed; CRIU ends the target")
 
+        # Loaded while CRIU works, from the store alone (the lock above keeps every index file
+        # in place): the time from the target's resumption to the commit is what is left.
+        store.blocks.preload_index()
         try:
             reporter.step(f"dumping PID {request.pid} ({facts.command}) with CRIU {binary.version_text}")
             try:
@@ -164,12 +167,12 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
 
 def _plan_tracking(store: Store, request: DumpRequest, binary, reporter: Reporter) -> TrackingPlan | None:
     """Whether this dump uses dirty-page tracking, and against which parent checkpoint."""
-    from ckpt.criu.client import run_check
+    from ckpt.criu.client import has_feature
 
     if not request.dirty_tracking:
         return None
     target = incremental.identify(request.pid)
-    if target is None or not run_check(binary, "mem_dirty_track")[0]:
+    if target is None or not has_feature(binary, "mem_dirty_track"):
         return None  # no soft-dirty in this kernel: the block store still stores only new pages
     log = incremental.TrackingLog()
     log.forget_gone()

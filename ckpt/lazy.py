@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ckpt.criu import lazypages
 from ckpt.criu.binary import CriuBinary
-from ckpt.criu.client import error_lines, run_check
+from ckpt.criu.client import error_lines, has_feature
 from ckpt.criu.images import lazy_runs
 from ckpt.errors import CriuFailed, UsageError
 from ckpt.store import Manifest, Store
@@ -57,7 +57,7 @@ def thp_always() -> bool:
 
 def supported(binary: CriuBinary) -> bool:
     """Whether this kernel and CRIU can restore lazily (userfaultfd with fork/remap events)."""
-    return run_check(binary, "uffd-noncoop")[0]
+    return has_feature(binary, "uffd-noncoop")
 
 
 @dataclass

@@ -69,6 +69,8 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
     with store.lock(exclusive=False, on_wait=lambda h: reporter.info("waiting for the store lock")):
         checkpoint_id = store.resolve(request.ref)
         manifest = store.load(checkpoint_id)
+        if any(entry.kind == "pages" for entry in manifest.files):
+            store.blocks.preload_index()  # meanwhile, the other images are written and checked
         lazy = _wants_lazy(request, manifest, binary)
         reporter.step(f"verifying checkpoint {checkpoint_id}")
         plan = LazyPlan()

@@ -8,6 +8,7 @@ exists. The transport below is a small loop over the same socketpair protocol.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -223,6 +224,41 @@ class CriuClient:
         """Restores the tree; returns the PID of its root."""
         resp = self._call("RESTORE", options, on_notify)
         return resp.restore.pid
+
+
+FEATURE_CACHE = Path("/run/ckpt/criu-features.json")  # tmpfs: forgotten at reboot, as the kernel is
+
+
+def has_feature(binary: CriuBinary, feature: str) -> bool:
+    """Whether `criu check --feature FEATURE` passes, remembered until the next boot: what a
+    running kernel supports does not change, and the check cost every dump and every restore
+    40-60 ms. Keyed by boot id and by the binary (path, version, modification time); `ckpt
+    check` always runs the checks afresh."""
+    path = Path(os.environ.get("CKPT_FEATURE_CACHE") or FEATURE_CACHE)
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        key = f"{binary.path}|{binary.version_text}|{os.stat(binary.path).st_mtime_ns}|{feature}"
+    except OSError:
+        return run_check(binary, feature)[0]
+    try:
+        cache = json.loads(path.read_text())
+        if cache.get("boot_id") != boot_id:
+            cache = {}
+    except (OSError, ValueError, AttributeError):
+        cache = {}
+    if isinstance(cache.get("features"), dict) and isinstance(cache["features"].get(key), bool):
+        return cache["features"][key]
+    passed = run_check(binary, feature)[0]
+    features = dict(cache.get("features") or {}, **{key: passed})
+    try:  # best effort: a cache that cannot be written only costs the check next time
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"boot_id": boot_id, "features": features}))
+        os.chmod(tmp, 0o600)
+        os.rename(tmp, path)
+    except OSError:
+        pass
+    return passed
 
 
 def run_check(binary: CriuBinary, feature: str | None = None) -> tuple[bool, str]:

@@ -16,6 +16,7 @@ import mmap
 import os
 import secrets
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,6 +210,7 @@ class BlockStore:
         # Page ids are keyed: a process cannot craft pages that collide with another's.
         self.seed = int.from_bytes(key_path.read_bytes()[:8], "little")
         self._index: BlockIndex | None = None
+        self._preload: threading.Thread | None = None
 
     def page_id(self, page) -> bytes:
         return xxhash.xxh3_128_digest(page, self.seed)
@@ -216,7 +218,26 @@ class BlockStore:
     def pack_path(self, pack: str) -> Path:
         return self.packs_dir / pack[:2] / pack
 
+    def preload_index(self) -> None:
+        """Starts loading the index in a thread; `index` waits for it. A dump calls this while
+        CRIU works (the index is read from the store only, never from the target), which takes
+        its 0.1-0.2 s off the time from the target's resumption to the commit."""
+        def load() -> None:
+            try:
+                self._load_index()
+            except Exception:  # noqa: BLE001 - index() loads it again and reports the error
+                pass
+
+        self._preload = threading.Thread(target=load, name="ckpt-index-preload")
+        self._preload.start()
+
     def index(self) -> BlockIndex:
+        preload, self._preload = self._preload, None
+        if preload is not None:
+            preload.join()
+        return self._load_index()
+
+    def _load_index(self) -> BlockIndex:
         # Deferred: the index needs numpy, whose import (0.1 s) commands like `ckpt list` skip.
         from ckpt.store.blockindex import BlockIndex
 
