@@ -44,9 +44,11 @@ ZSTD_LEVEL = 1
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # one pass of page faults, not one per page
 
 
-def _encode(codec: str, data: bytes | memoryview) -> bytes:
+def _encode(codec: str, data: bytes | memoryview, zstd: zstandard.ZstdCompressor | None = None) -> bytes:
+    """data encoded with codec; zstd, if given, is a compressor to reuse (making one costs as
+    much as compressing a page)."""
     if codec == "zstd":
-        return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+        return (zstd or zstandard.ZstdCompressor(level=ZSTD_LEVEL)).compress(data)
     if codec == "lz4":
         import lz4.block
 
@@ -320,6 +322,7 @@ class BlockStore:
         offset = 0
         seed = self.seed
         digest = xxhash.xxh3_128_digest
+        zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         try:
             for image in images:
                 size = image.stat().st_size
@@ -364,7 +367,7 @@ class BlockStore:
                                 make_private_dir(pack_path.parent)
                                 out = open(os.open(pack_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb")
                             raw = view[run_start * PAGE:end * PAGE]  # released below
-                            stored = _encode(codec, raw)
+                            stored = _encode(codec, raw, zstd)
                             if codec != "none" and len(stored) >= len(raw):
                                 stored, used = bytes(raw), "none"
                             else:
