@@ -1,4 +1,4 @@
-from ckpt.cli.main import main
+from ckpt.cli.main import run
 
 if __name__ == "__main__":
-    main()
+    run()
