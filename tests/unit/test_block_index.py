@@ -121,3 +121,27 @@ def test_damaged_index_files_are_refused(damage):
         data = data[:-300 * 6] + np.full(300, 99, dtype="<u4").tobytes() + data[-300 * 2:]
     with pytest.raises(DamagedCheckpoint, match="is damaged"):
         BlockIndex().add_file(blake3.blake3(data).hexdigest(), data)
+
+
+def test_an_index_loaded_ahead_is_the_one_used(tmp_path):
+    from ckpt.store.blocks import BlockStore
+
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(os.urandom(4096 * 8))
+    page_lists, _, _ = BlockStore(tmp_path / "blocks").ingest([image], lambda _: "none")
+    blocks = BlockStore(tmp_path / "blocks")
+    blocks.preload_index()
+    index = blocks.index()
+    assert blocks._preload is None and len(index.files) == 1
+    assert index.held(page_lists[image.name]).all()
+    assert blocks.index() is index
+
+
+def test_an_index_that_fails_to_load_ahead_fails_where_it_is_used(tmp_path, monkeypatch):
+    from ckpt.store.blocks import BlockStore
+
+    blocks = BlockStore(tmp_path / "blocks")
+    monkeypatch.setattr(BlockStore, "_load_index", lambda self: (_ for _ in ()).throw(PermissionError("no")))
+    blocks.preload_index()  # the thread says nothing...
+    with pytest.raises(PermissionError):
+        blocks.index()  # ...the caller loads again and gets the error
