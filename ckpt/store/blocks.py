@@ -12,6 +12,7 @@ image, its page list: the ids of its pages in order. See docs/design.md.
 from __future__ import annotations
 
 import array
+import collections
 import mmap
 import os
 import secrets
@@ -44,11 +45,9 @@ ZSTD_LEVEL = 1
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # one pass of page faults, not one per page
 
 
-def _encode(codec: str, data: bytes | memoryview, zstd: zstandard.ZstdCompressor | None = None) -> bytes:
-    """data encoded with codec; zstd, if given, is a compressor to reuse (making one costs as
-    much as compressing a page)."""
+def _encode(codec: str, data: bytes | memoryview) -> bytes:
     if codec == "zstd":
-        return (zstd or zstandard.ZstdCompressor(level=ZSTD_LEVEL)).compress(data)
+        return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
     if codec == "lz4":
         import lz4.block
 
@@ -170,6 +169,57 @@ class _HalfHasher:
             pass
         os.close(self.read_fd)
         os.waitpid(self.pid, 0)
+
+
+class _Encoders:
+    """One zstd compressor per thread (a compressor is not thread-safe; making one costs as
+    much as compressing a page)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def encode(self, codec: str, data) -> bytes:
+        if codec != "zstd":
+            return _encode(codec, data)
+        compressor = getattr(self._local, "zstd", None)
+        if compressor is None:
+            compressor = self._local.zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        return compressor.compress(data)
+
+
+PARALLEL_SEGMENTS = 8  # from this many segments on, two threads compress them
+IN_FLIGHT = 4  # segments compressed ahead of the writer (at most 1 MiB of pages each)
+
+
+def _encoded_segments(view: memoryview, runs: list[tuple[int, int]], codec: str, encoders: _Encoders):
+    """(stored bytes, codec used, checksum) of each run of pages, in order. A segment that does
+    not shrink is stored as it is. zstd and lz4 release the GIL: with many segments (a first
+    dump) two threads compress them, which nearly halves a first dump's compression time."""
+    def encode(run: tuple[int, int]) -> tuple[bytes, str, bytes]:
+        raw = view[run[0] * PAGE:run[1] * PAGE]
+        try:
+            stored = encoders.encode(codec, raw)
+            used = codec
+            if codec != "none" and len(stored) >= len(raw):
+                stored, used = bytes(raw), "none"
+        finally:
+            raw.release()  # no view of the mapped image outlives its segment
+        return stored, used, xxhash.xxh3_128_digest(stored)
+
+    if codec == "none" or len(runs) < PARALLEL_SEGMENTS:
+        for run in runs:
+            yield encode(run)
+        return
+    # Closing this generator (the writer failed) waits for the segments in flight: their
+    # views must be released before the image's mapping is closed.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        pending: collections.deque = collections.deque()
+        for run in runs:
+            pending.append(pool.submit(encode, run))
+            if len(pending) >= IN_FLIGHT:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
@@ -322,7 +372,7 @@ class BlockStore:
         offset = 0
         seed = self.seed
         digest = xxhash.xxh3_128_digest
-        zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        encoders = _Encoders()
         try:
             for image in images:
                 size = image.stat().st_size
@@ -339,7 +389,7 @@ class BlockStore:
                 with open(image, "rb") as f, mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | (
                         0 if helper else MAP_POPULATE), prot=mmap.PROT_READ) as mm:
                     view = memoryview(mm)  # slices of a view copy nothing
-                    raw = None
+                    encoded = None
                     try:
                         if helper is None:
                             page_list = b"".join([digest(view[i:i + PAGE], seed) for i in range(0, size, PAGE)])
@@ -362,21 +412,15 @@ class BlockStore:
                             if page_id not in seen:
                                 seen.add(page_id)
                                 fresh.append(i)
-                        for run_start, end in _runs(fresh, SEGMENT_PAGES):
+                        runs = _runs(fresh, SEGMENT_PAGES)
+                        encoded = _encoded_segments(view, runs, codec, encoders)
+                        for (run_start, end), (stored, used, checksum) in zip(runs, encoded):
                             if out is None:
                                 make_private_dir(pack_path.parent)
                                 out = open(os.open(pack_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb")
-                            raw = view[run_start * PAGE:end * PAGE]  # released below
-                            stored = _encode(codec, raw, zstd)
-                            if codec != "none" and len(stored) >= len(raw):
-                                stored, used = bytes(raw), "none"
-                            else:
-                                used = codec
-                            raw.release()
                             out.write(stored)
                             seg_no = len(segments)
-                            segments.append(Segment(pack, offset, len(stored), end - run_start, CODECS[used],
-                                                    xxhash.xxh3_128_digest(stored)))
+                            segments.append(Segment(pack, offset, len(stored), end - run_start, CODECS[used], checksum))
                             entry_ids.append(page_list[run_start * ID_LEN:end * ID_LEN])
                             entry_segments.extend([seg_no] * (end - run_start))
                             entry_positions.extend(range(end - run_start))
@@ -387,9 +431,9 @@ class BlockStore:
                         stats.add(image_stats)
                     finally:
                         # The mmap cannot close while a view of it exists, even on the way out of
-                        # an error (a full disk): release them first.
-                        if raw is not None:
-                            raw.release()
+                        # an error (a full disk): the encoders release theirs first.
+                        if encoded is not None:
+                            encoded.close()
                         view.release()
             written: list[Path] = []
             if out is not None:

@@ -64,3 +64,50 @@ def test_a_failed_helper_is_replaced(tmp_path, image, monkeypatch):
     with pytest.raises(ChildProcessError):
         os.waitpid(started[0], os.WNOHANG)  # reaped by ingest
 
+
+
+def compressible(pages: int) -> bytes:
+    """Pages that zstd shrinks, each unlike the others (so none is deduplicated)."""
+    return b"".join(k.to_bytes(8, "little") + os.urandom(24) + b"\0" * (PAGE - 32) for k in range(pages))
+
+
+def test_segments_compressed_by_two_threads_read_back(tmp_path):
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(compressible(256 * 20))  # 20 segments: compressed in two threads
+    store = BlockStore(tmp_path / "blocks")
+    page_lists, stats, _ = store.ingest([image], lambda _: "zstd")
+    assert stats.new_pages == 256 * 20 and stats.bytes_new < image.stat().st_size // 10
+    out = tmp_path / "out.img"
+    store.write_image(image.name, page_lists[image.name], out, check_ids=True)
+    assert out.read_bytes() == image.read_bytes()
+
+
+def test_a_write_that_fails_midway_leaves_no_pack(tmp_path, monkeypatch):
+    """A full disk while the segments are compressed ahead: the error comes out whole (the
+    image's mapping still closes: no view of it is left in a thread), and no pack is left."""
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(compressible(256 * 20))
+    store = BlockStore(tmp_path / "blocks")
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, file):
+            self.file, self.writes = file, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 5:
+                raise OSError(28, "No space left on device")
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    def opening(file, mode="r", *args, **kwargs):
+        opened = real_open(file, mode, *args, **kwargs)
+        return FullDisk(opened) if mode == "wb" else opened
+
+    monkeypatch.setattr(blocks, "open", opening, raising=False)
+    with pytest.raises(OSError, match="No space left"):
+        store.ingest([image], lambda _: "zstd")
+    assert not list((tmp_path / "blocks").rglob("packs/*/*"))
