@@ -242,14 +242,15 @@ def has_feature(binary: CriuBinary, feature: str) -> bool:
         return run_check(binary, feature)[0]
     try:
         cache = json.loads(path.read_text())
-        if cache.get("boot_id") != boot_id:
-            cache = {}
-    except (OSError, ValueError, AttributeError):
-        cache = {}
-    if isinstance(cache.get("features"), dict) and isinstance(cache["features"].get(key), bool):
-        return cache["features"][key]
+        features = cache["features"] if cache.get("boot_id") == boot_id else {}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        features = {}
+    if not isinstance(features, dict):
+        features = {}
+    if isinstance(features.get(key), bool):
+        return features[key]
     passed = run_check(binary, feature)[0]
-    features = dict(cache.get("features") or {}, **{key: passed})
+    features = {**features, key: passed}
     try:  # best effort: a cache that cannot be written only costs the check next time
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -74,7 +74,6 @@ class BlockIndex:
         self.files: list[str] = []
         self._columns: list[_IndexColumns] = []
         self._pages: dict[bytes, int] | None = None
-        self._known: set[bytes] | None = None
         # Segment numbers recorded as damaged (see "Damage and healing" in docs/design.md).
         self.damaged: set[int] = set()
         # Index files that could not be read: their pages are not known (dumps store them again).
@@ -101,19 +100,6 @@ class BlockIndex:
             self._pages = pages
         return self._pages
 
-    @property
-    def known(self) -> set[bytes]:
-        """The ids of every page the store holds a healthy copy of."""
-        if self._known is None:
-            if self.damaged:
-                self._known = {i for i, location in self.pages.items() if location >> 16 not in self.damaged}
-                return self._known
-            known: set[bytes] = set()
-            for columns in self._columns:
-                known.update(columns.id_list())
-            self._known = known
-        return self._known
-
     def find(self, page_list: bytes) -> np.ndarray:
         """The location of each id of a page list (16-byte ids one after the other), -1 where
         the store holds no healthy copy of it, as `pages` would give it.
@@ -130,16 +116,10 @@ class BlockIndex:
         if n == 0 or not self._columns:
             return result
         halves = np.frombuffer(page_list, dtype=">u8", count=2 * n)
-        order = argsort(halves[0::2])
+        order = id_order(page_list[:n * ID_LEN])
         high, low = halves[0::2][order], halves[1::2][order]
-        same_high = high[1:] == high[:-1]
-        same_id = same_high & (low[1:] == low[:-1])
-        if (same_high != same_id).any():  # ids that share their high half: order by both halves
-            order = np.lexsort((halves[1::2], halves[0::2]))  # (five times slower)
-            high, low = halves[0::2][order], halves[1::2][order]
-            same_id = (high[1:] == high[:-1]) & (low[1:] == low[:-1])
         first = np.ones(n, dtype=bool)  # the first of each run of equal ids (a page list repeats ids)
-        first[1:] = ~same_id
+        first[1:] = (high[1:] != high[:-1]) | (low[1:] != low[:-1])
         unique_high, unique_low = high[first], low[first]
         found = np.full(len(unique_high), -1, dtype=np.int64)
         # The ids not found yet (any healthy copy will do): once the index file of the dump
@@ -184,7 +164,7 @@ class BlockIndex:
         new = set(keys) - self.damaged
         if new:
             self.damaged |= new
-            self._pages = self._known = None
+            self._pages = None
 
     def segment_of(self, location: int) -> tuple[int, int]:
         return location >> 16, location & 0xFFFF
@@ -223,7 +203,7 @@ class BlockIndex:
         self.segment_list += segments
         self.segment_file += [name] * len(segments)
         self._columns.append(columns)
-        self._pages = self._known = None
+        self._pages = None
         self.files.append(name)
 
 
@@ -266,11 +246,14 @@ def argsort(keys: np.ndarray) -> np.ndarray:
 def id_order(ids: bytes) -> np.ndarray:
     """The permutation that puts 16-byte ids (one after the other) in their bytewise order."""
     halves = np.frombuffer(ids, dtype=">u8")
-    high = halves[0::2]
+    high, low = halves[0::2], halves[1::2]
     order = argsort(high)
-    sorted_high = high[order]
-    if (sorted_high[1:] == sorted_high[:-1]).any():  # equal high halves: order by both halves
-        order = np.lexsort((halves[1::2], high))  # (five times slower)
+    sorted_high, sorted_low = high[order], low[order]
+    same_high = sorted_high[1:] == sorted_high[:-1]
+    # Equal ids (a page list repeats a zero page) are in order already; different ids that
+    # share their high half need both halves (a two-key sort, five times slower).
+    if (same_high & (sorted_low[1:] != sorted_low[:-1])).any():
+        order = np.lexsort((low, high))
     return order
 
 

@@ -101,6 +101,12 @@ def _populate(mm: mmap.mmap, length: int) -> None:
         pass  # an older kernel: pages fault in one by one
 
 
+def _page_ids(view: memoryview, start: int, end: int, seed: int) -> bytes:
+    """The ids of the pages of view[start:end], one after the other."""
+    digest = xxhash.xxh3_128_digest
+    return b"".join([digest(view[i:i + PAGE], seed) for i in range(start, end, PAGE)])
+
+
 class _HalfHasher:
     """Hashes the second half of a pages image in a forked child while this process hashes the
     first: XXH3 holds the GIL, and hashing 2 GiB takes 0.4 s of one core (the machines ckpt
@@ -130,8 +136,7 @@ class _HalfHasher:
                                                        flags=mmap.MAP_SHARED | MAP_POPULATE,
                                                        prot=mmap.PROT_READ) as mm:
                     view = memoryview(mm)
-                    digest = xxhash.xxh3_128_digest
-                    ids = b"".join([digest(view[i:i + PAGE], seed) for i in range(0, size - start_at, PAGE)])
+                    ids = _page_ids(view, 0, size - start_at, seed)
                     view.release()
                 _write_all(write_fd, ids)
                 status = 0
@@ -157,8 +162,7 @@ class _HalfHasher:
             _, status = os.waitpid(self.pid, 0)
         data = b"".join(chunks)
         if status != 0 or received != expected:
-            digest = xxhash.xxh3_128_digest
-            return b"".join([digest(view[i:i + PAGE], self.seed) for i in range(self.start_at, self.size, PAGE)])
+            return _page_ids(view, self.start_at, self.size, self.seed)
         return data
 
     def abandon(self) -> None:
@@ -371,7 +375,6 @@ class BlockStore:
         out = None
         offset = 0
         seed = self.seed
-        digest = xxhash.xxh3_128_digest
         encoders = _Encoders()
         try:
             for image in images:
@@ -392,12 +395,11 @@ class BlockStore:
                     encoded = None
                     try:
                         if helper is None:
-                            page_list = b"".join([digest(view[i:i + PAGE], seed) for i in range(0, size, PAGE)])
+                            page_list = _page_ids(view, 0, size, seed)
                         else:
                             try:
                                 _populate(mm, helper.start_at)
-                                first_half = b"".join([digest(view[i:i + PAGE], seed)
-                                                       for i in range(0, helper.start_at, PAGE)])
+                                first_half = _page_ids(view, 0, helper.start_at, seed)
                             except BaseException:
                                 helper.abandon()
                                 raise

@@ -48,10 +48,14 @@ def test_another_binary_or_boot_checks_again(fake_criu):
     assert len(runs(calls)) == 3
 
 
-@pytest.mark.parametrize("content", ["", "{not json", "[]", '{"boot_id": 1, "features": []}'])
+@pytest.mark.parametrize("content", ["", "{not json", "[]", '{"boot_id": 1, "features": []}', "BOOT [1, 2]",
+                                     'BOOT {"x": 1}', "BOOT null"])
 def test_a_damaged_cache_is_ignored(fake_criu, content):
     binary, calls, cache = fake_criu
     cache.parent.mkdir()
+    if content.startswith("BOOT "):  # this boot's id, damaged features
+        boot_id = open("/proc/sys/kernel/random/boot_id").read().strip()
+        content = json.dumps({"boot_id": boot_id, "features": json.loads(content[5:])})
     cache.write_text(content)
     assert has_feature(binary, "present") is True
     assert has_feature(binary, "present") is True
