@@ -159,7 +159,10 @@ class _HalfHasher:
                 received += len(chunk)
         finally:
             os.close(self.read_fd)
-            _, status = os.waitpid(self.pid, 0)
+            try:
+                _, status = os.waitpid(self.pid, 0)
+            except ChildProcessError:  # reaped by someone else: its status is unknown
+                status = -1
         data = b"".join(chunks)
         if status != 0 or received != expected:
             return _page_ids(view, self.start_at, self.size, self.seed)
@@ -172,7 +175,10 @@ class _HalfHasher:
         except ProcessLookupError:
             pass
         os.close(self.read_fd)
-        os.waitpid(self.pid, 0)
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
 
 
 class _Encoders:

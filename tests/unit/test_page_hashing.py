@@ -53,7 +53,7 @@ def test_a_failed_helper_is_replaced(tmp_path, image, monkeypatch):
 
     def fork_that_fails():
         child = subprocess.Popen(["false"])
-        started.append(child.pid)
+        started.append(child)  # kept: a collected Popen would reap its child itself
         return child.pid
 
     monkeypatch.setattr(blocks.os, "fork", fork_that_fails)
@@ -62,7 +62,7 @@ def test_a_failed_helper_is_replaced(tmp_path, image, monkeypatch):
     assert started, "the helper was not started"
     assert page_lists[image.name] == serial_ids(image, store.seed)
     with pytest.raises(ChildProcessError):
-        os.waitpid(started[0], os.WNOHANG)  # reaped by ingest
+        os.waitpid(started[0].pid, os.WNOHANG)  # reaped by ingest
 
 
 
@@ -111,3 +111,17 @@ def test_a_write_that_fails_midway_leaves_no_pack(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         store.ingest([image], lambda _: "zstd")
     assert not list((tmp_path / "blocks").rglob("packs/*/*"))
+
+
+def test_a_helper_reaped_by_someone_else_is_replaced(tmp_path, image, monkeypatch):
+    """Its status cannot be known: this process hashes its half itself."""
+    def fork_reaped_at_once():
+        child = subprocess.Popen(["true"])
+        child.wait()  # reaped here, as a SIGCHLD handler of an embedding program might
+        return child.pid
+
+    monkeypatch.setattr(blocks.os, "fork", fork_reaped_at_once)
+    store = BlockStore(tmp_path / "blocks")
+    page_lists, _, _ = store.ingest([image], lambda _: "none")
+    assert page_lists[image.name] == serial_ids(image, store.seed)
+
