@@ -209,7 +209,8 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
     if tracking is not None and tracking.parent is not None:
         completion = incremental.completer(image_dir, staging.root / "parent",
                                            {e.name: e for e in tracking.parent.files}, store.load_page_list)
-    entries, added, block_stats = store.ingest(staging, request.codec, reporter, completion)
+    entries, added, block_stats = store.ingest(staging, request.codec, reporter, completion,
+                                               earlier=store.newest_of(request.pid))
     criu_facts = {"version": binary.version_text, "options": options_used, "tty": facts.has_tty}
     if facts.external_pipes:
         criu_facts["external_pipes"] = facts.external_pipes

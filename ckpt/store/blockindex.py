@@ -152,9 +152,29 @@ class BlockIndex:
             return found >= 0
         return (found >= 0) & ~np.isin(found >> 16, np.fromiter(self.damaged, dtype=np.int64))
 
-    def missing(self, page_list: bytes) -> list[int]:
-        """The rows of a page list whose page the store holds no healthy copy of."""
-        return np.flatnonzero(~self.held(page_list)).tolist()
+    def missing(self, page_list: bytes, earlier: bytes | None = None) -> list[int]:
+        """The rows of a page list whose page the store holds no healthy copy of.
+
+        earlier: the page list of the same image in a committed checkpoint (of the same target,
+        for it to help). A row whose id is the one at the same row there is held: that
+        checkpoint's pages are all in the store, and the shared lock keeps them there. Only
+        the other rows are searched for, which for a target that changed 1% of its memory
+        spares sorting and searching the other 99% (0.3 s for 2 GiB). Where the store has
+        recorded damage, `held` alone knows which copies count: everything is searched."""
+        if earlier is None or self.damaged or self.damaged_files:
+            return np.flatnonzero(~self.held(page_list)).tolist()
+        total = len(page_list) // ID_LEN
+        common = min(total, len(earlier) // ID_LEN)
+        now = np.frombuffer(page_list, dtype="<u8", count=2 * common)
+        before = np.frombuffer(earlier, dtype="<u8", count=2 * common)
+        same = now == before
+        rows = np.flatnonzero(~(same[0::2] & same[1::2]))
+        if total > common:
+            rows = np.concatenate([rows, np.arange(common, total)])
+        if not len(rows):
+            return []
+        others = np.frombuffer(page_list, dtype="V16", count=total)[rows].tobytes()
+        return rows[~self.held(others)].tolist()
 
     def locate(self, page_list: bytes) -> list[int]:
         """`find`, as a list."""

@@ -361,8 +361,12 @@ class BlockStore:
 
     # ---- writing --------------------------------------------------------------------------
 
-    def ingest(self, images: list[Path], codec_for) -> tuple[dict[str, bytes], IngestStats, list[Path]]:
+    def ingest(self, images: list[Path], codec_for, earlier: dict[str, bytes] | None = None
+               ) -> tuple[dict[str, bytes], IngestStats, list[Path]]:
         """Stores the new pages of each pages image in one new pack and an index file.
+
+        earlier: page lists by image name of a committed checkpoint of the same target (see
+        BlockIndex.missing); only a shortcut, the pages stored are the same without it.
 
         Returns each image's page list (ids in order), the figures, and the files written
         (pack, index) which the caller must see fsynced before committing.
@@ -415,7 +419,7 @@ class BlockStore:
                         # Most pages are known: find the new ones in one search, then store
                         # them as runs of consecutive pages (a page repeated in this dump once).
                         fresh = []
-                        for i in index.missing(page_list):
+                        for i in index.missing(page_list, (earlier or {}).get(image.name)):
                             page_id = page_list[i * ID_LEN:(i + 1) * ID_LEN]
                             if page_id not in seen:
                                 seen.add(page_id)

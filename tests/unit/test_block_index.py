@@ -97,6 +97,43 @@ def test_a_page_in_two_index_files_and_a_damaged_copy():
     assert index.held(page).tolist() == [False]
 
 
+@pytest.mark.parametrize("earlier_rows", [
+    "same",  # the earlier checkpoint's list: most rows equal
+    "shorter",  # the target grew since
+    "longer",  # it shrank
+    "other",  # a PID reused by another program: nothing in common
+])
+def test_missing_with_an_earlier_page_list_agrees_with_a_search(earlier_rows):
+    rng = random.Random(11)
+    held = random_ids(4000)
+    index = BlockIndex()
+    index.add_file(*index_file(held[:3000]))
+    index.add_file(*index_file(held[3000:]))
+    earlier = rng.sample(held, 2000)
+    now = list(earlier)
+    for row in rng.sample(range(2000), 40):  # rewritten pages: new ones, or pages moved here
+        now[row] = os.urandom(ID_LEN) if row % 2 else rng.choice(held)
+    if earlier_rows == "shorter":
+        earlier, now = earlier[:1500], now + random_ids(30) + held[:30]
+    elif earlier_rows == "longer":
+        earlier = earlier + random_ids(100)
+    elif earlier_rows == "other":
+        earlier = random_ids(2000)
+    page_list = b"".join(now)
+    want = index.missing(page_list)
+    assert want == [row for row, page_id in enumerate(now) if page_id not in set(held)]
+    assert index.missing(page_list, b"".join(earlier)) == want
+
+
+def test_an_earlier_page_list_is_not_trusted_once_damage_is_recorded():
+    held = random_ids(600)
+    index = BlockIndex()
+    index.add_file(*index_file(held))
+    page_list = b"".join(held)
+    index.mark_damaged([0])  # the first segment (256 pages): its pages must be stored again
+    assert index.missing(page_list, page_list) == list(range(256))
+
+
 def test_index_files_are_written_in_id_order():
     ids = random_ids(1000)
     name, data = index_file(ids)
