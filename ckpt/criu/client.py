@@ -160,8 +160,8 @@ class CriuClient:
     def __init__(self, binary: CriuBinary):
         self.binary = binary
 
-    def _call(self, req_type: str, options: CriuOptions, on_notify: NotifyHandler | None):
-        rpc = _rpc()
+    def _call(self, req_type: str, options: CriuOptions, on_notify: NotifyHandler | None,
+              on_started: Callable[[], None] | None = None):
         options.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         images_fd = os.open(options.images_dir, os.O_RDONLY | os.O_DIRECTORY)
         work_fd = os.open(options.log_dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -176,10 +176,15 @@ class CriuClient:
                                         pass_fds=(theirs.fileno(), *(fd for _, fd in options.inherit_fds)),
                                         close_fds=True, **stdio)
             theirs.close()
+            # Imported once CRIU is starting (it waits for the request): the import overlaps
+            # CRIU's own start-up instead of delaying it.
+            rpc = _rpc()
             req = rpc.criu_req()
             req.type = getattr(rpc, req_type)
             _fill_opts(rpc, req.opts, options, images_fd, work_fd)
             ours.send(req.SerializeToString())
+            if on_started is not None:
+                on_started()
             handler_error: BaseException | None = None
             while True:
                 size = len(ours.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
@@ -217,8 +222,11 @@ class CriuClient:
             if stderr_path.exists() and stderr_path.stat().st_size == 0:
                 stderr_path.unlink()
 
-    def dump(self, options: CriuOptions, on_notify: NotifyHandler | None = None) -> None:
-        self._call("DUMP", options, on_notify)
+    def dump(self, options: CriuOptions, on_notify: NotifyHandler | None = None,
+             on_started: Callable[[], None] | None = None) -> None:
+        """Dumps the tree. on_started is called once CRIU has its request: work begun there
+        runs while CRIU dumps (and must not touch the tree)."""
+        self._call("DUMP", options, on_notify, on_started)
 
     def restore(self, options: CriuOptions, on_notify: NotifyHandler | None = None) -> int:
         """Restores the tree; returns the PID of its root."""
