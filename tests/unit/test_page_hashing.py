@@ -82,6 +82,29 @@ def test_segments_compressed_by_two_threads_read_back(tmp_path):
     assert out.read_bytes() == image.read_bytes()
 
 
+def test_a_next_dumps_scattered_pages_are_stored_in_one_thread(tmp_path, monkeypatch):
+    """Every third page rewritten: 30 one-page segments, encoded here (a thread per segment
+    costs more than compressing a page), read back byte for byte."""
+    first = bytearray(compressible(90))
+    store = BlockStore(tmp_path / "blocks")
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(first)
+    store.ingest([image], lambda _: "zstd")
+    for page in range(0, 90, 3):
+        first[page * PAGE:page * PAGE + 32] = os.urandom(32)
+    image.write_bytes(first)
+
+    def no_threads(*args, **kwargs):
+        raise AssertionError("small segments were handed to threads")
+
+    monkeypatch.setattr(blocks, "ThreadPoolExecutor", no_threads)
+    page_lists, stats, _ = store.ingest([image], lambda _: "zstd")
+    assert stats.new_pages == 30
+    out = tmp_path / "out.img"
+    store.write_image(image.name, page_lists[image.name], out, check_ids=True)
+    assert out.read_bytes() == bytes(first)
+
+
 def test_a_write_that_fails_midway_leaves_no_pack(tmp_path, monkeypatch):
     """A full disk while the segments are compressed ahead: the error comes out whole (the
     image's mapping still closes: no view of it is left in a thread), and no pack is left."""

@@ -15,13 +15,13 @@ from ckpt.store import Manifest, Store, ids
 PAGE = 4096
 
 
-def fake_dump(store: Store, files: dict[str, bytes], name=None, codec="zstd") -> Manifest:
+def fake_dump(store: Store, files: dict[str, bytes], name=None, codec="zstd", pid=4242, earlier=None) -> Manifest:
     checkpoint_id = ids.new_id()
     staging = store.begin_dump(checkpoint_id)
     for file_name, content in files.items():
         (staging.images_dir / file_name).write_bytes(content)
-    entries, added, _ = store.ingest(staging, codec)
-    manifest = Manifest(id=checkpoint_id, created="2026-11-30T23:00:00+00:00", pid=4242, command="x",
+    entries, added, _ = store.ingest(staging, codec, earlier=earlier)
+    manifest = Manifest(id=checkpoint_id, created="2026-11-30T23:00:00+00:00", pid=pid, command="x",
                         processes=[{"pid": 4242, "threads": [4242, 4243]}], files=entries, name=name,
                         bytes_total=sum(e.size for e in entries), bytes_stored=added)
     store.commit(manifest)
@@ -331,3 +331,34 @@ def test_a_second_checkpoint_never_replaces_one_with_the_same_id(store):
         store.commit(twin)
     assert store.load(first.id).command == "x" and store.verify(store.load(first.id)) == []
     assert [p.name for p in store.checkpoints_dir.iterdir()] == [f"{first.id}.json"]
+
+
+def test_a_dump_takes_unchanged_pages_from_the_newest_checkpoint_of_its_pid(store, monkeypatch):
+    from ckpt.store.blockindex import BlockIndex
+
+    searched = []
+    real_held = BlockIndex.held
+    monkeypatch.setattr(BlockIndex, "held", lambda self, page_list: searched.append(len(page_list) // 16)
+                        or real_held(self, page_list))
+    pages = bytearray(os.urandom(64 * PAGE))
+    first = fake_dump(store, {"pages-1.img": bytes(pages)}, pid=10)
+    fake_dump(store, {"pages-1.img": os.urandom(8 * PAGE)}, pid=11)
+    assert store.newest_of(10).id == first.id and store.newest_of(12) is None
+    for page in (3, 40):
+        pages[page * PAGE:(page + 1) * PAGE] = os.urandom(PAGE)
+    pages += os.urandom(2 * PAGE)  # and it grew
+    second = fake_dump(store, {"pages-1.img": bytes(pages)}, pid=10, earlier=store.newest_of(10))
+    assert searched[-1] == 4, "only the rewritten and the added pages are looked up"
+    assert store.newest_of(10).id == second.id
+    assert second.bytes_stored < 8 * PAGE, "only the 4 new pages (and the page list) are stored"
+    assert (store.materialize(second) / "pages-1.img").read_bytes() == bytes(pages)
+
+
+def test_an_earlier_checkpoint_whose_page_list_is_damaged_only_costs_a_lookup(store):
+    pages = os.urandom(32 * PAGE)
+    first = fake_dump(store, {"pages-1.img": pages}, pid=10)
+    page_list = store.find_object(first.files[0].hash)[0]
+    os.chmod(page_list, 0o600)
+    page_list.write_bytes(b"\xff" * page_list.stat().st_size)
+    second = fake_dump(store, {"pages-1.img": pages}, pid=10, earlier=first)
+    assert (store.materialize(second) / "pages-1.img").read_bytes() == pages
