@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ckpt import incremental, procs
+from ckpt import incremental, procs, unchanged
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
 from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound
@@ -211,8 +211,10 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
     if tracking is not None and tracking.parent is not None:
         completion = incremental.completer(image_dir, staging.root / "parent",
                                            {e.name: e for e in tracking.parent.files}, store.load_page_list)
-    entries, added, block_stats = store.ingest(staging, request.codec, reporter, completion,
-                                               earlier=store.newest_of(request.pid))
+    earlier = store.newest_of(request.pid)
+    if earlier is not None:
+        earlier = unchanged.earlier_rows(image_dir, earlier, store, staging.root / "earlier")
+    entries, added, block_stats = store.ingest(staging, request.codec, reporter, completion, earlier=earlier)
     criu_facts = {"version": binary.version_text, "options": options_used, "tty": facts.has_tty}
     if facts.external_pipes:
         criu_facts["external_pipes"] = facts.external_pipes

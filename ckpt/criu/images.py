@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import struct
 from pathlib import Path
 
 
@@ -137,12 +138,44 @@ def _number(value) -> int:
 
 
 def read_pagemap(path: Path) -> tuple[int, list[tuple[int, int, int]]]:
-    """A pagemap image: its pages image id and its runs (vaddr, nr_pages, flags)."""
-    entries = _load(path)["entries"]
-    runs = [(_number(e["vaddr"]), int(e.get("nr_pages") or e.get("compat_nr_pages", 0)),
-             int(e["flags"]) if "flags" in e else (PE_PARENT if e.get("in_parent") else PE_PRESENT))
-            for e in entries[1:]]
-    return int(entries[0]["pages_id"]), runs
+    """A pagemap image: its pages image id and its runs (vaddr, nr_pages, flags).
+
+    Parsed with pycriu's message classes rather than its image reader, which turns every
+    field into a dict entry: 60 ms for the 300 runs of a 2 GiB process, which a dump pays
+    twice (ckpt/unchanged.py). Same layout as pycriu's pagemap handler reads: the magic (after
+    a common/service magic), then size-prefixed messages, a head and then the entries."""
+    from pycriu.images import magic, pb  # deferred: importing pycriu costs ~0.1 s
+
+    data = path.read_bytes()
+    try:
+        (found,) = struct.unpack_from("<i", data, 0)
+        pos = 4
+        if found in (magic.by_name["IMG_COMMON"], magic.by_name["IMG_SERVICE"]):
+            (found,) = struct.unpack_from("<i", data, pos)
+            pos += 4
+        if found != magic.by_name["PAGEMAP"]:
+            raise ValueError(f"{path.name} is not a pagemap image")
+        messages = []
+        while pos < len(data):
+            (size,) = struct.unpack_from("<i", data, pos)
+            if size < 0 or pos + 4 + size > len(data):
+                raise ValueError(f"{path.name} is truncated")
+            messages.append(data[pos + 4:pos + 4 + size])
+            pos += 4 + size
+    except struct.error as exc:
+        raise ValueError(f"{path.name} is truncated") from exc
+    if not messages:
+        raise ValueError(f"{path.name} has no pagemap head")
+    head = pb.pagemap_head()
+    head.ParseFromString(messages[0])
+    runs = []
+    entry = pb.pagemap_entry()
+    for message in messages[1:]:
+        entry.Clear()
+        entry.ParseFromString(message)
+        flags = entry.flags if entry.HasField("flags") else (PE_PARENT if entry.in_parent else PE_PRESENT)
+        runs.append((entry.vaddr, entry.nr_pages or entry.compat_nr_pages, flags))
+    return head.pages_id, runs
 
 
 def write_pagemap(path: Path, pages_id: int, runs: list[tuple[int, int, int]]) -> None:

@@ -156,7 +156,8 @@ class BlockIndex:
         """The rows of a page list whose page the store holds no healthy copy of.
 
         earlier: the page list of the same image in a committed checkpoint (of the same target,
-        for it to help). A row whose id is the one at the same row there is held: that
+        for it to help; `placed` lines it up by address). A row whose id is the one at the
+        same row there is held: that
         checkpoint's pages are all in the store, and the shared lock keeps them there. Only
         the other rows are searched for, which for a target that changed 1% of its memory
         spares sorting and searching the other 99% (0.3 s for 2 GiB). Where the store has
@@ -253,6 +254,20 @@ def _search(hay_high, hay_low, needle_high, needle_low) -> tuple[np.ndarray, np.
         hay_rows = np.concatenate([hay_rows, np.array(extra_hay, dtype=np.int64)])
         needle_rows = np.concatenate([needle_rows, np.array(extra_needle, dtype=np.int64)])
     return hay_rows, needle_rows
+
+
+def placed(earlier_list: bytes, rows: np.ndarray, page_list: bytes) -> bytes | None:
+    """The ids of an earlier page list moved to the rows of page_list: row i gets the id of
+    earlier row rows[i], or (rows[i] = -1) the complement of its own id, which differs from it
+    in every byte and so never matches it. None if rows does not fit page_list."""
+    now = np.frombuffer(page_list, dtype=np.uint8).reshape(-1, ID_LEN)
+    if len(rows) != len(now):
+        return None
+    before = np.frombuffer(earlier_list, dtype=np.uint8).reshape(-1, ID_LEN)
+    result = ~now
+    has = rows >= 0
+    result[has] = before[rows[has]]
+    return result.tobytes()
 
 
 def argsort(keys: np.ndarray) -> np.ndarray:

@@ -369,8 +369,9 @@ class BlockStore:
                ) -> tuple[dict[str, bytes], IngestStats, list[Path]]:
         """Stores the new pages of each pages image in one new pack and an index file.
 
-        earlier: page lists by image name of a committed checkpoint of the same target (see
-        BlockIndex.missing); only a shortcut, the pages stored are the same without it.
+        earlier: by image name, the page list of a committed checkpoint of the same target and
+        the row of it at the address of each row of the image (ckpt/unchanged.py; -1: none);
+        only a shortcut (BlockIndex.missing), the pages stored are the same without it.
 
         Returns each image's page list (ids in order), the figures, and the files written
         (pack, index) which the caller must see fsynced before committing.
@@ -423,7 +424,12 @@ class BlockStore:
                         # Most pages are known: find the new ones in one search, then store
                         # them as runs of consecutive pages (a page repeated in this dump once).
                         fresh = []
-                        for i in index.missing(page_list, (earlier or {}).get(image.name)):
+                        known = None
+                        if earlier and image.name in earlier:
+                            from ckpt.store.blockindex import placed
+
+                            known = placed(*earlier[image.name], page_list)
+                        for i in index.missing(page_list, known):
                             page_id = page_list[i * ID_LEN:(i + 1) * ID_LEN]
                             if page_id not in seen:
                                 seen.add(page_id)

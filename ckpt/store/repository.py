@@ -361,7 +361,7 @@ class Store:
         return None
 
     def ingest(self, staging: DumpStaging, codec: str, reporter: Reporter = NullReporter(),
-               complete_page_lists=None, earlier: Manifest | None = None) -> tuple[list[FileEntry], int, IngestStats]:
+               complete_page_lists=None, earlier: dict | None = None) -> tuple[list[FileEntry], int, IngestStats]:
         """Moves every image file of the staging area into the store, durably.
 
         pages-*.img go to the block store (only pages the store lacks are written); every other
@@ -369,8 +369,8 @@ class Store:
         before anything else is stored: it may lengthen them with pages the store already
         holds (dirty-page tracking) and returns how many pages it added. Returns the file
         entries, the bytes this added to the store and the block figures. earlier, when given,
-        is a checkpoint of the same target: its page lists spare looking up the pages that
-        have not changed since (see BlockIndex.missing).
+        comes from a checkpoint of the same target (ckpt/unchanged.py): it spares looking up
+        the pages that have not changed since (see BlockStore.ingest).
         """
         if codec not in DUMP_CODECS:
             raise StoreError(f"unknown compression '{codec}'", hint=f"use one of: {', '.join(DUMP_CODECS)}")
@@ -390,7 +390,7 @@ class Store:
                 reporter.step(f"storing {sum(sizes.values()) // 4096} pages")
                 page_lists, block_stats, _ = self.blocks.ingest(
                     page_images, lambda image: codec if codec == "none" or _worth_compressing(image) else "none",
-                    self._page_lists(earlier) if earlier is not None else None)
+                    earlier)
                 added += block_stats.bytes_new
                 if complete_page_lists is not None:
                     from_parent = complete_page_lists(page_lists)
@@ -444,17 +444,6 @@ class Store:
             if manifest.pid == pid:
                 return manifest
         return None
-
-    def _page_lists(self, manifest: Manifest) -> dict[str, bytes]:
-        """The page lists of a checkpoint that can be read intact, by image name."""
-        lists = {}
-        for entry in manifest.files:
-            if entry.kind == "pages":
-                try:
-                    lists[entry.name] = self.load_page_list(entry)
-                except (DamagedCheckpoint, OSError):
-                    pass  # a shortcut only: its pages are looked up in the index instead
-        return lists
 
     def _put_bytes(self, data: bytes, superseded: list[Path]) -> tuple[str, int, int]:
         """Stores bytes as an object (codec none); returns (hash, stored size, bytes added).

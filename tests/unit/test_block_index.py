@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ckpt.errors import DamagedCheckpoint
-from ckpt.store.blockindex import BlockIndex
+from ckpt.store.blockindex import BlockIndex, placed
 from ckpt.store.blocks import ID_LEN, Segment, render_index
 
 
@@ -123,6 +123,19 @@ def test_missing_with_an_earlier_page_list_agrees_with_a_search(earlier_rows):
     want = index.missing(page_list)
     assert want == [row for row, page_id in enumerate(now) if page_id not in set(held)]
     assert index.missing(page_list, b"".join(earlier)) == want
+
+
+def test_an_earlier_page_list_placed_by_rows():
+    earlier, now = random_ids(5), random_ids(2)
+    page_list = b"".join([earlier[3], now[0], earlier[0], now[1]])
+    known = placed(b"".join(earlier), np.array([3, -1, 0, 4]), page_list)
+    rows = [known[k * ID_LEN:(k + 1) * ID_LEN] for k in range(4)]
+    assert rows[0] == earlier[3] and rows[2] == earlier[0] and rows[3] == earlier[4]
+    assert rows[1] != now[0], "a row without an earlier page never matches its own id"
+    index = BlockIndex()
+    index.add_file(*index_file(earlier))
+    assert index.missing(page_list, known) == [1, 3]
+    assert placed(b"".join(earlier), np.array([0, 1]), page_list) is None  # rows for another list
 
 
 def test_an_earlier_page_list_is_not_trusted_once_damage_is_recorded():

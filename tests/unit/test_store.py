@@ -333,32 +333,66 @@ def test_a_second_checkpoint_never_replaces_one_with_the_same_id(store):
     assert [p.name for p in store.checkpoints_dir.iterdir()] == [f"{first.id}.json"]
 
 
-def test_a_dump_takes_unchanged_pages_from_the_newest_checkpoint_of_its_pid(store, monkeypatch):
+def pagemap_bytes(tmp_path, pages_id: int, runs) -> bytes:
+    from ckpt.criu import images
+
+    path = tmp_path / f"pagemap-{pages_id}.tmp"
+    images.write_pagemap(path, pages_id, [(vaddr, nr_pages, 4) for vaddr, nr_pages in runs])
+    return path.read_bytes()
+
+
+def searches(monkeypatch) -> list[int]:
+    """How many ids each lookup in the index is for."""
     from ckpt.store.blockindex import BlockIndex
 
     searched = []
     real_held = BlockIndex.held
     monkeypatch.setattr(BlockIndex, "held", lambda self, page_list: searched.append(len(page_list) // 16)
                         or real_held(self, page_list))
+    return searched
+
+
+def test_a_dump_looks_up_only_pages_not_at_their_address_in_its_pids_newest_checkpoint(store, monkeypatch,
+                                                                                         tmp_path):
+    from ckpt import unchanged
+
+    searched = searches(monkeypatch)
+    heap, data = 0x10000, 0x7f0000000000
     pages = bytearray(os.urandom(64 * PAGE))
-    first = fake_dump(store, {"pages-1.img": bytes(pages)}, pid=10)
+    first = fake_dump(store, {"pages-1.img": bytes(pages), "pagemap-10.img": pagemap_bytes(tmp_path, 1, [
+        (heap, 4), (data, 60)])}, pid=10)
     fake_dump(store, {"pages-1.img": os.urandom(8 * PAGE)}, pid=11)
     assert store.newest_of(10).id == first.id and store.newest_of(12) is None
-    for page in (3, 40):
+    # The heap grew by two pages (every later row moved by two) and two data pages changed.
+    pages = pages[:4 * PAGE] + os.urandom(2 * PAGE) + pages[4 * PAGE:]
+    for page in (10, 40):
         pages[page * PAGE:(page + 1) * PAGE] = os.urandom(PAGE)
-    pages += os.urandom(2 * PAGE)  # and it grew
-    second = fake_dump(store, {"pages-1.img": bytes(pages)}, pid=10, earlier=store.newest_of(10))
-    assert searched[-1] == 4, "only the rewritten and the added pages are looked up"
-    assert store.newest_of(10).id == second.id
-    assert second.bytes_stored < 8 * PAGE, "only the 4 new pages (and the page list) are stored"
+    staging = tmp_path / "images"
+    staging.mkdir()
+    (staging / "pagemap-10.img").write_bytes(pagemap_bytes(tmp_path, 1, [(heap, 6), (data, 60)]))
+    earlier = unchanged.earlier_rows(staging, store.newest_of(10), store, tmp_path / "scratch")
+    assert earlier["pages-1.img"][1].tolist() == [0, 1, 2, 3, -1, -1] + list(range(4, 64))
+    second = fake_dump(store, {"pages-1.img": bytes(pages), "pagemap-10.img": (staging / "pagemap-10.img").read_bytes()},
+                       pid=10, earlier=earlier)
+    assert searched[-1] == 4, "only the new heap pages and the rewritten ones are looked up"
+    assert second.bytes_stored < 8 * PAGE, "only those 4 pages (and the page list) are stored"
     assert (store.materialize(second) / "pages-1.img").read_bytes() == bytes(pages)
 
 
-def test_an_earlier_checkpoint_whose_page_list_is_damaged_only_costs_a_lookup(store):
+def test_an_earlier_checkpoint_that_cannot_be_read_only_costs_a_lookup(store, monkeypatch, tmp_path):
+    from ckpt import unchanged
+
+    searched = searches(monkeypatch)
     pages = os.urandom(32 * PAGE)
-    first = fake_dump(store, {"pages-1.img": pages}, pid=10)
-    page_list = store.find_object(first.files[0].hash)[0]
+    pagemap = pagemap_bytes(tmp_path, 1, [(0x10000, 32)])
+    first = fake_dump(store, {"pages-1.img": pages, "pagemap-10.img": pagemap}, pid=10)
+    page_list = store.find_object(next(e for e in first.files if e.kind == "pages").hash)[0]
     os.chmod(page_list, 0o600)
     page_list.write_bytes(b"\xff" * page_list.stat().st_size)
-    second = fake_dump(store, {"pages-1.img": pages}, pid=10, earlier=first)
+    staging = tmp_path / "images"
+    staging.mkdir()
+    (staging / "pagemap-10.img").write_bytes(pagemap)
+    assert unchanged.earlier_rows(staging, first, store, tmp_path / "scratch") == {}
+    second = fake_dump(store, {"pages-1.img": pages, "pagemap-10.img": pagemap}, pid=10, earlier={})
+    assert searched[-1] == 32
     assert (store.materialize(second) / "pages-1.img").read_bytes() == pages
