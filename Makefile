@@ -47,6 +47,6 @@ bench: setup
 	$(PY) scripts/bench.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info ckpt/*.so
 
 FORCE:
