@@ -8,6 +8,8 @@ CRIU_LIB_FILE := $(VENV)/.criu-lib
 .PHONY: setup test unit integration vm-test demo bench clean
 
 setup: $(VENV)/.installed
+	@# The page hashing extension is built in place (ckpt/): rebuilt if it went missing.
+	@$(PY) -c 'import ckpt._pagehash' 2>/dev/null || $(PY) -m pip install -q --no-deps -e .
 
 # The system part (CRIU, nftables, build tools) is checked on every run: it is quick when done.
 $(CRIU_LIB_FILE): FORCE
@@ -20,7 +22,7 @@ $(CRIU_LIB_FILE): FORCE
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: $(VENV)/bin/python pyproject.toml $(CRIU_LIB_FILE)
+$(VENV)/.installed: $(VENV)/bin/python pyproject.toml ckpt/_pagehash.c $(CRIU_LIB_FILE)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-build-isolation "$$(cat $(CRIU_LIB_FILE))"

@@ -1,4 +1,4 @@
-/* The ids of the pages of a buffer: XXH3-128 of each 4 KiB page, in two threads.
+/* The ids of the pages of a buffer: XXH3-128 of each 4 KiB page, one thread per core.
  *
  * Python can hash a page only through one call per page (python-xxhash holds the GIL), which
  * made hashing 2 GiB cost 0.35-0.45 s of one core plus a forked helper for the other half.

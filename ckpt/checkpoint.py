@@ -129,6 +129,17 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
                                    **options_used)
         committed: list[Manifest] = []
         marks: dict[str, float] = {}
+        newest = store.newest_of(request.pid)
+        earlier = unchanged.EarlierCheckpoint(newest, store, staging.root / "earlier") if newest else None
+
+        def read_ahead() -> None:
+            # While CRIU works, from the store alone (the lock above keeps every index file and
+            # object in place): the time from the target's resumption to the commit is what
+            # is left. Started only once CRIU has its request: loading the index imports numpy,
+            # which delayed CRIU's start by 0.1-0.2 s when it ran alongside ckpt's own imports.
+            store.blocks.preload_index()
+            if earlier is not None:
+                earlier.start()
 
         def commit_while_frozen(script: str, _pid: int) -> None:
             marks[script] = time.monotonic()
@@ -136,26 +147,25 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
                 # CRIU writes its stats only after this point: the freeze so far is measured here.
                 frozen_ms = round((marks["post-dump"] - marks.get("pre-dump", started)) * 1000, 1)
                 committed.append(_ingest_and_commit(store, staging, request, facts, binary, options_used,
-                                                    checkpoint_id, started, reporter, tracking, frozen_ms))
+                                                    checkpoint_id, started, reporter, tracking, earlier,
+                                                    frozen_ms))
                 reporter.step("checkpoint committed; CRIU ends the target")
 
         try:
             reporter.step(f"dumping PID {request.pid} ({facts.command}) with CRIU {binary.version_text}")
             try:
-                # The index is loaded while CRIU works, from the store alone (the lock above keeps
-                # every index file in place): the time from the target's resumption to the commit
-                # is what is left. Started only once CRIU has its request: loading imports numpy,
-                # which delayed CRIU's start by 0.1-0.2 s when it ran alongside ckpt's own imports.
-                CriuClient(binary).dump(criu_options, on_notify=commit_while_frozen,
-                                        on_started=store.blocks.preload_index)
+                CriuClient(binary).dump(criu_options, on_notify=commit_while_frozen, on_started=read_ahead)
             except CkptError:
                 if procs.process_state(request.pid) is None:
                     raise ProcessNotFound(f"process {request.pid} exited during the dump; nothing was saved") \
                         from None
                 raise
             manifest = committed[0] if committed else _ingest_and_commit(
-                store, staging, request, facts, binary, options_used, checkpoint_id, started, reporter, tracking)
+                store, staging, request, facts, binary, options_used, checkpoint_id, started, reporter, tracking,
+                earlier)
         finally:
+            if earlier is not None:
+                earlier.wait()  # it writes into the staging area
             staging.remove()
         if request.stop:
             # The tree is dead; wait (briefly) until its PIDs are released so that an immediate
@@ -197,7 +207,8 @@ def _plan_tracking(store: Store, request: DumpRequest, binary, reporter: Reporte
 
 def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs.TargetFacts, binary,
                        options_used: dict, checkpoint_id: str, started: float, reporter: Reporter,
-                       tracking: TrackingPlan | None, frozen_ms: float | None = None) -> Manifest:
+                       tracking: TrackingPlan | None, earlier: unchanged.EarlierCheckpoint | None,
+                       frozen_ms: float | None = None) -> Manifest:
     from ckpt.criu import images  # deferred: imports pycriu
 
     image_dir = staging.images_dir
@@ -211,10 +222,8 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
     if tracking is not None and tracking.parent is not None:
         completion = incremental.completer(image_dir, staging.root / "parent",
                                            {e.name: e for e in tracking.parent.files}, store.load_page_list)
-    earlier = store.newest_of(request.pid)
-    if earlier is not None:
-        earlier = unchanged.earlier_rows(image_dir, earlier, store, staging.root / "earlier")
-    entries, added, block_stats = store.ingest(staging, request.codec, reporter, completion, earlier=earlier)
+    entries, added, block_stats = store.ingest(staging, request.codec, reporter, completion,
+                                               earlier=earlier.rows(image_dir) if earlier else None)
     criu_facts = {"version": binary.version_text, "options": options_used, "tty": facts.has_tty}
     if facts.external_pipes:
         criu_facts["external_pipes"] = facts.external_pipes
