@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from ckpt.incremental import PE_PARENT, PE_PRESENT
+from ckpt.criu.images import held_runs
 from ckpt.store import Manifest, Store
 from ckpt.store.blocks import ID_LEN, PAGE
 
@@ -86,18 +86,12 @@ class EarlierCheckpoint:
         return result
 
 
-def _held(runs: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
-    """The runs whose pages a pages image holds, in its order: present, not "in parent"."""
-    return [(vaddr, nr_pages) for vaddr, nr_pages, flags in runs
-            if flags & PE_PRESENT and not flags & PE_PARENT and nr_pages > 0]
-
-
 def _rows_by_address(runs, earlier_runs, earlier_pages: int, np):
     """For each page the runs hold, the row of the earlier image holding the same address, or
     -1. None if the earlier runs do not account for the earlier page list."""
     from ckpt.store.blockindex import argsort
 
-    held, earlier = _held(runs), _held(earlier_runs)
+    held, earlier = held_runs(runs), held_runs(earlier_runs)
     if sum(n for _, n in earlier) != earlier_pages:
         return None  # a page list that does not fit its pagemap: not worth trusting
     if not held:

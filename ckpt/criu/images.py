@@ -117,20 +117,23 @@ def describe(image_dir: Path, manifest_processes: list[dict]) -> list[dict]:
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
 
 
+def held_runs(runs: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """(vaddr, nr_pages) of the pagemap runs whose pages the pages image holds, in its order:
+    present, not "in parent"."""
+    return [(vaddr, nr_pages) for vaddr, nr_pages, flags in runs
+            if flags & PE_PRESENT and not flags & PE_PARENT and nr_pages > 0]
+
+
 def page_addresses(image_dir: Path, pid: int) -> tuple[str | None, list[int]]:
     """The pages image of a process and the virtual address of each page it holds, in order."""
     path = image_dir / f"pagemap-{pid}.img"
     if not path.exists():
         return None, []
-    entries = _load(path)["entries"]
-    pages_image = f"pages-{entries[0]['pages_id']}.img"
+    pages_id, runs = read_pagemap(path)
     addresses: list[int] = []
-    for entry in entries[1:]:
-        flags = int(entry.get("flags", PE_PRESENT))
-        if flags & PE_PRESENT and not flags & PE_PARENT:
-            start = int(entry["vaddr"])
-            addresses.extend(range(start, start + int(entry["nr_pages"]) * 4096, 4096))
-    return pages_image, addresses
+    for start, nr_pages in held_runs(runs):
+        addresses.extend(range(start, start + nr_pages * 4096, 4096))
+    return f"pages-{pages_id}.img", addresses
 
 
 def _number(value) -> int:

@@ -103,7 +103,7 @@ def page_ids(buffer, seed: int) -> bytes:
     """The ids of the pages of a buffer (a whole number of pages), one after the other.
 
     In C where it is built (ckpt/_pagehash.c): without the GIL, one thread per core, each
-    mapping in and hashing its share, about 0.15 s for 2 GiB here. The fallback, one xxhash
+    mapping in and hashing its share, about 0.25 s for 2 GiB here (bound by memory). The fallback, one xxhash
     call per page from Python, costs 0.35-0.45 s of one core per GiB."""
     if _page_ids_in_c is not None:
         return _page_ids_in_c(buffer, seed, HASH_THREADS)
@@ -295,7 +295,7 @@ class BlockStore:
 
     # ---- writing --------------------------------------------------------------------------
 
-    def ingest(self, images: list[Path], codec_for, earlier: dict[str, bytes] | None = None
+    def ingest(self, images: list[Path], codec_for, earlier: dict[str, tuple] | None = None
                ) -> tuple[dict[str, bytes], IngestStats, list[Path]]:
         """Stores the new pages of each pages image in one new pack and an index file.
 
@@ -343,12 +343,7 @@ class BlockStore:
                         # Most pages are known: find the new ones in one search, then store
                         # them as runs of consecutive pages (a page repeated in this dump once).
                         fresh = []
-                        known = None
-                        if earlier and image.name in earlier:
-                            from ckpt.store.blockindex import placed
-
-                            known = placed(*earlier[image.name], page_list)
-                        for i in index.missing(page_list, known):
+                        for i in index.missing(page_list, (earlier or {}).get(image.name)):
                             page_id = page_list[i * ID_LEN:(i + 1) * ID_LEN]
                             if page_id not in seen:
                                 seen.add(page_id)

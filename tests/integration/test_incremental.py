@@ -125,3 +125,34 @@ def test_damage_found_by_verify_is_not_reused_and_heals(procs, tmp_path, isolate
         assert wait_until(lambda: read_lines(out), what="checksum")[0].split()[0] == original
         procs.kill_tree(restored["pid"])
         wait_until(lambda: not os.path.exists(f"/proc/{restored['pid']}"), what="PID free")
+
+
+def test_a_next_dump_looks_up_only_the_pages_its_target_changed(procs, tmp_path, isolated_env, monkeypatch):
+    """Real CRIU pagemaps: the second dump matches the pages by address to the first one and
+    searches the store's index only for the others; its checkpoint restores whole."""
+    from ckpt.checkpoint import DumpRequest, dump
+    from ckpt.store.blockindex import BlockIndex
+
+    searched = []
+    real_held = BlockIndex.held
+    monkeypatch.setattr(BlockIndex, "held", lambda self, ids: searched.append(len(ids) // 16)
+                        or real_held(self, ids))
+    out = tmp_path / "sums.txt"
+    target = procs.start("bigmem.py", out, 32)
+    original = wait_until(lambda: read_lines(out), timeout=60, what="bigmem")[0].split()[0]
+    dump(isolated_env, DumpRequest(pid=target.pid, dirty_tracking=False))
+    assert searched[-1] > 8192, "a first dump searches every page"
+    time.sleep(0.3)  # the target's counter moves: a few of its pages change
+    second = dump(isolated_env, DumpRequest(pid=target.pid, dirty_tracking=False)).manifest
+    assert second.stats["pages"] > 8192
+    assert searched[-1] < second.stats["pages"] // 20, (searched, second.stats["pages"])
+    counter_then = int(read_lines(out)[-1].split()[1])
+
+    procs.kill_tree(target.pid)
+    out.unlink()
+    restored = ckpt_json("restore", second.id)
+    procs.adopt(restored["pid"])
+    os.kill(restored["pid"], signal.SIGUSR1)
+    checksum, counter = wait_until(lambda: read_lines(out), what="checksum")[0].split()
+    assert checksum == original and int(counter) >= counter_then
+    procs.kill_tree(restored["pid"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ckpt.errors import DamagedCheckpoint
-from ckpt.store.blockindex import BlockIndex, placed
+from ckpt.store.blockindex import BlockIndex
 from ckpt.store.blocks import ID_LEN, Segment, render_index
 
 
@@ -97,6 +97,11 @@ def test_a_page_in_two_index_files_and_a_damaged_copy():
     assert index.held(page).tolist() == [False]
 
 
+def same_rows(now: list, earlier: list) -> np.ndarray:
+    """Each row of now paired with the same row of earlier (-1 past its end)."""
+    return np.array([k if k < len(earlier) else -1 for k in range(len(now))], dtype=np.int64)
+
+
 @pytest.mark.parametrize("earlier_rows", [
     "same",  # the earlier checkpoint's list: most rows equal
     "shorter",  # the target grew since
@@ -122,20 +127,24 @@ def test_missing_with_an_earlier_page_list_agrees_with_a_search(earlier_rows):
     page_list = b"".join(now)
     want = index.missing(page_list)
     assert want == [row for row, page_id in enumerate(now) if page_id not in set(held)]
-    assert index.missing(page_list, b"".join(earlier)) == want
+    assert index.missing(page_list, (b"".join(earlier), same_rows(now, earlier))) == want
 
 
-def test_an_earlier_page_list_placed_by_rows():
-    earlier, now = random_ids(5), random_ids(2)
-    page_list = b"".join([earlier[3], now[0], earlier[0], now[1]])
-    known = placed(b"".join(earlier), np.array([3, -1, 0, 4]), page_list)
-    rows = [known[k * ID_LEN:(k + 1) * ID_LEN] for k in range(4)]
-    assert rows[0] == earlier[3] and rows[2] == earlier[0] and rows[3] == earlier[4]
-    assert rows[1] != now[0], "a row without an earlier page never matches its own id"
+def test_missing_with_earlier_rows_at_other_places(monkeypatch):
+    """Rows paired by address, not by position; a row with no earlier page is searched."""
+    earlier, new = random_ids(5), random_ids(2)
     index = BlockIndex()
     index.add_file(*index_file(earlier))
-    assert index.missing(page_list, known) == [1, 3]
-    assert placed(b"".join(earlier), np.array([0, 1]), page_list) is None  # rows for another list
+    searched = []
+    real_held = BlockIndex.held
+    monkeypatch.setattr(BlockIndex, "held", lambda self, ids: searched.append(len(ids) // ID_LEN)
+                        or real_held(self, ids))
+    page_list = b"".join([earlier[3], new[0], earlier[0], new[1], earlier[1]])
+    rows = np.array([3, -1, 0, 4, -1])  # row 3's address held earlier[4] then; row 4's held nothing
+    assert index.missing(page_list, (b"".join(earlier), rows)) == [1, 3]
+    assert searched == [3], "rows 0 and 2 match their earlier ids: only rows 1, 3 and 4 are searched"
+    # Rows that do not fit the page list (another image's): a plain search, same answer.
+    assert index.missing(page_list, (b"".join(earlier), np.array([0, 1]))) == [1, 3]
 
 
 def test_an_earlier_page_list_is_not_trusted_once_damage_is_recorded():
@@ -144,7 +153,7 @@ def test_an_earlier_page_list_is_not_trusted_once_damage_is_recorded():
     index.add_file(*index_file(held))
     page_list = b"".join(held)
     index.mark_damaged([0])  # the first segment (256 pages): its pages must be stored again
-    assert index.missing(page_list, page_list) == list(range(256))
+    assert index.missing(page_list, (page_list, np.arange(600))) == list(range(256))
 
 
 def test_index_files_are_written_in_id_order():
