@@ -42,9 +42,11 @@ def test_killed_command_carries_on_from_the_last_checkpoint(procs, tmp_path):
     wait_until(lambda: sum("checkpoint " in e for e in events(tmp_path)) >= 3, what="three checkpoints")
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: any("killed by signal 9" in e for e in events(tmp_path)), what="the death to be seen")
-    killed_at = ints(out)[-1]  # the killed counter has written its last value by now
+    written = ints(out)  # the killed counter has written its last value by now
+    killed_at, n = written[-1], len(written)  # what follows is the restored counter's (it appends)
     wait_until(lambda: any("restored" in e for e in events(tmp_path)), what="the restore")
-    n = len(ints(out))
+    # (Counted before the restore: the restored counter may write before its restore is logged,
+    # and a count taken then missed its first values: 70 after a kill at 68, in one CI run.)
     wait_until(lambda: len(ints(out)) >= n + 5, what="the restored counter")
     after = ints(out)[n:]
     # It goes on from a checkpointed value: not from 1, and at most one past where it was killed
