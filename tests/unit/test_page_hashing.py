@@ -40,6 +40,10 @@ def test_a_mapped_image_is_hashed_where_it_lies(tmp_path):
     page_lists, stats, _ = store.ingest([image], lambda _: "none")
     assert page_lists[image.name] == serial_ids(data, store.seed)
     assert stats.new_pages == 20000
+    # 80 MB: the pack was handed to writeback in stretches as it was written (_PackWriter)
+    out = tmp_path / "out.img"
+    store.write_image(image.name, page_lists[image.name], out, check_ids=True)
+    assert out.read_bytes() == data
 
 
 def test_a_buffer_that_is_not_whole_pages_is_refused():
@@ -63,27 +67,53 @@ def test_segments_compressed_by_two_threads_read_back(tmp_path):
     assert out.read_bytes() == image.read_bytes()
 
 
-def test_a_next_dumps_scattered_pages_are_stored_in_one_thread(tmp_path, monkeypatch):
-    """Every third page rewritten: 30 one-page segments, encoded here (a thread per segment
-    costs more than compressing a page), read back byte for byte."""
-    first = bytearray(compressible(90))
+def rewrite_every_third_page(tmp_path, pages: int):
+    """A block store holding an image, and the image with every third page rewritten since."""
+    first = bytearray(compressible(pages))
     store = BlockStore(tmp_path / "blocks")
     image = tmp_path / "pages-1.img"
     image.write_bytes(first)
     store.ingest([image], lambda _: "zstd")
-    for page in range(0, 90, 3):
+    for page in range(0, pages, 3):
         first[page * PAGE:page * PAGE + 32] = os.urandom(32)
     image.write_bytes(first)
+    return store, image
+
+
+def test_a_few_scattered_pages_are_stored_in_one_thread(tmp_path, monkeypatch):
+    """30 one-page segments, fewer pages than a batch: encoded here, read back byte for byte."""
+    store, image = rewrite_every_third_page(tmp_path, 90)
 
     def no_threads(*args, **kwargs):
-        raise AssertionError("small segments were handed to threads")
+        raise AssertionError("a single batch was handed to threads")
 
     monkeypatch.setattr(blocks, "ThreadPoolExecutor", no_threads)
     page_lists, stats, _ = store.ingest([image], lambda _: "zstd")
     assert stats.new_pages == 30
     out = tmp_path / "out.img"
     store.write_image(image.name, page_lists[image.name], out, check_ids=True)
-    assert out.read_bytes() == bytes(first)
+    assert out.read_bytes() == image.read_bytes()
+
+
+def test_a_next_dumps_scattered_pages_go_to_threads_by_the_batch(tmp_path, monkeypatch):
+    """1,000 one-page segments: handed to the threads in batches of BATCH_PAGES pages (one task
+    per page cost more than compressing it), written in order, read back byte for byte."""
+    store, image = rewrite_every_third_page(tmp_path, 3000)
+    tasks = []
+    real_pool = blocks.ThreadPoolExecutor
+
+    class CountingPool(real_pool):
+        def submit(self, fn, *args, **kwargs):
+            tasks.append(len(args[0]))
+            return super().submit(fn, *args, **kwargs)
+
+    monkeypatch.setattr(blocks, "ThreadPoolExecutor", CountingPool)
+    page_lists, stats, _ = store.ingest([image], lambda _: "zstd")
+    assert stats.new_pages == 1000
+    assert tasks == [blocks.BATCH_PAGES] * (1000 // blocks.BATCH_PAGES) + [1000 % blocks.BATCH_PAGES]
+    out = tmp_path / "out.img"
+    store.write_image(image.name, page_lists[image.name], out, check_ids=True)
+    assert out.read_bytes() == image.read_bytes()
 
 
 def test_a_write_that_fails_midway_leaves_no_pack(tmp_path, monkeypatch):
