@@ -223,7 +223,7 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
         completion = incremental.completer(image_dir, staging.root / "parent",
                                            {e.name: e for e in tracking.parent.files}, store.load_page_list)
     entries, added, block_stats = store.ingest(staging, request.codec, reporter, completion,
-                                               earlier=earlier.rows(image_dir) if earlier else None)
+                                               earlier=earlier.pieces(image_dir) if earlier else None)
     criu_facts = {"version": binary.version_text, "options": options_used, "tty": facts.has_tty}
     if facts.external_pipes:
         criu_facts["external_pipes"] = facts.external_pipes

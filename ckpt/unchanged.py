@@ -17,6 +17,7 @@ is safe, since a page counts as held only if its id equals the earlier one.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from pathlib import Path
 
@@ -59,12 +60,9 @@ class EarlierCheckpoint:
             except Exception:  # noqa: BLE001 - a shortcut only (see the module's docstring)
                 continue
 
-    def rows(self, images_dir: Path) -> dict[str, tuple]:
+    def pieces(self, images_dir: Path) -> dict[str, tuple]:
         """For each pages image of the new dump in images_dir: the earlier page list of the
-        same process and, for each row of the new image, the row of that list holding the
-        page at the same address (-1: none)."""
-        import numpy as np
-
+        same process, and where the new image's pages sat in it (see `_pieces_by_address`)."""
         from ckpt.criu import images  # deferred: imports pycriu
 
         if self._thread is None:
@@ -80,44 +78,49 @@ class EarlierCheckpoint:
             except Exception:  # noqa: BLE001 - a shortcut only
                 continue
             earlier_runs, earlier_list = known
-            rows = _rows_by_address(runs, earlier_runs, len(earlier_list) // ID_LEN, np)
-            if rows is not None:
-                result[f"pages-{pages_id}.img"] = (earlier_list, rows)
+            pieces = _pieces_by_address(runs, earlier_runs, len(earlier_list) // ID_LEN)
+            if pieces is not None:
+                result[f"pages-{pages_id}.img"] = (earlier_list, pieces)
         return result
 
 
-def _rows_by_address(runs, earlier_runs, earlier_pages: int, np):
-    """For each page the runs hold, the row of the earlier image holding the same address, or
-    -1. None if the earlier runs do not account for the earlier page list."""
-    from ckpt.store.blockindex import argsort
+def _pieces_by_address(runs, earlier_runs, earlier_pages: int):
+    """Where the pages the runs hold sat in the earlier image: an array of (row, earlier row,
+    count), one per stretch of consecutive rows whose addresses the earlier image held at
+    consecutive rows, in row order; rows in no stretch had no page there. None if the earlier
+    runs do not account for the earlier page list.
+
+    Stretches, not a row per page: with a layout that did not change, or a mapping that grew,
+    they are a handful for half a million pages, and comparing ids stretch by stretch reads
+    both page lists in order (BlockIndex.missing)."""
+    import numpy as np
 
     held, earlier = held_runs(runs), held_runs(earlier_runs)
     if sum(n for _, n in earlier) != earlier_pages:
         return None  # a page list that does not fit its pagemap: not worth trusting
-    if not held:
-        return np.zeros(0, dtype=np.int64)
-    if not earlier:
-        return np.full(sum(n for _, n in held), -1, dtype=np.int64)
-    starts = np.array([vaddr for vaddr, _ in earlier], dtype=np.uint64)
-    counts = np.array([n for _, n in earlier], dtype=np.int64)
-    first_rows = np.cumsum(counts) - counts
-    if len(starts) > 1 and not (starts[1:] > starts[:-1]).all():
-        order = argsort(starts)  # CRIU writes pagemaps in address order: not expected
-        starts, counts, first_rows = starts[order], counts[order], first_rows[order]
-    addresses = _addresses(held, np)
-    # The earlier run that starts at or below each address (2,000 runs for 2 GiB: a search in
-    # that, not in half a million page addresses), then whether the address is inside it.
-    run = np.maximum(np.searchsorted(starts, addresses, side="right") - 1, 0)
-    inside = addresses >= starts[run]
-    offset = np.where(inside, (addresses - starts[run]) // np.uint64(PAGE), 0).astype(np.int64)
-    inside &= offset < counts[run]
-    return np.where(inside, first_rows[run] + offset, -1)
-
-
-def _addresses(held: list[tuple[int, int]], np):
-    """The address of each page of the held runs, in order."""
-    starts = np.array([vaddr for vaddr, _ in held], dtype=np.uint64)
-    counts = np.array([n for _, n in held], dtype=np.int64)
-    first_rows = np.cumsum(counts) - counts
-    within = (np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first_rows, counts)).astype(np.uint64)
-    return np.repeat(starts, counts) + within * np.uint64(PAGE)
+    # The earlier runs by address (CRIU writes them in address order), with their first row.
+    by_address, row = [], 0
+    for vaddr, n in earlier:
+        by_address.append((vaddr, vaddr + n * PAGE, row))
+        row += n
+    by_address.sort()
+    starts = [start for start, _, _ in by_address]
+    pieces: list[list[int]] = []
+    row = 0
+    for vaddr, n in held:
+        end = vaddr + n * PAGE
+        k = max(bisect.bisect_right(starts, vaddr) - 1, 0)
+        while k < len(by_address) and by_address[k][0] < end:
+            earlier_start, earlier_end, earlier_row = by_address[k]
+            low, high = max(vaddr, earlier_start), min(end, earlier_end)
+            if low < high:
+                at, then, count = row + (low - vaddr) // PAGE, earlier_row + (low - earlier_start) // PAGE, \
+                    (high - low) // PAGE
+                last = pieces[-1] if pieces else None
+                if last and last[0] + last[2] == at and last[1] + last[2] == then:
+                    last[2] += count  # continues the stretch before it
+                else:
+                    pieces.append([at, then, count])
+            k += 1
+        row += n
+    return np.array(pieces, dtype=np.int64).reshape(-1, 3)

@@ -322,7 +322,7 @@ class BlockStore:
         """Stores the new pages of each pages image in one new pack and an index file.
 
         earlier: by image name, the page list of a committed checkpoint of the same target and
-        the row of it at the address of each row of the image (ckpt/unchanged.py; -1: none);
+        where the image's pages sat in it, by address (ckpt/unchanged.py);
         only a shortcut (BlockIndex.missing), the pages stored are the same without it.
 
         Returns each image's page list (ids in order), the figures, and the files written

@@ -98,8 +98,8 @@ def test_a_page_in_two_index_files_and_a_damaged_copy():
 
 
 def same_rows(now: list, earlier: list) -> np.ndarray:
-    """Each row of now paired with the same row of earlier (-1 past its end)."""
-    return np.array([k if k < len(earlier) else -1 for k in range(len(now))], dtype=np.int64)
+    """Each row of now paired with the same row of earlier, as far as both go: one stretch."""
+    return np.array([[0, 0, min(len(now), len(earlier))]], dtype=np.int64)
 
 
 @pytest.mark.parametrize("earlier_rows", [
@@ -140,11 +140,13 @@ def test_missing_with_earlier_rows_at_other_places(monkeypatch):
     monkeypatch.setattr(BlockIndex, "held", lambda self, ids: searched.append(len(ids) // ID_LEN)
                         or real_held(self, ids))
     page_list = b"".join([earlier[3], new[0], earlier[0], new[1], earlier[1]])
-    rows = np.array([3, -1, 0, 4, -1])  # row 3's address held earlier[4] then; row 4's held nothing
-    assert index.missing(page_list, (b"".join(earlier), rows)) == [1, 3]
+    # (row, earlier row, count): row 3's address held earlier[4] then; row 4's held nothing
+    pieces = np.array([[0, 3, 1], [2, 0, 1], [3, 4, 1]])
+    assert index.missing(page_list, (b"".join(earlier), pieces)) == [1, 3]
     assert searched == [3], "rows 0 and 2 match their earlier ids: only rows 1, 3 and 4 are searched"
-    # Rows that do not fit the page list (another image's): a plain search, same answer.
-    assert index.missing(page_list, (b"".join(earlier), np.array([0, 1]))) == [1, 3]
+    # Stretches that do not fit the lists (another image's): a plain search, same answer.
+    for wrong in ([[0, 0, 6]], [[0, 3, 3]], [[-1, 0, 1]], [[0, 0, 0]], [[0, 0]]):
+        assert index.missing(page_list, (b"".join(earlier), np.array(wrong))) == [1, 3]
 
 
 def test_an_earlier_page_list_is_not_trusted_once_damage_is_recorded():
@@ -153,7 +155,7 @@ def test_an_earlier_page_list_is_not_trusted_once_damage_is_recorded():
     index.add_file(*index_file(held))
     page_list = b"".join(held)
     index.mark_damaged([0])  # the first segment (256 pages): its pages must be stored again
-    assert index.missing(page_list, (page_list, np.arange(600))) == list(range(256))
+    assert index.missing(page_list, (page_list, np.array([[0, 0, 600]]))) == list(range(256))
 
 
 def test_index_files_are_written_in_id_order():

@@ -372,8 +372,9 @@ def test_a_dump_looks_up_only_pages_not_at_their_address_in_its_pids_newest_chec
     (staging / "pagemap-10.img").write_bytes(pagemap_bytes(tmp_path, 1, [(heap, 6), (data, 60)]))
     read_ahead = unchanged.EarlierCheckpoint(store.newest_of(10), store, tmp_path / "scratch")
     read_ahead.start()  # as a dump does while CRIU works
-    earlier = read_ahead.rows(staging)
-    assert earlier["pages-1.img"][1].tolist() == [0, 1, 2, 3, -1, -1] + list(range(4, 64))
+    earlier = read_ahead.pieces(staging)
+    # (row, earlier row, count): the heap's first 4 pages, then the data 2 rows further on
+    assert earlier["pages-1.img"][1].tolist() == [[0, 0, 4], [6, 4, 60]]
     second = fake_dump(store, {"pages-1.img": bytes(pages), "pagemap-10.img": (staging / "pagemap-10.img").read_bytes()},
                        pid=10, earlier=earlier)
     assert searched[-1] == 4, "only the new heap pages and the rewritten ones are looked up"
@@ -394,7 +395,7 @@ def test_an_earlier_checkpoint_that_cannot_be_read_only_costs_a_lookup(store, mo
     staging = tmp_path / "images"
     staging.mkdir()
     (staging / "pagemap-10.img").write_bytes(pagemap)
-    assert unchanged.EarlierCheckpoint(first, store, tmp_path / "scratch").rows(staging) == {}
+    assert unchanged.EarlierCheckpoint(first, store, tmp_path / "scratch").pieces(staging) == {}
     second = fake_dump(store, {"pages-1.img": pages, "pagemap-10.img": pagemap}, pid=10, earlier={})
     assert searched[-1] == 32
     assert (store.materialize(second) / "pages-1.img").read_bytes() == pages
@@ -408,14 +409,25 @@ def test_an_earlier_checkpoint_that_cannot_be_read_only_costs_a_lookup(store, mo
     ([(0x40000, 2)], [-1, -1]),  # pages the earlier image took from its parent: not held there
 ])
 def test_pages_are_matched_by_address(now_runs, want):
-    import numpy as np
-
-    from ckpt.unchanged import _rows_by_address
+    from ckpt.unchanged import _pieces_by_address
 
     earlier = [(0x80000, 6, 4), (0x10000, 4, 4), (0x40000, 3, 1)]  # out of order; one "in parent" run
-    rows = _rows_by_address([(v, n, 4) for v, n in now_runs], earlier, 10, np)
+    pieces = _pieces_by_address([(v, n, 4) for v, n in now_runs], earlier, 10)
+    rows = [-1] * sum(n for _, n in now_runs)
+    for row, earlier_row, count in pieces.tolist():
+        rows[row:row + count] = range(earlier_row, earlier_row + count)
     # The earlier image holds the run at 0x80000 first (rows 0-5), then 0x10000 (rows 6-9).
     expected = {0x80000 + k * PAGE: k for k in range(6)} | {0x10000 + k * PAGE: 6 + k for k in range(4)}
     addresses = [v + k * PAGE for v, n in now_runs for k in range(n)]
-    assert rows.tolist() == [expected.get(a, -1) for a in addresses] == want
-    assert _rows_by_address([(0x10000, 1, 4)], earlier, 11, np) is None  # a page list that does not fit
+    assert rows == [expected.get(a, -1) for a in addresses] == want
+    assert _pieces_by_address([(0x10000, 1, 4)], earlier, 11) is None  # a page list that does not fit
+
+
+def test_an_unchanged_layout_is_one_stretch():
+    """Runs that follow each other in both images make one (row, earlier row, count) stretch:
+    the ids of half a million pages are then compared in one go."""
+    from ckpt.unchanged import _pieces_by_address
+
+    runs = [(0x10000, 4, 4), (0x80000, 6, 4), (0x7F0000000000, 100, 4)]
+    assert _pieces_by_address(runs, runs, 110).tolist() == [[0, 0, 110]]
+    assert _pieces_by_address(runs, [], 0).tolist() == []  # nothing held earlier
