@@ -31,7 +31,7 @@ class DumpRequest:
     # None: detect; True/False: forced by the user.
     shell_job: bool | None = None
     tcp_established: bool | None = None
-    ext_unix_sk: bool = False
+    ext_unix_sk: bool | None = None
     file_locks: bool | None = None
     pre_dump_hook: str | None = None
     # Use the kernel's dirty-page tracking when it has it (False: always a full dump).
@@ -64,6 +64,8 @@ class DumpResult:
             # what a restore relays to --output: pipes and UNIX stream sockets to outside the tree
             "external_pipes": m.criu.get("external_pipes", []),
             "external_sockets": m.criu.get("external_sockets", []),
+            # datagram sockets a restore connects again to the paths they sent to
+            "external_datagram_sockets": m.criu.get("external_datagram_sockets", []),
             "stopped": m.criu["options"]["leave_running"] is False,
             "log": str(self.log_path),
         }
@@ -85,12 +87,15 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
         "shell_job": facts.needs_shell_job if request.shell_job is None else request.shell_job,
         "tcp_established": facts.has_tcp_established if request.tcp_established is None
         else request.tcp_established,
-        "ext_unix_sk": request.ext_unix_sk,
+        # CRIU dumps a datagram socket connected outside the tree only with --ext-unix-sk (and
+        # connects it to the same path on restore).
+        "ext_unix_sk": bool(facts.external_datagram_sockets) if request.ext_unix_sk is None
+        else request.ext_unix_sk,
         "file_locks": facts.has_file_locks if request.file_locks is None else request.file_locks,
         "network_lock": "nftables",
         "leave_running": not request.stop,
     }
-    detected = [k for k in ("shell_job", "tcp_established", "file_locks")
+    detected = [k for k in ("shell_job", "tcp_established", "ext_unix_sk", "file_locks")
                 if options_used[k] and getattr(request, k) is None]
     if detected:
         reporter.info("detected: " + ", ".join(f"--{k.replace('_', '-')}" for k in detected))
@@ -229,6 +234,8 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
         criu_facts["external_pipes"] = facts.external_pipes
     if facts.external_sockets:
         criu_facts["external_sockets"] = facts.external_sockets
+    if facts.external_datagram_sockets:
+        criu_facts["external_datagram_sockets"] = facts.external_datagram_sockets
     if tracking is not None:
         criu_facts["tracking"] = {"target": tracking.target.key,
                                   "parent": tracking.parent.id if tracking.parent else None,
@@ -273,6 +280,11 @@ def _outside_notes(facts: procs.TargetFacts) -> list[str]:
     for sock in facts.external_sockets:
         notes.append(f"PID {sock['pid']} has a UNIX stream socket (fd {sock['fd']}) connected to "
                      f"{sock['peer'] or 'a process outside the tree'}: {to_output}")
+    for sock in facts.external_datagram_sockets:
+        where = sock["peer_path"] or "an unnamed socket"
+        holder = f" ({sock['peer']})" if sock["peer"] else ""
+        notes.append(f"PID {sock['pid']} sends datagrams (fd {sock['fd']}) to {where}{holder}: a restore "
+                     "connects it there again, so that socket must exist then")
     return notes
 
 

@@ -29,6 +29,9 @@ class TargetFacts:
     # UNIX stream sockets connected to a process outside the tree (a systemd service's stdout
     # to journald, a child's stdio under Node.js): see external_stream_sockets.
     external_sockets: list[dict] = field(default_factory=list)
+    # UNIX datagram sockets connected to a socket outside the tree (syslog): see
+    # external_datagram_sockets.
+    external_datagram_sockets: list[dict] = field(default_factory=list)
 
 
 def require_root() -> None:
@@ -118,7 +121,8 @@ def preflight(pid: int) -> TargetFacts:
                        has_tcp_established=has_tcp, has_file_locks=_holds_file_locks(set(tree_pids)),
                        memory_bytes=memory, has_tty=_has_tty(root.pid),
                        external_pipes=external_pipes(tree_pids),
-                       external_sockets=external_stream_sockets(tree_pids))
+                       external_sockets=external_stream_sockets(tree_pids),
+                       external_datagram_sockets=external_datagram_sockets(tree_pids))
 
 
 O_ACCMODE = 0o3
@@ -195,15 +199,40 @@ def external_stream_sockets(tree_pids: list[int]) -> list[dict]:
 
     CRIU refuses to dump them ("Can't dump half of stream unix connection", even with
     --ext-unix-sk). ckpt names them to CRIU as external (`unix[<inode>]`) and a restore relays
-    what the tree writes there to its output, as for pipes to the outside. Each: {"pid", "fd", "inode", "peer_inode",
-    "peer": "journald (PID n)" or None}."""
+    what the tree writes there to its output, as for pipes to the outside. Each: {"pid", "fd",
+    "inode", "peer_inode", "peer": "journald (PID n)" or None}."""
+    from ckpt.unixdiag import stream_peers  # netlink, only when the tree holds sockets
+
+    return _external_unix_sockets(tree_pids, stream_peers)
+
+
+def external_datagram_sockets(tree_pids: list[int]) -> list[dict]:
+    """UNIX datagram sockets of the tree connected to a socket outside it (syslog's /dev/log,
+    a collector's socket), as external_stream_sockets gives them.
+
+    CRIU dumps them only with --ext-unix-sk, and a restore connects them again to the same
+    path (the peer must be bound to one, and be there then). Each also has "peer_path"."""
+    from ckpt.unixdiag import datagram_peers  # netlink, only when the tree holds sockets
+
+    names: dict[int, str] = {}
+
+    def peers() -> dict[int, int]:
+        found, bound = datagram_peers()
+        names.update(bound)
+        return found
+
+    sockets = _external_unix_sockets(tree_pids, peers)
+    for sock in sockets:
+        sock["peer_path"] = names.get(sock["peer_inode"])
+    return sockets
+
+
+def _external_unix_sockets(tree_pids: list[int], connected_peers) -> list[dict]:
     held = [(pid, fd, inode) for pid in tree_pids for fd, inode in _fd_inodes(pid, "socket")]
     if not held:
         return []
-    from ckpt.unixdiag import stream_peers  # netlink, only when the tree holds sockets
-
     try:
-        peers = stream_peers()
+        peers = connected_peers()
     except OSError:
         return []  # no sock_diag here (a restricted container): CRIU's own error then names the socket
     inside = {inode for _, _, inode in held}

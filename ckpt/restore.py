@@ -69,6 +69,7 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
     with store.lock(exclusive=False, on_wait=lambda h: reporter.info("waiting for the store lock")):
         checkpoint_id = store.resolve(request.ref)
         manifest = store.load(checkpoint_id)
+        _require_datagram_peers(manifest)
         if any(entry.kind == "pages" for entry in manifest.files):
             store.blocks.preload_index()  # meanwhile, the other images are written and checked
         lazy = _wants_lazy(request, manifest, binary)
@@ -154,6 +155,18 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
             reporter.warn(f"{hook_error}; the restored tree keeps running")
     return RestoreResult(manifest, pid, round((time.monotonic() - started) * 1000, 1), criu_options.log_path,
                          inner, hook_error, output, lazy_info)
+
+
+def _require_datagram_peers(manifest: Manifest) -> None:
+    """CRIU connects the tree's datagram sockets to the paths they sent to; without the socket
+    there, it fails midway ("Can't connect ... socket"): said first, and how to fix it."""
+    for sock in manifest.criu.get("external_datagram_sockets", []):
+        path = sock.get("peer_path")
+        if path and not path.startswith("@") and not os.path.exists(path):
+            raise UsageError(f"PID {sock['pid']} of checkpoint {manifest.id} sent datagrams to {path}, which does "
+                             "not exist here",
+                             hint="start the program that receives there (for /dev/log: a syslog daemon or "
+                                  "journald), then restore again")
 
 
 def _wants_lazy(request: RestoreRequest, manifest: Manifest, binary) -> bool:

@@ -1,4 +1,4 @@
-"""The peers of UNIX stream sockets, from the kernel's sock_diag netlink interface.
+"""The peers of connected UNIX sockets, from the kernel's sock_diag netlink interface.
 
 /proc lists a socket's inode but not the inode of the socket it is connected to; the kernel
 says it through NETLINK_SOCK_DIAG (as `ss -x` asks it). See sock_diag(7).
@@ -14,8 +14,8 @@ NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
 NLMSG_ERROR, NLMSG_DONE = 2, 3
-UDIAG_SHOW_PEER = 0x4
-UNIX_DIAG_PEER = 2
+UDIAG_SHOW_NAME, UDIAG_SHOW_PEER = 0x1, 0x4
+UNIX_DIAG_NAME, UNIX_DIAG_PEER = 0, 2
 STREAM_TYPES = (socket.SOCK_STREAM, socket.SOCK_SEQPACKET)
 
 NLMSG = struct.Struct("=IHHII")  # length, type, flags, sequence, port id
@@ -26,7 +26,19 @@ RTATTR = struct.Struct("=HH")  # length, type
 
 def stream_peers() -> dict[int, int]:
     """Inode of every connected UNIX stream (or seqpacket) socket -> inode of its peer."""
-    request = REQUEST.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_PEER, 0xFFFFFFFF, 0xFFFFFFFF)
+    return _peers(STREAM_TYPES, {})
+
+
+def datagram_peers() -> tuple[dict[int, int], dict[int, str]]:
+    """Inode of every connected UNIX datagram socket -> inode of the socket it sends to; and
+    the path each bound socket has (an abstract name starts with "@", as `ss` shows it)."""
+    names: dict[int, str] = {}
+    return _peers((socket.SOCK_DGRAM,), names), names
+
+
+def _peers(types: tuple[int, ...], names: dict[int, str]) -> dict[int, int]:
+    request = REQUEST.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_PEER | UDIAG_SHOW_NAME,
+                           0xFFFFFFFF, 0xFFFFFFFF)
     message = NLMSG.pack(NLMSG.size + len(request), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + request
     peers: dict[int, int] = {}
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG) as nl:
@@ -41,23 +53,25 @@ def stream_peers() -> dict[int, int]:
                 if kind == NLMSG_ERROR:
                     (errno,) = struct.unpack_from("=i", data, offset + NLMSG.size)
                     raise OSError(-errno, os.strerror(-errno))
-                _parse(data[offset + NLMSG.size:offset + length], peers)
+                _parse(data[offset + NLMSG.size:offset + length], types, peers, names)
                 offset += (length + 3) & ~3
             if not data:
                 return peers
 
 
-def _parse(body: bytes, peers: dict[int, int]) -> None:
+def _parse(body: bytes, types: tuple[int, ...], peers: dict[int, int], names: dict[int, str]) -> None:
     _, kind, _, _, inode, _, _ = DIAG_MSG.unpack_from(body)
-    if kind not in STREAM_TYPES:
-        return
     offset = DIAG_MSG.size
     while offset + RTATTR.size <= len(body):
         length, attr = RTATTR.unpack_from(body, offset)
         if length < RTATTR.size:
             return
-        if attr == UNIX_DIAG_PEER:
+        if attr == UNIX_DIAG_PEER and kind in types:
             (peer,) = struct.unpack_from("=I", body, offset + RTATTR.size)
             if peer:
                 peers[inode] = peer
+        elif attr == UNIX_DIAG_NAME and length > RTATTR.size:
+            name = body[offset + RTATTR.size:offset + length]
+            names[inode] = ("@" + name[1:].decode(errors="replace") if name[:1] == b"\0"
+                            else name.rstrip(b"\0").decode(errors="replace"))
         offset += (length + 3) & ~3

@@ -11,7 +11,7 @@ HELP = """Checkpoint the process tree rooted at PID into the store.
 
 By default the tree keeps running (a safety snapshot). With --stop it is ended once its
 checkpoint is committed (to move it elsewhere). Options real programs need (--shell-job,
---tcp-established, --file-locks) are detected; the flags force them on or off.
+--tcp-established, --ext-unix-sk, --file-locks) are detected; the flags force them on or off.
 On success stdout carries the new checkpoint's ID alone (with --json, one JSON object).
 
 Examples:
@@ -36,8 +36,10 @@ def register(app: typer.Typer) -> None:
                              help="Tree is a job of a terminal session it does not lead [default: detect].")] = None,
         tcp_established: Annotated[Optional[bool], typer.Option("--tcp-established/--no-tcp-established",
                                    help="Save established TCP connections [default: detect].")] = None,
-        ext_unix_sk: Annotated[bool, typer.Option("--ext-unix-sk",
-                               help="Allow UNIX sockets whose peer is outside the tree.")] = False,
+        ext_unix_sk: Annotated[Optional[bool], typer.Option(
+            "--ext-unix-sk/--no-ext-unix-sk",
+            help="Save UNIX datagram sockets that send outside the tree (syslog's /dev/log); a restore "
+                 "connects them to the same path [default: detect].")] = None,
         file_locks: Annotated[Optional[bool], typer.Option("--file-locks/--no-file-locks",
                               help="Save file locks [default: detect].")] = None,
         dirty_tracking: Annotated[bool, typer.Option(

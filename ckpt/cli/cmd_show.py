@@ -55,6 +55,10 @@ def register(app: typer.Typer) -> None:
             peer = sock.get("peer") or "a process outside the tree"
             stdout.print(f"  PID {sock['pid']} fd {sock['fd']} is a UNIX stream socket connected to {peer} "
                          "(restore --output)")
+        for sock in data["criu"].get("external_datagram_sockets", []):
+            holder = f" ({sock['peer']})" if sock.get("peer") else ""
+            stdout.print(f"  PID {sock['pid']} fd {sock['fd']} sends datagrams to "
+                         f"{sock.get('peer_path') or 'an unnamed socket'}{holder} (connected again on restore)")
         tree = Tree("processes")
         nodes = {}
         for proc in data["processes"]:

@@ -138,6 +138,9 @@ def explain_failure(action: str, log_path: Path) -> CriuFailed | PidInUse | Disk
                                          r"Can't restore TCP|repair", text):
         hint = ("the tree's TCP connections cannot be re-established here (another machine, or its address "
                 "is gone): restore with --tcp-close, and the program sees them fail")
+    elif action == "restore" and re.search(r"Can't connect \d+ socket", text):
+        hint = ("a UNIX socket the tree sent datagrams to is not there (see the dump's notes): start the program "
+                "that receives there, then restore again")
     elif re.search(r"Can't dump half of stream unix", text):
         hint = ("a UNIX stream socket of the tree is connected to a process outside it that ckpt did not "
                 "see when it looked (it connected meanwhile?): retry the dump")

@@ -358,3 +358,50 @@ def test_output_to_a_program_outside_the_tree_goes_to_a_file_after_restore(procs
     procs.adopt(restored["pid"])
     assert Path(restored["output"]).parent.name == checkpoint  # logs/<id>/output-<time>.log
     wait_until(lambda: len(ints(Path(restored["output"]))) >= 3, what="lines in the default output file")
+
+
+def test_datagrams_to_a_socket_outside_the_tree_flow_again_after_restore(procs, tmp_path):
+    """A program logging to syslog's /dev/log: a UNIX datagram socket connected outside the tree.
+    CRIU refuses to dump it without --ext-unix-sk; ckpt detects it, and the restored program
+    sends to the same path again, its numbers going on. With nothing there any more, a
+    restore says what is missing before CRIU runs."""
+    path = tmp_path / "log.sock"
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(str(path))
+    receiver.settimeout(10)
+    try:
+        sender = procs.start("datagram_sender.py", path)
+        assert [int(receiver.recv(64)) for _ in range(5)] == [1, 2, 3, 4, 5]
+        dumped = ckpt("dump", sender.pid, "--stop", "--json")
+        (recorded,) = json.loads(dumped.stdout)["external_datagram_sockets"]
+        assert recorded["peer_path"] == str(path) and recorded["pid"] == sender.pid
+        assert "detected: --ext-unix-sk" in dumped.stderr
+        assert f"sends datagrams (fd {recorded['fd']}) to {path}" in dumped.stderr, dumped.stderr
+        sender.wait(timeout=10)
+        sent = _drain(receiver)  # what it sent before it was frozen
+        restored = ckpt_json("restore", json.loads(dumped.stdout)["id"])
+        procs.adopt(restored["pid"])
+        after = [int(receiver.recv(64)) for _ in range(5)]
+        assert after == list(range(sent[-1] + 1, sent[-1] + 6)), "the restored sender's numbers did not go on"
+        again = ckpt_json("dump", restored["pid"], "--stop")
+        wait_until(lambda: state(restored["pid"]) is None, what="the restored sender to end")
+    finally:
+        receiver.close()
+    path.unlink()
+    refused = ckpt("restore", again["id"], check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert f"sent datagrams to {path}, which does not exist here" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def _drain(sock: socket.socket) -> list[int]:
+    sock.setblocking(False)
+    got = []
+    try:
+        while True:
+            got.append(int(sock.recv(64)))
+    except BlockingIOError:
+        pass
+    finally:
+        sock.settimeout(10)
+    return got

@@ -26,3 +26,13 @@ def test_a_pid_in_use_and_an_unknown_failure(tmp_path):
     error = failure(tmp_path, "dump", "Error (criu/x.c:1): something new")
     assert isinstance(error, CriuFailed) and "something new" in error.message
     assert "full log" in error.hint
+
+
+def test_a_datagram_peer_gone_since_the_dump_says_to_start_it(tmp_path):
+    """A path that is there but refuses (its program ended): restore's own check passed, CRIU failed."""
+    error = failure(tmp_path, "restore",
+                    "24274: Error (criu/sk-unix.c:1406): unix: Can't connect 2667179 socket: Connection refused",
+                    "24274: Error (criu/files.c:1221): Unable to open fd=3 id=0xf",
+                    "Error (criu/cr-restore.c:2331): Restoring FAILED.")
+    assert isinstance(error, CriuFailed)
+    assert "sent datagrams to is not there" in error.hint and "start the program" in error.hint
