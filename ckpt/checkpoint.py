@@ -16,7 +16,7 @@ from pathlib import Path
 from ckpt import incremental, procs, unchanged
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
-from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound
+from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, TargetRefused
 from ckpt.lazy import wait_for_lazy_restores
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store, ids
@@ -95,6 +95,9 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
         "network_lock": "nftables",
         "leave_running": not request.stop,
     }
+    ghost_limit = _ghost_limit(facts)
+    if ghost_limit:
+        options_used["ghost_limit"] = ghost_limit
     detected = [k for k in ("shell_job", "tcp_established", "ext_unix_sk", "file_locks")
                 if options_used[k] and getattr(request, k) is None]
     if detected:
@@ -102,6 +105,11 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
 
     for note in _outside_notes(facts):
         reporter.warn(note)
+    for deleted in facts.deleted_files:
+        if deleted["size"] > CRIU_GHOST_LIMIT:
+            held = f"fd {deleted['fd']}" if deleted["fd"] is not None else "mapped"
+            reporter.info(f"PID {deleted['pid']} holds a deleted file, {deleted['path']} ({held}, "
+                          f"{deleted['size'] / (1 << 20):.1f} MiB): its content is saved in the checkpoint")
 
     tracking = _plan_tracking(store, request, binary, reporter)
     options_used["track_mem"] = tracking is not None
@@ -264,6 +272,24 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
     )
     store.commit(manifest)
     return manifest
+
+
+CRIU_GHOST_LIMIT = 1 << 20  # CRIU saves deleted files up to this size unless told otherwise
+MAX_GHOST_LIMIT = (1 << 32) - 1  # the RPC field is 32 bits
+
+
+def _ghost_limit(facts: procs.TargetFacts) -> int | None:
+    """The size up to which CRIU is to save deleted files (None: its default will do): twice
+    the largest the tree holds, which may still grow while CRIU works."""
+    largest = max((f["size"] for f in facts.deleted_files), default=0)
+    if largest <= CRIU_GHOST_LIMIT:
+        return None
+    if largest > MAX_GHOST_LIMIT:
+        biggest = max(facts.deleted_files, key=lambda f: f["size"])
+        raise TargetRefused(f"PID {biggest['pid']} holds a deleted file of {largest / (1 << 30):.1f} GiB "
+                            f"({biggest['path']}): CRIU cannot save a deleted file over 4 GiB",
+                            hint="make the program close (or truncate) it, then dump again")
+    return min(MAX_GHOST_LIMIT, -(-2 * largest // (1 << 20)) << 20)
 
 
 def _outside_notes(facts: procs.TargetFacts) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ class TargetFacts:
     # UNIX datagram sockets connected to a socket outside the tree (syslog): see
     # external_datagram_sockets.
     external_datagram_sockets: list[dict] = field(default_factory=list)
+    # Regular files the tree holds open or mapped that were deleted: see deleted_files.
+    deleted_files: list[dict] = field(default_factory=list)
 
 
 def require_root() -> None:
@@ -122,7 +125,8 @@ def preflight(pid: int) -> TargetFacts:
                        memory_bytes=memory, has_tty=_has_tty(root.pid),
                        external_pipes=external_pipes(tree_pids),
                        external_sockets=external_stream_sockets(tree_pids),
-                       external_datagram_sockets=external_datagram_sockets(tree_pids))
+                       external_datagram_sockets=external_datagram_sockets(tree_pids),
+                       deleted_files=deleted_files(tree_pids))
 
 
 O_ACCMODE = 0o3
@@ -178,6 +182,53 @@ def external_pipes(tree_pids: list[int]) -> list[dict]:
     peers = _holders(outside, set(tree_pids), lambda pid: [inode for _, inode in _fd_inodes(pid, "pipe")])
     return [{"pid": pid, "fd": fd, "inode": inode, "end": "write" if write else "read", "peer": peers.get(inode)}
             for pid, fd, inode, write in sorted(held) if inode in outside]
+
+
+# Deleted "files" that are not files CRIU saves as such: shared anonymous memory, System V
+# shared memory, memfd (each dumped its own way).
+_NOT_GHOSTS = ("/dev/zero", "/SYSV", "/memfd:", "/[aio]", "/anon_hugepage")
+
+
+def deleted_files(tree_pids: list[int]) -> list[dict]:
+    """Regular files the tree holds open or mapped that were deleted since (a Python
+    tempfile.TemporaryFile, a log logrotate removed). CRIU saves their content in the
+    checkpoint ("ghost files"), and fails the dump for one larger than its limit (1 MiB unless
+    told). Each file once: {"pid", "fd" (None for a mapping), "path", "size"}."""
+    found: dict[tuple[int, int], dict] = {}
+
+    def note(pid: int, fd: int | None, link: str, proc_path: str) -> None:
+        path = link[:-len(" (deleted)")]
+        if path.startswith(_NOT_GHOSTS):
+            return
+        try:
+            st = os.stat(proc_path)
+        except OSError:
+            return
+        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in found:
+            found[(st.st_dev, st.st_ino)] = {"pid": pid, "fd": fd, "path": path, "size": st.st_size}
+
+    for pid in tree_pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.endswith(" (deleted)"):
+                note(pid, int(fd), link, f"/proc/{pid}/fd/{fd}")
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    if line.endswith(" (deleted)\n"):
+                        fields = line.split(maxsplit=5)
+                        if len(fields) == 6:
+                            note(pid, None, fields[5].rstrip("\n"), f"/proc/{pid}/map_files/{fields[0]}")
+        except OSError:
+            continue
+    return sorted(found.values(), key=lambda f: (f["pid"], f["fd"] is None, f["fd"] or 0, f["path"]))
 
 
 def _holders(inodes: set[int], exclude: set[int], inodes_of) -> dict[int, str]:

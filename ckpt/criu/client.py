@@ -48,6 +48,8 @@ class CriuOptions:
     track_mem: bool = False
     parent_img: str | None = None
     rst_sibling: bool = False
+    # The size up to which deleted files the tree holds are saved (None: CRIU's 1 MiB).
+    ghost_limit: int | None = None
     # 3 (errors, warnings, info) by default: debug (4) writes a few lines per MiB of memory
     # while the tree is frozen, about 5% of a large dump's freeze. CKPT_CRIU_LOG_LEVEL=4 for
     # a full trace when investigating a failure.
@@ -90,6 +92,8 @@ def _fill_opts(rpc, opts_msg, options: CriuOptions, images_fd: int, work_fd: int
         opts_msg.parent_img = options.parent_img
     if options.rst_sibling:
         opts_msg.rst_sibling = True
+    if options.ghost_limit:
+        opts_msg.ghost_limit = options.ghost_limit
     lock = {"nftables": rpc.NFTABLES, "iptables": rpc.IPTABLES, "skip": rpc.SKIP}[options.network_lock]
     opts_msg.network_lock = lock
     opts_msg.notify_scripts = True
@@ -138,6 +142,9 @@ def explain_failure(action: str, log_path: Path) -> CriuFailed | PidInUse | Disk
                                          r"Can't restore TCP|repair", text):
         hint = ("the tree's TCP connections cannot be re-established here (another machine, or its address "
                 "is gone): restore with --tcp-close, and the program sees them fail")
+    elif re.search(r"Can't dump ghost file", text):
+        hint = ("a deleted file the tree holds grew past the size ckpt allowed for while CRIU worked: dump "
+                "again")
     elif action == "restore" and re.search(r"Can't connect \d+ socket", text):
         hint = ("a UNIX socket the tree sent datagrams to is not there (see the dump's notes): start the program "
                 "that receives there, then restore again")

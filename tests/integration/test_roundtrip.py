@@ -405,3 +405,23 @@ def _drain(sock: socket.socket) -> list[int]:
     finally:
         sock.settimeout(10)
     return got
+
+
+def test_a_deleted_temporary_file_larger_than_crius_limit_comes_back(procs, tmp_path):
+    """A Python program holding a 6 MiB tempfile.TemporaryFile (a deleted file): CRIU refuses
+    deleted files over 1 MiB unless told; ckpt tells it, and the restored program reads the
+    same content at the same offset."""
+    out = tmp_path / "holder.txt"
+    holder = procs.start("temp_file_holder.py", out, 6)
+    wait_until(lambda: len(read_lines(out)) >= 3, what="the holder's first lines")
+    dumped = ckpt("dump", holder.pid, "--stop")
+    assert "holds a deleted file" in dumped.stderr and "6.0 MiB" in dumped.stderr, dumped.stderr
+    holder.wait(timeout=10)
+    before = [line.split() for line in read_lines(out)]
+    restored = ckpt_json("restore", dumped.stdout.strip())
+    procs.adopt(restored["pid"])
+    wait_until(lambda: len(read_lines(out)) >= len(before) + 3, what="the restored holder's lines")
+    after = [line.split() for line in read_lines(out)][len(before):]
+    assert [int(n) for n, _, _ in after[:3]] == [len(before) + 1, len(before) + 2, len(before) + 3]
+    assert {(digest, at) for _, digest, at in before + after} == {(before[0][1], "12345")}, \
+        "the file's content or offset changed"
