@@ -23,7 +23,10 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml ckpt/_pagehash.c $(CRIU_LIB_FILE)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	@# pycriu (CRIU's lib/, built below with this setuptools) declares its license as a TOML
+	@# table, which setuptools deprecates with a deadline of 2027-02-18: kept below the next
+	@# major so that a fresh machine does not get the release that refuses it.
+	$(PY) -m pip install -q --upgrade pip "setuptools<85" wheel
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-build-isolation "$$(cat $(CRIU_LIB_FILE))"
 	$(PY) -c 'import pycriu.images, ckpt; print("ckpt and pycriu installed in $(VENV)")'
