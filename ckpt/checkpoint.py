@@ -16,10 +16,11 @@ from pathlib import Path
 from ckpt import incremental, procs, unchanged
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
-from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, TargetRefused
+from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, StoreBusy, TargetRefused
 from ckpt.lazy import wait_for_lazy_restores
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store, ids
+from ckpt.store.blocks import MERGE_ABOVE
 
 
 @dataclass
@@ -192,7 +193,26 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
                 procs.wait_for_pids_free(manifest.all_pids, timeout=3.0)
             except CkptError:
                 pass
+    _merge_index_files(store, reporter)
     return DumpResult(manifest, log_dir / "dump.log")
+
+
+def _merge_index_files(store: Store, reporter: Reporter) -> None:
+    """Bounds the number of index files a lookup goes through ("Merging index files" in
+    docs/design.md): only if the exclusive lock is free at once, since the checkpoint is
+    committed already and another command may hold the store."""
+    if len(store.blocks.index_file_names()) <= MERGE_ABOVE:
+        return
+    try:
+        with store.lock(exclusive=True, timeout=0):
+            merged = store.blocks.merge_index_files()
+    except StoreBusy:
+        return  # a later dump merges them
+    except (OSError, CkptError) as exc:
+        reporter.warn(f"the store's index files were not merged ({exc}); a later dump tries again")
+        return
+    if merged:
+        reporter.info(f"merged {len(merged)} index files into one")
 
 
 def _plan_tracking(store: Store, request: DumpRequest, binary, reporter: Reporter) -> TrackingPlan | None:

@@ -50,6 +50,10 @@ class _IndexColumns:
             self._order = argsort(self.high)
         return self.high[self._order], self.low[self._order], self._order
 
+    def id_bytes(self) -> bytes:
+        """The ids one after the other, as in the file."""
+        return self.data[self.ids_at:self.ids_at + ID_LEN * self.count]
+
     def id_list(self) -> list[bytes]:
         data, at = self.data, self.ids_at
         return [data[o:o + ID_LEN] for o in range(at, at + ID_LEN * self.count, ID_LEN)]
@@ -78,6 +82,11 @@ class BlockIndex:
         self.damaged: set[int] = set()
         # Index files that could not be read: their pages are not known (dumps store them again).
         self.damaged_files: list[str] = []
+
+    @property
+    def columns(self) -> list[_IndexColumns]:
+        """Each index file's entries, in the order of `files`."""
+        return self._columns
 
     @property
     def pages(self) -> dict[bytes, int]:

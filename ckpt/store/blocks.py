@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 PAGE = 4096
 ID_LEN = 16
 SEGMENT_PAGES = 256  # 1 MiB of pages per segment at most
+MERGE_ABOVE = 32  # index files; then the MERGE_COUNT with the fewest entries become one
+MERGE_COUNT = 16
 CODECS = {"none": 0, "zstd": 1, "lz4": 2}
 CODEC_NAMES = {v: k for k, v in CODECS.items()}
 INDEX_MAGIC = b"CKPTIDX1"
@@ -202,6 +204,19 @@ def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
     return runs
 
 
+def _first_of_each_id(ids: bytes):
+    """The rows of the first occurrence of each id (16 bytes each, one after the other)."""
+    import numpy as np
+
+    from ckpt.store.blockindex import id_order
+
+    order = id_order(ids)
+    items = np.frombuffer(ids, dtype="V16")[order]
+    first = np.ones(len(items), dtype=bool)
+    first[1:] = items[1:] != items[:-1]
+    return np.sort(order[first], kind="stable")
+
+
 def render_index(segments: list[Segment], ids: bytes, segment_numbers, positions) -> bytes:
     """An index file's bytes, from its entries as columns: their ids one after the other, the
     number of each one's segment, its position there. The entries are written in the order of
@@ -310,6 +325,42 @@ class BlockStore:
         for pack, offset in self.damage_markers():
             if (pack, offset) not in indexed:
                 (self.damaged_dir / f"{pack}-{offset}").unlink(missing_ok=True)
+
+    def merge_index_files(self) -> list[str]:
+        """Merges the MERGE_COUNT index files with the fewest entries into one when the store
+        has more than MERGE_ABOVE (docs/design.md, "Merging index files"); returns the names
+        of the files merged (none: nothing to do). The caller holds the exclusive lock."""
+        import numpy as np
+
+        self._index = None
+        index = self.index()
+        if len(index.files) <= MERGE_ABOVE or index.damaged_files or index.damaged:
+            return []
+        segments_of: dict[str, list[Segment]] = collections.defaultdict(list)
+        for segment, name in zip(index.segment_list, index.segment_file):
+            segments_of[name].append(segment)
+        columns_of = dict(zip(index.files, index.columns))
+        chosen = sorted(index.files, key=lambda name: (columns_of[name].count, name))[:MERGE_COUNT]
+        segments: list[Segment] = []
+        ids, numbers, positions = [], [], []
+        for name in chosen:
+            columns = columns_of[name]
+            ids.append(columns.id_bytes())
+            numbers.append(columns.segs.astype(np.uint32) + len(segments))  # numbered in the new file
+            positions.append(columns.within)
+            segments += segments_of[name]
+        all_ids = b"".join(ids)
+        first = _first_of_each_id(all_ids)  # an id named by two files (two dumps stored it) once
+        data = render_index(segments, np.frombuffer(all_ids, dtype="V16")[first].tobytes(),
+                            np.concatenate(numbers)[first], np.concatenate(positions)[first])
+        merged = blake3.blake3(data).hexdigest()
+        atomic_write_bytes(self.index_dir / merged, data)
+        for name in chosen:
+            if name != merged:
+                (self.index_dir / name).unlink(missing_ok=True)
+        fsync_dir(self.index_dir)
+        self._index = None
+        return chosen
 
     def index_file_names(self) -> list[str]:
         return sorted(p.name for p in self.index_dir.glob("*") if not p.name.startswith(".")) \
