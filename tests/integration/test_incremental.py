@@ -1,6 +1,7 @@
 """Incremental storage with real processes: ten checkpoints of a changing process, forget most,
 prune, and every remaining checkpoint restores with its own state; kill -9 during prune."""
 
+import json
 import os
 import signal
 import subprocess
@@ -156,3 +157,30 @@ def test_a_next_dump_looks_up_only_the_pages_its_target_changed(procs, tmp_path,
     checksum, counter = wait_until(lambda: read_lines(out), what="checksum")[0].split()
     assert checksum == original and int(counter) >= counter_then
     procs.kill_tree(restored["pid"])
+
+
+def test_many_dumps_keep_few_index_files_and_every_checkpoint_restores(procs, tmp_path, isolated_env):
+    """Each dump that stores new pages adds an index file; past MERGE_ABOVE a dump merges the
+    smallest ones (a lookup costs per file). Every checkpoint still verifies and restores."""
+    from ckpt.store.blocks import MERGE_ABOVE
+
+    out = tmp_path / "sums.txt"
+    target = procs.start("bigmem.py", out, 8)
+    wait_until(lambda: read_lines(out), timeout=60, what="bigmem")
+    original = read_lines(out)[0].split()[0]
+    dumped = [ckpt("dump", target.pid, "--json") for _ in range(MERGE_ABOVE + 4)]
+    assert any("merged 16 index files into one" in d.stderr for d in dumped)
+    index_files = [p for p in (isolated_env / "index").iterdir() if not p.name.startswith(".")]
+    assert len(index_files) <= MERGE_ABOVE
+    assert all(not r["problems"] for r in ckpt_json("verify", "--all"))
+    procs.kill_tree(target.pid)
+    out.unlink()
+    for checkpoint in (json.loads(dumped[0].stdout)["id"], json.loads(dumped[-1].stdout)["id"]):
+        restored = ckpt_json("restore", checkpoint)
+        procs.adopt(restored["pid"])
+        os.kill(restored["pid"], signal.SIGUSR1)
+        line = wait_until(lambda: read_lines(out), what="checksum")[0]
+        assert line.split()[0] == original, "the 8 MiB did not come back whole"
+        procs.kill_tree(restored["pid"])
+        out.unlink()
+        wait_until(lambda: not os.path.exists(f"/proc/{restored['pid']}"), what="PID free")
