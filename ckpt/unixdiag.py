@@ -26,21 +26,23 @@ RTATTR = struct.Struct("=HH")  # length, type
 
 def stream_peers() -> dict[int, int]:
     """Inode of every connected UNIX stream (or seqpacket) socket -> inode of its peer."""
-    return _peers(STREAM_TYPES, {})
+    return _peers(STREAM_TYPES)[0]
 
 
 def datagram_peers() -> tuple[dict[int, int], dict[int, str]]:
     """Inode of every connected UNIX datagram socket -> inode of the socket it sends to; and
     the path each bound socket has (an abstract name starts with "@", as `ss` shows it)."""
-    names: dict[int, str] = {}
-    return _peers((socket.SOCK_DGRAM,), names), names
+    return _peers((socket.SOCK_DGRAM,))
 
 
-def _peers(types: tuple[int, ...], names: dict[int, str]) -> dict[int, int]:
+def _peers(types: tuple[int, ...]) -> tuple[dict[int, int], dict[int, str]]:
+    """One sock_diag dump: the peers of the connected sockets of those types, and the name of
+    every bound socket."""
     request = REQUEST.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_PEER | UDIAG_SHOW_NAME,
                            0xFFFFFFFF, 0xFFFFFFFF)
     message = NLMSG.pack(NLMSG.size + len(request), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + request
     peers: dict[int, int] = {}
+    names: dict[int, str] = {}
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG) as nl:
         nl.sendto(message, (0, 0))
         while True:
@@ -49,14 +51,14 @@ def _peers(types: tuple[int, ...], names: dict[int, str]) -> dict[int, int]:
             while offset + NLMSG.size <= len(data):
                 length, kind, _, _, _ = NLMSG.unpack_from(data, offset)
                 if kind == NLMSG_DONE:
-                    return peers
+                    return peers, names
                 if kind == NLMSG_ERROR:
                     (errno,) = struct.unpack_from("=i", data, offset + NLMSG.size)
                     raise OSError(-errno, os.strerror(-errno))
                 _parse(data[offset + NLMSG.size:offset + length], types, peers, names)
                 offset += (length + 3) & ~3
             if not data:
-                return peers
+                return peers, names
 
 
 def _parse(body: bytes, types: tuple[int, ...], peers: dict[int, int], names: dict[int, str]) -> None:

@@ -303,8 +303,14 @@ def id_order(ids: bytes) -> np.ndarray:
 
 
 def in_id_order(ids: bytes, segment_numbers, positions) -> tuple[bytes, bytes, bytes]:
-    """An index file's entry columns, in the order of their ids, as the bytes of the file."""
+    """An index file's entry columns, in the order of their ids, as the bytes of the file. An
+    id given twice (two merged files both named it) is kept once, at its first entry: the
+    sort is stable."""
     order = id_order(ids)
-    return (np.frombuffer(ids, dtype="V16")[order].tobytes(),
+    ordered = np.frombuffer(ids, dtype="V16")[order]
+    first = np.ones(len(ordered), dtype=bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    order = order[first]
+    return (ordered[first].tobytes(),
             np.asarray(segment_numbers, dtype="<u4")[order].tobytes(),
             np.asarray(positions, dtype="<u2")[order].tobytes())

@@ -204,19 +204,6 @@ def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _first_of_each_id(ids: bytes):
-    """The rows of the first occurrence of each id (16 bytes each, one after the other)."""
-    import numpy as np
-
-    from ckpt.store.blockindex import id_order
-
-    order = id_order(ids)
-    items = np.frombuffer(ids, dtype="V16")[order]
-    first = np.ones(len(items), dtype=bool)
-    first[1:] = items[1:] != items[:-1]
-    return np.sort(order[first], kind="stable")
-
-
 def render_index(segments: list[Segment], ids: bytes, segment_numbers, positions) -> bytes:
     """An index file's bytes, from its entries as columns: their ids one after the other, the
     number of each one's segment, its position there. The entries are written in the order of
@@ -349,10 +336,8 @@ class BlockStore:
             numbers.append(columns.segs.astype(np.uint32) + len(segments))  # numbered in the new file
             positions.append(columns.within)
             segments += segments_of[name]
-        all_ids = b"".join(ids)
-        first = _first_of_each_id(all_ids)  # an id named by two files (two dumps stored it) once
-        data = render_index(segments, np.frombuffer(all_ids, dtype="V16")[first].tobytes(),
-                            np.concatenate(numbers)[first], np.concatenate(positions)[first])
+        # An id two of the files name (two dumps stored it) is written once (in_id_order).
+        data = render_index(segments, b"".join(ids), np.concatenate(numbers), np.concatenate(positions))
         merged = blake3.blake3(data).hexdigest()
         atomic_write_bytes(self.index_dir / merged, data)
         for name in chosen:
@@ -426,7 +411,7 @@ class BlockStore:
                         for (run_start, end), (stored, used, checksum) in zip(runs, encoded):
                             if out is None:
                                 make_private_dir(pack_path.parent)
-                                out = _PackWriter(pack_path)
+                                out = PackWriter(pack_path)
                             out.write(stored)
                             seg_no = len(segments)
                             segments.append(Segment(pack, offset, len(stored), end - run_start, CODECS[used], checksum))
@@ -682,7 +667,7 @@ class _SegmentReader:
             os.close(fd)
 
 
-class _PackWriter:
+class PackWriter:
     """Writes a new pack through a large buffer (a next dump's segments are a page or two
     each, and a write() apiece cost 20-50 us with the staging file dirty), asking the kernel
     to start writing each stretch to disk as soon as it is complete: without that, the fsync

@@ -11,7 +11,6 @@ Callers hold the store's exclusive lock.
 
 from __future__ import annotations
 
-import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +19,8 @@ from typing import TYPE_CHECKING
 import blake3
 
 from ckpt.errors import StoreError
-from ckpt.store.blocks import ID_LEN, Segment, render_index
-from ckpt.store.fsutil import FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir
+from ckpt.store.blocks import ID_LEN, PackWriter, Segment, render_index
+from ckpt.store.fsutil import atomic_write_bytes, fsync_dir, make_private_dir
 
 if TYPE_CHECKING:
     from ckpt.store.repository import Store
@@ -129,7 +128,7 @@ def execute_prune(store: Store, plan: PrunePlan) -> None:
             if seg.pack in repack:
                 if out is None:
                     make_private_dir(new_pack_path.parent)
-                    out = open(os.open(new_pack_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb")
+                    out = PackWriter(new_pack_path)
                 with open(blocks.pack_path(seg.pack), "rb") as src:
                     src.seek(seg.offset)
                     data = src.read(seg.length)
@@ -141,9 +140,7 @@ def execute_prune(store: Store, plan: PrunePlan) -> None:
             seg_no[key] = len(segments)
             segments.append(seg)
         if out is not None:
-            out.flush()
-            os.fsync(out.fileno())
-            out.close()
+            out.sync_and_close()
             fsync_dir(new_pack_path.parent)
         live = [page for page in plan.live_pages if page in index.pages]
         new_index = b""

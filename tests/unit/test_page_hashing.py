@@ -40,7 +40,7 @@ def test_a_mapped_image_is_hashed_where_it_lies(tmp_path):
     page_lists, stats, _ = store.ingest([image], lambda _: "none")
     assert page_lists[image.name] == serial_ids(data, store.seed)
     assert stats.new_pages == 20000
-    # 80 MB: the pack was handed to writeback in stretches as it was written (_PackWriter)
+    # 80 MB: the pack was handed to writeback in stretches as it was written (PackWriter)
     out = tmp_path / "out.img"
     store.write_image(image.name, page_lists[image.name], out, check_ids=True)
     assert out.read_bytes() == data
