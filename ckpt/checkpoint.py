@@ -21,6 +21,8 @@ from ckpt.lazy import wait_for_lazy_restores
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.blocks import MERGE_ABOVE
+from ckpt.store.lock import lock_timeout
+from ckpt.target_lock import dumping
 
 
 @dataclass
@@ -78,6 +80,12 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
     if request.name is not None:
         ids.check_name(request.name)
     procs.require_root()
+    with dumping(request.pid, lock_timeout(), lambda holder: reporter.info(
+            f"waiting for another dump of PID {request.pid} (ckpt PID {holder}) to finish")):
+        return _dump(store_root, request, reporter, started)
+
+
+def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: float) -> DumpResult:
     facts = procs.preflight(request.pid)
     # CRIU would dump memory a lazy restore has not filled in yet as missing.
     wait_for_lazy_restores(set(facts.pids), lambda record: reporter.info(

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from ckpt.errors import PermissionProblem, PidInUse, ProcessNotFound, TargetRefused
+from ckpt.errors import PermissionProblem, PidInUse, ProcessNotFound, StoreBusy, TargetRefused
 from ckpt.textutil import printable
 
 PF_KTHREAD = 0x00200000
@@ -103,6 +103,7 @@ def preflight(pid: int) -> TargetFacts:
     except psutil.NoSuchProcess:
         raise ProcessNotFound(f"process {pid} exited during the pre-flight checks") from None
     tree_pids = [p.pid for p in tree]
+    _refuse_traced(tree_pids)
     _refuse_session_led_from_another_pid_namespace(root.pid, command_line(root))
     needs_shell_job = _needs_shell_job(root)
     has_tcp = False
@@ -127,6 +128,32 @@ def preflight(pid: int) -> TargetFacts:
                        external_sockets=external_stream_sockets(tree_pids),
                        external_datagram_sockets=external_datagram_sockets(tree_pids),
                        deleted_files=deleted_files(tree_pids))
+
+
+def tracer_of(pid: int) -> int:
+    """The PID tracing pid (ptrace: a debugger, strace, or a CRIU dumping it), 0 if none."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("TracerPid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _refuse_traced(pids: list[int]) -> None:
+    """CRIU seizes every task with ptrace, which fails on a task someone else traces; it then
+    said only "Unable to detach from PID: No such process"."""
+    for pid in pids:
+        tracer = tracer_of(pid)
+        if tracer:
+            try:
+                name = psutil.Process(tracer).name()
+            except psutil.Error:
+                name = "?"
+            raise StoreBusy(f"PID {pid} is being traced by PID {tracer} ({name}): a debugger, strace, or another "
+                            "checkpoint of it holds it", hint="wait for it to finish or detach it, then dump again")
 
 
 O_ACCMODE = 0o3

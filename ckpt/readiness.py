@@ -98,6 +98,15 @@ def _page_hashing() -> Finding:
 
 
 def _store_writable(store_root: Path) -> Finding:
+    from ckpt.errors import CheckpointNotFound, CkptError
+    from ckpt.store import Store
+
+    try:
+        Store.open(store_root)  # refuses a store another user owns or others may write
+    except CheckpointNotFound:
+        pass  # none yet: the first dump makes it
+    except CkptError as exc:
+        return Finding("store", False, exc.message, exc.hint)
     probe_dir = store_root if store_root.exists() else store_root.parent
     while not probe_dir.exists():
         probe_dir = probe_dir.parent

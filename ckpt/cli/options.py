@@ -17,7 +17,7 @@ QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress me
 DryRunOption = Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would be done, change nothing.")]
 
 
-def open_store(path: Optional[Path], create: bool = True) -> Store:
+def open_store(path: Optional[Path], create: bool = False) -> Store:
     return Store.open(resolve_store_path(path), create=create)
 
 

@@ -182,9 +182,11 @@ class CriuClient:
                 # CRIU opens images_dir_fd/work_dir_fd through /proc/<our pid>/fd, so we keep them open.
                 stdio = {} if options.inherit_stdio else {"stdin": subprocess.DEVNULL, "stdout": stderr,
                                                            "stderr": stderr}
+                # umask 077: CRIU's logs and stats files hold facts about the tree (0644 before);
+                # the restored tasks get their own umask back from the images.
                 proc = subprocess.Popen([self.binary.path, "swrk", str(theirs.fileno())],
                                         pass_fds=(theirs.fileno(), *(fd for _, fd in options.inherit_fds)),
-                                        close_fds=True, **stdio)
+                                        close_fds=True, umask=0o077, **stdio)
             theirs.close()
             # Imported once CRIU is starting (it waits for the request): the import overlaps
             # CRIU's own start-up instead of delaying it.

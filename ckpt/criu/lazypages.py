@@ -86,4 +86,4 @@ def start_daemon(binary: CriuBinary, images_dir: Path, work_dir: Path, page_serv
          "--status-fd", str(status_fd), "-D", str(images_dir), "-W", str(work_dir), "-o", log_name,
          f"-v{log_level}"],
         pass_fds=(page_server_fd, status_fd), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, close_fds=True)
+        stderr=subprocess.DEVNULL, close_fds=True, umask=0o077)

@@ -6,12 +6,9 @@ See docs/design.md for the format and its invariants.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
-import secrets
 import shutil
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -21,15 +18,19 @@ from typing import Callable, Iterator
 import blake3
 import zstandard
 
-from ckpt.errors import (CheckpointNotFound, DamagedCheckpoint, PermissionProblem, StoreError)
+from ckpt.errors import (CheckpointNotFound, DamagedCheckpoint, PermissionProblem, StoreError, UsageError)
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import ids
 from ckpt.store.blocks import ID_LEN as PAGE_ID_SIZE, PAGE, BlockStore, IngestStats
-from ckpt.store.fsutil import (DIR_MODE, FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir,
-                               translate_os_error)
+from ckpt.store.fsutil import (DIR_MODE, FILE_MODE, atomic_write_bytes, check_safe_ancestors, check_trusted_dir,
+                               fsync_dir, make_private_dir, translate_os_error)
 from ckpt.store.lock import store_lock
+from ckpt.store.staging import DumpStaging, StagingArea, discard, remove_tree  # noqa: F401  (re-exported)
 
 FORMAT = 2
+STORE_DIRS = ("checkpoints", "objects", "packs", "index", "logs", "tmp", "holders", "damaged")
+# What an interrupted creation can have left (store.json comes last): a dump finishes it.
+STORE_ENTRIES = (*STORE_DIRS, "lock")
 CODECS = ("zstd", "none")
 DUMP_CODECS = ("zstd", "lz4", "none")
 CODEC_SUFFIX = {"none": "", "zstd": ".zst"}
@@ -99,56 +100,6 @@ class Manifest:
         return sorted(pids)
 
 
-RAM_BASE = Path("/dev/shm")
-
-
-def _remove_empty_ram_dir(path: Path) -> None:
-    """Removes a per-store staging directory in RAM once nothing is left in it."""
-    if path.parent == RAM_BASE:
-        try:
-            path.rmdir()
-        except OSError:
-            pass
-
-
-LARGE_TREE = 512 << 20
-
-
-def _tree_bytes(path: Path) -> int:
-    total = 0
-    for sub in (path, path / "images"):
-        try:
-            total += sum(e.stat().st_size for e in os.scandir(sub) if e.is_file(follow_symlinks=False))
-        except OSError:
-            pass
-    return total
-
-
-def remove_tree(path: Path) -> None:
-    """Removes a staging or restore directory.
-
-    Freeing a large one takes a while (about 0.2 s per GiB in tmpfs) that the user should not
-    wait for: it is renamed to trash-* at once and removed by a detached `rm`. If that rm is
-    killed, the next dump's sweep of leftovers removes the trash-* directory."""
-    if _tree_bytes(path) >= LARGE_TREE:
-        trash = path.with_name(f"trash-{secrets.token_hex(6)}")
-        try:
-            os.rename(path, trash)
-            subprocess.Popen(["rm", "-rf", "--", str(trash)], stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-            return
-        except OSError:
-            if trash.exists():
-                path = trash
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def discard(images_dir: Path) -> None:
-    """Removes a materialised images directory (and its RAM staging parent once empty)."""
-    remove_tree(images_dir)
-    _remove_empty_ram_dir(images_dir.parent)
-
-
 def _worth_compressing(path: Path) -> bool:
     """Samples the file: data that does not shrink by 10% is stored as it is. Compressing it
     would cost a pass over it on every dump and every restore for nothing."""
@@ -173,27 +124,6 @@ def hash_file(path: Path) -> str:
     return hasher.hexdigest()
 
 
-class DumpStaging:
-    """tmp/dump-<id>/: where CRIU writes. Its owner file stays flock'd while the dump is alive."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.images_dir = root / "images"
-        root.mkdir(mode=DIR_MODE)  # exclusive: two dumps never share a staging directory (or an ID)
-        make_private_dir(self.images_dir)
-        self._owner_fd = os.open(root / "owner", os.O_RDWR | os.O_CREAT, FILE_MODE)
-        fcntl.flock(self._owner_fd, fcntl.LOCK_EX)
-        os.write(self._owner_fd, str(os.getpid()).encode())
-
-    def image_files(self) -> list[Path]:
-        return sorted(p for p in self.images_dir.iterdir() if p.is_file())
-
-    def remove(self) -> None:
-        remove_tree(self.root)
-        os.close(self._owner_fd)
-        _remove_empty_ram_dir(self.root.parent)
-
-
 class Store:
     def __init__(self, root: Path):
         self.root = root
@@ -212,32 +142,68 @@ class Store:
     # ---- opening -------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, root: Path, create: bool = True) -> Store:
-        """Opens (and with create=True initialises) the store at root."""
-        store = cls(root)
-        meta = root / "store.json"
+    def open(cls, root: Path, create: bool = False) -> Store:
+        """Opens the store at root. Only create=True (a dump) makes one, and only where nothing or
+        an empty directory is; it never changes the mode of a directory it did not make.
+
+        A store that another user owns or others may write (the root, a directory in it, or a
+        directory above it that someone else could rename it out of) is refused: whoever can
+        write a store can plant a checkpoint that its owner restores, and so run code as root
+        for root's store."""
+        if not str(root).strip():
+            raise UsageError("the store path is empty", hint="pass --store DIR, or unset an empty CKPT_STORE")
+        root = Path(os.path.abspath(root))
         try:
-            if not meta.exists():
+            check_safe_ancestors(root)
+            if not os.path.lexists(root):
                 if not create:
                     raise CheckpointNotFound(f"no ckpt store at {root}, so no checkpoints",
-                                             hint="dump a process first, or pass --store")
-                make_private_dir(root)
-                for sub in ("checkpoints", "objects", "packs", "index", "logs", "tmp", "holders"):
-                    make_private_dir(root / sub)
+                                             hint="dump a process first, or pass the right --store")
+                os.makedirs(root.parent, mode=DIR_MODE, exist_ok=True)
+                try:
+                    os.mkdir(root, DIR_MODE)
+                except FileExistsError:
+                    pass  # another dump made it meanwhile: checked below like any directory
+            real = root.resolve()
+            if real != root:
+                check_safe_ancestors(real)  # an administrator's link to the store's real place
+            meta = real / "store.json"
+            if not create and not os.path.lexists(meta):
+                raise CheckpointNotFound(f"no ckpt store at {root} (no store.json there)",
+                                         hint="pass the right --store; only 'ckpt dump' creates a store")
+            check_trusted_dir(real, "the store")
+            if not os.path.lexists(meta):
+                foreign = sorted(n for n in os.listdir(real)
+                                 if n not in STORE_ENTRIES and not n.startswith(".store.json."))
+                if foreign:
+                    raise UsageError(f"{root} is not a ckpt store and is not empty (it holds {foreign[0]}"
+                                     f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''})",
+                                     hint="choose a new or empty directory with --store")
+                for sub in STORE_DIRS:
+                    make_private_dir(real / sub)
+                # Written last: a directory without it, holding only these, is a store whose
+                # creation was interrupted, and the next dump finishes it.
                 atomic_write_bytes(meta, json.dumps(
-                    {"format": FORMAT, "created": datetime.now(timezone.utc).isoformat()}).encode())
+                    {"format": FORMAT, "created": datetime.now(timezone.utc).isoformat()}).encode(), replace=False)
+            for sub in STORE_DIRS:
+                if os.path.lexists(real / sub):
+                    check_trusted_dir(real / sub, "the store directory")
             info = json.loads(meta.read_text())
+        except FileExistsError:
+            return cls.open(root, create=False)  # another dump finished creating it first
         except OSError as exc:
             raise translate_os_error(exc, f"opening the store at {root}") from exc
         except ValueError as exc:
             raise StoreError(f"{meta} is not valid JSON: {exc}") from exc
+        if not isinstance(info, dict):
+            raise StoreError(f"{meta} is not a ckpt store description", hint="pass the right --store")
         if int(info.get("format", 0)) > FORMAT:
             raise StoreError(f"the store at {root} has format {info['format']}, newer than this ckpt "
                              f"understands ({FORMAT})", hint="upgrade ckpt")
-        if create and not os.access(root, os.W_OK):
+        if create and not os.access(real, os.W_OK):
             raise PermissionProblem(f"the store at {root} is not writable",
                                     hint="run as its owner (root) or choose another store with --store")
-        return store
+        return cls(real)
 
     def lock(self, exclusive: bool = False, on_wait=None, timeout: float | None = None):
         return store_lock(self.root, exclusive, on_wait, timeout)
@@ -317,12 +283,7 @@ class Store:
 
     # ---- staging and objects ---------------------------------------------------------------
 
-    def ram_dir(self) -> Path:
-        """This store's staging area in RAM (tmpfs), one per user and store."""
-        tag = blake3.blake3(str(self.root).encode()).hexdigest()[:12]
-        return RAM_BASE / f"ckpt-{os.geteuid()}-{tag}"
-
-    def staging_base(self) -> Path:
+    def staging_area(self) -> StagingArea:
         """Where images are written before they enter the store, or before CRIU restores them.
 
         <store>/tmp by default (CKPT_STAGING=disk or auto): CRIU writes and reads a disk
@@ -331,17 +292,19 @@ class Store:
         /dev/shm (raw `criu dump` to disk: 1381 ms), whole dump 3.8 s against 4.7 s; restores
         5.9 s against 7.2 s. Staging files live a few seconds and are deleted before the kernel
         writes most of them back; page cache, unlike tmpfs, can also be written back under
-        memory pressure. CKPT_STAGING=ram stages in /dev/shm instead.
+        memory pressure. CKPT_STAGING=ram stages in /dev/shm instead (see ckpt/store/staging.py
+        for how ckpt stays safe in a directory every user can write).
         """
-        if os.environ.get("CKPT_STAGING", "auto") == "ram" and RAM_BASE.is_dir():
-            return self.ram_dir()
-        return self.tmp_dir
+        if os.environ.get("CKPT_STAGING", "auto") == "ram":
+            return StagingArea.in_ram(self.root)
+        return StagingArea(self.tmp_dir)
 
     def begin_dump(self, checkpoint_id: str) -> DumpStaging:
         try:
-            base = self.staging_base()
-            make_private_dir(base)
-            return DumpStaging(base / f"dump-{ids.check_id(checkpoint_id)}")
+            area = self.staging_area()
+            if area.base == self.tmp_dir:
+                make_private_dir(area.base)
+            return area.begin_dump(ids.check_id(checkpoint_id))
         except OSError as exc:
             raise translate_os_error(exc, "creating the staging directory") from exc
 
@@ -585,8 +548,10 @@ class Store:
     def _materialize(self, manifest: Manifest, reporter: Reporter, skip_pages: bool,
                      holes_for: Callable[[Path], dict[str, list[tuple[int, int]]]] | None
                      ) -> tuple[Path, dict[str, list[int]]]:
-        dest = self.staging_base() / f"restore-{secrets.token_hex(6)}"
-        make_private_dir(dest)
+        area = self.staging_area()
+        if area.base == self.tmp_dir:
+            make_private_dir(area.base)
+        dest = area.new_dir("restore")
         total = manifest.bytes_total or 1
         done = 0
         locations: dict[str, list[int]] = {}
@@ -639,34 +604,24 @@ class Store:
         execute_prune(self, plan)
         return plan.files_removed, plan.bytes_freed
 
-    def _staging_dirs(self) -> list[Path]:
-        return [p for base in (self.tmp_dir, self.ram_dir()) if base.exists() for p in base.iterdir()]
+    def _staging_areas(self) -> list[StagingArea]:
+        """The store's tmp/ and its names in /dev/shm (swept whatever CKPT_STAGING says now:
+        a dump staged in RAM earlier may have left something there)."""
+        areas = [StagingArea(self.tmp_dir)]
+        try:
+            areas.append(StagingArea.in_ram(self.root))
+        except StoreError:
+            pass  # no safe /dev/shm here: nothing of ours can be in it
+        return areas
 
     def remove_leftovers(self) -> int:
-        """Removes staging and restore directories of ckpt commands that are gone."""
-        removed = 0
-        for path in self._staging_dirs():
-            owner = path / "owner"
-            if path.name.startswith("dump-") and owner.exists():
-                fd = os.open(owner, os.O_RDONLY)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a live dump owns it
-                finally:
-                    os.close(fd)
-            elif path.name.startswith("restore-"):
-                # Restores hold the shared lock; leftovers are removed only under the exclusive one.
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-            removed += 1
-        _remove_empty_ram_dir(self.ram_dir())
-        return removed
+        """Removes the staging directories of dumps that are gone (never a live dump's)."""
+        return sum(area.sweep(restores=False) for area in self._staging_areas())
 
     def remove_restore_leftovers(self) -> None:
-        for path in self._staging_dirs():
-            if path.name.startswith("restore-"):
-                shutil.rmtree(path, ignore_errors=True)
+        """Removes restore directories too: only under the exclusive lock (restores hold the shared one)."""
+        for area in self._staging_areas():
+            area.sweep(restores=True)
 
     def iter_object_bytes(self) -> Iterator[int]:
         for top in (self.objects_dir, self.root / "packs"):

@@ -33,7 +33,10 @@ def test_every_command_is_registered_and_has_help_with_examples(capsys):
         assert "Examples:" in out and f"ckpt schedule {command}" in out, command
 
 
-def test_list_on_empty_store_is_an_empty_json_array(capsys):
+def test_list_on_empty_store_is_an_empty_json_array(capsys, isolated_env):
+    from ckpt.store import Store
+
+    Store.open(isolated_env, create=True)
     code, out, _ = run(capsys, "list", "--json")
     assert code == 0 and json.loads(out) == []
 

@@ -20,7 +20,7 @@ IOV = struct.Struct("=I4xQQQ")  # criu/page-xfer.c: struct page_server_iov
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_STAGING", "disk")
-    return Store.open(tmp_path / "store")
+    return Store.open(tmp_path / "store", create=True)
 
 
 def lazy_materialise(store, manifest, holes):

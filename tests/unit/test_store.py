@@ -33,7 +33,7 @@ def fake_dump(store: Store, files: dict[str, bytes], name=None, codec="zstd", pi
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_STAGING", "disk")  # keep these tests out of /dev/shm
-    return Store.open(tmp_path / "store")
+    return Store.open(tmp_path / "store", create=True)
 
 
 def modes(root):
@@ -90,7 +90,7 @@ def test_uncommitted_dump_is_invisible_and_cleaned(store):
     assert store.checkpoint_ids() == []
     assert store.remove_leftovers() == 0, "a live dump's staging must not be removed"
     # Simulate the dumper dying: its flock goes away with its file descriptor.
-    os.close(staging._owner_fd)
+    os.close(staging._lock_fd)
     assert store.remove_leftovers() == 1
     assert list(store.tmp_dir.iterdir()) == []
 
@@ -211,19 +211,20 @@ def test_runs_of_new_pages_are_consecutive_and_bounded():
 
 
 def test_large_staging_is_moved_aside_at_once_and_removed_in_the_background(tmp_path, monkeypatch):
-    from ckpt.store import repository
+    from ckpt.store import staging
 
-    monkeypatch.setattr(repository, "LARGE_TREE", 1 << 20)
+    monkeypatch.setattr(staging, "LARGE_TREE", 1 << 20)
     small, large = tmp_path / "dump-small", tmp_path / "dump-large"
     for path, size in ((small, 1000), (large, 2 << 20)):
-        (path / "images").mkdir(parents=True)
+        path.mkdir(mode=0o700)
+        (path / "images").mkdir()
         (path / "images" / "pages-1.img").write_bytes(b"x" * size)
-    repository.remove_tree(small)
+    staging.remove_tree(small)
     assert not small.exists()
-    repository.remove_tree(large)
-    assert not large.exists()  # renamed to trash-* before returning
+    staging.remove_tree(large)
+    assert not large.exists()  # renamed to *.trash before returning
     deadline = time.monotonic() + 10
-    while list(tmp_path.glob("trash-*")) and time.monotonic() < deadline:
+    while list(tmp_path.glob("*.trash")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert list(tmp_path.iterdir()) == []
 
