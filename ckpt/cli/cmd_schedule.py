@@ -7,6 +7,7 @@ from ckpt.cli.options import JsonOption, QuietOption, StoreOption, retention_pol
 from ckpt.cli.output import CliReporter, emit_json, stderr, stdout
 from ckpt.config import resolve_store_path
 from ckpt.schedule import ScheduleBook, add, listing, remove, run
+from ckpt.store import Store
 
 HELP = """Periodic snapshots with cron: add, list, rm, and run (what cron runs).
 
@@ -35,8 +36,10 @@ Examples:
 schedule_app = typer.Typer(help=HELP, no_args_is_help=True, rich_markup_mode=None)
 
 
-def _book(store) -> ScheduleBook:
-    return ScheduleBook(resolve_store_path(store))
+def _book(store, create: bool = False) -> ScheduleBook:
+    # Opened as a store so that schedules get the same ownership checks (a schedule names the
+    # command cron runs as its owner); only `add` makes the store.
+    return ScheduleBook(Store.open(resolve_store_path(store), create=create).root)
 
 
 @schedule_app.command("add", help=ADD_HELP)
@@ -58,7 +61,7 @@ def add_command(
 ) -> None:
     target = {k: v for k, v in (("pid", pid), ("pidfile", pidfile), ("match", match)) if v is not None}
     policy = retention_policy(keep_last, keep_within, keep_hourly, keep_daily, keep_weekly)
-    book = _book(store)
+    book = _book(store, create=True)
     schedule, where = add(book, name, target, every, cron_expr, policy, pre_dump)
     if json_out:
         emit_json({"name": schedule.name, "cron": schedule.cron, "target": schedule.target,

@@ -28,7 +28,7 @@ from ckpt.store.lock import store_lock
 from ckpt.store.staging import DumpStaging, StagingArea, discard, remove_tree  # noqa: F401  (re-exported)
 
 FORMAT = 2
-STORE_DIRS = ("checkpoints", "objects", "packs", "index", "logs", "tmp", "holders", "damaged")
+STORE_DIRS = ("checkpoints", "objects", "packs", "index", "logs", "tmp", "holders", "damaged", "schedules")
 # What an interrupted creation can have left (store.json comes last): a dump finishes it.
 STORE_ENTRIES = (*STORE_DIRS, "lock")
 CODECS = ("zstd", "none")
