@@ -16,11 +16,11 @@ from pathlib import Path
 from ckpt import incremental, procs, unchanged
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
-from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, StoreBusy, TargetRefused
+from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, StoreBusy, TargetRefused, UsageError
 from ckpt.lazy import wait_for_lazy_restores
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store, ids
-from ckpt.store.blocks import MERGE_ABOVE
+from ckpt.store.blocks import CODECS, MERGE_ABOVE
 
 
 @dataclass
@@ -72,11 +72,20 @@ class DumpResult:
         }
 
 
+def check_request(request: DumpRequest) -> None:
+    """Refuses a bad value before anything is frozen or written (a bad codec used to be
+    noticed only by the ingest, after CRIU had dumped the tree)."""
+    procs.check_pid(request.pid)
+    if request.codec not in CODECS:
+        raise UsageError(f"unknown compression {request.codec!r}", hint=f"use one of {', '.join(CODECS)}")
+    if request.name is not None:
+        ids.check_name(request.name)
+
+
 def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReporter()) -> DumpResult:
     """Checkpoints request.pid into the store at store_root (created if needed)."""
     started = time.monotonic()
-    if request.name is not None:
-        ids.check_name(request.name)
+    check_request(request)
     procs.require_root()
     facts = procs.preflight(request.pid)
     # CRIU would dump memory a lazy restore has not filled in yet as missing.

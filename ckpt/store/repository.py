@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 import blake3
 import zstandard
 
+from ckpt import settings
 from ckpt.errors import (CheckpointNotFound, DamagedCheckpoint, PermissionProblem, StoreError)
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import ids
@@ -333,7 +334,7 @@ class Store:
         writes most of them back; page cache, unlike tmpfs, can also be written back under
         memory pressure. CKPT_STAGING=ram stages in /dev/shm instead.
         """
-        if os.environ.get("CKPT_STAGING", "auto") == "ram" and RAM_BASE.is_dir():
+        if settings.current().staging == "ram" and RAM_BASE.is_dir():
             return self.ram_dir()
         return self.tmp_dir
 
