@@ -16,7 +16,7 @@ from ckpt.store import Store, ids
 # No envvar= here: CKPT_STORE is read, with every other setting, by ckpt.settings.
 # A str, not a Path: Path('') would turn an empty --store into the current directory.
 StoreOption = Annotated[Optional[str], typer.Option(
-    "--store",
+    "--store", metavar="DIR",
     help="Checkpoint store directory [env var: CKPT_STORE; default: /var/lib/ckpt for root, "
          "$XDG_DATA_HOME/ckpt otherwise].")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
