@@ -13,15 +13,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ckpt import incremental, procs, unchanged
+from ckpt import incremental, procs, settings, unchanged
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
-from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, StoreBusy, TargetRefused
+from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, StoreBusy, TargetRefused, UsageError
 from ckpt.lazy import wait_for_lazy_restores
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store, ids
-from ckpt.store.blocks import MERGE_ABOVE
-from ckpt.store.lock import lock_timeout
+from ckpt.store.blocks import CODECS, MERGE_ABOVE
 from ckpt.target_lock import dumping
 
 
@@ -74,13 +73,22 @@ class DumpResult:
         }
 
 
+def check_request(request: DumpRequest) -> None:
+    """Refuses a bad value before anything is frozen or written (a bad codec used to be
+    noticed only by the ingest, after CRIU had dumped the tree)."""
+    procs.check_pid(request.pid)
+    if request.codec not in CODECS:
+        raise UsageError(f"unknown compression {request.codec!r}", hint=f"use one of {', '.join(CODECS)}")
+    if request.name is not None:
+        ids.check_name(request.name)
+
+
 def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReporter()) -> DumpResult:
     """Checkpoints request.pid into the store at store_root (created if needed)."""
     started = time.monotonic()
-    if request.name is not None:
-        ids.check_name(request.name)
+    check_request(request)
     procs.require_root()
-    with dumping(request.pid, lock_timeout(), lambda holder: reporter.info(
+    with dumping(request.pid, settings.current().lock_timeout, lambda holder: reporter.info(
             f"waiting for another dump of PID {request.pid} (ckpt PID {holder}) to finish")):
         return _dump(store_root, request, reporter, started)
 

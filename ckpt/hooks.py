@@ -12,15 +12,14 @@ from __future__ import annotations
 import os
 import subprocess
 
+from ckpt import settings
 from ckpt.errors import HookFailed
-
-DEFAULT_TIMEOUT_S = 60.0
 
 
 def run_hook(command: str, event: str, pid: int, checkpoint_id: str, name: str | None) -> None:
     env = {**os.environ, "CKPT_EVENT": event, "CKPT_PID": str(pid), "CKPT_ID": checkpoint_id,
            "CKPT_NAME": name or ""}
-    timeout = float(os.environ.get("CKPT_HOOK_TIMEOUT", DEFAULT_TIMEOUT_S))
+    timeout = settings.current().hook_timeout
     try:
         proc = subprocess.run(["/bin/sh", "-c", command], env=env, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)

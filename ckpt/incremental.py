@@ -18,18 +18,16 @@ verify and prune never see a parent.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckpt import settings
 from ckpt.errors import DamagedCheckpoint
 from ckpt.store.blocks import ID_LEN as PAGE_ID_SIZE, PAGE
 from ckpt.store.fsutil import atomic_write_bytes, make_private_dir
 
 # pagemap entry flags (CRIU's images/pagemap.proto)
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
-
-DEFAULT_TRACKING_DIR = Path("/run/ckpt/tracking")  # tmpfs: forgotten at reboot, as the processes are
 
 
 @dataclass(frozen=True)
@@ -61,7 +59,7 @@ class TrackingLog:
     """Per process incarnation, the last tracked dump attempt: {"store": path, "checkpoint": id}."""
 
     def __init__(self, root: Path | None = None):
-        self.root = root or Path(os.environ.get("CKPT_TRACKING_DIR") or DEFAULT_TRACKING_DIR)
+        self.root = root or settings.current().tracking_dir
 
     def _path(self, target: TargetIdentity) -> Path:
         return self.root / f"{target.key}.json"

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckpt import settings
 from ckpt.criu import lazypages
 from ckpt.criu.binary import CriuBinary
 from ckpt.criu.client import error_lines, has_feature
@@ -36,15 +37,11 @@ from ckpt.store import Manifest, Store
 from ckpt.store.blocks import PAGE
 from ckpt.store.repository import discard
 
-DEFAULT_RECORDS_DIR = Path("/run/ckpt/lazy")  # tmpfs: forgotten at reboot, as the servers are
-# Below this much lazily restorable memory a full restore is as quick: a restore restores
-# fully unless told --lazy. CKPT_LAZY_MIN_MIB changes it (0: lazily whenever possible).
-AUTO_MIN_BYTES = int(os.environ.get("CKPT_LAZY_MIN_MIB", "64")) << 20
 READY_TIMEOUT_S = 30.0
 
 
 def records_dir() -> Path:
-    return Path(os.environ.get("CKPT_LAZY_DIR", DEFAULT_RECORDS_DIR))
+    return settings.current().lazy_dir  # tmpfs by default: forgotten at reboot, as the servers are
 
 
 def thp_always() -> bool:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from ckpt.errors import PermissionProblem, PidInUse, ProcessNotFound, StoreBusy, TargetRefused
+from ckpt.errors import PermissionProblem, PidInUse, ProcessNotFound, StoreBusy, TargetRefused, UsageError
 from ckpt.textutil import printable
 
 PF_KTHREAD = 0x00200000
@@ -74,10 +74,20 @@ def process_state(pid: int) -> str | None:
         return None
 
 
+# The kernel's hard limit of /proc/sys/kernel/pid_max (PID_MAX_LIMIT on 64-bit): no PID reaches it.
+PID_MAX_LIMIT = 4 * 1024 * 1024
+
+
+def check_pid(pid: int) -> None:
+    """A PID is a number from 1 to the kernel's limit: anything else is a usage error (0 and -1
+    mean a process group or every process to kill(2), never one process)."""
+    if not 0 < pid < PID_MAX_LIMIT:
+        raise UsageError(f"invalid PID {pid}", hint="give the PID of a running process (a number above 0)")
+
+
 def preflight(pid: int) -> TargetFacts:
     """Refuses targets ckpt must not dump and detects the CRIU options the tree needs."""
-    if pid <= 0:
-        raise ProcessNotFound(f"invalid PID {pid}", hint="give the PID of a running process")
+    check_pid(pid)
     if pid == 1:
         raise TargetRefused("PID 1 (init) cannot be checkpointed: it would take the whole system with it",
                             hint="give the PID of the process tree you want to save")

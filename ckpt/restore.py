@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ckpt import procs
+from ckpt import procs, settings
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
 from ckpt.errors import HookFailed, UsageError
-from ckpt.lazy import AUTO_MIN_BYTES, LazyPlan, start_page_server
+from ckpt.lazy import LazyPlan, start_page_server
 from ckpt.lazy import supported as lazy_supported
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store
@@ -37,7 +37,7 @@ class RestoreRequest:
     # the peers gave up.
     tcp_close: bool = False
     # Lazy restore (ckpt/lazy.py): True, False, or None to decide (lazy when the tree has at
-    # least lazy.AUTO_MIN_BYTES of memory CRIU can restore lazily and the kernel can).
+    # least settings.lazy_min_bytes of memory (CKPT_LAZY_MIN_MIB) CRIU can restore lazily and the kernel can).
     lazy: bool | None = None
 
 
@@ -77,7 +77,8 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
         plan = LazyPlan()
         if lazy:
             def holes_for(directory: Path) -> dict[str, list[tuple[int, int]]]:
-                holes = plan.prepare(directory, manifest, AUTO_MIN_BYTES if request.lazy is None else 1)
+                minimum = settings.current().lazy_min_bytes if request.lazy is None else 1
+                holes = plan.prepare(directory, manifest, minimum)
                 if holes is None:
                     reporter.info("restoring all memory first: a mapping that may use huge pages holds pages "
                                   "that cannot come back lazily")
@@ -178,7 +179,7 @@ def _wants_lazy(request: RestoreRequest, manifest: Manifest, binary) -> bool:
             raise UsageError("--lazy and --new-pidns cannot be combined",
                              hint="drop one of them (a restore into a new PID namespace is a full one)")
         return False
-    if request.lazy is None and manifest.bytes_total < AUTO_MIN_BYTES:
+    if request.lazy is None and manifest.bytes_total < settings.current().lazy_min_bytes:
         return False  # too small whatever its pages: spares the kernel check
     if not lazy_supported(binary):
         if request.lazy:

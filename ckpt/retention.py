@@ -34,6 +34,13 @@ class Policy:
     keep_daily: int = 0
     keep_weekly: int = 0
 
+    def __post_init__(self) -> None:
+        for rule in ("keep_last", "keep_hourly", "keep_daily", "keep_weekly"):
+            count = getattr(self, rule)
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise UsageError(f"--{rule.replace('_', '-')} {count!r} is not a count",
+                                 hint="give a whole number of 0 or more")
+
     def empty(self) -> bool:
         return not (self.keep_last or self.keep_within or self.keep_hourly or self.keep_daily or self.keep_weekly)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from ckpt import cron, procs
+from ckpt import cron, procs, settings
 from ckpt.errors import CkptError, ProcessNotFound, StoreBusy, UsageError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.retention import Policy
@@ -28,7 +28,6 @@ from ckpt.store.fsutil import atomic_write_bytes, make_private_dir
 
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")  # cron.d ignores file names with dots
 CRON_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-DEFAULT_WAIT_S = 60.0
 
 
 class TargetAmbiguous(CkptError):
@@ -69,7 +68,7 @@ class ScheduleBook:
         self.store_root = store_root
         self.dir = store_root / "schedules"
         self.log_dir = store_root / "logs" / "schedules"
-        self.cron_dir = cron_dir or Path(os.environ.get("CKPT_CRON_DIR", "/etc/cron.d"))
+        self.cron_dir = cron_dir or settings.current().cron_dir
 
     def path(self, name: str) -> Path:
         return self.dir / f"{check_name(name)}.json"
@@ -158,6 +157,13 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
     check_name(name)
     if len(target) != 1:
         raise UsageError("give exactly one target: --pid, --pidfile or --match")
+    if "pid" in target:
+        procs.check_pid(target["pid"])
+        if target["pid"] == 1:
+            raise UsageError("PID 1 (init) cannot be checkpointed", hint="give the PID of the process tree to save")
+    if "pidfile" in target:
+        # Cron runs ckpt from $HOME: a relative path would name another file there.
+        target = {"pidfile": str(Path(target["pidfile"]).expanduser().absolute())}
     if "match" in target:
         try:
             re.compile(target["match"])
@@ -175,6 +181,9 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
     schedule = Schedule(name=name, target=target, cron=expr, every=every, retention=policy.to_json()
                         if not policy.empty() else {}, pre_dump=pre_dump,
                         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    from ckpt.store import Store
+
+    Store.open(book.store_root, create=True)  # made (and checked) only now that the schedule is valid
     make_private_dir(book.dir)
     make_private_dir(book.log_dir)
     atomic_write_bytes(book.path(name), json.dumps(asdict(schedule), indent=2).encode())
@@ -245,7 +254,7 @@ def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait
     from ckpt.store import Store
 
     schedule = book.load(name)
-    wait_s = float(os.environ.get("CKPT_SCHEDULE_WAIT", DEFAULT_WAIT_S)) if wait_s is None else wait_s
+    wait_s = settings.current().schedule_wait if wait_s is None else wait_s
     started = datetime.now(timezone.utc)
     outcome = {"time": started.isoformat(timespec="seconds"), "outcome": None}
     make_private_dir(book.dir)

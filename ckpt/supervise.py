@@ -58,6 +58,9 @@ class Supervisor:
             raise UsageError("no command to run", hint="ckpt run [OPTIONS] -- COMMAND [ARGS...]")
         if request.every.total_seconds() < 1:
             raise UsageError("--every must be at least 1s")
+        for flag, count in (("--keep-last", request.keep_last), ("--max-restores", request.max_restores)):
+            if count < 0:
+                raise UsageError(f"{flag} {count} is negative", hint="give 0 or more")
         self.store_root = store_root
         self.request = request
         self.reporter = reporter

@@ -1,8 +1,7 @@
 import typer
 
-from ckpt.cli.options import JsonOption, StoreOption
+from ckpt.cli.options import JsonOption, StoreOption, store_root
 from ckpt.cli.output import emit_json, stdout, styled
-from ckpt.config import resolve_store_path
 from ckpt.errors import CkptError, ExitCode
 from ckpt.readiness import as_json, check_readiness, ready
 
@@ -25,7 +24,7 @@ class NotReady(CkptError):
 def register(app: typer.Typer) -> None:
     @app.command("check", help=HELP)
     def check_command(store: StoreOption = None, json_out: JsonOption = False) -> None:
-        findings = check_readiness(resolve_store_path(store))
+        findings = check_readiness(store_root(store))
         if json_out:
             emit_json(as_json(findings))
         else:

@@ -3,9 +3,9 @@ from typing import Annotated, Optional
 import typer
 
 from ckpt.checkpoint import DumpRequest, dump
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption
-from ckpt.config import resolve_store_path
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption, store_root
 from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr, styled
+from ckpt.store.blocks import CODECS
 
 HELP = """Checkpoint the process tree rooted at PID into the store.
 
@@ -24,6 +24,12 @@ Examples:
 
   ckpt dump 4242 --pre-dump 'kill -USR1 $CKPT_PID; sleep 1'   # let it flush first
 """
+
+
+def _codec(value: str) -> str:
+    if value not in CODECS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(CODECS)}")
+    return value
 
 
 def register(app: typer.Typer) -> None:
@@ -46,7 +52,8 @@ def register(app: typer.Typer) -> None:
             "--dirty-tracking/--no-dirty-tracking",
             help="On kernels with soft-dirty, read only the pages written since this process's last "
                  "checkpoint while it is frozen [default: on where the kernel has it].")] = True,
-        compression: Annotated[str, typer.Option("--compression", help="zstd, lz4 or none.")] = "zstd",
+        compression: Annotated[str, typer.Option("--compression", help="zstd, lz4 or none.",
+                                                  callback=_codec)] = "zstd",
         pre_dump: Annotated[Optional[str], typer.Option(
             "--pre-dump", help="Shell command run before the dump (CKPT_PID, CKPT_ID in its environment); "
                                "if it fails, nothing is dumped.")] = None,
@@ -56,7 +63,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         reporter = CliReporter(quiet=quiet)
         try:
-            result = dump(resolve_store_path(store), DumpRequest(
+            result = dump(store_root(store), DumpRequest(
                 pid=pid, name=name, stop=stop, codec=compression, shell_job=shell_job,
                 tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
                 pre_dump_hook=pre_dump, dirty_tracking=dirty_tracking), reporter)

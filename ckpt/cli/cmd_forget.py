@@ -1,8 +1,10 @@
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from ckpt.cli.options import DryRunOption, JsonOption, QuietOption, StoreOption, open_store, retention_policy
+from ckpt.cli.options import (DryRunOption, JsonOption, KeepDailyOption, KeepHourlyOption, KeepLastOption,
+                              KeepWeeklyOption, KeepWithinOption, NameFilterOption, QuietOption, StoreOption,
+                              open_store, retention_policy)
 from ckpt.cli.output import emit_json, human_bytes, stderr, stdout
 from ckpt.forget import forget
 
@@ -23,13 +25,12 @@ Examples:
 def register(app: typer.Typer) -> None:
     @app.command("forget", help=HELP)
     def forget_command(
-        name: Annotated[Optional[str], typer.Option("--name", help="Only the checkpoints with this name.")] = None,
-        keep_last: Annotated[int, typer.Option("--keep-last", help="Keep the N newest.")] = 0,
-        keep_within: Annotated[Optional[str], typer.Option("--keep-within",
-                                                           help="Keep all newer than DURATION (30m, 2d).")] = None,
-        keep_hourly: Annotated[int, typer.Option("--keep-hourly", help="Keep the newest of N hours.")] = 0,
-        keep_daily: Annotated[int, typer.Option("--keep-daily", help="Keep the newest of N days.")] = 0,
-        keep_weekly: Annotated[int, typer.Option("--keep-weekly", help="Keep the newest of N weeks.")] = 0,
+        name: NameFilterOption = None,
+        keep_last: KeepLastOption = 0,
+        keep_within: KeepWithinOption = None,
+        keep_hourly: KeepHourlyOption = 0,
+        keep_daily: KeepDailyOption = 0,
+        keep_weekly: KeepWeeklyOption = 0,
         prune: Annotated[bool, typer.Option("--prune", help="Reclaim unreferenced space afterwards.")] = False,
         allow_remove_all: Annotated[bool, typer.Option("--allow-remove-all",
                                                        help="Allow removing every checkpoint of a group.")] = False,

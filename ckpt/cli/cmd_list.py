@@ -1,9 +1,8 @@
 from datetime import datetime
-from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, StoreOption, open_store
+from ckpt.cli.options import JsonOption, NameFilterOption, StoreOption, open_store
 from ckpt.cli.output import emit_json, human_bytes, print_table, stderr, styled
 
 HELP = """List the checkpoints in the store, oldest first.
@@ -19,7 +18,7 @@ Examples:
 def register(app: typer.Typer) -> None:
     @app.command("list", help=HELP)
     def list_command(
-        name: Annotated[Optional[str], typer.Option("--name", help="Only checkpoints with this name.")] = None,
+        name: NameFilterOption = None,
         store: StoreOption = None,
         json_out: JsonOption = False,
     ) -> None:

@@ -2,8 +2,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption
-from ckpt.config import resolve_store_path
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption, output_file_option, store_root
 from ckpt.cli.output import CliReporter, emit_json, stderr, styled
 from ckpt.restore import RestoreRequest, restore
 
@@ -40,6 +39,11 @@ Examples:
   ckpt restore agent --eager       # all memory in place before the tree runs
 """
 
+OutputOption = output_file_option(
+    "Where the tree now writes what it wrote into pipes or sockets to programs outside it ('agent | tee log'): "
+    "FILE (appended), or '-' for ckpt's own stdout and stderr. Default: output-TIME.log in the checkpoint's "
+    "log directory.")
+
 
 def register(app: typer.Typer) -> None:
     @app.command("restore", help=HELP)
@@ -54,11 +58,7 @@ def register(app: typer.Typer) -> None:
             "--tcp-close", help="Restore established TCP connections closed: the program sees them fail and "
                                 "reconnects. For a restore on another machine, or long after the peers gave "
                                 "up.")] = False,
-        output: Annotated[Optional[str], typer.Option(
-            "--output", metavar="FILE",
-            help="Where the tree now writes what it wrote into pipes or sockets to programs outside it "
-                 "('agent | tee log'): FILE (appended), or '-' for ckpt's own stdout and stderr. Default: "
-                 "output-TIME.log in the checkpoint's log directory.")] = None,
+        output: OutputOption = None,
         lazy: Annotated[Optional[bool], typer.Option(
             "--lazy/--eager",
             help="Restore memory lazily (the tree runs at once, a page server fills its memory in) or all "
@@ -70,10 +70,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         reporter = CliReporter(quiet=quiet)
         try:
-            result = restore(resolve_store_path(store), RestoreRequest(ref=ref, new_pidns=new_pidns,
-                                                                        post_restore_hook=post_restore,
-                                                                        output=output, tcp_close=tcp_close,
-                                                                        lazy=lazy), reporter)
+            result = restore(store_root(store), RestoreRequest(ref=ref, new_pidns=new_pidns,
+                                                               post_restore_hook=post_restore,
+                                                               output=output, tcp_close=tcp_close,
+                                                               lazy=lazy), reporter)
         finally:
             reporter.close()
         if json_out:

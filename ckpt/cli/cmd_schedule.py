@@ -3,9 +3,9 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption, retention_policy
+from ckpt.cli.options import (JsonOption, KeepDailyOption, KeepHourlyOption, KeepLastOption, KeepWeeklyOption,
+                              KeepWithinOption, QuietOption, StoreOption, retention_policy, store_root)
 from ckpt.cli.output import CliReporter, emit_json, stderr, stdout
-from ckpt.config import resolve_store_path
 from ckpt.schedule import ScheduleBook, add, listing, remove, run
 from ckpt.store import Store
 
@@ -36,10 +36,10 @@ Examples:
 schedule_app = typer.Typer(help=HELP, no_args_is_help=True, rich_markup_mode=None)
 
 
-def _book(store, create: bool = False) -> ScheduleBook:
+def _book(store, opened: bool = True) -> ScheduleBook:
     # Opened as a store so that schedules get the same ownership checks (a schedule names the
-    # command cron runs as its owner); only `add` makes the store.
-    return ScheduleBook(Store.open(resolve_store_path(store), create=create).root)
+    # command cron runs as its owner); `add` makes the store once the schedule is valid.
+    return ScheduleBook(Store.open(store_root(store)).root if opened else store_root(store))
 
 
 @schedule_app.command("add", help=ADD_HELP)
@@ -50,18 +50,18 @@ def add_command(
     match: Annotated[Optional[str], typer.Option("--match", help="Regex matched against command lines.")] = None,
     every: Annotated[Optional[str], typer.Option("--every", help="Period: 1m, 5m, 1h, 1d...")] = None,
     cron_expr: Annotated[Optional[str], typer.Option("--cron", help="A cron expression, e.g. '*/5 * * * *'.")] = None,
-    keep_last: Annotated[int, typer.Option("--keep-last", help="Keep the N newest.")] = 0,
-    keep_within: Annotated[Optional[str], typer.Option("--keep-within", help="Keep all newer than DURATION.")] = None,
-    keep_hourly: Annotated[int, typer.Option("--keep-hourly", help="Keep the newest of N hours.")] = 0,
-    keep_daily: Annotated[int, typer.Option("--keep-daily", help="Keep the newest of N days.")] = 0,
-    keep_weekly: Annotated[int, typer.Option("--keep-weekly", help="Keep the newest of N weeks.")] = 0,
+    keep_last: KeepLastOption = 0,
+    keep_within: KeepWithinOption = None,
+    keep_hourly: KeepHourlyOption = 0,
+    keep_daily: KeepDailyOption = 0,
+    keep_weekly: KeepWeeklyOption = 0,
     pre_dump: Annotated[Optional[str], typer.Option("--pre-dump", help="Shell command run before each dump.")] = None,
     store: StoreOption = None,
     json_out: JsonOption = False,
 ) -> None:
     target = {k: v for k, v in (("pid", pid), ("pidfile", pidfile), ("match", match)) if v is not None}
     policy = retention_policy(keep_last, keep_within, keep_hourly, keep_daily, keep_weekly)
-    book = _book(store, create=True)
+    book = _book(store, opened=False)
     schedule, where = add(book, name, target, every, cron_expr, policy, pre_dump)
     if json_out:
         emit_json({"name": schedule.name, "cron": schedule.cron, "target": schedule.target,

@@ -7,9 +7,10 @@ import sys
 import traceback
 
 import typer
+from typer._click.exceptions import NoArgsIsHelpError, UsageError as ClickUsageError
 from typer.exceptions import Abort, Exit, TyperException
 
-from ckpt import __version__
+from ckpt import __version__, settings
 from ckpt.cli import (cmd_check, cmd_diff, cmd_dump, cmd_forget, cmd_list, cmd_prune, cmd_restore, cmd_rm, cmd_run,
                       cmd_schedule, cmd_show, cmd_verify)
 from ckpt.errors import CkptError, CriuFailed, ExitCode
@@ -29,7 +30,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-_debug = {"on": bool(os.environ.get("CKPT_DEBUG"))}
+_debug = {"on": False}
 
 
 def _version(value: bool) -> None:
@@ -44,7 +45,11 @@ def root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print ckpt's version and exit."),
 ) -> None:
-    if debug:
+    # Built once, before the command parses its options: a bad CKPT_* value stops every
+    # command here, before anything is frozen or written.
+    built = settings.Settings.from_environment()
+    settings.use(built)
+    if debug or built.debug:
         _debug["on"] = True
 
 
@@ -74,18 +79,25 @@ def main(argv: list[str] | None = None) -> None:
     except (Abort, KeyboardInterrupt):
         _error("interrupted")
         code = 130
-    except TyperException as exc:  # bad usage: typer's own message and usage line
-        show = getattr(exc, "show", None)
-        if show:
-            show()
-        else:
-            _error(exc.format_message())
+    except NoArgsIsHelpError as exc:  # `ckpt` or `ckpt schedule` alone: the help
+        exc.show()
+        code = exc.exit_code
+    except ClickUsageError as exc:  # bad usage: one line, as every other error, and where to read more
+        where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+        _error(exc.format_message().rstrip(".") + where)
+        code = exc.exit_code
+    except TyperException as exc:
+        _error(exc.format_message())
         code = exc.exit_code
     except Exception as exc:  # a bug: say so, with the traceback only on request
         if _debug["on"]:
             traceback.print_exc()
         _error(f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback and report it)")
         code = ExitCode.INTERNAL
+    finally:
+        # main() may run again in this process (tests), with another environment.
+        settings.use(None)
+        _debug["on"] = False
     sys.exit(int(code))
 
 

@@ -1,4 +1,7 @@
-"""Options shared by several commands, defined once so they read the same everywhere."""
+"""Options shared by several commands, defined once so they read the same everywhere.
+
+Each checks its value while the command line is parsed: a bad one is a one-line usage error
+(exit 2) before the command does anything."""
 
 from pathlib import Path
 from typing import Optional
@@ -6,19 +9,88 @@ from typing import Optional
 import typer
 from typing import Annotated
 
-from ckpt.config import resolve_store_path
-from ckpt.store import Store
+from ckpt import settings
+from ckpt.errors import InvalidReference
+from ckpt.store import Store, ids
 
-StoreOption = Annotated[Optional[Path], typer.Option(
-    "--store", envvar="CKPT_STORE", show_envvar=True,
-    help="Checkpoint store directory [default: /var/lib/ckpt for root, $XDG_DATA_HOME/ckpt otherwise].")]
+# No envvar= here: CKPT_STORE is read, with every other setting, by ckpt.settings.
+# A str, not a Path: Path('') would turn an empty --store into the current directory.
+StoreOption = Annotated[Optional[str], typer.Option(
+    "--store", metavar="DIR",
+    help="Checkpoint store directory [env var: CKPT_STORE; default: /var/lib/ckpt for root, "
+         "$XDG_DATA_HOME/ckpt otherwise].")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
 DryRunOption = Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would be done, change nothing.")]
 
 
-def open_store(path: Optional[Path], create: bool = False) -> Store:
-    return Store.open(resolve_store_path(path), create=create)
+def _count(value: int) -> int:
+    if value < 0:
+        raise typer.BadParameter(f"{value} is negative; give 0 or more")
+    return value
+
+
+def _name(value: Optional[str]) -> Optional[str]:
+    if value is not None:
+        try:
+            ids.check_name(value)
+        except InvalidReference as exc:  # no checkpoint can have it: a typo, not an empty result
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+# --name of `list` and `forget`: which checkpoints to look at.
+NameFilterOption = Annotated[Optional[str], typer.Option("--name", help="Only the checkpoints with this name.",
+                                                         callback=_name)]
+
+
+def count_option(flag: str, help: str):
+    """A whole number of 0 or more (a count of checkpoints, restores...)."""
+    return Annotated[int, typer.Option(flag, help=help, callback=_count, metavar="N")]
+
+
+def duration_option(flag: str, help: str):
+    """30s, 5m, 2h, 7d, 4w: checked by retention_policy(), before the command does anything."""
+    return Annotated[Optional[str], typer.Option(flag, help=help, metavar="DURATION")]
+
+
+# Retention, as `forget` and `schedule add` take it.
+KeepLastOption = count_option("--keep-last", "Keep the N newest.")
+KeepWithinOption = duration_option("--keep-within", "Keep all newer than DURATION (30m, 2d).")
+KeepHourlyOption = count_option("--keep-hourly", "Keep the newest of N hours.")
+KeepDailyOption = count_option("--keep-daily", "Keep the newest of N days.")
+KeepWeeklyOption = count_option("--keep-weekly", "Keep the newest of N weeks.")
+
+
+def output_file_option(help: str, created_parent: bool = False):
+    """A file to write into ('-' allowed), not a directory; its directory must exist unless the
+    command creates it (created_parent)."""
+    return Annotated[Optional[str], typer.Option("--output", metavar="FILE", help=help,
+                                                 callback=_output_file(created_parent))]
+
+
+def _output_file(created_parent: bool):
+    def check(value: Optional[str]) -> Optional[str]:
+        if value is None or value == "-":
+            return value
+        if value.strip() == "":
+            raise typer.BadParameter("'' names no file; give a file")
+        path = Path(value).expanduser().absolute()
+        if path.is_dir():
+            raise typer.BadParameter(f"{value} is a directory; give a file, e.g. {path / 'output.log'}")
+        if not created_parent and not path.parent.is_dir():
+            raise typer.BadParameter(f"{path.parent} is not a directory; give a file in an existing directory")
+        return value
+    return check
+
+
+def store_root(flag: Optional[str]) -> Path:
+    """The store: --store, else CKPT_STORE, else the default (ckpt.settings)."""
+    return settings.store_from_flag(flag) if flag is not None else settings.current().store
+
+
+def open_store(path: Optional[str], create: bool = False) -> Store:
+    return Store.open(store_root(path), create=create)
 
 
 def retention_policy(keep_last: int, keep_within: Optional[str], keep_hourly: int, keep_daily: int,

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from ckpt.config import criu_binary_override
+from ckpt import settings
 from ckpt.errors import CriuUnavailable
 
 MIN_VERSION = (4, 0)
@@ -39,7 +39,7 @@ def read_version(path: str) -> tuple[tuple[int, ...], str] | None:
 
 def find_criu() -> CriuBinary:
     """The first CRIU >= 4.0 found: $CKPT_CRIU, then the usual places, then PATH."""
-    override = criu_binary_override()
+    override = settings.current().criu
     if override:
         candidates = [override]
     else:

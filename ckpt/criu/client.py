@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ckpt import settings
 from ckpt.criu.binary import CriuBinary
 from ckpt.errors import CriuFailed, DiskFull, PidInUse
 
@@ -27,8 +28,7 @@ NotifyHandler = Callable[[str, int], None]
 
 
 def _log_level() -> int:
-    value = os.environ.get("CKPT_CRIU_LOG_LEVEL", "3")
-    return int(value) if value in ("0", "1", "2", "3", "4") else 3
+    return settings.current().criu_log_level
 
 
 @dataclass
@@ -246,15 +246,12 @@ class CriuClient:
         return resp.restore.pid
 
 
-FEATURE_CACHE = Path("/run/ckpt/criu-features.json")  # tmpfs: forgotten at reboot, as the kernel is
-
-
 def has_feature(binary: CriuBinary, feature: str) -> bool:
     """Whether `criu check --feature FEATURE` passes, remembered until the next boot: what a
     running kernel supports does not change, and the check cost every dump and every restore
     40-60 ms. Keyed by boot id and by the binary (path, version, modification time); `ckpt
     check` always runs the checks afresh."""
-    path = Path(os.environ.get("CKPT_FEATURE_CACHE") or FEATURE_CACHE)
+    path = settings.current().feature_cache  # tmpfs by default: forgotten at reboot, as the kernel is
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         key = f"{binary.path}|{binary.version_text}|{os.stat(binary.path).st_mtime_ns}|{feature}"

@@ -15,18 +15,9 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ckpt import settings
 from ckpt.errors import StoreBusy
 from ckpt.store.fsutil import FILE_MODE, make_private_dir
-
-DEFAULT_TIMEOUT_S = 60.0
-
-
-def lock_timeout() -> float:
-    try:
-        return float(os.environ.get("CKPT_LOCK_TIMEOUT", DEFAULT_TIMEOUT_S))
-    except ValueError:
-        return DEFAULT_TIMEOUT_S
-
 
 def _pid_alive(pid: int) -> bool:
     try:
@@ -66,7 +57,7 @@ def store_lock(store_root: Path, exclusive: bool, on_wait=None, timeout: float |
 
     on_wait(holders) is called once if the lock is not free at once.
     """
-    timeout = lock_timeout() if timeout is None else timeout
+    timeout = settings.current().lock_timeout if timeout is None else timeout
     holders_dir = store_root / "holders"
     make_private_dir(holders_dir)
     fd = os.open(store_root / "lock", os.O_RDWR | os.O_CREAT, FILE_MODE)

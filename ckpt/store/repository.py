@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 import blake3
 import zstandard
 
+from ckpt import settings
 from ckpt.errors import (CheckpointNotFound, DamagedCheckpoint, PermissionProblem, StoreError, UsageError)
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import ids
@@ -295,7 +296,7 @@ class Store:
         memory pressure. CKPT_STAGING=ram stages in /dev/shm instead (see ckpt/store/staging.py
         for how ckpt stays safe in a directory every user can write).
         """
-        if os.environ.get("CKPT_STAGING", "auto") == "ram":
+        if settings.current().staging == "ram":
             return StagingArea.in_ram(self.root)
         return StagingArea(self.tmp_dir)
 

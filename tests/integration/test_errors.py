@@ -155,6 +155,23 @@ def test_disk_full_during_dump(procs, tmp_path, small_tmpfs):
     assert not list((store / "tmp").iterdir()), "a failed dump left its staging directory"
 
 
+def test_bad_compression_is_refused_before_the_target_is_frozen(procs, tmp_path, isolated_env):
+    """Before: CRIU froze and dumped the target, then the ingest refused the codec (exit 1)."""
+    counts = tmp_path / "c.txt"
+    target = procs.start("counter.py", counts)
+    wait_until(lambda: read_lines(counts), what="counter")
+    marker = tmp_path / "pre-dump-ran"
+    proc = ckpt("dump", target.pid, "--compression", "bogus", "--pre-dump", f"touch {marker}", check=False)
+    assert_clean_error(proc, 2, "--compression", "'bogus'")
+    # Nothing ran and nothing was written: no hook, no store (CRIU, which freezes the target,
+    # is given an images directory inside the store's staging area, so it never started).
+    assert not marker.exists()
+    assert not isolated_env.exists()
+    assert not_stopped(target.pid) and alive(target.pid)
+    before = len(read_lines(counts))
+    wait_until(lambda: len(read_lines(counts)) > before, what="the counter to go on counting")
+
+
 def test_pid_in_use_on_restore(procs, tmp_path):
     target = procs.start("counter.py", tmp_path / "c.txt")
     checkpoint = ckpt("dump", target.pid).stdout.strip()

@@ -63,3 +63,12 @@ def test_policy_json_round_trip():
     policy = Policy(keep_last=3, keep_within=timedelta(days=2), keep_daily=7)
     assert Policy.from_json(policy.to_json()) == policy
     assert Policy().empty() and not policy.empty()
+
+
+@pytest.mark.parametrize("rule", ["keep_last", "keep_hourly", "keep_daily", "keep_weekly"])
+def test_negative_counts_are_refused(rule):
+    """A schedule with --keep-last -1 used to be installed, and kept 'last 1 of -1'."""
+    with pytest.raises(UsageError, match=f"--{rule.replace('_', '-')} -1 is not a count"):
+        Policy(**{rule: -1})
+    with pytest.raises(UsageError):
+        Policy.from_json({rule: -1})

@@ -1,0 +1,181 @@
+"""ckpt's settings: one frozen object, built from flag > CKPT_* environment variable > default.
+
+The CLI builds it once, before any command runs, and installs it with use(); the core asks
+current() when it needs a value, never at import. Every value is checked when the object is
+built, so a bad one stops ckpt with a one-line usage error (exit 2) before anything is frozen
+or written, instead of a traceback or a silent fallback to the default.
+
+Each field names its environment variable in its metadata; README.md has a table of them
+(tests/unit/test_settings.py checks that the two agree). This is the only module that reads
+the environment for ckpt's own settings (hooks.py passes an environment *to* hooks).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from ckpt.errors import UsageError
+
+STAGING_CHOICES = ("auto", "disk", "ram")
+CRIU_LOG_LEVELS = range(0, 5)
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def default_store_path(environ: Mapping[str, str] | None = None) -> Path:
+    """`/var/lib/ckpt` for root, `$XDG_DATA_HOME/ckpt` (or ~/.local/share/ckpt) otherwise."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/ckpt")
+    xdg = (os.environ if environ is None else environ).get("XDG_DATA_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "share"
+    return base / "ckpt"
+
+
+# ---- parsers: (variable, raw text) -> value, or a UsageError naming both ----------------------
+
+def _bad(variable: str, raw: str, what: str, example: str) -> UsageError:
+    return UsageError(f"{variable}={raw!r} is not {what}", hint=f"unset it or set e.g. {example}")
+
+
+def _path(variable: str, raw: str) -> Path:
+    # Absolute now: cron runs ckpt from $HOME, a page server from /, and a relative path
+    # would name another place there.
+    return Path(raw).expanduser().absolute()
+
+
+def _seconds(above_zero: bool, example: str) -> Callable[[str, str], float]:
+    def parse(variable: str, raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise _bad(variable, raw, "a number of seconds", example)
+        if value < 0 or (above_zero and value == 0):
+            raise _bad(variable, raw, "a number of seconds above 0" if above_zero else "0 or more seconds", example)
+        return value
+    return parse
+
+
+def _whole(low: int, high: int | None, what: str, example: str) -> Callable[[str, str], int]:
+    def parse(variable: str, raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise _bad(variable, raw, what, example) from None
+        if value < low or (high is not None and value > high):
+            raise _bad(variable, raw, what, example)
+        return value
+    return parse
+
+
+def _choice(choices: tuple[str, ...], example: str) -> Callable[[str, str], str]:
+    def parse(variable: str, raw: str) -> str:
+        if raw not in choices:
+            raise _bad(variable, raw, f"one of {', '.join(choices)}", example)
+        return raw
+    return parse
+
+
+def _text(variable: str, raw: str) -> str:
+    return raw
+
+
+def _switch(variable: str, raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise _bad(variable, raw, "1 or 0", "1")
+
+
+def _env(variable: str, parse: Callable[[str, str], object]) -> dict:
+    return {"env": variable, "parse": parse}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting of ckpt, with its documented default (README.md, 'Settings'). Build it
+    with from_environment()."""
+
+    # The store; --store wins (store_from_flag).
+    store: Path = field(default_factory=default_store_path, metadata=_env("CKPT_STORE", _path))
+    # A CRIU binary to use instead of the first CRIU >= 4.0 found (criu/binary.py).
+    criu: str | None = field(default=None, metadata=_env("CKPT_CRIU", _text))
+    # 3: errors, warnings, info; 4: CRIU's debug trace, which costs a large dump ~5% of its freeze.
+    criu_log_level: int = field(default=3, metadata=_env(
+        "CKPT_CRIU_LOG_LEVEL", _whole(0, 4, "a log level from 0 to 4", "4")))
+    # Seconds to wait for a store another ckpt holds.
+    lock_timeout: float = field(default=60.0, metadata=_env("CKPT_LOCK_TIMEOUT", _seconds(False, "60")))
+    # Where images are staged: auto = disk (the store's tmp/), or ram (/dev/shm); see
+    # Store.staging_base for why disk is the default.
+    staging: str = field(default="auto", metadata=_env("CKPT_STAGING", _choice(STAGING_CHOICES, "ram")))
+    # Seconds a --pre-dump or --post-restore hook may take.
+    hook_timeout: float = field(default=60.0, metadata=_env("CKPT_HOOK_TIMEOUT", _seconds(True, "60")))
+    # Dirty-tracking records; tmpfs: forgotten at reboot, as the processes are.
+    tracking_dir: Path = field(default=Path("/run/ckpt/tracking"), metadata=_env("CKPT_TRACKING_DIR", _path))
+    # Below this much lazily restorable memory a full restore is as quick: a restore restores
+    # fully unless told --lazy (0: lazily whenever possible).
+    lazy_min_mib: int = field(default=64, metadata=_env(
+        "CKPT_LAZY_MIN_MIB", _whole(0, None, "a whole number of MiB", "64")))
+    # Records of running page servers; tmpfs: forgotten at reboot, as the servers are.
+    lazy_dir: Path = field(default=Path("/run/ckpt/lazy"), metadata=_env("CKPT_LAZY_DIR", _path))
+    # The kernel features CRIU found, until the next boot (tmpfs, as the kernel is).
+    feature_cache: Path = field(default=Path("/run/ckpt/criu-features.json"),
+                                metadata=_env("CKPT_FEATURE_CACHE", _path))
+    # Seconds a scheduled run waits for the previous run of its schedule, then skips.
+    schedule_wait: float = field(default=60.0, metadata=_env("CKPT_SCHEDULE_WAIT", _seconds(False, "60")))
+    # Where root's schedules go, as files ckpt-NAME.
+    cron_dir: Path = field(default=Path("/etc/cron.d"), metadata=_env("CKPT_CRON_DIR", _path))
+    # Tracebacks of internal errors, as --debug.
+    debug: bool = field(default=False, metadata=_env("CKPT_DEBUG", _switch))
+
+    @property
+    def lazy_min_bytes(self) -> int:
+        return self.lazy_min_mib << 20
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Each field from its CKPT_* variable, or its default when unset or empty (as for
+        any shell variable). A bad value raises UsageError naming the variable."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = environ.get(f.metadata["env"], "")
+            if raw != "":
+                values[f.name] = f.metadata["parse"](f.metadata["env"], raw)
+        if "store" not in values:
+            values["store"] = default_store_path(environ)
+        return cls(**values)
+
+
+def variables() -> dict[str, str]:
+    """{CKPT_* variable: field name} of every setting."""
+    return {f.metadata["env"]: f.name for f in fields(Settings)}
+
+
+def store_from_flag(flag: str | Path) -> Path:
+    """--store's value (which wins over CKPT_STORE) as an absolute path."""
+    if str(flag).strip() == "":
+        raise UsageError("--store '' names no directory", hint="give the store's directory, or leave --store out")
+    return _path("--store", str(flag))
+
+
+_installed: Settings | None = None
+
+
+def use(settings: Settings | None) -> None:
+    """Installs the settings the CLI built (None: back to reading the environment)."""
+    global _installed
+    _installed = settings
+
+
+def current() -> Settings:
+    """The settings the CLI installed; otherwise (ckpt used as a library, unit tests) built from
+    the environment as it is now."""
+    return _installed if _installed is not None else Settings.from_environment()
