@@ -484,6 +484,9 @@ class BlockStore:
             written.append((at, n))
         reader = _SegmentReader(self, index)
         out_fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE) if dest is not None else None
+        # Only checking (verify): every damaged segment is met and recorded, not just the first,
+        # so that no later dump names a page of any of them.
+        damaged: dict[int, DamagedCheckpoint] = {}
         try:
             # Under the holes, each segment is checked once (no run needs working out: most of a
             # large tree's memory is there).
@@ -501,20 +504,31 @@ class BlockStore:
                     stop = starts[k + 1] if k + 1 < len(starts) else end
                     key, within = locations[first] >> 16, locations[first] & 0xFFFF
                     count = stop - first
-                    if check_ids:
-                        chunk = reader.pages(key, within, count)
-                        got = page_ids(chunk, self.seed)
-                        if got != page_list[first * ID_LEN:stop * ID_LEN]:
-                            j = next(j for j in range(count) if got[j * ID_LEN:(j + 1) * ID_LEN]
-                                     != page_list[(first + j) * ID_LEN:(first + j + 1) * ID_LEN])
-                            self.record_damage(index.segment_list[key])
-                            raise DamagedCheckpoint(f"image {image_name}: page {first + j} does not match its id")
+                    if key in damaged:
+                        continue
+                    try:
+                        if check_ids:
+                            chunk = reader.pages(key, within, count)
+                            got = page_ids(chunk, self.seed)
+                            if got != page_list[first * ID_LEN:stop * ID_LEN]:
+                                j = next(j for j in range(count) if got[j * ID_LEN:(j + 1) * ID_LEN]
+                                         != page_list[(first + j) * ID_LEN:(first + j + 1) * ID_LEN])
+                                self.record_damage(index.segment_list[key])
+                                raise DamagedCheckpoint(f"image {image_name}: page {first + j} does not match its id")
+                            if out_fd is not None:
+                                _write_all(out_fd, chunk)
+                        elif out_fd is None:
+                            reader.pages(key, within, count)  # checks the segment's checksum
+                        else:
+                            reader.copy(key, within, count, out_fd)
+                    except DamagedCheckpoint as exc:
                         if out_fd is not None:
-                            _write_all(out_fd, chunk)
-                    elif out_fd is None:
-                        reader.pages(key, within, count)  # checks the segment's checksum
-                    else:
-                        reader.copy(key, within, count, out_fd)
+                            raise  # a restore stops at the first
+                        damaged[key] = exc
+            if damaged:
+                first_error = next(iter(damaged.values()))
+                more = f" (and {len(damaged) - 1} more damaged segments)" if len(damaged) > 1 else ""
+                raise DamagedCheckpoint(first_error.message + more)
             if out_fd is not None and holes:
                 os.ftruncate(out_fd, n * PAGE)  # a hole at the end leaves the file short
         except DamagedCheckpoint as exc:

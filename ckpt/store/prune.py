@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import blake3
+import xxhash
 
 from ckpt.errors import StoreError
 from ckpt.store.blocks import ID_LEN, PackWriter, Segment, render_index
@@ -129,13 +130,20 @@ def execute_prune(store: Store, plan: PrunePlan) -> None:
                 if out is None:
                     make_private_dir(new_pack_path.parent)
                     out = PackWriter(new_pack_path)
-                with open(blocks.pack_path(seg.pack), "rb") as src:
-                    src.seek(seg.offset)
-                    data = src.read(seg.length)
-                out.write(data)  # stored bytes are copied as they are: no re-encoding
+                try:
+                    with open(blocks.pack_path(seg.pack), "rb") as src:
+                        src.seek(seg.offset)
+                        data = src.read(seg.length)
+                except FileNotFoundError:
+                    data = b""
+                # Checked on the way: a segment of a pack with recorded damage is trusted at its
+                # new place only if it is intact; one cut short is padded to its length, so
+                # that the segments after it stay where the new index says they are.
+                intact = len(data) == seg.length and xxhash.xxh3_128_digest(data) == seg.checksum
+                out.write(data + bytes(seg.length - len(data)))  # stored bytes as they are: no re-encoding
                 seg = Segment(new_pack, offset, seg.length, seg.pages, seg.codec, seg.checksum)
                 offset += seg.length
-                if key in index.damaged:  # the only copy of a live page: still damaged at its new place
+                if key in index.damaged or not intact:  # the only copy of a live page: still damaged
                     blocks.record_damage(seg)
             seg_no[key] = len(segments)
             segments.append(seg)

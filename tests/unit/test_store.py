@@ -274,6 +274,54 @@ def test_a_damaged_segment_once_seen_is_stored_again_and_prune_drops_it(store, c
     assert fake_dump(store, {"pages-1.img": pages}, codec=codec).bytes_stored < PAGE
 
 
+def test_verify_records_every_damaged_segment_not_just_the_first(store):
+    pages = os.urandom(PAGE * 600)  # segments of 256, 256 and 88 pages
+    first = fake_dump(store, {"pages-1.img": pages}, codec="none")
+    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    flip_byte(pack, 10 * PAGE)  # two flips in one pack: segments 0 and 2
+    flip_byte(pack, 590 * PAGE)
+    (problem,) = store.verify(first)
+    assert "pages-1.img" in problem and "1 more damaged segment" in problem
+    assert sorted(offset for _, offset in store.blocks.damage_markers()) == [0, 512 * PAGE]
+
+
+def test_verify_records_every_segment_of_a_truncated_pack(store):
+    pages = os.urandom(PAGE * 600)
+    first = fake_dump(store, {"pages-1.img": pages}, codec="none")
+    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    os.truncate(pack, pack.stat().st_size // 2)  # cuts segment 1 and all of segment 2 off
+    assert store.verify(first)
+    assert sorted(offset for _, offset in store.blocks.damage_markers()) == [256 * PAGE, 512 * PAGE]
+    second = fake_dump(store, {"pages-1.img": pages}, codec="none")
+    assert store.verify(second) == [] and store.verify(first) == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_pages_of_a_pack_with_recorded_damage_are_stored_again(store, damage):
+    """Damage recorded in a pack (by a restore or verify that read only part of it) makes the
+    whole pack untrusted: a page there whose damage nobody has met yet is stored again too."""
+    shared, own = os.urandom(PAGE * 256), os.urandom(PAGE * 300)
+    both = fake_dump(store, {"pages-1.img": shared + own}, codec="none")
+    part = fake_dump(store, {"pages-1.img": shared}, codec="none")  # names segment 0 only
+    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    if damage == "flip":
+        flip_byte(pack, 10 * PAGE)
+        flip_byte(pack, 500 * PAGE)  # segment 2: in no page `part` names
+    else:
+        flip_byte(pack, 10 * PAGE)
+        os.truncate(pack, 300 * PAGE)
+    assert store.verify(part)
+    assert [offset for _, offset in store.blocks.damage_markers()] == [0], "verify met only segment 0"
+    again = fake_dump(store, {"pages-1.img": shared + own}, codec="none")
+    assert again.bytes_stored >= PAGE * 556, "every page of the damaged pack is stored again"
+    assert store.verify(again) == []
+    for m in (both, part, again):
+        assert store.verify(m) == [], "older checkpoints read the fresh copies"
+        assert (store.materialize(m) / "pages-1.img").read_bytes() == (shared if m is part else shared + own)
+    store.collect_garbage()
+    assert not pack.exists() and store.blocks.damage_markers() == []
+
+
 def test_a_repacked_damaged_segment_keeps_its_record(store):
     pages = [os.urandom(PAGE) for _ in range(300)]  # segments of 256 and 44 pages
     whole = fake_dump(store, {"pages-1.img": b"".join(pages)}, codec="none")
