@@ -379,6 +379,7 @@ class BlockStore:
         offset = 0
         seed = self.seed
         encoders = _Encoders()
+        written: list[Path] = []
         try:
             for image in images:
                 size = image.stat().st_size
@@ -429,7 +430,6 @@ class BlockStore:
                         if encoded is not None:
                             encoded.close()
                         view.release()
-            written: list[Path] = []
             if out is not None:
                 out.sync_and_close()
                 out = None
@@ -441,8 +441,11 @@ class BlockStore:
                 written = [pack_path, self.index_dir / name]
                 self._index = None
         except BaseException:
+            # Until its index file exists nobody can name a page of the pack: a failed dump
+            # (a full disk) removes it rather than leave it taking the space until a prune.
             if out is not None:
-                out.close()
+                out.discard()
+            if not written:
                 pack_path.unlink(missing_ok=True)
             raise
         return page_lists, stats, written
@@ -713,6 +716,14 @@ class PackWriter:
 
     def close(self) -> None:
         self._file.close()
+
+    def discard(self) -> None:
+        """Closes without writing what is still buffered (the caller deletes the file): on a
+        full disk, closing would try that write again and fail."""
+        try:
+            self._file.close()
+        except OSError:
+            pass  # the descriptor is closed all the same
 
 
 def parallel_fsync(paths: list[Path]) -> None:

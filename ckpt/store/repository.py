@@ -180,10 +180,19 @@ class DumpStaging:
         self.root = root
         self.images_dir = root / "images"
         root.mkdir(mode=DIR_MODE)  # exclusive: two dumps never share a staging directory (or an ID)
-        make_private_dir(self.images_dir)
-        self._owner_fd = os.open(root / "owner", os.O_RDWR | os.O_CREAT, FILE_MODE)
-        fcntl.flock(self._owner_fd, fcntl.LOCK_EX)
-        os.write(self._owner_fd, str(os.getpid()).encode())
+        self._owner_fd = -1
+        try:
+            make_private_dir(self.images_dir)
+            self._owner_fd = os.open(root / "owner", os.O_RDWR | os.O_CREAT, FILE_MODE)
+            fcntl.flock(self._owner_fd, fcntl.LOCK_EX)
+            os.write(self._owner_fd, str(os.getpid()).encode())
+        except BaseException:
+            # A full disk fails the write: the directory is ours (created above), nothing else
+            # would remove it before the next dump.
+            shutil.rmtree(root, ignore_errors=True)
+            if self._owner_fd >= 0:
+                os.close(self._owner_fd)
+            raise
 
     def image_files(self) -> list[Path]:
         return sorted(p for p in self.images_dir.iterdir() if p.is_file())

@@ -322,6 +322,39 @@ def test_pages_of_a_pack_with_recorded_damage_are_stored_again(store, damage):
     assert not pack.exists() and store.blocks.damage_markers() == []
 
 
+def no_space(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+def test_a_holder_record_that_cannot_be_written_does_not_stop_a_command(store, monkeypatch):
+    import ckpt.store.lock as lock
+
+    real_write = os.write
+    monkeypatch.setattr(lock.os, "write", no_space)  # however the record is written, it fails
+    monkeypatch.setattr(lock.Path, "write_text", no_space)
+    with store.lock(exclusive=True):
+        monkeypatch.setattr(lock.os, "write", real_write)
+        assert list((store.root / "holders").iterdir()) == [], "no partial record is left"
+        store.remove([])
+
+
+def test_prune_without_room_to_repack_still_drops_what_is_dead(store, monkeypatch):
+    from ckpt.store import blocks as blocks_module
+
+    pages = [os.urandom(PAGE) for _ in range(300)]  # segments of 256 and 44 pages
+    whole = fake_dump(store, {"pages-1.img": b"".join(pages)}, codec="none")
+    tail = fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
+    alone = fake_dump(store, {"pages-1.img": os.urandom(PAGE * 20)}, codec="none")
+    (old_pack,) = [p for p in store.blocks.packs_dir.glob("*/*") if p.stat().st_size > 100 * PAGE]
+    store.remove([whole.id, alone.id])
+    monkeypatch.setattr(blocks_module.PackWriter, "write", no_space)  # a full disk for the copy
+    store.collect_garbage()
+    assert [p for p in store.blocks.packs_dir.glob("*/*")] == [old_pack], \
+        "the pack to repack stays, the dead one and the half-written copy are gone"
+    assert len(store.blocks.index_file_names()) == 1
+    assert (store.materialize(tail) / "pages-1.img").read_bytes() == b"".join(pages[256:])
+
+
 def test_a_repacked_damaged_segment_keeps_its_record(store):
     pages = [os.urandom(PAGE) for _ in range(300)]  # segments of 256 and 44 pages
     whole = fake_dump(store, {"pages-1.img": b"".join(pages)}, codec="none")
