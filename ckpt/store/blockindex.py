@@ -91,10 +91,10 @@ class BlockIndex:
 
     @property
     def suspect(self) -> set[int]:
-        """The segment numbers no new checkpoint may name: every segment of a pack with a
-        segment recorded as damaged. The others in such a pack have not been checked since (a
-        pack cut short, or a failing disk, damages more than the segment a reader happened to
-        meet first); pages only they hold are stored again, as for damaged ones."""
+        """Every segment of a pack with a segment recorded as damaged. The others in such a
+        pack have not been checked since (a pack cut short, or a failing disk, damages more
+        than the segment a reader happened to meet first): a dump checks those it would name
+        before it names them (BlockStore.check_suspect), and reads prefer copies elsewhere."""
         if self._suspect is None:
             packs = {self.segment_list[key].pack for key in self.damaged}
             self._suspect = {key for key, seg in enumerate(self.segment_list) if seg.pack in packs} \
@@ -172,13 +172,12 @@ class BlockIndex:
         return result
 
     def held(self, page_list: bytes) -> np.ndarray:
-        """For each id of a page list, whether the store holds a copy of it that a new
-        checkpoint may name (a page known only from a damaged segment, or from any segment of
-        a pack with recorded damage, is stored again by the next dump)."""
+        """For each id of a page list, whether the store holds a healthy copy of it (a page
+        known only from a damaged segment is stored again by the next dump)."""
         found = self.find(page_list)
         if not self.damaged:
             return found >= 0
-        return (found >= 0) & ~np.isin(found >> 16, np.fromiter(self.suspect, dtype=np.int64))
+        return (found >= 0) & ~np.isin(found >> 16, np.fromiter(self.damaged, dtype=np.int64))
 
     def missing(self, page_list: bytes, earlier: tuple | None = None) -> list[int]:
         """The rows of a page list whose page the store holds no healthy copy of.

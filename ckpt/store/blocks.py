@@ -234,6 +234,7 @@ class BlockStore:
         self.seed = int.from_bytes(key_path.read_bytes()[:8], "little")
         self._index: BlockIndex | None = None
         self._preload: threading.Thread | None = None
+        self._checked: set[tuple[str, int]] = set()  # suspect segments found intact (check_suspect)
 
     def pack_path(self, pack: str) -> Path:
         return self.packs_dir / pack[:2] / pack
@@ -306,6 +307,36 @@ class BlockStore:
         if self._index is not None:
             self._index.mark_damaged(key for key, seg in enumerate(self._index.segment_list)
                                      if (seg.pack, seg.offset) == (segment.pack, segment.offset))
+
+    def check_suspect(self, page_list: bytes) -> None:
+        """Checks, before a new checkpoint names them, the segments holding pages of a page
+        list that lie in a pack with recorded damage but are not recorded as damaged
+        themselves (docs/design.md, "Damage and healing"): a pack cut short fails at once
+        (its size), the others are read against their checksums. Any found damaged is
+        recorded, so `held` no longer counts its pages and the dump stores them again. A
+        segment is checked once per command; nothing is read in a store without damage."""
+        import numpy as np
+
+        index = self.index()
+        if not index.damaged:
+            return
+        found = index.find(page_list)
+        suspect, damaged = index.suspect, index.damaged
+        segments = index.segment_list
+        keys = [key for key in np.unique(found[found >= 0] >> 16).tolist() if key in suspect
+                and key not in damaged and (segments[key].pack, segments[key].offset) not in self._checked]
+        if not keys:
+            return
+        reader = _SegmentReader(self, index)
+        try:
+            for key in keys:
+                try:
+                    reader.check(key, 0, 1)  # records the damage it finds
+                except DamagedCheckpoint:
+                    continue
+                self._checked.add((segments[key].pack, segments[key].offset))
+        finally:
+            reader.close()
 
     def drop_stale_markers(self, indexed: set[tuple[str, int]]) -> None:
         """Deletes the markers of segments no index names any more (after a prune)."""
@@ -398,6 +429,7 @@ class BlockStore:
                     try:
                         page_list = page_ids(mm, seed)
                         page_lists[image.name] = page_list
+                        self.check_suspect(page_list)  # nothing to do in a store without damage
                         image_stats = IngestStats(pages=n)
                         # Most pages are known: find the new ones in one search, then store
                         # them as runs of consecutive pages (a page repeated in this dump once).

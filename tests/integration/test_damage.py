@@ -41,7 +41,7 @@ def test_a_dump_after_verify_found_damage_restores_whole(procs, tmp_path, isolat
     assert len(list((isolated_env / "damaged").iterdir())) >= 2, "every damaged segment is recorded"
 
     second = ckpt_json("dump", target.pid)  # the same process, still running
-    assert second["bytes_stored"] >= (SIZE_MIB << 20) // 4, "the damaged pages are stored again"
+    assert second["bytes_stored"] >= 2 << 20, "the pages of every damaged segment are stored again"
     assert ckpt("verify", second["id"], check=False).returncode == 0
     procs.kill_tree(target.pid)
     restored = ckpt_json("restore", second["id"])

@@ -154,25 +154,24 @@ def test_an_earlier_page_list_is_not_trusted_once_damage_is_recorded():
     index = BlockIndex()
     index.add_file(*index_file(held))
     page_list = b"".join(held)
-    index.mark_damaged([0])  # the first segment of the pack: every page of the pack must be stored again
-    assert index.missing(page_list, (page_list, np.array([[0, 0, 600]]))) == list(range(600))
+    index.mark_damaged([0])  # the first segment (256 pages): its pages must be stored again
+    assert index.missing(page_list, (page_list, np.array([[0, 0, 600]]))) == list(range(256))
 
 
-def test_no_page_of_a_pack_with_recorded_damage_is_held():
-    """One damaged segment makes its whole pack untrusted for new checkpoints (its other
-    segments have not been checked since: a pack cut short, or a failing disk); a copy
-    elsewhere is preferred, also for reads."""
+def test_copies_outside_a_pack_with_recorded_damage_are_preferred():
+    """The other segments of a pack with a damaged one are suspect (not checked since): a
+    copy elsewhere is located first."""
     in_a, in_both = random_ids(600), random_ids(20)
     index = BlockIndex()
     index.add_file(*index_file(in_a + in_both, pack="aa" * 16))
     index.add_file(*index_file(in_both, pack="bb" * 16))
-    ids = b"".join(in_a + in_both)
-    assert index.held(ids).all()
+    index.add_file(*index_file(random_ids(5), pack="cc" * 16))
+    assert index.suspect == set()
     index.mark_damaged([0])  # pack aa's first segment
-    assert index.held(ids).tolist() == [False] * 600 + [True] * 20
+    assert index.suspect == {0, 1, 2}
     assert {index.segment_list[location >> 16].pack for location in index.find(b"".join(in_both)).tolist()} \
         == {"bb" * 16}
-    assert (index.find(b"".join(in_a)) >= 0).all(), "still located: a restore reads them (and names damage)"
+    assert index.held(b"".join(in_a)).tolist() == [False] * 256 + [True] * 344
 
 
 def test_index_files_are_written_in_id_order():

@@ -297,9 +297,10 @@ def test_verify_records_every_segment_of_a_truncated_pack(store):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_pages_of_a_pack_with_recorded_damage_are_stored_again(store, damage):
-    """Damage recorded in a pack (by a restore or verify that read only part of it) makes the
-    whole pack untrusted: a page there whose damage nobody has met yet is stored again too."""
+def test_a_dump_checks_the_segments_it_would_reuse_in_a_pack_with_recorded_damage(store, damage):
+    """Damage recorded in a pack (by a restore or verify that read only part of it) makes its
+    other segments suspect: a dump checks those it would reuse, and stores again the pages of
+    any found damaged that nobody had met yet."""
     shared, own = os.urandom(PAGE * 256), os.urandom(PAGE * 300)
     both = fake_dump(store, {"pages-1.img": shared + own}, codec="none")
     part = fake_dump(store, {"pages-1.img": shared}, codec="none")  # names segment 0 only
@@ -312,8 +313,14 @@ def test_pages_of_a_pack_with_recorded_damage_are_stored_again(store, damage):
         os.truncate(pack, 300 * PAGE)
     assert store.verify(part)
     assert [offset for _, offset in store.blocks.damage_markers()] == [0], "verify met only segment 0"
+    store.blocks._index = None  # as a new command sees the store
     again = fake_dump(store, {"pages-1.img": shared + own}, codec="none")
-    assert again.bytes_stored >= PAGE * 556, "every page of the damaged pack is stored again"
+    if damage == "flip":  # segment 1 found damaged, segment 2 intact and reused
+        assert sorted(offset for _, offset in store.blocks.damage_markers()) == [0, 256 * PAGE]
+        assert PAGE * 512 <= again.bytes_stored < PAGE * 556
+    else:  # segment 1 cut short, segment 2 past the end
+        assert sorted(offset for _, offset in store.blocks.damage_markers()) == [0, 256 * PAGE, 512 * PAGE]
+        assert again.bytes_stored >= PAGE * 556
     assert store.verify(again) == []
     for m in (both, part, again):
         assert store.verify(m) == [], "older checkpoints read the fresh copies"
@@ -383,6 +390,23 @@ def test_a_parent_with_pages_recorded_damaged_is_not_used(store, tmp_path):
     assert store.verify(parent)
     with pytest.raises(DamagedCheckpoint, match="recorded as damaged"):
         store.materialize_parent(parent, tmp_path / "damaged")
+
+
+def test_a_parent_in_a_pack_with_recorded_damage_is_checked_before_it_is_used(store, tmp_path):
+    """Dirty tracking takes pages from the parent without reading them: those in a pack with
+    recorded damage are checked first, even where nobody has recorded damage yet."""
+    first, second = os.urandom(PAGE * 256), os.urandom(PAGE * 44)
+    fake_dump(store, {"pages-1.img": first + second}, codec="none")  # segments 0 and 1 of one pack
+    parent = fake_dump(store, {"pages-1.img": second, "pagemap-1.img": b"pm", "inventory.img": b"inv"},
+                       codec="none")
+    other = fake_dump(store, {"pages-1.img": first}, codec="none")
+    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    flip_byte(pack, 100)
+    flip_byte(pack, 260 * PAGE)
+    assert store.verify(other)  # records segment 0 only: `parent` names none of its pages
+    store.blocks._index = None
+    with pytest.raises(DamagedCheckpoint, match="recorded as damaged"):
+        store.materialize_parent(parent, tmp_path / "parent")
 
 
 def test_a_damaged_index_file_is_named_healed_by_the_next_dump_and_stops_prune(store):
