@@ -72,6 +72,11 @@ class DiskFull(StoreError):
     pass
 
 
+class ImageUnreadable(StoreError):
+    """A CRIU image ckpt must read is truncated or malformed (as CRIU leaves one it could not
+    finish writing on a full disk)."""
+
+
 class DamagedCheckpoint(CkptError):
     exit_code = ExitCode.DAMAGED
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import traceback
@@ -13,7 +14,8 @@ from typer.exceptions import Abort, Exit, TyperException
 from ckpt import __version__, settings
 from ckpt.cli import (cmd_check, cmd_diff, cmd_dump, cmd_forget, cmd_list, cmd_prune, cmd_restore, cmd_rm, cmd_run,
                       cmd_schedule, cmd_show, cmd_verify)
-from ckpt.errors import CkptError, CriuFailed, ExitCode
+from ckpt.errors import CkptError, CriuFailed, DiskFull, ExitCode
+from ckpt.store.fsutil import DISK_FULL_HINT
 
 app = typer.Typer(
     name="ckpt",
@@ -89,11 +91,19 @@ def main(argv: list[str] | None = None) -> None:
     except TyperException as exc:
         _error(exc.format_message())
         code = exc.exit_code
-    except Exception as exc:  # a bug: say so, with the traceback only on request
-        if _debug["on"]:
-            traceback.print_exc()
-        _error(f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback and report it)")
-        code = ExitCode.INTERNAL
+    except Exception as exc:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            # A full disk is never a bug, wherever ckpt met it (README: exit code 1).
+            if _debug["on"]:
+                traceback.print_exc()
+            where = f" ({exc.filename})" if exc.filename else ""
+            _error(str(DiskFull(f"no space left on the disk{where}", hint=DISK_FULL_HINT)))
+            code = DiskFull.exit_code
+        else:  # a bug: say so, with the traceback only on request
+            if _debug["on"]:
+                traceback.print_exc()
+            _error(f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback and report it)")
+            code = ExitCode.INTERNAL
     finally:
         # main() may run again in this process (tests), with another environment.
         settings.use(None)

@@ -20,6 +20,7 @@ from typing import Callable
 from ckpt import settings
 from ckpt.criu.binary import CriuBinary
 from ckpt.errors import CriuFailed, DiskFull, PidInUse
+from ckpt.store.fsutil import DISK_FULL_HINT
 
 # Logged by every CRIU run on these machines, which then succeeds: never shown as a failure.
 BENIGN_ERRORS = (re.compile(r"rlimit: Can't setup RLIMIT_NOFILE"),)
@@ -123,15 +124,28 @@ def error_lines(log_path: Path, limit: int = 6) -> list[str]:
     return lines[-limit:]
 
 
-def explain_failure(action: str, log_path: Path) -> CriuFailed | PidInUse | DiskFull:
+def _filesystem_full(paths: tuple[Path, ...]) -> bool:
+    for path in paths:
+        try:
+            if os.statvfs(path).f_bavail == 0:
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def explain_failure(action: str, log_path: Path, images_dir: Path | None = None) -> CriuFailed | PidInUse | DiskFull:
     """Turns a failed CRIU run into the typed error that tells the user what to do."""
     lines = error_lines(log_path)
     text = "\n".join(lines)
     where = f"full log: {log_path}"
     if m := re.search(r"Can't fork for (\d+): File exists", text):
         return PidInUse(f"PID {m.group(1)} needed by the checkpoint is in use", hint=where)
-    if re.search(r"No space left on device", text):
-        return DiskFull("no space left on the store's disk during the dump", hint=where)
+    # On a full disk CRIU's log itself may be empty: the filesystems it wrote to tell.
+    if re.search(r"No space left on device", text) or (
+            action == "dump" and _filesystem_full((log_path.parent, *((images_dir,) if images_dir else ())))):
+        return DiskFull(f"no space left on the disk while CRIU wrote the {action}",
+                        hint=f"{DISK_FULL_HINT}; {where}")
     hint = None
     if action == "restore" and (m := re.search(r"Can't open file (\S+) on restore: No such file or directory", text)):
         path = m.group(1) if m.group(1).startswith("/") else "/" + m.group(1)  # CRIU logs it without its "/"
@@ -203,7 +217,7 @@ class CriuClient:
                 buf = ours.recv(size) if size else b""
                 if not buf:
                     proc.wait()
-                    raise explain_failure(req_type.lower().replace("_", "-"), options.log_path)
+                    raise explain_failure(req_type.lower().replace("_", "-"), options.log_path, options.images_dir)
                 resp = rpc.criu_resp()
                 resp.ParseFromString(buf)
                 if resp.type != rpc.NOTIFY:
@@ -224,7 +238,7 @@ class CriuClient:
             if handler_error is not None:
                 raise handler_error
             if not resp.success:
-                raise explain_failure(req_type.lower().replace("_", "-"), options.log_path)
+                raise explain_failure(req_type.lower().replace("_", "-"), options.log_path, options.images_dir)
             return resp
         finally:
             ours.close()

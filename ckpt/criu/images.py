@@ -7,20 +7,34 @@ import os
 import struct
 from pathlib import Path
 
+from ckpt.errors import ImageUnreadable
+
 
 def _load(path: Path) -> dict:
     from pycriu import images  # deferred: importing pycriu costs ~0.1 s
 
     with open(path, "rb") as f:
-        return images.load(f)
+        try:
+            return images.load(f)
+        except Exception as exc:  # pycriu raises struct.error, its MagicException, even a bare Exception
+            raise ImageUnreadable(f"CRIU's image {path.name} is truncated or unreadable ({type(exc).__name__}: "
+                                  f"{exc})", hint="if the disk holding it is full, free some space and try again"
+                                  ) from exc
 
 
 def dump_stats(image_dir: Path) -> dict:
-    """Figures from CRIU's stats-dump image: frozen time (ms), pages scanned and written."""
+    """Figures from CRIU's stats-dump image: frozen time (ms), pages scanned and written.
+
+    Empty if the file cannot be read: CRIU writes it into the store's log directory and does
+    not fail when it cannot (a full disk leaves it empty); figures are not worth failing a
+    dump for, and the dump's own writes then report the full disk."""
     path = image_dir / "stats-dump"
     if not path.exists():
         return {}
-    entry = _load(path)["entries"][0].get("dump", {})
+    try:
+        entry = _load(path)["entries"][0].get("dump", {})
+    except (ImageUnreadable, IndexError):
+        return {}
     return {
         "frozen_ms": round(int(entry.get("frozen_time", 0)) / 1000, 1),
         "freezing_ms": round(int(entry.get("freezing_time", 0)) / 1000, 1),

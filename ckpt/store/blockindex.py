@@ -80,6 +80,7 @@ class BlockIndex:
         self._pages: dict[bytes, int] | None = None
         # Segment numbers recorded as damaged (see "Damage and healing" in docs/design.md).
         self.damaged: set[int] = set()
+        self._suspect: set[int] | None = None
         # Index files that could not be read: their pages are not known (dumps store them again).
         self.damaged_files: list[str] = []
 
@@ -89,22 +90,39 @@ class BlockIndex:
         return self._columns
 
     @property
+    def suspect(self) -> set[int]:
+        """Every segment of a pack with a segment recorded as damaged. The others in such a
+        pack have not been checked since (a pack cut short, or a failing disk, damages more
+        than the segment a reader happened to meet first): a dump checks those it would name
+        before it names them (BlockStore.check_suspect), and reads prefer copies elsewhere."""
+        if self._suspect is None:
+            packs = {self.segment_list[key].pack for key in self.damaged}
+            self._suspect = {key for key, seg in enumerate(self.segment_list) if seg.pack in packs} \
+                if packs else set()
+        return self._suspect
+
+    @property
     def pages(self) -> dict[bytes, int]:
         """Page id -> location, for every page (built on first use: prune needs it, dumps and
-        restores use `find`). A page with a healthy copy and a damaged one is located at the
-        healthy one."""
+        restores use `find`). A page with several copies is located at the most trusted one:
+        outside packs with recorded damage, else in such a pack but not recorded as damaged,
+        else damaged (a restore then names the damage)."""
         if self._pages is None:
             pages: dict[bytes, int] = {}
-            damaged = self.damaged
+            damaged, suspect = self.damaged, self.suspect
+
+            def rank(location: int) -> int:
+                key = location >> 16
+                return 2 if key in damaged else 1 if key in suspect else 0
+
             for columns in self._columns:
                 ids, locations = columns.id_list(), columns.locations().tolist()
                 if not damaged:
                     pages.update(zip(ids, locations))
                     continue
                 for page_id, location in zip(ids, locations):  # rare: the store has recorded damage
-                    if location >> 16 in damaged:
-                        pages.setdefault(page_id, location)
-                    else:
+                    known = pages.get(page_id)
+                    if known is None or rank(location) < rank(known):
                         pages[page_id] = location
             self._pages = pages
         return self._pages
@@ -198,6 +216,7 @@ class BlockIndex:
         if new:
             self.damaged |= new
             self._pages = None
+            self._suspect = None
 
     def segment_of(self, location: int) -> tuple[int, int]:
         return location >> 16, location & 0xFFFF
@@ -237,6 +256,7 @@ class BlockIndex:
         self.segment_file += [name] * len(segments)
         self._columns.append(columns)
         self._pages = None
+        self._suspect = None
         self.files.append(name)
 
 

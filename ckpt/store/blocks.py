@@ -234,6 +234,7 @@ class BlockStore:
         self.seed = int.from_bytes(key_path.read_bytes()[:8], "little")
         self._index: BlockIndex | None = None
         self._preload: threading.Thread | None = None
+        self._checked: set[tuple[str, int]] = set()  # suspect segments found intact (check_suspect)
 
     def pack_path(self, pack: str) -> Path:
         return self.packs_dir / pack[:2] / pack
@@ -307,6 +308,36 @@ class BlockStore:
             self._index.mark_damaged(key for key, seg in enumerate(self._index.segment_list)
                                      if (seg.pack, seg.offset) == (segment.pack, segment.offset))
 
+    def check_suspect(self, page_list: bytes) -> None:
+        """Checks, before a new checkpoint names them, the segments holding pages of a page
+        list that lie in a pack with recorded damage but are not recorded as damaged
+        themselves (docs/design.md, "Damage and healing"): a pack cut short fails at once
+        (its size), the others are read against their checksums. Any found damaged is
+        recorded, so `held` no longer counts its pages and the dump stores them again. A
+        segment is checked once per command; nothing is read in a store without damage."""
+        import numpy as np
+
+        index = self.index()
+        if not index.damaged:
+            return
+        found = index.find(page_list)
+        suspect, damaged = index.suspect, index.damaged
+        segments = index.segment_list
+        keys = [key for key in np.unique(found[found >= 0] >> 16).tolist() if key in suspect
+                and key not in damaged and (segments[key].pack, segments[key].offset) not in self._checked]
+        if not keys:
+            return
+        reader = _SegmentReader(self, index)
+        try:
+            for key in keys:
+                try:
+                    reader.check(key, 0, 1)  # records the damage it finds
+                except DamagedCheckpoint:
+                    continue
+                self._checked.add((segments[key].pack, segments[key].offset))
+        finally:
+            reader.close()
+
     def drop_stale_markers(self, indexed: set[tuple[str, int]]) -> None:
         """Deletes the markers of segments no index names any more (after a prune)."""
         for pack, offset in self.damage_markers():
@@ -379,6 +410,7 @@ class BlockStore:
         offset = 0
         seed = self.seed
         encoders = _Encoders()
+        written: list[Path] = []
         try:
             for image in images:
                 size = image.stat().st_size
@@ -397,6 +429,7 @@ class BlockStore:
                     try:
                         page_list = page_ids(mm, seed)
                         page_lists[image.name] = page_list
+                        self.check_suspect(page_list)  # nothing to do in a store without damage
                         image_stats = IngestStats(pages=n)
                         # Most pages are known: find the new ones in one search, then store
                         # them as runs of consecutive pages (a page repeated in this dump once).
@@ -429,7 +462,6 @@ class BlockStore:
                         if encoded is not None:
                             encoded.close()
                         view.release()
-            written: list[Path] = []
             if out is not None:
                 out.sync_and_close()
                 out = None
@@ -441,8 +473,11 @@ class BlockStore:
                 written = [pack_path, self.index_dir / name]
                 self._index = None
         except BaseException:
+            # Until its index file exists nobody can name a page of the pack: a failed dump
+            # (a full disk) removes it rather than leave it taking the space until a prune.
             if out is not None:
-                out.close()
+                out.discard()
+            if not written:
                 pack_path.unlink(missing_ok=True)
             raise
         return page_lists, stats, written
@@ -484,6 +519,9 @@ class BlockStore:
             written.append((at, n))
         reader = _SegmentReader(self, index)
         out_fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE) if dest is not None else None
+        # Only checking (verify): every damaged segment is met and recorded, not just the first,
+        # so that no later dump names a page of any of them.
+        damaged: dict[int, DamagedCheckpoint] = {}
         try:
             # Under the holes, each segment is checked once (no run needs working out: most of a
             # large tree's memory is there).
@@ -501,20 +539,31 @@ class BlockStore:
                     stop = starts[k + 1] if k + 1 < len(starts) else end
                     key, within = locations[first] >> 16, locations[first] & 0xFFFF
                     count = stop - first
-                    if check_ids:
-                        chunk = reader.pages(key, within, count)
-                        got = page_ids(chunk, self.seed)
-                        if got != page_list[first * ID_LEN:stop * ID_LEN]:
-                            j = next(j for j in range(count) if got[j * ID_LEN:(j + 1) * ID_LEN]
-                                     != page_list[(first + j) * ID_LEN:(first + j + 1) * ID_LEN])
-                            self.record_damage(index.segment_list[key])
-                            raise DamagedCheckpoint(f"image {image_name}: page {first + j} does not match its id")
+                    if key in damaged:
+                        continue
+                    try:
+                        if check_ids:
+                            chunk = reader.pages(key, within, count)
+                            got = page_ids(chunk, self.seed)
+                            if got != page_list[first * ID_LEN:stop * ID_LEN]:
+                                j = next(j for j in range(count) if got[j * ID_LEN:(j + 1) * ID_LEN]
+                                         != page_list[(first + j) * ID_LEN:(first + j + 1) * ID_LEN])
+                                self.record_damage(index.segment_list[key])
+                                raise DamagedCheckpoint(f"image {image_name}: page {first + j} does not match its id")
+                            if out_fd is not None:
+                                _write_all(out_fd, chunk)
+                        elif out_fd is None:
+                            reader.pages(key, within, count)  # checks the segment's checksum
+                        else:
+                            reader.copy(key, within, count, out_fd)
+                    except DamagedCheckpoint as exc:
                         if out_fd is not None:
-                            _write_all(out_fd, chunk)
-                    elif out_fd is None:
-                        reader.pages(key, within, count)  # checks the segment's checksum
-                    else:
-                        reader.copy(key, within, count, out_fd)
+                            raise  # a restore stops at the first
+                        damaged[key] = exc
+            if damaged:
+                first_error = next(iter(damaged.values()))
+                more = f" (and {len(damaged) - 1} more damaged segments)" if len(damaged) > 1 else ""
+                raise DamagedCheckpoint(first_error.message + more)
             if out_fd is not None and holes:
                 os.ftruncate(out_fd, n * PAGE)  # a hole at the end leaves the file short
         except DamagedCheckpoint as exc:
@@ -699,6 +748,14 @@ class PackWriter:
 
     def close(self) -> None:
         self._file.close()
+
+    def discard(self) -> None:
+        """Closes without writing what is still buffered (the caller deletes the file): on a
+        full disk, closing would try that write again and fail."""
+        try:
+            self._file.close()
+        except OSError:
+            pass  # the descriptor is closed all the same
 
 
 def parallel_fsync(paths: list[Path]) -> None:

@@ -25,11 +25,13 @@ def make_private_dir(path: Path) -> None:
     os.chmod(path, DIR_MODE)
 
 
+DISK_FULL_HINT = "free some space or remove old checkpoints with 'ckpt rm' (which works on a full disk)"
+
+
 def translate_os_error(exc: OSError, what: str) -> StoreError:
     """Turns an OSError into the typed error a user can act on."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskFull(f"no space left on the store's disk while {what}",
-                        hint="free some space or remove old checkpoints with 'ckpt rm'")
+        return DiskFull(f"no space left on the store's disk while {what}", hint=DISK_FULL_HINT)
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return PermissionProblem(f"cannot write the store while {what}: {exc.strerror} ({exc.filename})",
                                  hint="run as root or choose another store with --store")

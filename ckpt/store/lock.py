@@ -87,12 +87,34 @@ def store_lock(store_root: Path, exclusive: bool, on_wait=None, timeout: float |
             "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "mode": "exclusive" if exclusive else "shared",
         }
-        holder.write_text(json.dumps(record))
+        holder = _write_holder(holder, json.dumps(record).encode())
         try:
             if exclusive:
                 remove_stale_holders(holders_dir)
             yield
         finally:
-            holder.unlink(missing_ok=True)
+            if holder is not None:
+                holder.unlink(missing_ok=True)
     finally:
         os.close(fd)  # releases the flock
+
+
+def _write_holder(path: Path, data: bytes) -> Path | None:
+    """Writes a holder record; None if it cannot be written. The record only tells a waiting
+    command whom it waits for: a full disk must not stop the command (least of all `rm` or
+    `prune`, which free space), so a record that fails is removed and the lock held without."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    except OSError:
+        return None
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+    except OSError:
+        path.unlink(missing_ok=True)  # a partial record would read as nobody's
+        return None
+    return path

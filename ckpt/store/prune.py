@@ -2,6 +2,9 @@
 
 The order of execution keeps every remaining checkpoint restorable at every instant, so a
 `kill -9` anywhere leaves the store consistent (at worst with space not yet reclaimed):
+  0. free what can go before anything is written (a full disk is when a prune is needed
+     most): the objects no manifest names, packs no index names, index files naming no live
+     page, then the packs only those named;
   1. copy the live segments of packs worth repacking into a new pack, fsync it;
   2. write one new index covering every live page, fsync it;
   3. delete the old index files;
@@ -11,16 +14,18 @@ Callers hold the store's exclusive lock.
 
 from __future__ import annotations
 
+import errno
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import blake3
+import xxhash
 
 from ckpt.errors import StoreError
 from ckpt.store.blocks import ID_LEN, PackWriter, Segment, render_index
-from ckpt.store.fsutil import atomic_write_bytes, fsync_dir, make_private_dir
+from ckpt.store.fsutil import atomic_write_bytes, fsync_dir, make_private_dir, translate_os_error
 
 if TYPE_CHECKING:
     from ckpt.store.repository import Store
@@ -39,6 +44,8 @@ class PrunePlan:
     files_removed: int = 0
     live_segments: list = field(default_factory=list)
     live_pages: set = field(default_factory=set)
+    dead_index_files: list[str] = field(default_factory=list)  # naming no live page
+    dead_files_packs: list[str] = field(default_factory=list)  # named only by those
 
     def to_json(self) -> dict:
         return {"objects": len(self.objects), "drop_packs": self.drop_packs, "repack": self.repack,
@@ -100,6 +107,13 @@ def prune_plan(store: Store) -> PrunePlan:
     plan.rewrite_index = bool(plan.drop_packs or plan.repack or dead_entries or len(index.files) > 1)
     plan.live_segments = sorted(live_keys)
     plan.live_pages = live_pages
+    if plan.rewrite_index:
+        plan.dead_index_files = [name for name, columns in zip(index.files, index.columns)
+                                 if not any(page in live_pages for page in columns.id_list())]
+        dead = set(plan.dead_index_files)
+        named_by_others = {seg.pack for seg, name in zip(index.segment_list, index.segment_file) if name not in dead}
+        plan.dead_files_packs = sorted({seg.pack for seg, name in zip(index.segment_list, index.segment_file)
+                                        if name in dead} - named_by_others)
     plan.files_removed = len(plan.objects) + len(plan.drop_packs) + len(plan.repack) + len(plan.unindexed_packs)
     return plan
 
@@ -112,54 +126,99 @@ def _size(path: Path) -> int:
 
 
 def execute_prune(store: Store, plan: PrunePlan) -> None:
+    try:
+        _execute(store, plan)
+    except OSError as exc:
+        raise translate_os_error(exc, "reclaiming space") from exc
+
+
+def _execute(store: Store, plan: PrunePlan) -> None:
     blocks = store.blocks
     index = blocks.index()
     old_index_files = list(index.files)
+    # Step 0: nothing a remaining checkpoint (or a later dump's deduplication) could reach.
+    # An index file goes before its packs, as in steps 3-4: no page is ever found in a pack
+    # that is gone.
+    for pack_path in plan.unindexed_packs:
+        pack_path.unlink(missing_ok=True)
+    for obj in plan.objects:
+        obj.unlink(missing_ok=True)
+    if plan.dead_index_files:
+        for name in plan.dead_index_files:
+            (blocks.index_dir / name).unlink(missing_ok=True)
+        fsync_dir(blocks.index_dir)
+        for pack in plan.dead_files_packs:
+            blocks.pack_path(pack).unlink(missing_ok=True)
     if plan.rewrite_index:
-        repack = set(plan.repack)
-        new_pack = secrets.token_hex(16)
-        new_pack_path = blocks.pack_path(new_pack)
-        segments: list[Segment] = []
-        seg_no: dict = {}
-        out = None
-        offset = 0
+        try:
+            new_index, segments = _write_new_index(blocks, index, plan, set(plan.repack))
+            repacked = plan.repack
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not plan.repack:
+                raise
+            # No room for the copies: drop what is dead, leave the packs to repack as they are.
+            new_index, segments = _write_new_index(blocks, index, plan, set())
+            repacked = []
+        for name in old_index_files:
+            if name != new_index:
+                (blocks.index_dir / name).unlink(missing_ok=True)
+        if blocks.index_dir.exists():
+            fsync_dir(blocks.index_dir)
+        for pack in plan.drop_packs + repacked:
+            blocks.pack_path(pack).unlink(missing_ok=True)
+        blocks.drop_stale_markers({(s.pack, s.offset) for s in segments})
+        blocks._index = None
+
+
+def _write_new_index(blocks, index, plan: PrunePlan, repack: set[str]) -> tuple[str, list[Segment]]:
+    """Steps 1 and 2: copies the live segments of the packs in `repack` into a new pack, then
+    writes one index file naming every live page. Returns its name ("" if nothing is live)
+    and its segments. On failure the new pack is removed: no index names it yet, and on a
+    full disk it would hold the space step 0 freed."""
+    new_pack = secrets.token_hex(16)
+    new_pack_path = blocks.pack_path(new_pack)
+    segments: list[Segment] = []
+    seg_no: dict = {}
+    out = None
+    offset = 0
+    try:
         for key in plan.live_segments:
             seg = index.segment_list[key]
             if seg.pack in repack:
                 if out is None:
                     make_private_dir(new_pack_path.parent)
                     out = PackWriter(new_pack_path)
-                with open(blocks.pack_path(seg.pack), "rb") as src:
-                    src.seek(seg.offset)
-                    data = src.read(seg.length)
-                out.write(data)  # stored bytes are copied as they are: no re-encoding
+                try:
+                    with open(blocks.pack_path(seg.pack), "rb") as src:
+                        src.seek(seg.offset)
+                        data = src.read(seg.length)
+                except FileNotFoundError:
+                    data = b""
+                # Checked on the way: a segment of a pack with recorded damage is trusted at
+                # its new place only if it is intact; one cut short is padded to its length,
+                # so that the segments after it stay where the new index says they are.
+                intact = len(data) == seg.length and xxhash.xxh3_128_digest(data) == seg.checksum
+                out.write(data + bytes(seg.length - len(data)))  # as stored: no re-encoding
                 seg = Segment(new_pack, offset, seg.length, seg.pages, seg.codec, seg.checksum)
                 offset += seg.length
-                if key in index.damaged:  # the only copy of a live page: still damaged at its new place
+                if key in index.damaged or not intact:  # the only copy of a live page: still damaged
                     blocks.record_damage(seg)
             seg_no[key] = len(segments)
             segments.append(seg)
         if out is not None:
             out.sync_and_close()
             fsync_dir(new_pack_path.parent)
+        if not segments:
+            return "", segments
         live = [page for page in plan.live_pages if page in index.pages]
-        new_index = b""
-        if segments:
-            data = render_index(segments, b"".join(live), [seg_no[index.pages[page] >> 16] for page in live],
-                                [index.pages[page] & 0xFFFF for page in live])
-            new_index = blake3.blake3(data).hexdigest()
-            make_private_dir(blocks.index_dir)
-            atomic_write_bytes(blocks.index_dir / new_index, data)
-        for name in old_index_files:
-            if name != new_index:
-                (blocks.index_dir / name).unlink(missing_ok=True)
-        if blocks.index_dir.exists():
-            fsync_dir(blocks.index_dir)
-        for pack in plan.drop_packs + plan.repack:
-            blocks.pack_path(pack).unlink(missing_ok=True)
-        blocks.drop_stale_markers({(s.pack, s.offset) for s in segments})
-        blocks._index = None
-    for pack_path in plan.unindexed_packs:
-        pack_path.unlink(missing_ok=True)
-    for obj in plan.objects:
-        obj.unlink(missing_ok=True)
+        data = render_index(segments, b"".join(live), [seg_no[index.pages[page] >> 16] for page in live],
+                            [index.pages[page] & 0xFFFF for page in live])
+        name = blake3.blake3(data).hexdigest()
+        make_private_dir(blocks.index_dir)
+        atomic_write_bytes(blocks.index_dir / name, data)
+        return name, segments
+    except BaseException:
+        if out is not None:
+            out.discard()
+        new_pack_path.unlink(missing_ok=True)
+        raise

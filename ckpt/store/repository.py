@@ -521,7 +521,9 @@ class Store:
             index = self.blocks.index()
             for entry in manifest.files:
                 if entry.kind == "pages":
-                    if not index.held(self.load_page_list(entry)).all():
+                    page_list = self.load_page_list(entry)
+                    self.blocks.check_suspect(page_list)
+                    if not index.held(page_list).all():
                         raise DamagedCheckpoint(f"checkpoint {manifest.id}: image {entry.name} holds pages "
                                                 "recorded as damaged")
         make_private_dir(dest)

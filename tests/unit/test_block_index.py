@@ -17,10 +17,10 @@ def as_written(ids, segment_numbers, positions):
     return (ids, np.asarray(segment_numbers, dtype="<u4").tobytes(), np.asarray(positions, dtype="<u2").tobytes())
 
 
-def index_file(ids: list[bytes], sort: bool = True) -> tuple[str, bytes]:
-    """An index file naming each id at its own page of a few segments (unsorted: as ckpt
-    wrote them before their entries were in id order)."""
-    segments = [Segment("ab" * 16, k << 20, 100, 256, 0, bytes(16)) for k in range(len(ids) // 256 + 1)]
+def index_file(ids: list[bytes], sort: bool = True, pack: str = "ab" * 16) -> tuple[str, bytes]:
+    """An index file naming each id at its own page of a few segments of one pack (unsorted:
+    as ckpt wrote them before their entries were in id order)."""
+    segments = [Segment(pack, k << 20, 100, 256, 0, bytes(16)) for k in range(len(ids) // 256 + 1)]
     columns = (b"".join(ids), [k // 256 for k in range(len(ids))], [k % 256 for k in range(len(ids))])
     if sort:
         data = render_index(segments, *columns)
@@ -83,7 +83,7 @@ def test_a_page_in_two_index_files_and_a_damaged_copy():
     first_ids, second_ids = [page] + random_ids(10), random_ids(5) + [page]
     index = BlockIndex()
     index.add_file(*index_file(first_ids))
-    index.add_file(*index_file(second_ids))
+    index.add_file(*index_file(second_ids, pack="cd" * 16))
     assert index.find(page).tolist()[0] >= 0
     # The copy in the first file's segment is damaged: the healthy copy in the second is found.
     first_location = dict(zip(first_ids, index._columns[0].locations().tolist()))[page]
@@ -156,6 +156,22 @@ def test_an_earlier_page_list_is_not_trusted_once_damage_is_recorded():
     page_list = b"".join(held)
     index.mark_damaged([0])  # the first segment (256 pages): its pages must be stored again
     assert index.missing(page_list, (page_list, np.array([[0, 0, 600]]))) == list(range(256))
+
+
+def test_copies_outside_a_pack_with_recorded_damage_are_preferred():
+    """The other segments of a pack with a damaged one are suspect (not checked since): a
+    copy elsewhere is located first."""
+    in_a, in_both = random_ids(600), random_ids(20)
+    index = BlockIndex()
+    index.add_file(*index_file(in_a + in_both, pack="aa" * 16))
+    index.add_file(*index_file(in_both, pack="bb" * 16))
+    index.add_file(*index_file(random_ids(5), pack="cc" * 16))
+    assert index.suspect == set()
+    index.mark_damaged([0])  # pack aa's first segment
+    assert index.suspect == {0, 1, 2}
+    assert {index.segment_list[location >> 16].pack for location in index.find(b"".join(in_both)).tolist()} \
+        == {"bb" * 16}
+    assert index.held(b"".join(in_a)).tolist() == [False] * 256 + [True] * 344
 
 
 def test_index_files_are_written_in_id_order():

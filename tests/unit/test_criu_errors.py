@@ -1,5 +1,7 @@
 """CRIU's failures, read from its log, become errors that say what to do."""
 
+import pytest
+
 from ckpt.criu.client import explain_failure
 from ckpt.errors import CriuFailed, PidInUse
 
@@ -36,3 +38,17 @@ def test_a_datagram_peer_gone_since_the_dump_says_to_start_it(tmp_path):
                     "Error (criu/cr-restore.c:2331): Restoring FAILED.")
     assert isinstance(error, CriuFailed)
     assert "sent datagrams to is not there" in error.hint and "start the program" in error.hint
+
+
+def test_a_truncated_image_is_a_typed_error_and_unreadable_stats_are_left_out(tmp_path):
+    """CRIU writes stats-dump into the store's log directory and ignores a failed write: on a
+    full disk it is empty, which is no reason to fail the dump (its pack write then reports
+    the full disk)."""
+    from ckpt.criu import images
+    from ckpt.errors import ImageUnreadable
+
+    (tmp_path / "stats-dump").write_bytes(b"")
+    assert images.dump_stats(tmp_path) == {}
+    (tmp_path / "pstree.img").write_bytes(b"\x01\x02")
+    with pytest.raises(ImageUnreadable, match="pstree.img is truncated or unreadable"):
+        images.process_tree(tmp_path)

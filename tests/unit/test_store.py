@@ -275,6 +275,94 @@ def test_a_damaged_segment_once_seen_is_stored_again_and_prune_drops_it(store, c
     assert fake_dump(store, {"pages-1.img": pages}, codec=codec).bytes_stored < PAGE
 
 
+def test_verify_records_every_damaged_segment_not_just_the_first(store):
+    pages = os.urandom(PAGE * 600)  # segments of 256, 256 and 88 pages
+    first = fake_dump(store, {"pages-1.img": pages}, codec="none")
+    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    flip_byte(pack, 10 * PAGE)  # two flips in one pack: segments 0 and 2
+    flip_byte(pack, 590 * PAGE)
+    (problem,) = store.verify(first)
+    assert "pages-1.img" in problem and "1 more damaged segment" in problem
+    assert sorted(offset for _, offset in store.blocks.damage_markers()) == [0, 512 * PAGE]
+
+
+def test_verify_records_every_segment_of_a_truncated_pack(store):
+    pages = os.urandom(PAGE * 600)
+    first = fake_dump(store, {"pages-1.img": pages}, codec="none")
+    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    os.truncate(pack, pack.stat().st_size // 2)  # cuts segment 1 and all of segment 2 off
+    assert store.verify(first)
+    assert sorted(offset for _, offset in store.blocks.damage_markers()) == [256 * PAGE, 512 * PAGE]
+    second = fake_dump(store, {"pages-1.img": pages}, codec="none")
+    assert store.verify(second) == [] and store.verify(first) == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_dump_checks_the_segments_it_would_reuse_in_a_pack_with_recorded_damage(store, damage):
+    """Damage recorded in a pack (by a restore or verify that read only part of it) makes its
+    other segments suspect: a dump checks those it would reuse, and stores again the pages of
+    any found damaged that nobody had met yet."""
+    shared, own = os.urandom(PAGE * 256), os.urandom(PAGE * 300)
+    both = fake_dump(store, {"pages-1.img": shared + own}, codec="none")
+    part = fake_dump(store, {"pages-1.img": shared}, codec="none")  # names segment 0 only
+    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    if damage == "flip":
+        flip_byte(pack, 10 * PAGE)
+        flip_byte(pack, 500 * PAGE)  # segment 2: in no page `part` names
+    else:
+        flip_byte(pack, 10 * PAGE)
+        os.truncate(pack, 300 * PAGE)
+    assert store.verify(part)
+    assert [offset for _, offset in store.blocks.damage_markers()] == [0], "verify met only segment 0"
+    store.blocks._index = None  # as a new command sees the store
+    again = fake_dump(store, {"pages-1.img": shared + own}, codec="none")
+    if damage == "flip":  # segment 1 found damaged, segment 2 intact and reused
+        assert sorted(offset for _, offset in store.blocks.damage_markers()) == [0, 256 * PAGE]
+        assert PAGE * 512 <= again.bytes_stored < PAGE * 556
+    else:  # segment 1 cut short, segment 2 past the end
+        assert sorted(offset for _, offset in store.blocks.damage_markers()) == [0, 256 * PAGE, 512 * PAGE]
+        assert again.bytes_stored >= PAGE * 556
+    assert store.verify(again) == []
+    for m in (both, part, again):
+        assert store.verify(m) == [], "older checkpoints read the fresh copies"
+        assert (store.materialize(m) / "pages-1.img").read_bytes() == (shared if m is part else shared + own)
+    store.collect_garbage()
+    assert not pack.exists() and store.blocks.damage_markers() == []
+
+
+def no_space(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+def test_a_holder_record_that_cannot_be_written_does_not_stop_a_command(store, monkeypatch):
+    import ckpt.store.lock as lock
+
+    real_write = os.write
+    monkeypatch.setattr(lock.os, "write", no_space)  # however the record is written, it fails
+    monkeypatch.setattr(lock.Path, "write_text", no_space)
+    with store.lock(exclusive=True):
+        monkeypatch.setattr(lock.os, "write", real_write)
+        assert list((store.root / "holders").iterdir()) == [], "no partial record is left"
+        store.remove([])
+
+
+def test_prune_without_room_to_repack_still_drops_what_is_dead(store, monkeypatch):
+    from ckpt.store import blocks as blocks_module
+
+    pages = [os.urandom(PAGE) for _ in range(300)]  # segments of 256 and 44 pages
+    whole = fake_dump(store, {"pages-1.img": b"".join(pages)}, codec="none")
+    tail = fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
+    alone = fake_dump(store, {"pages-1.img": os.urandom(PAGE * 20)}, codec="none")
+    (old_pack,) = [p for p in store.blocks.packs_dir.glob("*/*") if p.stat().st_size > 100 * PAGE]
+    store.remove([whole.id, alone.id])
+    monkeypatch.setattr(blocks_module.PackWriter, "write", no_space)  # a full disk for the copy
+    store.collect_garbage()
+    assert [p for p in store.blocks.packs_dir.glob("*/*")] == [old_pack], \
+        "the pack to repack stays, the dead one and the half-written copy are gone"
+    assert len(store.blocks.index_file_names()) == 1
+    assert (store.materialize(tail) / "pages-1.img").read_bytes() == b"".join(pages[256:])
+
+
 def test_a_repacked_damaged_segment_keeps_its_record(store):
     pages = [os.urandom(PAGE) for _ in range(300)]  # segments of 256 and 44 pages
     whole = fake_dump(store, {"pages-1.img": b"".join(pages)}, codec="none")
@@ -303,6 +391,23 @@ def test_a_parent_with_pages_recorded_damaged_is_not_used(store, tmp_path):
     assert store.verify(parent)
     with pytest.raises(DamagedCheckpoint, match="recorded as damaged"):
         store.materialize_parent(parent, tmp_path / "damaged")
+
+
+def test_a_parent_in_a_pack_with_recorded_damage_is_checked_before_it_is_used(store, tmp_path):
+    """Dirty tracking takes pages from the parent without reading them: those in a pack with
+    recorded damage are checked first, even where nobody has recorded damage yet."""
+    first, second = os.urandom(PAGE * 256), os.urandom(PAGE * 44)
+    fake_dump(store, {"pages-1.img": first + second}, codec="none")  # segments 0 and 1 of one pack
+    parent = fake_dump(store, {"pages-1.img": second, "pagemap-1.img": b"pm", "inventory.img": b"inv"},
+                       codec="none")
+    other = fake_dump(store, {"pages-1.img": first}, codec="none")
+    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    flip_byte(pack, 100)
+    flip_byte(pack, 260 * PAGE)
+    assert store.verify(other)  # records segment 0 only: `parent` names none of its pages
+    store.blocks._index = None
+    with pytest.raises(DamagedCheckpoint, match="recorded as damaged"):
+        store.materialize_parent(parent, tmp_path / "parent")
 
 
 def test_a_damaged_index_file_is_named_healed_by_the_next_dump_and_stops_prune(store):
