@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+from ckpt.lazywatch import failures
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Store
 from ckpt.store.repository import discard
@@ -20,4 +21,5 @@ def inspect(store: Store, ref: str, reporter: Reporter = NullReporter()) -> dict
             discard(image_dir)
     data = manifest.to_json()
     data["processes"] = processes
+    data["lazy_restore_failures"] = failures(store.logs_root / manifest.id)
     return data

@@ -12,6 +12,8 @@ The page server is a detached process: it outlives `ckpt restore`, holds the sto
 lock (so no prune removes a pack it reads), and removes the staged images once the daemon is
 done. While it runs, it leaves a record in /run/ckpt/lazy naming the tree's PIDs: a dump of
 the tree waits for it, as CRIU would otherwise dump the pages not filled in yet as missing.
+A watcher process beside it (ckpt/lazywatch.py) makes sure that the tree never runs on memory
+that a page server which ended early did not fill in.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ckpt.criu.binary import CriuBinary
 from ckpt.criu.client import error_lines, has_feature
 from ckpt.criu.images import lazy_runs
 from ckpt.errors import CriuFailed, UsageError
+from ckpt.lazywatch import HANDOVER_TIMEOUT_S, Watcher, protect_from_oom
 from ckpt.store import Manifest, Store
 from ckpt.store.blocks import PAGE
 from ckpt.store.repository import discard
@@ -123,20 +126,51 @@ class _StorePages:
 
 @dataclass
 class PageServer:
-    """The parent's handle on a started page server."""
+    """The parent's handle on a started page server, its daemon and its watcher."""
 
     pid: int
+    group: int  # the process group of all three
+    watcher_pid: int
     work_dir: Path
     log_path: Path
+    watcher: socket.socket | None = None
+
+    def hand_over(self, processes: int) -> None:
+        """Called once CRIU has restored the tree, before it runs: the watcher takes a copy of
+        the tree's userfaultfds (processes: how many of the tree's processes have lazy memory)."""
+        try:
+            self.watcher.sendall(b"G%d\n" % processes)
+            self.watcher.settimeout(HANDOVER_TIMEOUT_S + 5)
+            answer = self.watcher.recv(512)
+        except OSError as exc:
+            answer = b"E" + str(exc).encode()
+        if answer != b"K\n":
+            cause = answer[1:].decode(errors="replace").strip() if answer else "the watcher ended"
+            raise CriuFailed(f"the lazy restore's watcher could not take hold of the tree's memory: {cause}",
+                             log_path=str(self.log_path),
+                             hint="restore with --eager (a full restore needs no page server)")
+
+    def release(self) -> None:
+        """The restore is done: the watcher goes on alone."""
+        if self.watcher is not None:
+            self.watcher.close()
+            self.watcher = None
 
     def stop(self) -> None:
-        """Ends the server and its daemon (the restore failed); the caller removes the images."""
+        """Ends the server, its daemon and its watcher (the restore failed); the caller removes
+        the images."""
+        self.release()
         try:
-            os.killpg(self.pid, signal.SIGKILL)
+            os.killpg(self.group, signal.SIGKILL)
         except ProcessLookupError:
             pass
         (records_dir() / f"{self.pid}.json").unlink(missing_ok=True)
         (self.work_dir / "lazy-pages.socket").unlink(missing_ok=True)
+
+
+def lazy_processes(plan: LazyPlan) -> int:
+    """How many of the tree's processes have memory restored lazily (each has a userfaultfd)."""
+    return sum(1 for _, runs in plan.runs.values() if any(nr_pages for _, nr_pages, _ in runs))
 
 
 def start_page_server(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,
@@ -145,26 +179,28 @@ def start_page_server(store: Store, checkpoint_id: str, binary: CriuBinary, imag
     listens on work_dir/lazy-pages.socket, where the restoring CRIU finds it."""
     ours, theirs = _connected_pair()
     ready_read, ready_write = os.pipe()
+    control, control_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     log_path = work_dir / "lazy-pages.log"
     child = os.fork()
     if child == 0:  # pragma: no cover - runs in the forked server, reported through the pipe
         code = 1
         try:
             os.close(ready_read)
-            ours_fd, theirs_fd = ours.detach(), theirs.detach()
-            code = _server_main(store, checkpoint_id, binary, images_dir, work_dir, plan, tree_pids, log_level,
-                                ours_fd, theirs_fd, ready_write)
+            control.close()
+            code = _spawn(store, checkpoint_id, binary, images_dir, work_dir, plan, tree_pids, log_level,
+                          ours.detach(), theirs.detach(), ready_write, control_theirs.detach())
         finally:
             os._exit(code)
     ours.close()
     theirs.close()
+    control_theirs.close()
     os.close(ready_write)
-    os.waitpid(child, 0)  # the first child only forks the server and leaves
+    os.waitpid(child, 0)  # the first child only forks the server and the watcher, and leaves
     try:
-        server_pid, ready = _read_ready(ready_read)
+        server_pid, watcher_pid, ready = _read_ready(ready_read)
     finally:
         os.close(ready_read)
-    server = PageServer(server_pid, work_dir, log_path)
+    server = PageServer(server_pid, child, watcher_pid, work_dir, log_path, control)
     if not ready:
         server.stop()
         lines = error_lines(log_path)
@@ -191,33 +227,27 @@ def _connected_pair() -> tuple[socket.socket, socket.socket]:
             ours.close()  # another local program raced to connect: not ours
 
 
-def _read_ready(fd: int) -> tuple[int, bool]:
-    """The server writes its PID (4 bytes), then the daemon writes one byte once it listens.
-    End of file before that byte: the daemon failed."""
+def _read_ready(fd: int) -> tuple[int, int, bool]:
+    """The first child writes the server's and the watcher's PIDs (4 bytes each), then the
+    daemon writes one byte once it listens. End of file before that byte: the daemon failed."""
     data = b""
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while len(data) < 5:
+    while len(data) < 9:
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
             break
-        chunk = os.read(fd, 5 - len(data))
+        chunk = os.read(fd, 9 - len(data))
         if not chunk:
             break
         data += chunk
-    pid = struct.unpack("=i", data[:4])[0] if len(data) >= 4 else 0
+    pid, watcher = struct.unpack("=ii", data[:8]) if len(data) >= 8 else (0, 0)
     if pid == 0:
         raise CriuFailed("the lazy restore's page server did not start",
                          hint="restore with --eager (a full restore needs no page server)")
-    return pid, len(data) == 5
+    return pid, watcher, len(data) == 9
 
 
-def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,
-                 plan: LazyPlan, tree_pids: list[int], log_level: int, ours_fd: int, theirs_fd: int,
-                 ready_write: int) -> int:  # pragma: no cover - runs in the forked server
-    os.setsid()
-    if os.fork():  # the server is the grandchild: nobody has to reap it but init
-        return 0
-    keep = {ours_fd, theirs_fd, ready_write}
+def _detach_stdio(keep: set[int]) -> None:  # pragma: no cover - runs in the forked server and watcher
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # a caller reading ckpt's output must see its end when ckpt exits
         os.dup2(devnull, fd)
@@ -229,12 +259,52 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
                 os.close(fd)
             except OSError:
                 pass
-    # Ending the server or its daemon early would leave the tree's memory not yet filled in to
-    # read as zeros: a Ctrl-C meant for `ckpt restore`, a hang-up or a stray SIGTERM must not.
-    # The daemon inherits this (ignored signals survive exec). It ends by itself in seconds.
+    # Ending the server, its daemon or the watcher early would end the tree: a Ctrl-C meant
+    # for `ckpt restore`, a hang-up or a stray SIGTERM must not. The daemon inherits this
+    # (ignored signals survive exec), and the OOM protection. The server ends by itself in seconds.
     for number in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(number, signal.SIG_IGN)
-    os.write(ready_write, struct.pack("=i", os.getpid()))
+
+
+def _spawn(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,
+           plan: LazyPlan, tree_pids: list[int], log_level: int, ours_fd: int, theirs_fd: int,
+           ready_write: int, control_fd: int) -> int:  # pragma: no cover - runs in the first child
+    """Forks the server and its watcher, in a session of their own, reparented to init once
+    this first child exits; the server tells the watcher over a pipe the daemon's PID, then
+    whether the daemon was done ("D") or failed ("F...")."""
+    os.setsid()
+    status_read, status_write = os.pipe()
+    server = os.fork()
+    if server == 0:
+        code = 1
+        try:
+            os.close(status_read)
+            os.close(control_fd)
+            code = _server_main(store, checkpoint_id, binary, images_dir, work_dir, plan, tree_pids, log_level,
+                                ours_fd, theirs_fd, ready_write, status_write)
+        finally:
+            os._exit(code)
+    os.close(status_write)
+    os.close(ours_fd)
+    os.close(theirs_fd)
+    watcher = os.fork()
+    if watcher == 0:
+        code = 1
+        try:
+            _detach_stdio({status_read, control_fd})
+            protect_from_oom()
+            code = Watcher(status_read, control_fd, checkpoint_id, tree_pids, server, work_dir).run()
+        finally:
+            os._exit(code)
+    os.write(ready_write, struct.pack("=ii", server, watcher))
+    return 0
+
+
+def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,
+                 plan: LazyPlan, tree_pids: list[int], log_level: int, ours_fd: int, theirs_fd: int,
+                 ready_write: int, status_fd: int) -> int:  # pragma: no cover - runs in the forked server
+    _detach_stdio({ours_fd, theirs_fd, ready_write, status_fd})
+    oom_refused = protect_from_oom()
     record = records_dir() / f"{os.getpid()}.json"
     served = requests = 0
     try:
@@ -246,13 +316,16 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
                                             "lazy-pages.log", log_level)
             os.close(theirs_fd)
             os.close(ready_write)
+            _tell(status_fd, b"P%d" % daemon.pid)
             sock = socket.socket(fileno=ours_fd)
             began = time.monotonic()
             try:
                 served, requests = lazypages.serve(sock, _StorePages(store, plan))
                 status = "done"
+                _tell(status_fd, b"D")  # every page is in: the watcher lets the tree go
             except Exception as exc:  # noqa: BLE001 - any failure is logged: nobody else would see it
                 status = f"failed: {exc}"
+                _tell(status_fd, b"F" + str(exc).encode()[:400].replace(b"\n", b" "))
             finally:
                 sock.close()
             daemon.wait()
@@ -260,11 +333,19 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
             with open(os.open(work_dir / "page-server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
                       "w") as log:
                 log.write(f"{status}; {served} pages served of {plan.pages} in {requests} requests in "
-                          f"{time.monotonic() - began:.2f} s; daemon exit code {daemon.returncode}\n")
+                          f"{time.monotonic() - began:.2f} s; daemon exit code {daemon.returncode}"
+                          + (f"; not protected from the OOM killer ({oom_refused})" if oom_refused else "") + "\n")
     finally:
         record.unlink(missing_ok=True)
         discard(images_dir)
     return 0
+
+
+def _tell(fd: int, message: bytes) -> None:  # pragma: no cover - runs in the forked server
+    try:
+        os.write(fd, message + b"\n")
+    except OSError:
+        pass  # the watcher is gone: nobody to tell
 
 
 def wait_for_lazy_restores(pids: set[int], on_wait, timeout: float = 600.0) -> None:

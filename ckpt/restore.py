@@ -14,7 +14,7 @@ from ckpt import procs, settings
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
 from ckpt.errors import HookFailed, UsageError
-from ckpt.lazy import LazyPlan, start_page_server
+from ckpt.lazy import LazyPlan, lazy_processes, start_page_server
 from ckpt.lazy import supported as lazy_supported
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store
@@ -130,10 +130,19 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                 reporter.step("restoring into a new PID namespace")
                 pid, inner = run_in_new_pidns(lambda: CriuClient(binary).restore(criu_options))
             else:
-                pid = CriuClient(binary).restore(criu_options)
+                on_notify = None
+                if server is not None:
+                    def on_notify(script: str, _pid: int, server=server) -> None:
+                        # Every process has registered its lazy memory and none runs yet: the
+                        # watcher takes hold of it now, or CRIU aborts the restore.
+                        if script == "post-restore":
+                            server.hand_over(lazy_processes(plan))
+
+                pid = CriuClient(binary).restore(criu_options, on_notify)
             if server is not None:
                 lazy_info = {"pages": plan.pages, "bytes": plan.pages * PAGE, "server_pid": server.pid,
-                             "log": str(server.log_path)}
+                             "watcher_pid": server.watcher_pid, "log": str(server.log_path)}
+                server.release()
                 server = None  # it now owns the images and removes them when the daemon is done
                 images_dir = None
         finally:

@@ -8,6 +8,7 @@ started, and reaps the PIDs of a dead tree at once so the next restore finds the
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import signal
@@ -68,6 +69,7 @@ class Supervisor:
         self.stopping_signal: int | None = None
         self.restores = 0
         self.checkpoints: list[str] = []
+        self.lazy_log_dir: Path | None = None  # the last restore's, while it was lazy
 
     def _forward(self, signum, _frame) -> None:
         self.stopping_signal = signum
@@ -111,6 +113,7 @@ class Supervisor:
                     self.reporter.info(f"PID {self.pid} {text}; supervision ends")
                     return code
                 self.reporter.warn(f"PID {self.pid} {text}")
+                self._explain_lazy_failure()
                 if not self.checkpoints:
                     self.reporter.warn("no checkpoint was taken yet: nothing to restore")
                     return code
@@ -164,6 +167,19 @@ class Supervisor:
             except CkptError as exc:
                 self.reporter.warn(f"retention failed: {exc}")
 
+    def _explain_lazy_failure(self) -> None:
+        """A lazily restored tree is killed when its page server ends before the memory is back
+        (ckpt/lazywatch.py): said, and restored again like any other death."""
+        if self.lazy_log_dir is None:
+            return
+        from ckpt.lazywatch import FAILURE_FILE, describe
+
+        try:
+            record = json.loads((self.lazy_log_dir / FAILURE_FILE).read_text())
+        except (OSError, ValueError):
+            return
+        self.reporter.warn(describe(record))
+
     def _end_old_tree(self, pids: list[int]) -> None:
         """Kills what is left of the dead tree (children survive their parent) and reaps it."""
         for pid in pids:
@@ -192,6 +208,7 @@ class Supervisor:
             return False
         self.restores += 1
         self.pid = result.pid
+        self.lazy_log_dir = Path(result.lazy["log"]).parent if result.lazy else None
         self.reporter.info(f"restored {result.manifest.id} as PID {self.pid} "
                            f"(restore {self.restores} of {self.request.max_restores})")
         return True

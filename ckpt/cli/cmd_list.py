@@ -4,6 +4,7 @@ import typer
 
 from ckpt.cli.options import JsonOption, NameFilterOption, StoreOption, open_store
 from ckpt.cli.output import emit_json, human_bytes, print_table, stderr, styled
+from ckpt.lazywatch import describe, failures
 
 HELP = """List the checkpoints in the store, oldest first.
 
@@ -26,9 +27,14 @@ def register(app: typer.Typer) -> None:
         manifests = st.manifests(on_damaged=lambda i, e: stderr.print(styled("Warning:", "yellow", f" {e}")))
         if name:
             manifests = [m for m in manifests if m.name == name]
+        lost = {m.id: failures(st.logs_root / m.id) for m in manifests}
+        for records in lost.values():
+            for failure in records:
+                stderr.print(styled("Warning:", "yellow", f" {describe(failure)} ({failure.get('time', '?')})"))
         rows = [{
             "id": m.id, "name": m.name, "created": m.created, "pid": m.pid, "command": m.command,
             "processes": len(m.processes), "bytes_total": m.bytes_total, "bytes_stored": m.bytes_stored,
+            "lazy_restore_failures": len(lost[m.id]),
         } for m in manifests]
         if json_out:
             emit_json(rows)

@@ -5,8 +5,9 @@ from rich.text import Text
 from rich.tree import Tree
 
 from ckpt.cli.options import JsonOption, StoreOption, open_store
-from ckpt.cli.output import emit_json, human_bytes, stdout
+from ckpt.cli.output import emit_json, human_bytes, stderr, stdout, styled
 from ckpt.inspect import inspect
+from ckpt.lazywatch import describe
 
 HELP = """Show what a checkpoint holds: process tree, threads, memory, open files and sockets.
 
@@ -37,6 +38,8 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOption = False,
     ) -> None:
         data = inspect(open_store(store, create=False), ref)
+        for failure in data["lazy_restore_failures"]:
+            stderr.print(styled("Warning:", "yellow", f" {describe(failure)} ({failure.get('time', '?')})"))
         if json_out:
             emit_json(data)
             return

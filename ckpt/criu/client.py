@@ -8,9 +8,11 @@ exists. The transport below is a small loop over the same socketpair protocol.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 from dataclasses import dataclass, field
@@ -26,6 +28,23 @@ from ckpt.store.fsutil import DISK_FULL_HINT
 BENIGN_ERRORS = (re.compile(r"rlimit: Can't setup RLIMIT_NOFILE"),)
 
 NotifyHandler = Callable[[str, int], None]
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """A preexec_fn: the child gets SIGKILL when the thread that forked it ends. Set in the
+    child between fork and exec (kept across exec), then the parent is checked: had it died
+    before, the signal would never come. Only a libc call and getppid run in the child, which
+    is safe beside ckpt's other threads (no lock of theirs is taken)."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
 
 
 def _log_level() -> int:
@@ -185,7 +204,7 @@ class CriuClient:
         self.binary = binary
 
     def _call(self, req_type: str, options: CriuOptions, on_notify: NotifyHandler | None,
-              on_started: Callable[[], None] | None = None):
+              on_started: Callable[[], None] | None = None, die_with_us: bool = False):
         options.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         images_fd = os.open(options.images_dir, os.O_RDONLY | os.O_DIRECTORY)
         work_fd = os.open(options.log_dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -200,7 +219,8 @@ class CriuClient:
                 # the restored tasks get their own umask back from the images.
                 proc = subprocess.Popen([self.binary.path, "swrk", str(theirs.fileno())],
                                         pass_fds=(theirs.fileno(), *(fd for _, fd in options.inherit_fds)),
-                                        close_fds=True, umask=0o077, **stdio)
+                                        close_fds=True, umask=0o077,
+                                        preexec_fn=_die_with(os.getpid()) if die_with_us else None, **stdio)
             theirs.close()
             # Imported once CRIU is starting (it waits for the request): the import overlaps
             # CRIU's own start-up instead of delaying it.
@@ -251,8 +271,17 @@ class CriuClient:
     def dump(self, options: CriuOptions, on_notify: NotifyHandler | None = None,
              on_started: Callable[[], None] | None = None) -> None:
         """Dumps the tree. on_started is called once CRIU has its request: work begun there
-        runs while CRIU dumps (and must not touch the tree)."""
-        self._call("DUMP", options, on_notify, on_started)
+        runs while CRIU dumps (and must not touch the tree).
+
+        CRIU dies with the calling thread (call it from the thread that lives for the whole
+        command): a dump nobody will commit is no use, and a CRIU killed midway leaves the
+        target running (its tracer gone, the kernel detaches it and the parasite, finding its
+        socket closed, returns the process to its own code; see docs/design.md). Not with a
+        network lock or TCP connections in repair mode: only CRIU's own clean-up undoes them. A restore's
+        CRIU is not: killed midway it would leave half-restored processes waiting for it; left
+        alone it aborts when it cannot notify ckpt and kills what it restored."""
+        self._call("DUMP", options, on_notify, on_started,
+                   die_with_us=options.network_lock == "skip" and not options.tcp_established)
 
     def restore(self, options: CriuOptions, on_notify: NotifyHandler | None = None) -> int:
         """Restores the tree; returns the PID of its root."""
