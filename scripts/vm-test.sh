@@ -43,7 +43,7 @@ step_done() {  # step_done STEP: the step that began at $step_started has ended
 }
 times_summary() {
     [ -f "$work/times" ] || return 0
-    say "took: $(awk -F'\t' '{printf "%s%s %d s", NR > 1 ? ", " : "", $2, $1}' "$work/times"); total $SECONDS s"
+    say "took: $(awk -F'\t' '{printf "%s%s %d s", (NR > 1 ? ", " : ""), $2, $1}' "$work/times"); total $SECONDS s"
 }
 
 [ "$(id -u)" = 0 ] || die "run as root (mmdebstrap and the image build need it): sudo make vm-test"
@@ -195,7 +195,7 @@ results=${CKPT_VM_RESULTS:-$project/vm-results}
 rm -rf "$results"
 mkdir -p "$results"
 cp -a "$out"/. "$results/"
-cp "$work"/console-*.log "$work"/qemu-*.err "$results/" 2>/dev/null || true
+cp "$work"/console-*.log "$work"/qemu-*.err "$work"/times "$results/" 2>/dev/null || true
 [ -f "$out/booted" ] || { tail -n 20 "$work/qemu-$accel.err" >&2 || true
     die "the guest did not boot (console and QEMU errors: $results)"; }
 [ -f "$out/rc" ] || die "the guest booted but did not finish its run (timeout ${timeout_s}s?): see $results/console-$accel.log"
