@@ -9,12 +9,15 @@
 #    libraries + a virtualenv with ckpt's dependencies, written into an ext4 disk image with
 #    mkfs.ext4 -d (no loop devices). Cached in $CKPT_VM_CACHE (default /var/cache/ckpt-vm)
 #    under a key of everything the image is made of; a changed recipe builds a new one.
-# 2. Boots it with direct kernel boot: KVM when the host's KVM can run the stock kernel, TCG
-#    otherwise. The disk is opened with -snapshot (the cached image never changes); the
+# 2. Boots it with direct kernel boot (scripts/vm/boot.sh): KVM when the host's KVM can run
+#    the stock kernel, TCG otherwise. A KVM guest that aborts, or prints nothing on its console
+#    within CKPT_VM_SILENCE seconds (some paravirtual KVMs spin forever), is stopped and TCG
+#    runs instead. The disk is opened with -snapshot (the cached image never changes); the
 #    project is shared read-only over 9p, results come back through a second share. No
 #    network device at all: loopback is all the tests use.
-# 3. Prints what the guest reported and exits with the tests' status. A guest that does not
-#    boot, or tests that did not run (none collected, any skipped), fail the run.
+# 3. Prints what the guest reported and how long each step took, and exits with the tests'
+#    status. A guest that does not boot, or tests that did not run (none collected, any
+#    skipped), fail the run.
 set -euo pipefail
 
 # All of it runs inside main, which bash reads whole before running: editing this file while
@@ -29,6 +32,19 @@ memory_mib=${CKPT_VM_MEMORY:-3072}
 
 say() { echo "vm-test: $*" >&2; }
 die() { echo "vm-test: error: $*" >&2; exit 1; }
+# Each step's duration goes to $work/times ("SECONDS<TAB>STEP", boot.sh adds the guest's); the
+# summary is printed on exit, failed runs included: the slow step is what one looks for then.
+work=
+step_started=$SECONDS
+step_done() {  # step_done STEP: the step that began at $step_started has ended
+    local took=$((SECONDS - step_started))
+    [ -z "$work" ] || printf '%s\t%s\n' "$took" "$1" >> "$work/times"
+    step_started=$SECONDS
+}
+times_summary() {
+    [ -f "$work/times" ] || return 0
+    say "took: $(awk -F'\t' '{printf "%s%s %d s", (NR > 1 ? ", " : ""), $2, $1}' "$work/times"); total $SECONDS s"
+}
 
 [ "$(id -u)" = 0 ] || die "run as root (mmdebstrap and the image build need it): sudo make vm-test"
 [ -x "$project/.venv/bin/python" ] || die "no .venv: run 'make setup' first"
@@ -43,12 +59,15 @@ command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v vagrant >/dev/null || need+=(vagrant)
 dpkg -s vagrant-libvirt >/dev/null 2>&1 || need+=(vagrant-libvirt)
+installed=$SECONDS
 if [ ${#need[@]} -gt 0 ]; then
     say "installing ${need[*]}"
     apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null \
         || die "could not install ${need[*]} with apt-get"
 fi
+installed=$((SECONDS - installed))
+step_started=$SECONDS
 
 # The Vagrantfile users start from (vagrant/README.md) must at least be valid.
 (cd "$project/vagrant" && vagrant validate >/dev/null) || die "vagrant/Vagrantfile does not validate ('cd vagrant && vagrant validate')"
@@ -75,12 +94,13 @@ criu_lib_packages() {
 }
 
 work=$(mktemp -d /tmp/ckpt-vm.XXXXXX)
-qemu_pid=
 cleanup() {
-    [ -n "$qemu_pid" ] && kill "$qemu_pid" 2>/dev/null || true
+    times_summary
     rm -rf "$work"
 }
 trap cleanup EXIT
+printf '%s\t%s\n' "$installed" "host packages" >> "$work/times"
+step_done "vagrant validate"
 
 # The guest's Python packages: exactly what the host's venv runs, less ckpt (shared from the
 # project tree) and pycriu (built from the same CRIU source as the binary).
@@ -135,7 +155,12 @@ key=$( {
 image_dir="$cache/$key"
 
 
-[ -f "$image_dir/disk.img" ] || build_image
+if [ -f "$image_dir/disk.img" ]; then
+    step_done "guest image (cached)"
+else
+    build_image
+    step_done "guest image (built)"
+fi
 say "guest image $image_dir"
 
 # ---- booting ------------------------------------------------------------------------------
@@ -143,43 +168,34 @@ out="$work/out"
 mkdir -p "$out"
 printf '%s\n' "$@" > "$out/pytest-args"
 
-boot() {  # boot ACCEL: runs the guest to its end; the console goes to stdout and to console.log
-    local accel=$1 cpu=max
-    [ "$accel" = kvm ] && cpu=host
-    rm -f "$out/booted" "$out/rc"
-    local started=$SECONDS
-    # In a subshell: a QEMU that aborts (KVM refusing the guest) is reported below, not by bash.
-    ( timeout --foreground -k 10 "$timeout_s" qemu-system-x86_64 \
-        -accel "$accel$([ "$accel" = tcg ] && echo ,thread=multi)" -cpu "$cpu" -smp 2 -m "$memory_mib" \
-        -nodefaults -no-reboot -display none -serial stdio -nic none \
-        -kernel "$image_dir/vmlinuz" -initrd "$image_dir/initrd.img" \
-        -append "root=/dev/vda rw console=ttyS0 panic=-1 quiet init=/sbin/ckpt-vm-init" \
-        -drive "file=$image_dir/disk.img,format=raw,if=virtio,snapshot=on" \
-        -virtfs "local,path=$project,mount_tag=project,security_model=none,readonly=on" \
-        -virtfs "local,path=$out,mount_tag=out,security_model=none" \
-        </dev/null 2>"$work/qemu-$accel.err" | tee "$work/console-$accel.log" ) 2>/dev/null
-    say "guest ($accel) ran for $((SECONDS - started)) s"
-}
-
-accel=tcg
-if [ -z "${CKPT_VM_ACCEL:-}" ] && [ -w /dev/kvm ]; then
-    accel=kvm
-elif [ -n "${CKPT_VM_ACCEL:-}" ]; then
-    accel=$CKPT_VM_ACCEL
+# Try KVM first when the host has it, TCG after it if the KVM guest does not boot; an accelerator
+# asked for by CKPT_VM_ACCEL is the only one tried. "quiet loglevel=6": the kernel's notices
+# only (its banner first, as soon as the serial console is up), so that a guest shows it runs
+# within a second under KVM (boot.sh stops a silent one), and within half a minute under TCG
+# instead of nothing until the guest's init; "quiet" also keeps the initramfs silent.
+# (earlyprintk would print sooner, but a hung paravirtual KVM prints its first line too.)
+accels=tcg
+if [ -n "${CKPT_VM_ACCEL:-}" ]; then
+    accels=$CKPT_VM_ACCEL
+elif [ -w /dev/kvm ]; then
+    accels=kvm,tcg
 fi
-boot "$accel" || true
-if [ ! -f "$out/booted" ] && [ "$accel" = kvm ] && [ -z "${CKPT_VM_ACCEL:-}" ]; then
-    say "KVM cannot run the stock guest kernel here ($(tail -n 1 "$work/qemu-kvm.err" 2>/dev/null)); using TCG"
-    accel=tcg
-    boot tcg || true
-fi
+CKPT_VM_TIMEOUT=$timeout_s "$here/vm/boot.sh" "$out" "$work" "$accels" -- \
+    -smp 2 -m "$memory_mib" -nodefaults -no-reboot -display none -serial stdio -nic none \
+    -kernel "$image_dir/vmlinuz" -initrd "$image_dir/initrd.img" \
+    -append "root=/dev/vda rw console=ttyS0 panic=-1 quiet loglevel=6 init=/sbin/ckpt-vm-init" \
+    -drive "file=$image_dir/disk.img,format=raw,if=virtio,snapshot=on" \
+    -virtfs "local,path=$project,mount_tag=project,security_model=none,readonly=on" \
+    -virtfs "local,path=$out,mount_tag=out,security_model=none" || true
+step_started=$SECONDS
+accel=$(cat "$work/accel" 2>/dev/null || echo "${accels%%,*}")
 
 # ---- what the guest reported ----------------------------------------------------------------
 results=${CKPT_VM_RESULTS:-$project/vm-results}
 rm -rf "$results"
 mkdir -p "$results"
 cp -a "$out"/. "$results/"
-cp "$work"/console-*.log "$work"/qemu-*.err "$results/" 2>/dev/null || true
+cp "$work"/console-*.log "$work"/qemu-*.err "$work"/times "$results/" 2>/dev/null || true
 [ -f "$out/booted" ] || { tail -n 20 "$work/qemu-$accel.err" >&2 || true
     die "the guest did not boot (console and QEMU errors: $results)"; }
 [ -f "$out/rc" ] || die "the guest booted but did not finish its run (timeout ${timeout_s}s?): see $results/console-$accel.log"
