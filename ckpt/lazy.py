@@ -23,6 +23,7 @@ import select
 import signal
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,9 +132,25 @@ class PageServer:
     pid: int
     work_dir: Path
     log_path: Path
+    # The write end of the server's hand-off pipe (see _abandon_unless_restored), until used.
+    handoff_fd: int | None = None
+
+    def tree_restored(self) -> None:
+        """Tells the server that CRIU has handed the tree's memory to the daemon (CRIU's
+        post-restore notification): from now on it serves until the daemon is done, whatever
+        becomes of this process."""
+        if self.handoff_fd is not None:
+            os.write(self.handoff_fd, b"r")
+            self._close_handoff()
+
+    def _close_handoff(self) -> None:
+        if self.handoff_fd is not None:
+            os.close(self.handoff_fd)
+            self.handoff_fd = None
 
     def stop(self) -> None:
         """Ends the server and its daemon (the restore failed); the caller removes the images."""
+        self._close_handoff()
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -148,26 +165,29 @@ def start_page_server(store: Store, checkpoint_id: str, binary: CriuBinary, imag
     listens on work_dir/lazy-pages.socket, where the restoring CRIU finds it."""
     ours, theirs = _connected_pair()
     ready_read, ready_write = os.pipe()
+    handoff_read, handoff_write = os.pipe()
     log_path = work_dir / "lazy-pages.log"
     child = os.fork()
     if child == 0:  # pragma: no cover - runs in the forked server, reported through the pipe
         code = 1
         try:
             os.close(ready_read)
+            os.close(handoff_write)
             ours_fd, theirs_fd = ours.detach(), theirs.detach()
             code = _server_main(store, checkpoint_id, binary, images_dir, work_dir, plan, tree_pids, log_level,
-                                ours_fd, theirs_fd, ready_write)
+                                ours_fd, theirs_fd, ready_write, handoff_read)
         finally:
             os._exit(code)
     ours.close()
     theirs.close()
     os.close(ready_write)
+    os.close(handoff_read)
     os.waitpid(child, 0)  # the first child only forks the server and leaves
     try:
         server_pid, ready = _read_ready(ready_read)
     finally:
         os.close(ready_read)
-    server = PageServer(server_pid, work_dir, log_path)
+    server = PageServer(server_pid, work_dir, log_path, handoff_write)
     if not ready:
         server.stop()
         lines = error_lines(log_path)
@@ -216,11 +236,11 @@ def _read_ready(fd: int) -> tuple[int, bool]:
 
 def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,
                  plan: LazyPlan, tree_pids: list[int], log_level: int, ours_fd: int, theirs_fd: int,
-                 ready_write: int) -> int:  # pragma: no cover - runs in the forked server
+                 ready_write: int, handoff_read: int) -> int:  # pragma: no cover - runs in the forked server
     os.setsid()
     if os.fork():  # the server is the grandchild: nobody has to reap it but init
         return 0
-    keep = {ours_fd, theirs_fd, ready_write}
+    keep = {ours_fd, theirs_fd, ready_write, handoff_read}
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # a caller reading ckpt's output must see its end when ckpt exits
         os.dup2(devnull, fd)
@@ -249,6 +269,7 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
                                             "lazy-pages.log", log_level)
             os.close(theirs_fd)
             os.close(ready_write)
+            threading.Thread(target=_abandon_unless_restored, args=(handoff_read, daemon), daemon=True).start()
             sock = socket.socket(fileno=ours_fd)
             began = time.monotonic()
             try:
@@ -268,6 +289,24 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
         record.unlink(missing_ok=True)
         discard(images_dir)
     return 0
+
+
+def _abandon_unless_restored(handoff_read: int, daemon) -> None:  # pragma: no cover - in the server
+    """Ends the daemon if `ckpt restore` dies before CRIU has handed it the tree's memory.
+
+    The daemon waits for the restoring CRIU without a time limit: killed before that (kill
+    -9, OOM), ckpt left the server and its daemon waiting forever, holding the store's shared
+    lock (every prune and rm then waited for it) and a record that made every later dump of
+    those PIDs wait for a restore that never comes. ckpt writes a byte at CRIU's post-restore
+    notification; end of file without it means that no tree depends on this server: a CRIU
+    that got that far without an answer fails the restore and kills the tree it made."""
+    try:
+        handed_off = os.read(handoff_read, 1)
+    except OSError:
+        handed_off = b""
+    os.close(handoff_read)
+    if not handed_off:
+        daemon.kill()  # serve() then sees the connection close, and the server cleans up
 
 
 def wait_for_lazy_restores(pids: set[int], on_wait, timeout: float = 600.0) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import blake3
 
 from ckpt.errors import StoreError
+from ckpt.phases import phase
 from ckpt.store.blocks import ID_LEN, PackWriter, Segment, render_index
 from ckpt.store.fsutil import atomic_write_bytes, fsync_dir, make_private_dir
 
@@ -133,6 +134,7 @@ def execute_prune(store: Store, plan: PrunePlan) -> None:
                     src.seek(seg.offset)
                     data = src.read(seg.length)
                 out.write(data)  # stored bytes are copied as they are: no re-encoding
+                phase("prune.repacking")
                 seg = Segment(new_pack, offset, seg.length, seg.pages, seg.codec, seg.checksum)
                 offset += seg.length
                 if key in index.damaged:  # the only copy of a live page: still damaged at its new place
@@ -142,6 +144,7 @@ def execute_prune(store: Store, plan: PrunePlan) -> None:
         if out is not None:
             out.sync_and_close()
             fsync_dir(new_pack_path.parent)
+        phase("prune.before-index")
         live = [page for page in plan.live_pages if page in index.pages]
         new_index = b""
         if segments:
@@ -150,6 +153,7 @@ def execute_prune(store: Store, plan: PrunePlan) -> None:
             new_index = blake3.blake3(data).hexdigest()
             make_private_dir(blocks.index_dir)
             atomic_write_bytes(blocks.index_dir / new_index, data)
+            phase("prune.index-written")
         for name in old_index_files:
             if name != new_index:
                 (blocks.index_dir / name).unlink(missing_ok=True)
@@ -157,9 +161,12 @@ def execute_prune(store: Store, plan: PrunePlan) -> None:
             fsync_dir(blocks.index_dir)
         for pack in plan.drop_packs + plan.repack:
             blocks.pack_path(pack).unlink(missing_ok=True)
+            phase("prune.deleting")
         blocks.drop_stale_markers({(s.pack, s.offset) for s in segments})
         blocks._index = None
     for pack_path in plan.unindexed_packs:
         pack_path.unlink(missing_ok=True)
+        phase("prune.deleting")
     for obj in plan.objects:
         obj.unlink(missing_ok=True)
+        phase("prune.deleting")
