@@ -226,8 +226,8 @@ def test_kill_9_at_phase(phase, variant, procs, tmp_path, isolated_env, monkeypa
         checksum, _ = target.report()
         killed_at(phase, ["dump", target.pid] + (["--stop"] if variant == "stop" else []), tmp_path, procs, target)
         running = target.alive()
-        if running:
-            target.assert_running()
+        if running:  # and its memory is as it was
+            assert target.assert_running()[0] == checksum
         else:
             target.popen.wait(timeout=10)
         ids = assert_intact(expected, {first}, killed_dump=checksum)
