@@ -18,6 +18,7 @@ from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient, CriuOptions
 from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, StoreBusy, TargetRefused, UsageError
 from ckpt.lazy import wait_for_lazy_restores
+from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.blocks import CODECS, MERGE_ABOVE
@@ -178,6 +179,8 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
 
         def commit_while_frozen(script: str, _pid: int) -> None:
             marks[script] = time.monotonic()
+            if script == "post-dump":
+                phase("dump.frozen")
             if script == "post-dump" and request.stop:
                 # CRIU writes its stats only after this point: the freeze so far is measured here.
                 frozen_ms = round((marks["post-dump"] - marks.get("pre-dump", started)) * 1000, 1)
@@ -188,6 +191,7 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
 
         try:
             reporter.step(f"dumping PID {request.pid} ({facts.command}) with CRIU {binary.version_text}")
+            phase("dump.staged")
             try:
                 CriuClient(binary).dump(criu_options, on_notify=commit_while_frozen, on_started=read_ahead)
             except CkptError:
@@ -195,6 +199,7 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
                     raise ProcessNotFound(f"process {request.pid} exited during the dump; nothing was saved") \
                         from None
                 raise
+            phase("dump.after-criu")
             manifest = committed[0] if committed else _ingest_and_commit(
                 store, staging, request, facts, binary, options_used, checkpoint_id, started, reporter, tracking,
                 earlier)
@@ -311,7 +316,9 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
         bytes_total=sum(e.size for e in entries),
         bytes_stored=added,
     )
+    phase("dump.before-commit")
     store.commit(manifest)
+    phase("dump.committed")
     return manifest
 
 

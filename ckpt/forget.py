@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from ckpt.errors import UsageError
+from ckpt.phases import phase
 from ckpt.retention import Item, Policy, apply_policy, emptied_groups
 from ckpt.store import Manifest, Store
 
@@ -32,7 +33,8 @@ def forget(store: Store, policy: Policy, name: str | None = None, prune: bool = 
         to_remove = [d.id for d in decisions if not d.keep]
         freed = objects = 0
         if not dry_run:
-            store.remove(to_remove)
+            phase("forget.planned")
+            store.remove(to_remove, on_removed=lambda _id: phase("forget.removing"))
             if prune:
                 store.remove_leftovers()
                 objects, freed = store.collect_garbage()

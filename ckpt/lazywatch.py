@@ -156,6 +156,7 @@ class Watcher:
         self.held: dict[int, int] = {}  # our descriptor -> the daemon's descriptor number
         self.starts: dict[int, str] = {}  # the tree's PIDs once handed over -> their start times
         self.handed_over = False
+        self.abandoned = False  # `ckpt restore` ended before handing the tree over
 
     def run(self) -> int:
         status = b""
@@ -170,6 +171,7 @@ class Watcher:
                 if not data:
                     os.close(self.control_fd)
                     self.control_fd = None
+                    self.abandoned = not self.handed_over
                 while b"\n" in control:
                     line, control = control.split(b"\n", 1)
                     self._command(line)
@@ -186,6 +188,8 @@ class Watcher:
                         return self._failed(f"the page server failed: {line[1:].decode(errors='replace')}")
                 if not data:
                     return self._failed(f"the page server (PID {self.server_pid}) ended")
+            if self.abandoned and self.daemon is not None:
+                self._abandon()
             if self.handed_over:
                 self._rescan()
 
@@ -248,6 +252,19 @@ class Watcher:
                     self._grab(pidfd, fd)
             finally:
                 os.close(pidfd)
+
+    def _abandon(self) -> None:
+        """`ckpt restore` ended (killed, or failed) before CRIU's post-restore notification:
+        no tree depends on this server, whose daemon would otherwise wait for a restoring CRIU
+        forever, holding the store's shared lock (every prune and rm then waited) and a record
+        that made every later dump of those PIDs wait. A CRIU that got as far as restoring
+        without ckpt's answer fails the restore and kills what it made. The daemon is ended;
+        the server sees its connection close and cleans up as after any failure."""
+        self.abandoned = False
+        try:
+            os.kill(self.daemon, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def _release(self) -> None:
         for ours in self.held:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from ckpt.phases import phase
 from ckpt.store import Store
 from ckpt.store.prune import execute_prune, prune_plan
 
@@ -15,5 +16,6 @@ def prune(store: Store, dry_run: bool = False) -> dict:
         store.remove_restore_leftovers()
         plan = prune_plan(store)
         if not dry_run:
+            phase("prune.planned")
             execute_prune(store, plan)
     return {**plan.to_json(), "dry_run": dry_run, "duration_ms": round((time.monotonic() - started) * 1000, 1)}

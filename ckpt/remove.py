@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ckpt.phases import phase
 from ckpt.store import Store
 
 
@@ -16,6 +17,7 @@ def remove(store: Store, refs: list[str], dry_run: bool = False) -> dict:
         if dry_run:
             return {"removed": checkpoint_ids, "dry_run": True, "objects_removed": 0, "bytes_freed": 0}
         store.remove(checkpoint_ids)
+        phase("rm.removed")
         store.remove_leftovers()
         store.remove_restore_leftovers()
         objects, freed = store.collect_garbage()

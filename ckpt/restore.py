@@ -16,6 +16,7 @@ from ckpt.criu.client import CriuClient, CriuOptions
 from ckpt.errors import HookFailed, UsageError
 from ckpt.lazy import LazyPlan, lazy_processes, start_page_server
 from ckpt.lazy import supported as lazy_supported
+from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store
 from ckpt.store.blocks import PAGE
@@ -88,6 +89,7 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
             lazy = bool(plan.locations)  # none left out: nothing to serve
         else:
             images_dir = store.materialize(manifest, reporter)
+        phase("restore.materialized")
         inherit: list[tuple[str, int]] = []
         server = None
         try:
@@ -123,22 +125,25 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                 server = start_page_server(store, checkpoint_id, binary, images_dir, work_dir, plan,
                                            manifest.all_pids, criu_options.log_level)
             reporter.step(f"restoring {len(manifest.processes)} process(es) with CRIU {binary.version_text}")
+            phase("restore.before-criu")
             inner = None
+
+            def on_notify(script: str, _pid: int) -> None:
+                if script == "post-restore":
+                    phase("restore.post-restore")
+                    if server is not None:
+                        # Every process has registered its lazy memory and none runs yet: the
+                        # watcher takes hold of it now, or CRIU aborts the restore.
+                        server.hand_over(lazy_processes(plan))
+
             if request.new_pidns:
                 from ckpt.pidns import run_in_new_pidns
 
                 reporter.step("restoring into a new PID namespace")
-                pid, inner = run_in_new_pidns(lambda: CriuClient(binary).restore(criu_options))
+                pid, inner = run_in_new_pidns(lambda: CriuClient(binary).restore(criu_options, on_notify))
             else:
-                on_notify = None
-                if server is not None:
-                    def on_notify(script: str, _pid: int, server=server) -> None:
-                        # Every process has registered its lazy memory and none runs yet: the
-                        # watcher takes hold of it now, or CRIU aborts the restore.
-                        if script == "post-restore":
-                            server.hand_over(lazy_processes(plan))
-
                 pid = CriuClient(binary).restore(criu_options, on_notify)
+            phase("restore.restored")
             if server is not None:
                 lazy_info = {"pages": plan.pages, "bytes": plan.pages * PAGE, "server_pid": server.pid,
                              "watcher_pid": server.watcher_pid, "log": str(server.log_path)}

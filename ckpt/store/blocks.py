@@ -28,6 +28,7 @@ import xxhash
 import zstandard
 
 from ckpt.errors import DamagedCheckpoint
+from ckpt.phases import phase
 from ckpt.store.fsutil import FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir
 
 if TYPE_CHECKING:
@@ -446,6 +447,7 @@ class BlockStore:
                                 make_private_dir(pack_path.parent)
                                 out = PackWriter(pack_path)
                             out.write(stored)
+                            phase("dump.ingest")
                             seg_no = len(segments)
                             segments.append(Segment(pack, offset, len(stored), end - run_start, CODECS[used], checksum))
                             entry_ids.append(page_list[run_start * ID_LEN:end * ID_LEN])

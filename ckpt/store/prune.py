@@ -24,6 +24,7 @@ import blake3
 import xxhash
 
 from ckpt.errors import StoreError
+from ckpt.phases import phase
 from ckpt.store.blocks import ID_LEN, PackWriter, Segment, render_index
 from ckpt.store.fsutil import atomic_write_bytes, fsync_dir, make_private_dir, translate_os_error
 
@@ -141,8 +142,10 @@ def _execute(store: Store, plan: PrunePlan) -> None:
     # that is gone.
     for pack_path in plan.unindexed_packs:
         pack_path.unlink(missing_ok=True)
+        phase("prune.deleting")
     for obj in plan.objects:
         obj.unlink(missing_ok=True)
+        phase("prune.deleting")
     if plan.dead_index_files:
         for name in plan.dead_index_files:
             (blocks.index_dir / name).unlink(missing_ok=True)
@@ -166,6 +169,7 @@ def _execute(store: Store, plan: PrunePlan) -> None:
             fsync_dir(blocks.index_dir)
         for pack in plan.drop_packs + repacked:
             blocks.pack_path(pack).unlink(missing_ok=True)
+            phase("prune.deleting")
         blocks.drop_stale_markers({(s.pack, s.offset) for s in segments})
         blocks._index = None
 
@@ -199,6 +203,7 @@ def _write_new_index(blocks, index, plan: PrunePlan, repack: set[str]) -> tuple[
                 # so that the segments after it stay where the new index says they are.
                 intact = len(data) == seg.length and xxhash.xxh3_128_digest(data) == seg.checksum
                 out.write(data + bytes(seg.length - len(data)))  # as stored: no re-encoding
+                phase("prune.repacking")
                 seg = Segment(new_pack, offset, seg.length, seg.pages, seg.codec, seg.checksum)
                 offset += seg.length
                 if key in index.damaged or not intact:  # the only copy of a live page: still damaged
@@ -208,6 +213,7 @@ def _write_new_index(blocks, index, plan: PrunePlan, repack: set[str]) -> tuple[
         if out is not None:
             out.sync_and_close()
             fsync_dir(new_pack_path.parent)
+        phase("prune.before-index")
         if not segments:
             return "", segments
         live = [page for page in plan.live_pages if page in index.pages]
@@ -216,6 +222,7 @@ def _write_new_index(blocks, index, plan: PrunePlan, repack: set[str]) -> tuple[
         name = blake3.blake3(data).hexdigest()
         make_private_dir(blocks.index_dir)
         atomic_write_bytes(blocks.index_dir / name, data)
+        phase("prune.index-written")
         return name, segments
     except BaseException:
         if out is not None:

@@ -595,10 +595,12 @@ class Store:
 
     # ---- removal and clean-up (callers hold the exclusive lock) -----------------------------------
 
-    def remove(self, checkpoint_ids: list[str]) -> None:
+    def remove(self, checkpoint_ids: list[str], on_removed: Callable[[str], None] | None = None) -> None:
         for checkpoint_id in checkpoint_ids:
             self.manifest_path(checkpoint_id).unlink(missing_ok=True)
             shutil.rmtree(self.logs_root / checkpoint_id, ignore_errors=True)
+            if on_removed is not None:
+                on_removed(checkpoint_id)
         fsync_dir(self.checkpoints_dir)
 
     def collect_garbage(self) -> tuple[int, int]:

@@ -1,14 +1,13 @@
 """Incremental storage with real processes: ten checkpoints of a changing process, forget most,
-prune, and every remaining checkpoint restores with its own state; kill -9 during prune."""
+prune, and every remaining checkpoint restores with its own state (kill -9 during prune:
+test_kill_phases.py)."""
 
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
-from tests.helpers import ROOT, ckpt, ckpt_json, read_lines, wait_until
+from tests.helpers import ckpt, ckpt_json, read_lines, wait_until
 
 
 def test_ten_checkpoints_forget_prune_and_restore_each(procs, tmp_path, isolated_env):
@@ -48,31 +47,6 @@ def test_ten_checkpoints_forget_prune_and_restore_each(procs, tmp_path, isolated
         procs.kill_tree(restored["pid"])
         out.unlink()
         wait_until(lambda: not os.path.exists(f"/proc/{restored['pid']}"), what="PID free")
-
-
-def test_kill_9_during_prune_leaves_every_checkpoint_intact(procs, tmp_path, isolated_env):
-    out = tmp_path / "sums.txt"
-    target = procs.start("bigmem.py", out, 64)
-    wait_until(lambda: read_lines(out), timeout=60, what="bigmem")
-    ids = [ckpt("dump", target.pid).stdout.strip() for _ in range(4)]
-    procs.kill_tree(target.pid)
-    # Forget without pruning, then start prunes and kill them at different moments.
-    ckpt("forget", "--keep-last", "1")
-    for delay in (0.05, 0.15, 0.3):
-        pruner = subprocess.Popen([sys.executable, "-m", "ckpt", "prune"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
-        time.sleep(delay)
-        pruner.send_signal(signal.SIGKILL)
-        pruner.wait()
-        results = ckpt_json("verify", "--all")
-        assert [r["id"] for r in results] == [ids[-1]] and results[0]["problems"] == []
-    ckpt("prune")
-    assert ckpt_json("verify", "--all")[0]["problems"] == []
-    restored = ckpt_json("restore", ids[-1])
-    procs.adopt(restored["pid"])
-    out.unlink()
-    os.kill(restored["pid"], signal.SIGUSR1)
-    assert wait_until(lambda: read_lines(out), what="checksum")
 
 
 def test_diff_names_changed_pages_and_file_offsets(procs, tmp_path):

@@ -1,0 +1,69 @@
+"""Named phases of ckpt's commands: a test-only hook for fault injection.
+
+ckpt promises that a `kill -9` at any moment leaves the target running (never frozen), shows
+no half-written checkpoint and keeps every committed one intact. To test that at a known
+moment rather than after a guessed sleep, the code calls phase(NAME) at each moment worth
+killing it at, and tests/integration/test_kill_phases.py kills it at every name in PHASES.
+
+TEST ONLY, not a setting: with CKPT_TEST_PAUSE_AT=NAME in its environment, ckpt announces
+reaching phase NAME by creating the file CKPT_TEST_PAUSE_FILE (O_EXCL, holding "NAME PID")
+and then sleeps there, up to PAUSE_S, waiting to be killed. Without the variable phase()
+does nothing (the environment is read once). These variables are deliberately left out of
+ckpt's settings and the README's table.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+PAUSE_AT = "CKPT_TEST_PAUSE_AT"
+PAUSE_FILE = "CKPT_TEST_PAUSE_FILE"
+PAUSE_S = 120.0
+
+# Every phase, in the order a command reaches it, with what holds there. The test kills ckpt
+# at each: a name added here is tested by that alone.
+PHASES = {
+    # dump (plain and --stop)
+    "dump.staged": "pre-flight done, staging directory created, CRIU not started",
+    "dump.frozen": "CRIU's post-dump notification: the tree is dumped and still frozen",
+    "dump.ingest": "storing the pages: the new pack is partly written (--stop: the tree is frozen)",
+    "dump.before-commit": "pack, index and objects durable; the manifest not written yet",
+    "dump.committed": "manifest committed, staging not removed (--stop: the tree is still frozen)",
+    "dump.after-criu": "CRIU has exited (plain: tree running, nothing stored yet; --stop: tree gone)",
+    # restore (eager and lazy)
+    "restore.materialized": "images verified and written to the staging area; CRIU not started",
+    "restore.before-criu": "PIDs free (lazy: page server started); CRIU not started",
+    "restore.post-restore": "CRIU's post-restore notification: the tree is restored, not yet resumed",
+    "restore.restored": "CRIU has returned, the tree runs; images and relays not cleaned up",
+    # forget (without --prune)
+    "forget.planned": "policy applied, nothing removed yet",
+    "forget.removing": "one manifest removed, others still to remove",
+    # rm
+    "rm.removed": "manifests removed, garbage not collected",
+    # prune
+    "prune.planned": "plan computed, nothing deleted",
+    "prune.repacking": "copying live segments: the new pack is partly written",
+    "prune.before-index": "new pack durable, new index not written",
+    "prune.index-written": "new index written, old index files not deleted",
+    "prune.deleting": "one unreferenced pack or object deleted, others still to delete",
+}
+
+_wanted = os.environ.get(PAUSE_AT) or None
+_paused = False
+
+
+def phase(name: str) -> None:
+    """Marks reaching phase `name`; pauses there (once per process) if a test asked for it."""
+    global _paused
+    if _wanted is None or name != _wanted or _paused:
+        return
+    _paused = True
+    fd = os.open(os.environ[PAUSE_FILE], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, f"{name} {os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+    deadline = time.monotonic() + PAUSE_S
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
