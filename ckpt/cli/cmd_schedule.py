@@ -49,8 +49,8 @@ def add_command(
     pidfile: Annotated[Optional[str], typer.Option("--pidfile", help="File holding the target PID.")] = None,
     match: Annotated[Optional[str], typer.Option("--match", help="Regex matched against command lines.")] = None,
     every: Annotated[Optional[str], typer.Option("--every", help="Period: 1m, 5m, 1h, 1d...")] = None,
-    cron_expr: Annotated[Optional[str], typer.Option(
-        "--cron", help="A cron expression as Debian's cron reads it: '*/5 * * * *', '0 9 * * mon-fri', '@daily'.")] = None,
+    cron_expr: Annotated[Optional[str], typer.Option("--cron", help="A cron expression as Debian's cron reads it: "
+                                                     "'*/5 * * * *', '0 9 * * mon-fri', '@daily'.")] = None,
     keep_last: KeepLastOption = 0,
     keep_within: KeepWithinOption = None,
     keep_hourly: KeepHourlyOption = 0,
