@@ -1,12 +1,41 @@
-"""Cron expressions: from --every, validation, and the next run time. Pure functions."""
+"""Cron expressions as Debian's cron reads them: from --every, validation, and the next run time.
+
+The next run is cronsim's, a library written to match Debian's cron (Vixie cron 3.0 with Debian's
+patches), quirks included: when day-of-month and day-of-week are both restricted a day matching
+either runs, but a field that starts with '*' ('*/2' too) makes both have to match; and jobs at
+fixed hours are not lost or doubled across DST changes. cronsim reads more than Debian's cron
+(seconds, 'L', 'W', '#', '5/10'): those are refused here first, since cron would refuse the line
+("bad minute") and never run it, or, for '#', silently read only the number before it.
+"""
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timedelta
+from zoneinfo import ZoneInfo
+
+from cronsim import CronSim, CronSimError
 
 from ckpt.errors import UsageError
 
-FIELDS = (("minute", 0, 59), ("hour", 0, 23), ("day of month", 1, 31), ("month", 1, 12), ("day of week", 0, 7))
+FIELDS = ("minute", "hour", "day-of-month", "month", "day-of-week")
+
+# Debian's cron reads these by exact (lower-case) name. @reboot is refused in check().
+MACROS = {"@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *", "@weekly": "0 0 * * 0",
+          "@daily": "0 0 * * *", "@midnight": "0 0 * * *", "@hourly": "0 * * * *"}
+
+# One item of a comma list, in Debian's grammar (entry.c get_range): '*' or a range, either
+# with an optional step, or a single value without one. Values are numbers or, in the month and
+# day-of-week fields, three-letter names; cronsim checks ranges and names.
+def _item_re(value: str) -> re.Pattern[str]:
+    return re.compile(rf"\*(?:/[0-9]+)?|{value}-{value}(?:/[0-9]+)?|{value}")
+
+
+_NUMBERS, _NAMED = _item_re("[0-9]+"), _item_re("(?:[0-9]+|[A-Za-z]{3})")
+_SINGLE_WITH_STEP = re.compile(r"(?:[0-9]+|[A-Za-z]{3})/[0-9]+")
+
+SYNTAX_HINT = ("each field is *, a number, a name in month and day-of-week (jan, mon), a range a-b, "
+               "*/n or a-b/n, or a comma list of these; or give @hourly, @daily, @weekly, @monthly or @yearly")
 
 
 def every_to_cron(every: timedelta) -> str:
@@ -29,65 +58,75 @@ def every_to_cron(every: timedelta) -> str:
                           "or give --cron 'EXPR'")
 
 
-def _parse_field(text: str, name: str, lo: int, hi: int) -> set[int]:
-    values: set[int] = set()
-    for part in text.split(","):
-        step = 1
-        if "/" in part:
-            part, step_text = part.split("/", 1)
-            if not step_text.isdigit() or int(step_text) == 0:
-                raise UsageError(f"invalid step in cron {name} field '{text}'")
-            step = int(step_text)
-        if part == "*":
-            start, end = lo, hi
-        elif "-" in part:
-            a, b = part.split("-", 1)
-            if not (a.isdigit() and b.isdigit()):
-                raise UsageError(f"invalid range in cron {name} field '{text}'")
-            start, end = int(a), int(b)
-        elif part.isdigit():
-            start = end = int(part)
-            if step != 1:
-                end = hi
-        else:
-            raise UsageError(f"invalid cron {name} field '{text}'", hint="use numbers, *, a-b, */n and commas")
-        if start < lo or end > hi or start > end:
-            raise UsageError(f"cron {name} field '{text}' is out of range {lo}-{hi}")
-        values.update(range(start, end + 1, step))
-    return values
-
-
-def parse(expr: str) -> list[set[int]]:
-    parts = expr.split()
-    if len(parts) != 5:
+def _check_grammar(expr: str, fields: list[str]) -> None:
+    if len(fields) != 5:
         raise UsageError(f"'{expr}' is not a cron expression",
-                         hint="give five fields: minute hour day-of-month month day-of-week, e.g. '*/5 * * * *'")
-    fields = [_parse_field(p, name, lo, hi) for p, (name, lo, hi) in zip(parts, FIELDS)]
-    if 7 in fields[4]:
-        fields[4] = (fields[4] - {7}) | {0}
-    return fields
+                         hint="give five fields: minute hour day-of-month month day-of-week, e.g. '*/5 * * * *', "
+                              "or @hourly, @daily, @weekly, @monthly or @yearly")
+    for text, name in zip(fields, FIELDS):
+        grammar = _NAMED if name in ("month", "day-of-week") else _NUMBERS
+        for item in text.split(","):
+            if grammar.fullmatch(item):
+                continue
+            if _SINGLE_WITH_STEP.fullmatch(item):
+                start = item.split("/")[0]
+                raise UsageError(f"cron {name} field '{text}': cron reads a step only after * or a range",
+                                 hint=f"write {start}-LAST/{item.split('/')[1]} (e.g. 5-59/10 for minutes)")
+            raise UsageError(f"invalid cron {name} field '{text}'", hint=SYNTAX_HINT)
+
+
+def _simulate(expr: str, after: datetime) -> CronSim:
+    fields = MACROS.get(expr, expr).split()
+    try:
+        return CronSim(" ".join(fields), after)
+    except CronSimError as exc:
+        # cronsim says which field ("Bad day-of-week"): a value out of range, an unknown name, a
+        # step of 0, a range that runs downwards (Debian's cron accepts 'fri-sun' but reads it as
+        # no day at all), or days no month has (31 2).
+        name = str(exc).removeprefix("Bad ")
+        text = fields[FIELDS.index(name)] if name in FIELDS else expr
+        raise UsageError(f"cron {name} field '{text}' is out of range or can never match",
+                         hint="minute 0-59, hour 0-23, day-of-month 1-31, month 1-12 or jan-dec, day-of-week "
+                              "0-7 or sun-sat (0 and 7 are Sunday); ranges go upwards (fri-sun is 5-7); "
+                              "steps are 1 or more") from None
+
+
+def check(expr: str) -> str:
+    """The expression as it will be written to cron (whitespace normalized); refuses what Debian's
+    cron would refuse or read differently from what `next_run` computes."""
+    expr = " ".join(expr.split())
+    if expr == "@reboot":
+        raise UsageError("'@reboot' runs once when cron starts, not periodically: it cannot checkpoint a process",
+                         hint="give a period, e.g. --every 1h or --cron '@daily'")
+    if expr.startswith("@"):
+        if expr not in MACROS:
+            raise UsageError(f"'{expr}' is not a cron schedule",
+                             hint="cron knows @hourly, @daily (@midnight), @weekly, @monthly, @yearly (@annually), "
+                                  "in lower case")
+        return expr
+    _check_grammar(expr, expr.split())
+    next_run(expr, datetime(2000, 1, 1))  # values and ranges; an expression that never runs
+    return expr
 
 
 def next_run(expr: str, after: datetime) -> datetime:
-    """The first time strictly after `after` (to the minute) at which cron would run expr."""
-    minutes, hours, days, months, weekdays = parse(expr)
-    dom_any, dow_any = expr.split()[2] == "*", expr.split()[4] == "*"
-    t = after.replace(second=0, microsecond=0) + timedelta(minutes=1)
-    limit = t + timedelta(days=366 * 5)
-    while t < limit:
-        if t.month not in months:
-            t = (t.replace(day=1, hour=0, minute=0) + timedelta(days=32)).replace(day=1)
-            continue
-        dom_ok, dow_ok = t.day in days, (t.isoweekday() % 7) in weekdays
-        day_ok = (dom_ok and dow_ok) if (dom_any or dow_any) else (dom_ok or dow_ok)
-        if not day_ok:
-            t = t.replace(hour=0, minute=0) + timedelta(days=1)
-            continue
-        if t.hour not in hours:
-            t = t.replace(minute=0) + timedelta(hours=1)
-            continue
-        if t.minute not in minutes:
-            t += timedelta(minutes=1)
-            continue
-        return t
-    raise UsageError(f"cron expression '{expr}' never runs")
+    """The first time strictly after `after` (to the minute) at which cron would run `expr`.
+
+    `after` should carry the time zone cron runs in (a zoneinfo zone, for DST to be handled as
+    Debian's cron does); a naive datetime is taken as is.
+    """
+    try:
+        return next(_simulate(expr, after))
+    except StopIteration:  # cronsim looks 50 years ahead
+        raise UsageError(f"cron expression '{expr}' never runs",
+                         hint="check the day-of-month and month fields (e.g. 30 2 is never)") from None
+
+
+def cron_now() -> datetime:
+    """Now, in the zone cron runs in: the system's (/etc/localtime), as a zone with its DST rules
+    rather than today's fixed offset, so that a next run across a DST change is cron's."""
+    try:
+        with open("/etc/localtime", "rb") as f:
+            return datetime.now(ZoneInfo.from_file(f, key="localtime"))
+    except (OSError, ValueError):
+        return datetime.now().astimezone()

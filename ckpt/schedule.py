@@ -2,7 +2,7 @@
 
 A schedule lives in <store>/schedules/<name>.json (what to dump, when, what to keep) with its
 last outcome in <name>.state.json. Cron runs `ckpt schedule run NAME`: root's entries are files
-/etc/cron.d/ckpt-<name>; other users' are lines in their crontab between marker comments.
+/etc/cron.d/ckpt-<name>; other users' are two lines in their crontab (a marker comment, the entry).
 """
 
 from __future__ import annotations
@@ -142,9 +142,19 @@ class ScheduleBook:
     def _is_ours(self, line: str, name: str) -> bool:
         return line == f"# ckpt:{name}" or f"-m ckpt schedule run {name} --store {self.store_root} " in line
 
+    # The user's crontab is edited line by line, touching only ckpt's own lines. python-crontab
+    # was tried (3.4) and rewrites the lines of others: it crashes on 'fri-7', comments out
+    # '5-2' and '0#2' as "DISABLED LINE", drops 'FOO = a b', and turns an escaped '\%' into
+    # a bare '%' (a newline to cron): all lines Debian's crontab accepts.
     def _user_crontab(self) -> list[str]:
         proc = subprocess.run(["crontab", "-l"], capture_output=True, text=True)
-        return proc.stdout.splitlines() if proc.returncode == 0 else []
+        if proc.returncode == 0:
+            return proc.stdout.splitlines()
+        if "no crontab for" in proc.stderr:
+            return []
+        # Anything else must stop here: going on would replace the crontab with ckpt's lines only.
+        raise CkptError(f"cannot read your crontab: {proc.stderr.strip() or f'crontab -l exited {proc.returncode}'}",
+                        hint="check that 'crontab -l' works for this user")
 
     def _write_user_crontab(self, lines: list[str]) -> None:
         proc = subprocess.run(["crontab", "-"], input="\n".join(lines) + "\n", capture_output=True, text=True)
@@ -176,8 +186,7 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
 
         expr = cron.every_to_cron(parse_duration(every))
     else:
-        expr = " ".join(cron_expr.split())
-        cron.parse(expr)
+        expr = cron.check(cron_expr)
     schedule = Schedule(name=name, target=target, cron=expr, every=every, retention=policy.to_json()
                         if not policy.empty() else {}, pre_dump=pre_dump,
                         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -199,14 +208,21 @@ def remove(book: ScheduleBook, name: str) -> None:
     book.state_path(name).unlink(missing_ok=True)
 
 
+def _next_run(expr: str, now: datetime) -> str | None:
+    try:
+        return cron.next_run(cron.check(expr), now).isoformat(timespec="minutes")
+    except UsageError:
+        return None  # a schedule made by an older ckpt that cron refuses (e.g. '5/10'): it never runs
+
+
 def listing(book: ScheduleBook, now: datetime | None = None) -> list[dict]:
-    now = now or datetime.now().astimezone()
+    now = now or cron.cron_now()
     rows = []
     for name in book.names():
         schedule = book.load(name)
         rows.append({
             "name": name, "target": schedule.target, "cron": schedule.cron, "every": schedule.every,
-            "next_run": cron.next_run(schedule.cron, now).isoformat(timespec="minutes"),
+            "next_run": _next_run(schedule.cron, now),
             "last": book.state(name) or None, "retention": schedule.retention or None,
             "pre_dump": schedule.pre_dump,
             "installed": book.cron_file(name).exists() if os.geteuid() == 0 else None,

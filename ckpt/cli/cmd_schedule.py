@@ -49,7 +49,8 @@ def add_command(
     pidfile: Annotated[Optional[str], typer.Option("--pidfile", help="File holding the target PID.")] = None,
     match: Annotated[Optional[str], typer.Option("--match", help="Regex matched against command lines.")] = None,
     every: Annotated[Optional[str], typer.Option("--every", help="Period: 1m, 5m, 1h, 1d...")] = None,
-    cron_expr: Annotated[Optional[str], typer.Option("--cron", help="A cron expression, e.g. '*/5 * * * *'.")] = None,
+    cron_expr: Annotated[Optional[str], typer.Option("--cron", help="A cron expression as Debian's cron reads it: "
+                                                     "'*/5 * * * *', '0 9 * * mon-fri', '@daily'.")] = None,
     keep_last: KeepLastOption = 0,
     keep_within: KeepWithinOption = None,
     keep_hourly: KeepHourlyOption = 0,
@@ -89,8 +90,9 @@ def list_command(store: StoreOption = None, json_out: JsonOption = False) -> Non
         last_text = "never" if not last else f"{last['time']} {last['outcome']} " + (
             last.get("id") or last.get("error") or "")
         kind, value = next(iter(r["target"].items()))
+        next_run = r["next_run"] or "never: cron refuses it"  # made by an older ckpt
         table.add_row(r["name"], f"{kind} {value}", r["every"] and f"every {r['every']}" or r["cron"],
-                      r["next_run"], last_text, ", ".join(f"{k}={v}" for k, v in (r["retention"] or {}).items()
+                      next_run, last_text, ", ".join(f"{k}={v}" for k, v in (r["retention"] or {}).items()
                                                            if v) or "keep all")
     stdout.print(table)
 

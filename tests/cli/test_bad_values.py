@@ -79,6 +79,29 @@ def test_bad_schedules_install_nothing(capsys, cron_dir, isolated_env, argv, wor
     assert not cron_dir.exists() and not isolated_env.exists()
 
 
+@pytest.mark.parametrize("expr, words", [
+    # Before: accepted and installed; Debian's cron refuses the line ("bad minute") and never runs it.
+    ("5/10 * * * *", ["cron minute field '5/10'", "5-59/10"]),
+    # Before: accepted; cron reads '0#2' as every Sunday.
+    ("0 0 * * 0#2", ["day-of-week field '0#2'"]),
+    ("@reboot", ["'@reboot' runs once when cron starts"]),
+    ("0 0 31 2 *", ["day-of-month field '31'", "can never match"]),
+])
+def test_cron_expressions_cron_would_not_run_as_written_install_nothing(capsys, cron_dir, isolated_env, expr,
+                                                                          words):
+    code, out, err = run(capsys, "schedule", "add", "agent", "--pid", str(os.getpid()), "--cron", expr)
+    assert_one_line_usage_error(code, out, err, *words)
+    assert not cron_dir.exists() and not isolated_env.exists()
+
+
+@pytest.mark.parametrize("expr", ["@daily", "0 9 * * mon-fri", "0 0 */2 * 1"])
+def test_what_debians_cron_accepts_is_installed_as_written(capsys, cron_dir, expr):
+    # Before: '@daily' and 'mon-fri' were refused.
+    code, out, err = run(capsys, "schedule", "add", "agent", "--pid", str(os.getpid()), "--cron", f" {expr} ")
+    assert code == 0, err
+    assert f"\n{expr} root /" in (cron_dir / "ckpt-agent").read_text()
+
+
 @pytest.mark.parametrize("pid", ["0", "-1", "99999999999"])
 def test_a_schedule_of_pid_0_or_less_is_refused(capsys, cron_dir, isolated_env, pid):
     code, out, err = run(capsys, "schedule", "add", "agent", f"--pid={pid}", "--every", "5m")

@@ -3,11 +3,14 @@
 import fcntl
 import os
 import secrets
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from ckpt.errors import CkptError
+from ckpt.schedule import Schedule, ScheduleBook
 from tests.helpers import ckpt, ckpt_json, state, wait_until
 
 
@@ -134,3 +137,64 @@ def test_real_cron_takes_a_checkpoint_within_130_s(procs, tmp_path, cron_daemon)
         removed = ckpt("schedule", "rm", name, check=False)
         Path(f"/etc/cron.d/ckpt-{name}").unlink(missing_ok=True)  # never leave a test's entry behind
     assert removed.returncode == 0, removed.stderr
+
+
+# Lines Debian's crontab accepts that a crontab editor must leave exactly as they are.
+FOREIGN = ["# m h dom mon dow command", "MAILTO=\"\"", "FOO = a b c", "0 0 * * fri-7 echo 'a\\%b'",
+           "@reboot /usr/local/bin/thing --start", "", "  7 7 * * *   leading-blanks"]
+
+
+def _crontab_of_nobody() -> list[str] | None:
+    proc = subprocess.run(["crontab", "-u", "nobody", "-l"], capture_output=True, text=True, timeout=30)
+    return proc.stdout.splitlines() if proc.returncode == 0 else None
+
+
+@pytest.fixture
+def users_crontab(tmp_path, monkeypatch):
+    """ckpt's non-root path (lines in the user's own crontab), run here by root against the real
+    crontab of 'nobody': a `crontab` first on PATH adds '-u nobody'. Yields the bin directory."""
+    if not shutil.which("crontab"):
+        pytest.skip("needs Debian's crontab")
+    if _crontab_of_nobody() is not None:
+        pytest.skip("'nobody' has a crontab: not touching it")
+    real = shutil.which("crontab")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "crontab").write_text(f'#!/bin/sh\nexec {real} -u nobody "$@"\n')
+    (bin_dir / "crontab").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(os, "geteuid", lambda: 65534)
+    subprocess.run([real, "-u", "nobody", "-"], input="\n".join(FOREIGN) + "\n", text=True, check=True, timeout=30)
+    try:
+        yield bin_dir
+    finally:
+        subprocess.run([real, "-u", "nobody", "-r"], capture_output=True, timeout=30)
+
+
+def test_a_users_crontab_keeps_its_other_lines(users_crontab, tmp_path):
+    book = ScheduleBook(tmp_path / "store")
+    book.install_cron(Schedule(name="agent", target={"pid": 1}, cron="@daily"))
+    book.install_cron(Schedule(name="web", target={"pid": 1}, cron="0 9 * * mon-fri"))
+    book.install_cron(Schedule(name="agent", target={"pid": 1}, cron="*/5 * * * *"))  # replaces, once
+    lines = _crontab_of_nobody()
+    ours = [line for line in lines if line not in FOREIGN]
+    assert [line for line in lines if line in FOREIGN] == FOREIGN
+    assert ours[0::2] == ["# ckpt:web", "# ckpt:agent"], lines
+    assert ours[1].startswith("0 9 * * mon-fri PATH=") and ours[3].startswith("*/5 * * * * PATH=")
+    assert f"-m ckpt schedule run agent --store {book.store_root} " in ours[3]
+
+    book.remove_cron("agent")
+    assert _crontab_of_nobody() == FOREIGN + ours[:2]
+
+
+def test_a_crontab_that_cannot_be_read_is_not_replaced(users_crontab, tmp_path):
+    # Before: any failure of `crontab -l` read as an empty crontab, which ckpt then replaced
+    # with its own lines only.
+    real = users_crontab / "crontab"
+    wrapper = real.read_text()
+    real.write_text('#!/bin/sh\n[ "$1" = -l ] && { echo "crontab: cannot open your crontab" >&2; exit 1; }\n'
+                    + wrapper.split("\n", 1)[1])
+    book = ScheduleBook(tmp_path / "store")
+    with pytest.raises(CkptError, match="cannot read your crontab: crontab: cannot open your crontab"):
+        book.install_cron(Schedule(name="agent", target={"pid": 1}, cron="@daily"))
+    assert _crontab_of_nobody() == FOREIGN
