@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from ckpt import incremental, procs, settings, unchanged
 from ckpt.criu.binary import find_criu
-from ckpt.criu.client import CriuClient, CriuOptions
+from ckpt.criu.client import CriuClient
+from ckpt.dump_options import DumpOptions
 from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, StoreBusy, TargetRefused, UsageError
 from ckpt.lazy import wait_for_lazy_restores
 from ckpt.phases import phase
@@ -69,7 +70,7 @@ class DumpResult:
             "external_sockets": m.criu.get("external_sockets", []),
             # datagram sockets a restore connects again to the paths they sent to
             "external_datagram_sockets": m.criu.get("external_datagram_sockets", []),
-            "stopped": m.criu["options"]["leave_running"] is False,
+            "stopped": not DumpOptions.from_manifest(m.criu.get("options", {})).leave_running,
             "log": str(self.log_path),
         }
 
@@ -101,28 +102,8 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
         f"waiting for the lazy restore of checkpoint {record.get('checkpoint')} to bring back all of its memory"))
     binary = find_criu()
     store = Store.open(store_root, create=True)
-    options_used = {
-        "shell_job": facts.needs_shell_job if request.shell_job is None else request.shell_job,
-        "tcp_established": facts.has_tcp_established if request.tcp_established is None
-        else request.tcp_established,
-        # CRIU dumps a datagram socket connected outside the tree only with --ext-unix-sk (and
-        # connects it to the same path on restore).
-        "ext_unix_sk": bool(facts.external_datagram_sockets) if request.ext_unix_sk is None
-        else request.ext_unix_sk,
-        "file_locks": facts.has_file_locks if request.file_locks is None else request.file_locks,
-        "leave_running": not request.stop,
-    }
-    # The network lock keeps established TCP connections quiet while they are dumped (and,
-    # with --stop, until they are restored). Without any, there is nothing to lock: taking the
-    # nftables lock anyway cost 0.1-0.2 s of every freeze here (most of a small agent's), and a
-    # --stop dump left its empty table behind until a restore removed it. A connection opened
-    # since the pre-flight makes CRIU refuse the dump, with a hint to retry.
-    options_used["network_lock"] = "nftables" if options_used["tcp_established"] else "skip"
-    ghost_limit = _ghost_limit(facts)
-    if ghost_limit:
-        options_used["ghost_limit"] = ghost_limit
-    detected = [k for k in ("shell_job", "tcp_established", "ext_unix_sk", "file_locks")
-                if options_used[k] and getattr(request, k) is None]
+    options = _choose_options(request, facts)
+    detected = [k for k in DumpOptions.DETECTED if getattr(options, k) and getattr(request, k) is None]
     if detected:
         reporter.info("detected: " + ", ".join(f"--{k.replace('_', '-')}" for k in detected))
 
@@ -135,7 +116,7 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
                           f"{deleted['size'] / (1 << 20):.1f} MiB): its content is saved in the checkpoint")
 
     tracking = _plan_tracking(store, request, binary, reporter)
-    options_used["track_mem"] = tracking is not None
+    options = replace(options, track_mem=tracking is not None)
     checkpoint_id = ids.new_id()
     if request.pre_dump_hook:
         from ckpt.hooks import run_hook
@@ -159,10 +140,8 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
                     # A damaged older checkpoint must not stop a new one: read every page.
                     reporter.warn(f"{exc.message}; dirty-page tracking reads every page this time")
                     tracking = TrackingPlan(tracking.target, None)
-        criu_options = CriuOptions(images_dir=staging.images_dir, log_dir=log_dir, log_name="dump.log",
-                                   pid=request.pid, parent_img=parent_img,
-                                   external=[f"unix[{s['inode']}]" for s in facts.external_sockets],
-                                   **options_used)
+        criu_options = options.to_criu_dump(staging.images_dir, log_dir, "dump.log", request.pid, parent_img,
+                                            [f"unix[{s['inode']}]" for s in facts.external_sockets])
         committed: list[Manifest] = []
         marks: dict[str, float] = {}
         newest = store.newest_of(request.pid)
@@ -184,7 +163,7 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
             if script == "post-dump" and request.stop:
                 # CRIU writes its stats only after this point: the freeze so far is measured here.
                 frozen_ms = round((marks["post-dump"] - marks.get("pre-dump", started)) * 1000, 1)
-                committed.append(_ingest_and_commit(store, staging, request, facts, binary, options_used,
+                committed.append(_ingest_and_commit(store, staging, request, facts, binary, options,
                                                     checkpoint_id, started, reporter, tracking, earlier,
                                                     frozen_ms))
                 reporter.step("checkpoint committed; CRIU ends the target")
@@ -201,7 +180,7 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
                 raise
             phase("dump.after-criu")
             manifest = committed[0] if committed else _ingest_and_commit(
-                store, staging, request, facts, binary, options_used, checkpoint_id, started, reporter, tracking,
+                store, staging, request, facts, binary, options, checkpoint_id, started, reporter, tracking,
                 earlier)
         finally:
             if earlier is not None:
@@ -216,6 +195,30 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
                 pass
     _merge_index_files(store, reporter)
     return DumpResult(manifest, log_dir / "dump.log")
+
+
+def _choose_options(request: DumpRequest, facts: procs.TargetFacts) -> DumpOptions:
+    """The dump's options: what the pre-flight found, unless the user forced them."""
+    def chosen(forced: bool | None, found: bool) -> bool:
+        return found if forced is None else forced
+
+    tcp_established = chosen(request.tcp_established, facts.has_tcp_established)
+    return DumpOptions(
+        shell_job=chosen(request.shell_job, facts.needs_shell_job),
+        tcp_established=tcp_established,
+        # CRIU dumps a datagram socket connected outside the tree only with --ext-unix-sk (and
+        # connects it to the same path on restore).
+        ext_unix_sk=chosen(request.ext_unix_sk, bool(facts.external_datagram_sockets)),
+        file_locks=chosen(request.file_locks, facts.has_file_locks),
+        leave_running=not request.stop,
+        # The network lock keeps established TCP connections quiet while they are dumped (and,
+        # with --stop, until they are restored). Without any, there is nothing to lock: taking
+        # the nftables lock anyway cost 0.1-0.2 s of every freeze here (most of a small agent's),
+        # and a --stop dump left its empty table behind until a restore removed it. A connection
+        # opened since the pre-flight makes CRIU refuse the dump, with a hint to retry.
+        network_lock="nftables" if tcp_established else "skip",
+        ghost_limit=_ghost_limit(facts),
+    )
 
 
 def _merge_index_files(store: Store, reporter: Reporter) -> None:
@@ -265,7 +268,7 @@ def _plan_tracking(store: Store, request: DumpRequest, binary, reporter: Reporte
 
 
 def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs.TargetFacts, binary,
-                       options_used: dict, checkpoint_id: str, started: float, reporter: Reporter,
+                       options: DumpOptions, checkpoint_id: str, started: float, reporter: Reporter,
                        tracking: TrackingPlan | None, earlier: unchanged.EarlierCheckpoint | None,
                        frozen_ms: float | None = None) -> Manifest:
     from ckpt.criu import images  # deferred: imports pycriu
@@ -283,7 +286,7 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
                                            {e.name: e for e in tracking.parent.files}, store.load_page_list)
     entries, added, block_stats = store.ingest(staging, request.codec, reporter, completion,
                                                earlier=earlier.pieces(image_dir) if earlier else None)
-    criu_facts = {"version": binary.version_text, "options": options_used, "tty": facts.has_tty}
+    criu_facts = {"version": binary.version_text, "options": options.to_manifest(), "tty": facts.has_tty}
     if facts.external_pipes:
         criu_facts["external_pipes"] = facts.external_pipes
     if facts.external_sockets:

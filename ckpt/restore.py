@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ckpt import procs, settings
 from ckpt.criu.binary import find_criu
-from ckpt.criu.client import CriuClient, CriuOptions
+from ckpt.criu.client import CriuClient
+from ckpt.dump_options import DumpOptions
 from ckpt.errors import HookFailed, UsageError
 from ckpt.lazy import LazyPlan, lazy_processes, start_page_server
 from ckpt.lazy import supported as lazy_supported
@@ -96,7 +97,7 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
             if not request.new_pidns:
                 reporter.step("waiting for the tree's PIDs to be free")
                 procs.wait_for_pids_free(manifest.all_pids, timeout=request.pid_wait_s)
-            opts = manifest.criu.get("options", {})
+            options = DumpOptions.from_manifest(manifest.criu.get("options", {}))
             has_tty = bool(manifest.criu.get("tty"))
             if has_tty and not os.isatty(0):
                 raise UsageError(f"checkpoint {manifest.id} was taken of processes attached to a terminal",
@@ -111,12 +112,8 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                 work_dir = log_dir / f"lazy-{stamp}-{os.getpid()}"
                 make_private_dir(work_dir)
                 extra["lazy_pages"] = True
-            criu_options = CriuOptions(
-                images_dir=images_dir, log_dir=work_dir, log_name=f"restore-{stamp}-{os.getpid()}.log",
-                shell_job=bool(opts.get("shell_job")), tcp_established=bool(opts.get("tcp_established")),
-                ext_unix_sk=bool(opts.get("ext_unix_sk")), file_locks=bool(opts.get("file_locks")),
-                network_lock=opts.get("network_lock", "nftables"), inherit_stdio=has_tty, inherit_fds=inherit,
-                extra=extra)
+            criu_options = options.to_criu_restore(images_dir, work_dir, f"restore-{stamp}-{os.getpid()}.log",
+                                                   inherit_stdio=has_tty, inherit_fds=inherit, extra=extra)
             if output:
                 reporter.info(f"what the tree wrote into pipes or sockets to programs outside it now goes to {output}")
             if lazy:

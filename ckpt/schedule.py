@@ -200,12 +200,14 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
     return schedule, where
 
 
-def remove(book: ScheduleBook, name: str) -> None:
-    """Removes the cron entry and the definition; checkpoints already taken stay."""
-    book.load(name)
+def remove(book: ScheduleBook, name: str) -> Schedule:
+    """Removes the cron entry and the definition; checkpoints already taken stay. Returns the
+    definition removed."""
+    schedule = book.load(name)
     book.remove_cron(name)
     book.path(name).unlink(missing_ok=True)
     book.state_path(name).unlink(missing_ok=True)
+    return schedule
 
 
 def _next_run(expr: str, now: datetime) -> str | None:

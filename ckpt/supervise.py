@@ -1,5 +1,9 @@
 """Use case `ckpt run`: start a command, checkpoint it periodically, restore it when it dies.
 
+What happens is told twice: as messages to the reporter, and as events (plain dicts, one per
+thing that happened: started, checkpoint, died, restored, exit...) to `on_event`, which
+`ckpt run --json` prints as JSON Lines (docs/json.md).
+
 ckpt makes itself a child subreaper (PR_SET_CHILD_SUBREAPER) so that a restored tree, orphaned
 when CRIU exits, is re-parented to ckpt: ckpt can then wait for it like for the command it
 started, and reaps the PIDs of a dead tree at once so the next restore finds them free.
@@ -15,8 +19,9 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Callable
 
 from ckpt import procs
 from ckpt.errors import CkptError, UsageError
@@ -54,7 +59,8 @@ def describe_status(status: int) -> tuple[str, int, bool]:
 
 
 class Supervisor:
-    def __init__(self, store_root: Path, request: RunRequest, reporter: Reporter = NullReporter()):
+    def __init__(self, store_root: Path, request: RunRequest, reporter: Reporter = NullReporter(),
+                 on_event: Callable[[dict], None] | None = None):
         if not request.command:
             raise UsageError("no command to run", hint="ckpt run [OPTIONS] -- COMMAND [ARGS...]")
         if request.every.total_seconds() < 1:
@@ -65,11 +71,16 @@ class Supervisor:
         self.store_root = store_root
         self.request = request
         self.reporter = reporter
+        self.on_event = on_event or (lambda _event: None)
         self.pid: int | None = None
         self.stopping_signal: int | None = None
         self.restores = 0
         self.checkpoints: list[str] = []
         self.lazy_log_dir: Path | None = None  # the last restore's, while it was lazy
+
+    def _event(self, kind: str, **fields) -> None:
+        self.on_event({"event": kind, "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+                       **fields})
 
     def _forward(self, signum, _frame) -> None:
         self.stopping_signal = signum
@@ -97,6 +108,7 @@ class Supervisor:
         self.pid = child.pid
         child.returncode = 0  # we reap it ourselves; keep Popen from trying later
         self.reporter.info(f"started PID {self.pid}: {' '.join(self.request.command)} (output: {output})")
+        self._event("started", pid=self.pid, command=list(self.request.command), output=str(output))
         return self.pid
 
     def run(self) -> int:
@@ -111,23 +123,29 @@ class Supervisor:
                 text, code, clean = describe_status(status)
                 if clean or self.stopping_signal is not None:
                     self.reporter.info(f"PID {self.pid} {text}; supervision ends")
-                    return code
+                    return self._exit("exited" if self.stopping_signal is None else "stopped", text, code)
                 self.reporter.warn(f"PID {self.pid} {text}")
-                self._explain_lazy_failure()
+                self._event("died", pid=self.pid, status=text, exit_code=code,
+                            lazy_restore_failure=self._explain_lazy_failure())
                 if not self.checkpoints:
                     self.reporter.warn("no checkpoint was taken yet: nothing to restore")
-                    return code
+                    return self._exit("no_checkpoint", text, code)
                 if self.restores >= self.request.max_restores:
                     self.reporter.warn(f"restore limit ({self.request.max_restores}) reached; giving up")
-                    return code
+                    return self._exit("restore_limit", text, code)
                 if not self._restore():
-                    return code
+                    return self._exit("restore_failed", text, code)
                 next_dump = time.monotonic() + self.request.every.total_seconds()
                 continue
             if time.monotonic() >= next_dump:
                 self._checkpoint()
                 next_dump = time.monotonic() + self.request.every.total_seconds()
             time.sleep(0.05)
+
+    def _exit(self, reason: str, status: str, code: int) -> int:
+        self._event("exit", pid=self.pid, reason=reason, status=status, exit_code=code,
+                    checkpoints=len(self.checkpoints), restores=self.restores)
+        return code
 
     def _reap_root(self) -> int | None:
         """Reaps every dead child (we are a subreaper); returns the root's status if it died."""
@@ -155,30 +173,36 @@ class Supervisor:
             if procs.process_state(self.pid) in (None, "Z"):
                 return  # it died meanwhile: the loop handles that
             self.reporter.warn(f"checkpoint failed: {exc}")
+            self._event("checkpoint_failed", pid=self.pid, error=str(exc))
             return
         m = result.manifest
         self.checkpoints.append(m.id)
         self.reporter.info(f"checkpoint {m.id}: frozen {m.stats.get('freeze_ms')} ms, "
                            f"{m.bytes_stored} bytes new")
+        self._event("checkpoint", id=m.id, pid=self.pid, freeze_ms=m.stats.get("freeze_ms"),
+                    bytes_stored=m.bytes_stored)
         if self.request.keep_last:
             try:
                 forget(Store.open(self.store_root), Policy(keep_last=self.request.keep_last),
                        name=self.request.name, prune=True)
             except CkptError as exc:
                 self.reporter.warn(f"retention failed: {exc}")
+                self._event("retention_failed", error=str(exc))
 
-    def _explain_lazy_failure(self) -> None:
+    def _explain_lazy_failure(self) -> str | None:
         """A lazily restored tree is killed when its page server ends before the memory is back
-        (ckpt/lazywatch.py): said, and restored again like any other death."""
+        (ckpt/lazywatch.py): said (and returned), and restored again like any other death."""
         if self.lazy_log_dir is None:
-            return
+            return None
         from ckpt.lazywatch import FAILURE_FILE, describe
 
         try:
             record = json.loads((self.lazy_log_dir / FAILURE_FILE).read_text())
         except (OSError, ValueError):
-            return
-        self.reporter.warn(describe(record))
+            return None
+        explained = describe(record)
+        self.reporter.warn(explained)
+        return explained
 
     def _end_old_tree(self, pids: list[int]) -> None:
         """Kills what is left of the dead tree (children survive their parent) and reaps it."""
@@ -205,10 +229,14 @@ class Supervisor:
                              self.reporter)
         except CkptError as exc:
             self.reporter.warn(f"restore failed: {exc}")
+            self._event("restore_failed", id=self.checkpoints[-1], error=str(exc))
             return False
         self.restores += 1
         self.pid = result.pid
         self.lazy_log_dir = Path(result.lazy["log"]).parent if result.lazy else None
         self.reporter.info(f"restored {result.manifest.id} as PID {self.pid} "
                            f"(restore {self.restores} of {self.request.max_restores})")
+        self._event("restored", id=result.manifest.id, pid=self.pid, restores=self.restores,
+                    max_restores=self.request.max_restores, lazy=result.lazy is not None,
+                    duration_ms=result.duration_ms)
         return True

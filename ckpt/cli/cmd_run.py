@@ -3,8 +3,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.output import CliReporter
-from ckpt.cli.options import StoreOption, count_option, output_file_option, store_root
+from ckpt.cli.output import CliReporter, emit_json_line
+from ckpt.cli.options import JsonOption, StoreOption, count_option, output_file_option, store_root
 from ckpt.retention import parse_duration
 from ckpt.store import ids
 from ckpt.supervise import RunRequest, Supervisor, default_name
@@ -14,13 +14,17 @@ HELP = """Run COMMAND, checkpoint it periodically, and restore it when it dies.
 When the command is killed by a signal or exits non-zero, the newest checkpoint is restored
 and supervision goes on, up to --max-restores times; a clean exit ends supervision with the
 command's status. SIGINT and SIGTERM are forwarded to it. Its output goes to --output (a
-terminal or pipe shared with ckpt could not be restored). Events are told on stderr.
+terminal or pipe shared with ckpt could not be restored). Events are told on stderr; with
+--json, also on stdout as one JSON object per line (started, checkpoint, died, restored,
+exit...; see docs/json.md).
 
 Examples:
 
   ckpt run --every 5m --name agent -- python3 agent.py
 
   ckpt run --every 2s --max-restores 10 --output /tmp/job.log -- ./long-job --resume
+
+  ckpt run --every 1m --json -- python3 agent.py > events.jsonl
 """
 
 KeepLastOption = count_option("--keep-last", "Checkpoints to keep (0: all).")
@@ -42,6 +46,7 @@ def register(app: typer.Typer) -> None:
         post_restore: Annotated[Optional[str], typer.Option("--post-restore",
                                                             help="Shell command run after each restore.")] = None,
         store: StoreOption = None,
+        json_out: JsonOption = False,
     ) -> None:
         root = store_root(store)
         run_name = ids.check_name(name or default_name(command))
@@ -51,7 +56,7 @@ def register(app: typer.Typer) -> None:
                              pre_dump_hook=pre_dump, post_restore_hook=post_restore)
         reporter = CliReporter()
         try:
-            code = Supervisor(root, request, reporter).run()
+            code = Supervisor(root, request, reporter, on_event=emit_json_line if json_out else None).run()
         finally:
             reporter.close()
         raise typer.Exit(code)

@@ -98,10 +98,14 @@ def list_command(store: StoreOption = None, json_out: JsonOption = False) -> Non
 
 
 @schedule_app.command("rm", help="Remove a schedule's cron entry and definition; its checkpoints stay.\n\n"
-                                 "Examples:\n\n  ckpt schedule rm agent")
+                                 "Examples:\n\n  ckpt schedule rm agent\n\n  ckpt schedule rm agent --json")
 def rm_command(name: Annotated[str, typer.Argument(help="Schedule name.")], store: StoreOption = None,
-               quiet: QuietOption = False) -> None:
-    remove(_book(store), name)
+               json_out: JsonOption = False, quiet: QuietOption = False) -> None:
+    schedule = remove(_book(store), name)
+    if json_out:
+        emit_json({"name": schedule.name, "cron": schedule.cron, "every": schedule.every, "target": schedule.target,
+                   "retention": schedule.retention or None, "pre_dump": schedule.pre_dump})
+        return
     if not quiet:
         stderr.print(f"schedule '{name}' removed (its checkpoints are kept)")
 

@@ -28,6 +28,13 @@ def emit_json(data) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
+def emit_json_line(data) -> None:
+    """One object on one line (JSON Lines), flushed at once: for a stream of events that a
+    program reads while the command still runs."""
+    sys.stdout.write(json.dumps(data, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
 def human_bytes(n: int | float | None) -> str:
     if n is None:
         return "-"

@@ -1,0 +1,88 @@
+"""docs/json.md documents every command's --json output; the cheap shapes are checked here,
+in-process (the ones that need CRIU: tests/integration/test_json_shapes.py)."""
+
+import json
+
+import pytest
+import typer
+
+from ckpt.cli.main import app, main
+from tests import jsonshape
+
+
+def run(capsys, *argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def commands_with_json() -> set[str]:
+    """Every command path of the CLI that takes --json ("dump", "schedule rm"...)."""
+    found = set()
+
+    def walk(command, path):
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, [*path, name])
+        if any(p.name == "json_out" for p in command.params):
+            found.add(" ".join(path))
+
+    walk(typer.main.get_command(app), [])
+    return found
+
+
+def test_every_command_has_json_and_a_documented_shape():
+    schemas = jsonshape.load()
+    documented = {name.split(":")[0] for name in schemas if name.split(":")[0] in commands_with_json()}
+    every_command = {c.name for c in app.registered_commands} - {None}
+    every_command |= {f"schedule {c.name}" for c in typer.main.get_command(app).commands["schedule"].commands
+                      .values()}
+    assert commands_with_json() == every_command, "every command takes --json"
+    assert documented == every_command, "docs/json.md has a schema for every command"
+    assert {"run: started", "run: checkpoint", "run: died", "run: restored", "run: exit"} <= set(schemas)
+
+
+def test_the_checker_finds_what_differs_from_the_doc():
+    """So that a passing shape test means something."""
+    good = {"ready": True, "checks": [{"name": "criu", "ok": True, "detail": "d", "fix": "", "required": True}]}
+    assert jsonshape.check(good, "check") == []
+    assert jsonshape.check({**good, "extra": 1}, "check") == ["check: (top): field 'extra' is not documented"]
+    assert jsonshape.check({"checks": []}, "check") == ["check: ready is missing"]
+    assert jsonshape.check({**good, "ready": "yes"}, "check") == ["check: ready is 'yes', not boolean"]
+    bad_element = {**good, "checks": [{**good["checks"][0], "ok": 1}]}
+    assert jsonshape.check(bad_element, "check") == ["check: checks[].ok is 1, not boolean"]
+    # shared shapes, alternatives and optional fields
+    outcome = {"time": "t", "outcome": "failed", "error": "e"}
+    assert jsonshape.check({"name": "a", "cron": "* * * * *", "every": None, "target": {"pid": 1},
+                            "retention": None, "pre_dump": None}, "schedule rm") == []
+    assert jsonshape.check([{"name": "a", "target": {"pid": "1"}, "cron": "c", "every": None, "next_run": "n",
+                             "last": outcome, "retention": None, "pre_dump": None, "installed": None}],
+                           "schedule list") == ["schedule list: [].target: target: pid is '1', not integer"]
+    assert jsonshape.check({"name": "a", "cron": "c", "target": {"match": "x"}, "retention": {"keep_last": 1},
+                            "installed": "i", "log": "l"}, "schedule add") != []
+
+
+def test_check(capsys):
+    code, out, err = run(capsys, "check", "--json")
+    assert code in (0, 5), err  # 5: not ready, with its JSON all the same
+    jsonshape.assert_shape(json.loads(out), "check")
+
+
+def test_list_and_schedule_list_of_an_empty_store(capsys, isolated_env):
+    from ckpt.store import Store
+
+    Store.open(isolated_env, create=True)  # only dump and schedule add create a store
+    for command, schema in ((["list"], "list"), (["schedule", "list"], "schedule list")):
+        code, out, err = run(capsys, *command, "--json")
+        assert code == 0, err
+        assert json.loads(out) == []
+        jsonshape.assert_shape(json.loads(out), schema)
+
+
+def test_a_failing_command_prints_no_json(capsys, isolated_env):
+    from ckpt.store import Store
+
+    Store.open(isolated_env, create=True)
+    for argv in (["show", "latest"], ["rm", "nosuch"], ["schedule", "rm", "nosuch"], ["schedule", "run", "nosuch"]):
+        code, out, err = run(capsys, *argv, "--json")
+        assert code != 0 and out == "" and err.startswith("Error: "), argv
