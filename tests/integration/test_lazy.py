@@ -222,13 +222,19 @@ def test_criu_dies_with_ckpt_and_the_target_runs_on(procs, tmp_path):
     until it next talks to ckpt), and the target, detached by the kernel, runs on with its
     memory whole."""
     target, out, original_sum = started_bigmem(procs, tmp_path, 64)
-    for delay in (0.0, 0.15, 0.3, round(random.uniform(0.0, 0.5), 2)):
+    stopped = []
+    for delay in (0.0, 0.05, 0.15, 0.3, round(random.uniform(0.0, 0.5), 2)):
         dump = subprocess.Popen([sys.executable, "-m", "ckpt", "dump", str(target.pid)], cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         criu = wait_until(lambda: [c for c in _children(dump.pid) if b"swrk" in _cmdline(c)],
                           timeout=30, interval=0.002, what="ckpt's CRIU")[0]
         time.sleep(delay)
-        os.kill(criu, signal.SIGSTOP)
+        try:
+            os.kill(criu, signal.SIGSTOP)
+        except ProcessLookupError:  # this dump's CRIU was done before the moment chosen
+            dump.wait()
+            continue
+        stopped.append(delay)
         procs.pids.add(criu)
         dump.kill()
         dump.wait()
@@ -237,3 +243,4 @@ def test_criu_dies_with_ckpt_and_the_target_runs_on(procs, tmp_path):
         os.kill(target.pid, signal.SIGUSR1)
         wait_until(lambda: len(read_lines(out)) > lines, timeout=30, what="the target to answer")
         assert read_lines(out)[-1].split()[0] == original_sum
+    assert len(stopped) >= 2, f"CRIU was stopped at only {stopped} s into the dump"
