@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from ckpt.errors import UsageError
 from ckpt.retention import Item, Policy, apply_policy, emptied_groups
 from ckpt.store import Manifest, Store
+from ckpt.store.prune import collect_garbage
 
 
 def group_of(manifest: Manifest) -> str:
@@ -34,8 +35,7 @@ def forget(store: Store, policy: Policy, name: str | None = None, prune: bool = 
         if not dry_run:
             store.remove(to_remove)
             if prune:
-                store.remove_leftovers()
-                objects, freed = store.collect_garbage()
+                objects, freed = collect_garbage(store)
     return {
         "policy": policy.to_json(),
         "dry_run": dry_run,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ckpt.store import Store
+from ckpt.store.prune import collect_garbage
 
 
 def remove(store: Store, refs: list[str], dry_run: bool = False) -> dict:
@@ -16,7 +17,5 @@ def remove(store: Store, refs: list[str], dry_run: bool = False) -> dict:
         if dry_run:
             return {"removed": checkpoint_ids, "dry_run": True, "objects_removed": 0, "bytes_freed": 0}
         store.remove(checkpoint_ids)
-        store.remove_leftovers()
-        store.remove_restore_leftovers()
-        objects, freed = store.collect_garbage()
+        objects, freed = collect_garbage(store)
     return {"removed": checkpoint_ids, "dry_run": False, "objects_removed": objects, "bytes_freed": freed}
