@@ -8,6 +8,7 @@ from ckpt.errors import UsageError
 from ckpt.phases import phase
 from ckpt.retention import Item, Policy, apply_policy, emptied_groups
 from ckpt.store import Manifest, Store
+from ckpt.store.prune import collect_garbage
 
 
 def group_of(manifest: Manifest) -> str:
@@ -36,8 +37,7 @@ def forget(store: Store, policy: Policy, name: str | None = None, prune: bool = 
             phase("forget.planned")
             store.remove(to_remove, on_removed=lambda _id: phase("forget.removing"))
             if prune:
-                store.remove_leftovers()
-                objects, freed = store.collect_garbage()
+                objects, freed = collect_garbage(store)
     return {
         "policy": policy.to_json(),
         "dry_run": dry_run,

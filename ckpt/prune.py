@@ -6,15 +6,13 @@ import time
 
 from ckpt.phases import phase
 from ckpt.store import Store
-from ckpt.store.prune import execute_prune, prune_plan
+from ckpt.store.prune import execute_prune, sweep_and_plan
 
 
 def prune(store: Store, dry_run: bool = False) -> dict:
     started = time.monotonic()
     with store.lock(exclusive=True):
-        store.remove_leftovers()
-        store.remove_restore_leftovers()
-        plan = prune_plan(store)
+        plan = sweep_and_plan(store)
         if not dry_run:
             phase("prune.planned")
             execute_prune(store, plan)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ckpt.phases import phase
 from ckpt.store import Store
+from ckpt.store.prune import collect_garbage
 
 
 def remove(store: Store, refs: list[str], dry_run: bool = False) -> dict:
@@ -18,7 +19,5 @@ def remove(store: Store, refs: list[str], dry_run: bool = False) -> dict:
             return {"removed": checkpoint_ids, "dry_run": True, "objects_removed": 0, "bytes_freed": 0}
         store.remove(checkpoint_ids)
         phase("rm.removed")
-        store.remove_leftovers()
-        store.remove_restore_leftovers()
-        objects, freed = store.collect_garbage()
+        objects, freed = collect_garbage(store)
     return {"removed": checkpoint_ids, "dry_run": False, "objects_removed": objects, "bytes_freed": freed}

@@ -1,4 +1,5 @@
-"""The block index: which segment of which pack holds each page (see docs/design.md).
+"""The block index: which segment of which pack holds each page, and the format of its index
+files, written (render_index) and read (BlockIndex.add_file) here (see docs/design.md).
 
 Index files are kept as numpy views of their bytes: loading one costs no work per entry, and
 pages are looked up by sorted searches rather than through a dict of every page the store
@@ -13,7 +14,24 @@ import blake3
 import numpy as np
 
 from ckpt.errors import DamagedCheckpoint
-from ckpt.store.blocks import ID_LEN, INDEX_MAGIC, SEGMENT, Segment
+from ckpt.store.segments import ID_LEN, Segment
+
+INDEX_MAGIC = b"CKPTIDX1"
+SEGMENT = struct.Struct("<IQIHB16s")  # pack number, offset, stored length, pages, codec, checksum
+
+
+def render_index(segments: list[Segment], ids: bytes, segment_numbers, positions) -> bytes:
+    """An index file's bytes, from its entries as columns: their ids one after the other, the
+    number of each one's segment, its position there. The entries are written in the order of
+    their ids (readers search them)."""
+    ids, segment_numbers, positions = in_id_order(ids, segment_numbers, positions)
+    packs = sorted({s.pack for s in segments})
+    pack_no = {p: i for i, p in enumerate(packs)}
+    parts = [INDEX_MAGIC, struct.pack("<I", len(packs))] + [p.encode() for p in packs]
+    parts.append(struct.pack("<I", len(segments)))
+    parts += [SEGMENT.pack(pack_no[s.pack], s.offset, s.length, s.pages, s.codec, s.checksum) for s in segments]
+    parts += [struct.pack("<I", len(ids) // ID_LEN), ids, segment_numbers, positions]
+    return b"".join(parts)
 
 
 class _IndexColumns:

@@ -16,11 +16,11 @@ import collections
 import mmap
 import os
 import secrets
-import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import blake3
@@ -29,22 +29,27 @@ import zstandard
 
 from ckpt.errors import DamagedCheckpoint
 from ckpt.phases import phase
-from ckpt.store.fsutil import FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir
+from ckpt.store.backends import Backend, BlobExists, BlobNotFound, RangeReader
+from ckpt.store.fsutil import FILE_MODE
+from ckpt.store.segments import CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segment, pack_name
 
 if TYPE_CHECKING:
     from ckpt.store.blockindex import BlockIndex
 
-PAGE = 4096
-ID_LEN = 16
 SEGMENT_PAGES = 256  # 1 MiB of pages per segment at most
 MERGE_ABOVE = 32  # index files; then the MERGE_COUNT with the fewest entries become one
 MERGE_COUNT = 16
-CODECS = {"none": 0, "zstd": 1, "lz4": 2}
-CODEC_NAMES = {v: k for k, v in CODECS.items()}
-INDEX_MAGIC = b"CKPTIDX1"
-SEGMENT = struct.Struct("<IQIHB16s")  # pack number, offset, stored length, pages, codec, checksum
-ENTRY = struct.Struct("<16sIH")  # page id, segment number, page within segment
 ZSTD_LEVEL = 1
+KEY = "key"
+DAMAGED_PREFIX = "damaged/"
+
+
+def _blockindex() -> ModuleType:
+    """The block index (ckpt/store/blockindex.py), imported where it is first needed: it needs
+    numpy, whose import (0.1-1 s) commands that read no page (`ckpt list`) do without."""
+    from ckpt.store import blockindex
+
+    return blockindex
 
 
 def _encode(codec: str, data: bytes | memoryview) -> bytes:
@@ -68,16 +73,6 @@ def _decode(codec: int, data: bytes) -> bytes:
 
 
 @dataclass
-class Segment:
-    pack: str
-    offset: int
-    length: int
-    pages: int
-    codec: int
-    checksum: bytes
-
-
-@dataclass
 class IngestStats:
     pages: int = 0
     new_pages: int = 0
@@ -91,11 +86,6 @@ class IngestStats:
         self.bytes_new += other.bytes_new
         self.bytes_dedup += other.bytes_dedup
 
-
-WRITE_BUFFER = 4 << 20
-# How much of a pack is written before the kernel is asked to start writing it to disk: the
-# fsync before the commit then waits for the last stretch only, not for all of it.
-WRITEBACK_EVERY = 8 << 20
 
 try:
     from ckpt._pagehash import page_ids as _page_ids_in_c
@@ -205,40 +195,20 @@ def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
     return runs
 
 
-def render_index(segments: list[Segment], ids: bytes, segment_numbers, positions) -> bytes:
-    """An index file's bytes, from its entries as columns: their ids one after the other, the
-    number of each one's segment, its position there. The entries are written in the order of
-    their ids (readers search them: ckpt/store/blockindex.py)."""
-    from ckpt.store.blockindex import in_id_order
-
-    ids, segment_numbers, positions = in_id_order(ids, segment_numbers, positions)
-    packs = sorted({s.pack for s in segments})
-    pack_no = {p: i for i, p in enumerate(packs)}
-    parts = [INDEX_MAGIC, struct.pack("<I", len(packs))] + [p.encode() for p in packs]
-    parts.append(struct.pack("<I", len(segments)))
-    parts += [SEGMENT.pack(pack_no[s.pack], s.offset, s.length, s.pages, s.codec, s.checksum) for s in segments]
-    parts += [struct.pack("<I", len(ids) // ID_LEN), ids, segment_numbers, positions]
-    return b"".join(parts)
-
-
 class BlockStore:
-    def __init__(self, root: Path):
-        self.root = root
-        self.packs_dir = root / "packs"
-        self.index_dir = root / "index"
-        self.damaged_dir = root / "damaged"
-        key_path = root / "key"
-        if not key_path.exists():
-            make_private_dir(root)
-            atomic_write_bytes(key_path, secrets.token_bytes(8))
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        if not backend.exists(KEY):
+            try:
+                # Never replaced: two first dumps racing would otherwise hash with different seeds.
+                backend.put_if_absent(KEY, secrets.token_bytes(8))
+            except BlobExists:
+                pass
         # Page ids are keyed: a process cannot craft pages that collide with another's.
-        self.seed = int.from_bytes(key_path.read_bytes()[:8], "little")
+        self.seed = int.from_bytes(backend.get(KEY)[:8], "little")
         self._index: BlockIndex | None = None
         self._preload: threading.Thread | None = None
         self._checked: set[tuple[str, int]] = set()  # suspect segments found intact (check_suspect)
-
-    def pack_path(self, pack: str) -> Path:
-        return self.packs_dir / pack[:2] / pack
 
     def preload_index(self) -> None:
         """Starts loading the index in a thread; `index` waits for it. A dump calls this while
@@ -259,21 +229,21 @@ class BlockStore:
             preload.join()
         return self._load_index()
 
-    def _load_index(self) -> BlockIndex:
-        # Deferred: the index needs numpy, whose import (0.1 s) commands like `ckpt list` skip.
-        from ckpt.store.blockindex import BlockIndex
+    def forget_index(self) -> None:
+        """Drops the loaded index: the next index() reads the index files again (after a
+        prune or a merge changed them)."""
+        self._index = None
 
+    def _load_index(self) -> BlockIndex:
         if self._index is None:
-            index = BlockIndex()
-            for path in sorted(self.index_dir.glob("*")) if self.index_dir.exists() else []:
-                if path.name.startswith("."):
-                    continue
+            index = _blockindex().BlockIndex()
+            for name in self.index_file_names():
                 try:
-                    index.add_file(path.name, path.read_bytes())
-                except DamagedCheckpoint:
+                    index.add_file(name, self.backend.get(INDEX_PREFIX + name))
+                except (DamagedCheckpoint, BlobNotFound):
                     # Not fatal: dumps store the pages it named again (healing the checkpoints
                     # that name them); reads name it; prune refuses to run (see prune.py).
-                    index.damaged_files.append(path.name)
+                    index.damaged_files.append(name)
             markers = set(self.damage_markers())
             if markers:
                 index.mark_damaged(key for key, seg in enumerate(index.segment_list)
@@ -285,13 +255,9 @@ class BlockStore:
 
     def damage_markers(self) -> list[tuple[str, int]]:
         """(pack, offset) of every segment recorded as damaged."""
-        try:
-            names = os.listdir(self.damaged_dir)
-        except FileNotFoundError:
-            return []
         markers = []
-        for name in names:
-            pack, _, offset = name.partition("-")
+        for info in self.backend.list(DAMAGED_PREFIX):
+            pack, _, offset = info.name[len(DAMAGED_PREFIX):].partition("-")
             if offset.isdigit():
                 markers.append((pack, int(offset)))
         return markers
@@ -300,9 +266,7 @@ class BlockStore:
         """Records a damaged segment so that no later dump reuses its pages. Best effort: a
         store that cannot be written still reports the damage to the caller."""
         try:
-            make_private_dir(self.damaged_dir)
-            os.close(os.open(self.damaged_dir / f"{segment.pack}-{segment.offset}",
-                             os.O_WRONLY | os.O_CREAT, FILE_MODE))
+            self.backend.put(f"{DAMAGED_PREFIX}{segment.pack}-{segment.offset}", b"")
         except OSError:
             pass
         if self._index is not None:
@@ -341,9 +305,8 @@ class BlockStore:
 
     def drop_stale_markers(self, indexed: set[tuple[str, int]]) -> None:
         """Deletes the markers of segments no index names any more (after a prune)."""
-        for pack, offset in self.damage_markers():
-            if (pack, offset) not in indexed:
-                (self.damaged_dir / f"{pack}-{offset}").unlink(missing_ok=True)
+        self.backend.delete([f"{DAMAGED_PREFIX}{pack}-{offset}" for pack, offset in self.damage_markers()
+                             if (pack, offset) not in indexed])
 
     def merge_index_files(self) -> list[str]:
         """Merges the MERGE_COUNT index files with the fewest entries into one when the store
@@ -369,38 +332,34 @@ class BlockStore:
             positions.append(columns.within)
             segments += segments_of[name]
         # An id two of the files name (two dumps stored it) is written once (in_id_order).
-        data = render_index(segments, b"".join(ids), np.concatenate(numbers), np.concatenate(positions))
+        data = _blockindex().render_index(segments, b"".join(ids), np.concatenate(numbers),
+                                          np.concatenate(positions))
         merged = blake3.blake3(data).hexdigest()
-        atomic_write_bytes(self.index_dir / merged, data)
-        for name in chosen:
-            if name != merged:
-                (self.index_dir / name).unlink(missing_ok=True)
-        fsync_dir(self.index_dir)
+        self.backend.put(INDEX_PREFIX + merged, data)
+        self.backend.delete([INDEX_PREFIX + name for name in chosen if name != merged])
         self._index = None
         return chosen
 
     def index_file_names(self) -> list[str]:
-        return sorted(p.name for p in self.index_dir.glob("*") if not p.name.startswith(".")) \
-            if self.index_dir.exists() else []
+        return [info.name[len(INDEX_PREFIX):] for info in self.backend.list(INDEX_PREFIX)]
 
     # ---- writing --------------------------------------------------------------------------
 
     def ingest(self, images: list[Path], codec_for, earlier: dict[str, tuple] | None = None
-               ) -> tuple[dict[str, bytes], IngestStats, list[Path]]:
+               ) -> tuple[dict[str, bytes], IngestStats, list[str]]:
         """Stores the new pages of each pages image in one new pack and an index file.
 
         earlier: by image name, the page list of a committed checkpoint of the same target and
         where the image's pages sat in it, by address (ckpt/unchanged.py);
         only a shortcut (BlockIndex.missing), the pages stored are the same without it.
 
-        Returns each image's page list (ids in order), the figures, and the files written
-        (pack, index) which the caller must see fsynced before committing.
+        Returns each image's page list (ids in order), the figures, and the names of the blobs
+        written (pack, index file), durable when this returns.
         """
         index = self.index()
         stats = IngestStats()
         page_lists: dict[str, bytes] = {}
         pack = secrets.token_hex(16)
-        pack_path = self.pack_path(pack)
         segments: list[Segment] = []
         # The new index file's entries, as columns: ids, segment numbers, positions within.
         entry_ids: list[bytes] = []
@@ -411,7 +370,8 @@ class BlockStore:
         offset = 0
         seed = self.seed
         encoders = _Encoders()
-        written: list[Path] = []
+        written: list[str] = []
+        committed = False
         try:
             for image in images:
                 size = image.stat().st_size
@@ -444,8 +404,7 @@ class BlockStore:
                         encoded = _encoded_segments(view, runs, codec, encoders)
                         for (run_start, end), (stored, used, checksum) in zip(runs, encoded):
                             if out is None:
-                                make_private_dir(pack_path.parent)
-                                out = PackWriter(pack_path)
+                                out = self.backend.writer(pack_name(pack))
                             out.write(stored)
                             phase("dump.ingest")
                             seg_no = len(segments)
@@ -465,22 +424,23 @@ class BlockStore:
                             encoded.close()
                         view.release()
             if out is not None:
-                out.sync_and_close()
-                out = None
-                fsync_dir(pack_path.parent)
-                data = render_index(segments, b"".join(entry_ids), entry_segments, entry_positions)
+                out.commit()
+                committed = True
+                data = _blockindex().render_index(segments, b"".join(entry_ids), entry_segments, entry_positions)
                 name = blake3.blake3(data).hexdigest()
-                make_private_dir(self.index_dir)
-                atomic_write_bytes(self.index_dir / name, data)
-                written = [pack_path, self.index_dir / name]
+                self.backend.put(INDEX_PREFIX + name, data)
+                written = [pack_name(pack), INDEX_PREFIX + name]
                 self._index = None
         except BaseException:
             # Until its index file exists nobody can name a page of the pack: a failed dump
             # (a full disk) removes it rather than leave it taking the space until a prune.
             if out is not None:
-                out.discard()
-            if not written:
-                pack_path.unlink(missing_ok=True)
+                out.abort()
+            if committed and not written:
+                try:
+                    self.backend.delete([pack_name(pack)])
+                except OSError:
+                    pass  # the next prune reclaims it
             raise
         return page_lists, stats, written
 
@@ -502,9 +462,9 @@ class BlockStore:
         Returns the location of each page (BlockIndex.pages).
 
         Segments are checked against their checksums; with check_ids every page is also
-        rehashed against its id (`ckpt verify`). Uncompressed segments are checked through a
-        mapping of the pack and copied by the kernel (sendfile): the bytes never pass through
-        a Python buffer, which halves the memory traffic of a restore. holes are (first page,
+        rehashed against its id (`ckpt verify`). Pages are read through the backend's ranged
+        reads (locally: checked through a mapping of the pack and copied by the kernel with
+        sendfile, so the bytes never pass through a Python buffer). holes are (first page,
         count) ranges that are checked but left as holes of the file: a lazy restore serves
         those pages from the packs (ckpt/lazy.py) and CRIU never reads them from the image.
         """
@@ -615,8 +575,7 @@ class _SegmentReader:
     def __init__(self, blocks: BlockStore, index: BlockIndex):
         self.blocks = blocks
         self.index = index
-        self.fds: dict[str, int] = {}
-        self.maps: dict[str, mmap.mmap] = {}
+        self.ranges: RangeReader = blocks.backend.reader()
         self.checked: set[int] = set()
         self.decoded_key: int | None = None
         self.decoded: bytes = b""
@@ -625,27 +584,17 @@ class _SegmentReader:
         self.blocks.record_damage(seg)
         return DamagedCheckpoint(message)
 
-    def _fd(self, seg: Segment) -> int:
-        fd = self.fds.get(seg.pack)
-        if fd is None:
-            try:
-                fd = self.fds[seg.pack] = os.open(self.blocks.pack_path(seg.pack), os.O_RDONLY)
-            except FileNotFoundError:
-                raise self._damaged(seg, f"pack {seg.pack} is missing from the store") from None
-        return fd
-
-    def _stored(self, seg: Segment):
-        """The segment's stored bytes, as a view of the mapped pack (no copy)."""
-        mm = self.maps.get(seg.pack)
-        if mm is None:
-            fd = self._fd(seg)
-            size = os.fstat(fd).st_size
-            if size == 0:
-                raise self._damaged(seg, f"pack {seg.pack} is empty")
-            mm = self.maps[seg.pack] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        if seg.offset + seg.length > len(mm):
+    def _stored(self, seg: Segment) -> memoryview:
+        """The segment's stored bytes (locally, a view of the mapped pack: no copy)."""
+        try:
+            size = self.ranges.size(pack_name(seg.pack))
+        except BlobNotFound:
+            raise self._damaged(seg, f"pack {seg.pack} is missing from the store") from None
+        if size == 0:
+            raise self._damaged(seg, f"pack {seg.pack} is empty")
+        if seg.offset + seg.length > size:
             raise self._damaged(seg, f"pack {seg.pack} is damaged at offset {seg.offset} (truncated)")
-        return memoryview(mm)[seg.offset:seg.offset + seg.length]
+        return self.ranges.read(pack_name(seg.pack), seg.offset, seg.length)
 
     def _check(self, key: int, seg: Segment, stored) -> None:
         if key not in self.checked:
@@ -702,72 +651,9 @@ class _SegmentReader:
             self._check(key, seg, stored)
         finally:
             stored.release()
-        offset, remaining = seg.offset + within * PAGE, count * PAGE
-        fd = self._fd(seg)
-        while remaining:
-            sent = os.sendfile(out_fd, fd, offset, remaining)
-            if sent == 0:
-                raise self._damaged(seg, f"pack {seg.pack} is damaged at offset {offset} (truncated)")
-            offset += sent
-            remaining -= sent
+        offset, length = seg.offset + within * PAGE, count * PAGE
+        if self.ranges.copy_to(pack_name(seg.pack), offset, length, out_fd) < length:
+            raise self._damaged(seg, f"pack {seg.pack} is damaged at offset {offset} (truncated)")
 
     def close(self) -> None:
-        for mm in self.maps.values():
-            mm.close()
-        for fd in self.fds.values():
-            os.close(fd)
-
-
-class PackWriter:
-    """Writes a new pack through a large buffer (a next dump's segments are a page or two
-    each, and a write() apiece cost 20-50 us with the staging file dirty), asking the kernel
-    to start writing each stretch to disk as soon as it is complete: without that, the fsync
-    before the commit started all of the writeback (130 ms for 40 MB here) once every
-    segment had been compressed."""
-
-    def __init__(self, path: Path):
-        self._file = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb",
-                          buffering=WRITE_BUFFER)
-        self._written = 0
-        self._queued = 0  # bytes handed to writeback so far
-
-    def write(self, data: bytes) -> None:
-        self._file.write(data)
-        self._written += len(data)
-        if self._written - self._queued >= WRITEBACK_EVERY:
-            self._file.flush()
-            # Starts writeback of that stretch without waiting for it (on Linux, DONTNEED
-            # writes dirty pages back asynchronously, then drops the clean ones: a pack is
-            # not read again soon).
-            os.posix_fadvise(self._file.fileno(), self._queued, self._written - self._queued,
-                             os.POSIX_FADV_DONTNEED)
-            self._queued = self._written
-
-    def sync_and_close(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-
-    def close(self) -> None:
-        self._file.close()
-
-    def discard(self) -> None:
-        """Closes without writing what is still buffered (the caller deletes the file): on a
-        full disk, closing would try that write again and fail."""
-        try:
-            self._file.close()
-        except OSError:
-            pass  # the descriptor is closed all the same
-
-
-def parallel_fsync(paths: list[Path]) -> None:
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        list(pool.map(_fsync_path, paths))
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        self.ranges.close()

@@ -9,7 +9,7 @@ The order of execution keeps every remaining checkpoint restorable at every inst
   2. write one new index covering every live page, fsync it;
   3. delete the old index files;
   4. delete the packs no index names any more, then the objects no manifest names.
-Callers hold the store's exclusive lock.
+Callers hold the store's exclusive lock. Everything goes through the store's backend.
 """
 
 from __future__ import annotations
@@ -17,29 +17,32 @@ from __future__ import annotations
 import errno
 import secrets
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import blake3
 import xxhash
 
 from ckpt.errors import StoreError
 from ckpt.phases import phase
-from ckpt.store.blocks import ID_LEN, PackWriter, Segment, render_index
-from ckpt.store.fsutil import atomic_write_bytes, fsync_dir, make_private_dir, translate_os_error
+from ckpt.store.backends import BlobNotFound
+from ckpt.store.blockindex import BlockIndex, render_index
+from ckpt.store.blocks import BlockStore
+from ckpt.store.fsutil import translate_os_error
+from ckpt.store.repository import OBJECTS_PREFIX, Store
+from ckpt.store.segments import ID_LEN, INDEX_PREFIX, Segment, pack_name
 
-if TYPE_CHECKING:
-    from ckpt.store.repository import Store
+PACKS_PREFIX = "packs/"
 
 REPACK_DEAD_SHARE = 0.25  # repack a pack once a quarter of its bytes is dead
 
 
 @dataclass
 class PrunePlan:
-    objects: list[Path] = field(default_factory=list)  # unreferenced whole-file objects
+    # Blob names: unreferenced whole-file objects, and what writes that never finished left
+    # under objects/ and index/.
+    objects: list[str] = field(default_factory=list)
     drop_packs: list[str] = field(default_factory=list)  # no live segment
     repack: list[str] = field(default_factory=list)  # live segments copied out, then dropped
-    unindexed_packs: list[Path] = field(default_factory=list)  # leftovers of interrupted dumps
+    unindexed_packs: list[str] = field(default_factory=list)  # blob names: leftovers of interrupted dumps
     rewrite_index: bool = False
     bytes_freed: int = 0
     files_removed: int = 0
@@ -50,8 +53,24 @@ class PrunePlan:
 
     def to_json(self) -> dict:
         return {"objects": len(self.objects), "drop_packs": self.drop_packs, "repack": self.repack,
-                "unindexed_packs": [p.name for p in self.unindexed_packs], "rewrite_index": self.rewrite_index,
+                "unindexed_packs": [p.rpartition("/")[2] for p in self.unindexed_packs], "rewrite_index": self.rewrite_index,
                 "bytes_freed": self.bytes_freed, "files_removed": self.files_removed}
+
+
+def collect_garbage(store: Store) -> tuple[int, int]:
+    """Removes what dead commands left, then plans and executes a prune (rm, forget --prune).
+    Returns (files removed, bytes freed). The caller holds the exclusive lock."""
+    plan = sweep_and_plan(store)
+    execute_prune(store, plan)
+    return plan.files_removed, plan.bytes_freed
+
+
+def sweep_and_plan(store: Store) -> PrunePlan:
+    """The clean-up every prune starts with (staging and restore directories of commands that
+    are gone), then the plan. The caller holds the exclusive lock."""
+    store.remove_leftovers()
+    store.remove_restore_leftovers()
+    return prune_plan(store)
 
 
 def prune_plan(store: Store) -> PrunePlan:
@@ -62,18 +81,20 @@ def prune_plan(store: Store) -> PrunePlan:
                          hint="remove or repair them first ('ckpt verify --all' lists them)")
     index = store.blocks.index()
     if index.damaged_files:
-        paths = ", ".join(str(store.blocks.index_dir / name) for name in index.damaged_files)
+        paths = ", ".join(store.backend.where(INDEX_PREFIX + name) for name in index.damaged_files)
         raise StoreError(f"cannot reclaim space: index file {paths} is damaged, and the packs it names would "
                          "look unused", hint="dumps of the same processes store their pages again; to reclaim "
                          "the space anyway, remove the damaged file first (their checkpoints stay damaged)")
     plan = PrunePlan()
     referenced = {e.hash for m in manifests for e in m.files}
-    for top in [store.objects_dir]:
-        for sub in top.iterdir() if top.exists() else []:
-            for obj in sub.iterdir():
-                if obj.name.startswith(".") or obj.name.split(".", 1)[0] not in referenced:
-                    plan.objects.append(obj)
-                    plan.bytes_freed += obj.stat().st_size
+    backend = store.backend
+    for info in backend.list(OBJECTS_PREFIX):
+        if info.name.rpartition("/")[2].split(".", 1)[0] not in referenced:
+            plan.objects.append(info.name)
+            plan.bytes_freed += info.size
+    for info in backend.list(OBJECTS_PREFIX, incomplete=True) + backend.list(INDEX_PREFIX, incomplete=True):
+        plan.objects.append(info.name)
+        plan.bytes_freed += info.size
     live_pages: set[bytes] = set()
     for m in manifests:
         for e in m.files:
@@ -87,21 +108,21 @@ def prune_plan(store: Store) -> PrunePlan:
         pack_bytes[seg.pack] = pack_bytes.get(seg.pack, 0) + seg.length
         if key in live_keys:
             live_bytes[seg.pack] = live_bytes.get(seg.pack, 0) + seg.length
+    stored = {info.name: info for info in backend.list(PACKS_PREFIX)}
     for pack, total in pack_bytes.items():
         live = live_bytes.get(pack, 0)
+        size = stored[pack_name(pack)].size if pack_name(pack) in stored else 0
         if live == 0:
             plan.drop_packs.append(pack)
-            plan.bytes_freed += _size(store.blocks.pack_path(pack))
+            plan.bytes_freed += size
         elif (total - live) / total >= REPACK_DEAD_SHARE:
             plan.repack.append(pack)
-            plan.bytes_freed += _size(store.blocks.pack_path(pack)) - live
-    indexed = set(pack_bytes)
-    packs_dir = store.blocks.packs_dir
-    for sub in packs_dir.iterdir() if packs_dir.exists() else []:
-        for pack in sub.iterdir():
-            if pack.name not in indexed:
-                plan.unindexed_packs.append(pack)
-                plan.bytes_freed += pack.stat().st_size
+            plan.bytes_freed += size - live
+    indexed = {pack_name(pack) for pack in pack_bytes}
+    for info in [info for name, info in stored.items() if name not in indexed] + backend.list(PACKS_PREFIX,
+                                                                                                incomplete=True):
+        plan.unindexed_packs.append(info.name)
+        plan.bytes_freed += info.size
     dead_entries = len(index.pages) - len(live_pages & index.pages.keys())
     # Entries of the same page in several index files (a page written by two concurrent dumps)
     # count once in `pages`: rewriting merges the files.
@@ -119,13 +140,6 @@ def prune_plan(store: Store) -> PrunePlan:
     return plan
 
 
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
 def execute_prune(store: Store, plan: PrunePlan) -> None:
     try:
         _execute(store, plan)
@@ -134,24 +148,16 @@ def execute_prune(store: Store, plan: PrunePlan) -> None:
 
 
 def _execute(store: Store, plan: PrunePlan) -> None:
-    blocks = store.blocks
+    blocks, backend = store.blocks, store.backend
     index = blocks.index()
     old_index_files = list(index.files)
     # Step 0: nothing a remaining checkpoint (or a later dump's deduplication) could reach.
     # An index file goes before its packs, as in steps 3-4: no page is ever found in a pack
-    # that is gone.
-    for pack_path in plan.unindexed_packs:
-        pack_path.unlink(missing_ok=True)
-        phase("prune.deleting")
-    for obj in plan.objects:
-        obj.unlink(missing_ok=True)
-        phase("prune.deleting")
+    # that is gone (each delete is durable when it returns).
+    _delete(backend, plan.unindexed_packs + plan.objects)
     if plan.dead_index_files:
-        for name in plan.dead_index_files:
-            (blocks.index_dir / name).unlink(missing_ok=True)
-        fsync_dir(blocks.index_dir)
-        for pack in plan.dead_files_packs:
-            blocks.pack_path(pack).unlink(missing_ok=True)
+        backend.delete([INDEX_PREFIX + name for name in plan.dead_index_files])
+        backend.delete([pack_name(pack) for pack in plan.dead_files_packs])
     if plan.rewrite_index:
         try:
             new_index, segments = _write_new_index(blocks, index, plan, set(plan.repack))
@@ -162,25 +168,29 @@ def _execute(store: Store, plan: PrunePlan) -> None:
             # No room for the copies: drop what is dead, leave the packs to repack as they are.
             new_index, segments = _write_new_index(blocks, index, plan, set())
             repacked = []
-        for name in old_index_files:
-            if name != new_index:
-                (blocks.index_dir / name).unlink(missing_ok=True)
-        if blocks.index_dir.exists():
-            fsync_dir(blocks.index_dir)
-        for pack in plan.drop_packs + repacked:
-            blocks.pack_path(pack).unlink(missing_ok=True)
-            phase("prune.deleting")
+        backend.delete([INDEX_PREFIX + name for name in old_index_files if name != new_index])
+        _delete(backend, [pack_name(pack) for pack in plan.drop_packs + repacked])
         blocks.drop_stale_markers({(s.pack, s.offset) for s in segments})
-        blocks._index = None
+        blocks.forget_index()
 
 
-def _write_new_index(blocks, index, plan: PrunePlan, repack: set[str]) -> tuple[str, list[Segment]]:
+def _delete(backend, names: list[str]) -> None:
+    """Deletes durably; the first name alone, so that a test can stop prune between two
+    deletions (phase prune.deleting)."""
+    if names:
+        backend.delete(names[:1])
+        phase("prune.deleting")
+        backend.delete(names[1:])
+
+
+def _write_new_index(blocks: BlockStore, index: BlockIndex, plan: PrunePlan, repack: set[str]
+                     ) -> tuple[str, list[Segment]]:
     """Steps 1 and 2: copies the live segments of the packs in `repack` into a new pack, then
     writes one index file naming every live page. Returns its name ("" if nothing is live)
     and its segments. On failure the new pack is removed: no index names it yet, and on a
     full disk it would hold the space step 0 freed."""
+    backend = blocks.backend
     new_pack = secrets.token_hex(16)
-    new_pack_path = blocks.pack_path(new_pack)
     segments: list[Segment] = []
     seg_no: dict = {}
     out = None
@@ -190,13 +200,10 @@ def _write_new_index(blocks, index, plan: PrunePlan, repack: set[str]) -> tuple[
             seg = index.segment_list[key]
             if seg.pack in repack:
                 if out is None:
-                    make_private_dir(new_pack_path.parent)
-                    out = PackWriter(new_pack_path)
+                    out = backend.writer(pack_name(new_pack))
                 try:
-                    with open(blocks.pack_path(seg.pack), "rb") as src:
-                        src.seek(seg.offset)
-                        data = src.read(seg.length)
-                except FileNotFoundError:
+                    data = backend.get(pack_name(seg.pack), seg.offset, seg.length)
+                except BlobNotFound:
                     data = b""
                 # Checked on the way: a segment of a pack with recorded damage is trusted at
                 # its new place only if it is intact; one cut short is padded to its length,
@@ -211,8 +218,7 @@ def _write_new_index(blocks, index, plan: PrunePlan, repack: set[str]) -> tuple[
             seg_no[key] = len(segments)
             segments.append(seg)
         if out is not None:
-            out.sync_and_close()
-            fsync_dir(new_pack_path.parent)
+            out.commit()
         phase("prune.before-index")
         if not segments:
             return "", segments
@@ -220,12 +226,14 @@ def _write_new_index(blocks, index, plan: PrunePlan, repack: set[str]) -> tuple[
         data = render_index(segments, b"".join(live), [seg_no[index.pages[page] >> 16] for page in live],
                             [index.pages[page] & 0xFFFF for page in live])
         name = blake3.blake3(data).hexdigest()
-        make_private_dir(blocks.index_dir)
-        atomic_write_bytes(blocks.index_dir / name, data)
+        backend.put(INDEX_PREFIX + name, data)
         phase("prune.index-written")
         return name, segments
     except BaseException:
         if out is not None:
-            out.discard()
-        new_pack_path.unlink(missing_ok=True)
+            out.abort()
+        try:
+            backend.delete([pack_name(new_pack)])
+        except OSError:
+            pass  # the next prune reclaims it (no index names it)
         raise

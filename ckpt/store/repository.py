@@ -1,11 +1,12 @@
 """The store: objects named by hash, manifests committed last, staging that is never shown.
 
-See docs/design.md for the format and its invariants.
+See docs/design.md for the format and its invariants. Everything the store holds is read and
+written through its backend (ckpt/store/backends/) by blob name; only what is local by nature
+is a path here: the staging and restore directories CRIU works in, and CRIU's logs.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -22,10 +23,11 @@ from ckpt import settings
 from ckpt.errors import (CheckpointNotFound, DamagedCheckpoint, PermissionProblem, StoreError, UsageError)
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import ids
-from ckpt.store.blocks import ID_LEN as PAGE_ID_SIZE, PAGE, BlockStore, IngestStats
-from ckpt.store.fsutil import (DIR_MODE, FILE_MODE, atomic_write_bytes, check_safe_ancestors, check_trusted_dir,
-                               fsync_dir, make_private_dir, translate_os_error)
-from ckpt.store.lock import store_lock
+from ckpt.store.backends import Backend, BlobExists, BlobNotFound, BlobStream, LocalBackend
+from ckpt.store.blocks import BlockStore, IngestStats
+from ckpt.store.fsutil import (DIR_MODE, FILE_MODE, check_safe_ancestors, check_trusted_dir, make_private_dir,
+                               translate_os_error)
+from ckpt.store.segments import ID_LEN as PAGE_ID_SIZE, PAGE
 from ckpt.store.staging import DumpStaging, StagingArea, discard, remove_tree  # noqa: F401  (re-exported)
 
 FORMAT = 2
@@ -35,8 +37,14 @@ STORE_ENTRIES = (*STORE_DIRS, "lock")
 CODECS = ("zstd", "none")
 DUMP_CODECS = ("zstd", "lz4", "none")
 CODEC_SUFFIX = {"none": "", "zstd": ".zst"}
+# Blob names (see "On-disk tree" and "Storage backends" in docs/design.md).
+STORE_META = "store.json"
+MANIFESTS_PREFIX = "checkpoints/"
+OBJECTS_PREFIX = "objects/"
+INDEX_AND_PACKS = ("packs/", "index/")
 ZSTD_LEVEL = 1
 CHUNK = 4 << 20
+HASH_CHUNK = 64 << 20  # read at a time to hash a stored object (blake3 hashes it on every core)
 SAMPLE = 1 << 20
 SAMPLES = 16
 
@@ -126,10 +134,13 @@ def hash_file(path: Path) -> str:
 
 
 class Store:
-    def __init__(self, root: Path):
+    """A store: its blobs, through backend; root is its local directory, which holds what is
+    local by nature (tmp/ for staging, logs/ for CRIU's logs) and, for the local backend, the
+    blobs themselves."""
+
+    def __init__(self, root: Path, backend: Backend | None = None):
         self.root = root
-        self.checkpoints_dir = root / "checkpoints"
-        self.objects_dir = root / "objects"
+        self.backend: Backend = backend if backend is not None else LocalBackend(root)
         self.logs_root = root / "logs"
         self.tmp_dir = root / "tmp"
         self._blocks: BlockStore | None = None
@@ -137,7 +148,7 @@ class Store:
     @property
     def blocks(self) -> BlockStore:
         if self._blocks is None:
-            self._blocks = BlockStore(self.root)
+            self._blocks = BlockStore(self.backend)
         return self._blocks
 
     # ---- opening -------------------------------------------------------------------------
@@ -168,7 +179,8 @@ class Store:
             real = root.resolve()
             if real != root:
                 check_safe_ancestors(real)  # an administrator's link to the store's real place
-            meta = real / "store.json"
+            meta = real / STORE_META
+            backend = LocalBackend(real)
             if not create and not os.path.lexists(meta):
                 raise CheckpointNotFound(f"no ckpt store at {root} (no store.json there)",
                                          hint="pass the right --store; only 'ckpt dump' creates a store")
@@ -184,12 +196,12 @@ class Store:
                     make_private_dir(real / sub)
                 # Written last: a directory without it, holding only these, is a store whose
                 # creation was interrupted, and the next dump finishes it.
-                atomic_write_bytes(meta, json.dumps(
-                    {"format": FORMAT, "created": datetime.now(timezone.utc).isoformat()}).encode(), replace=False)
+                backend.put_if_absent(STORE_META, json.dumps(
+                    {"format": FORMAT, "created": datetime.now(timezone.utc).isoformat()}).encode())
             for sub in STORE_DIRS:
                 if os.path.lexists(real / sub):
                     check_trusted_dir(real / sub, "the store directory")
-            info = json.loads(meta.read_text())
+            info = json.loads(backend.get(STORE_META))
         except FileExistsError:
             return cls.open(root, create=False)  # another dump finished creating it first
         except OSError as exc:
@@ -204,28 +216,31 @@ class Store:
         if create and not os.access(real, os.W_OK):
             raise PermissionProblem(f"the store at {root} is not writable",
                                     hint="run as its owner (root) or choose another store with --store")
-        return cls(real)
+        return cls(real, backend)
 
     def lock(self, exclusive: bool = False, on_wait=None, timeout: float | None = None):
-        return store_lock(self.root, exclusive, on_wait, timeout)
+        """The store's lock for a `with` block: shared by commands that add or read checkpoints,
+        exclusive by those that delete. on_wait(holders) hears once if it has to wait."""
+        timeout = settings.current().lock_timeout if timeout is None else timeout
+        return self.backend.lock(exclusive, timeout, on_wait)
 
     # ---- manifests ----------------------------------------------------------------------
 
-    def manifest_path(self, checkpoint_id: str) -> Path:
-        return self.checkpoints_dir / f"{ids.check_id(checkpoint_id)}.json"
+    @staticmethod
+    def manifest_name(checkpoint_id: str) -> str:
+        return f"{MANIFESTS_PREFIX}{ids.check_id(checkpoint_id)}.json"
 
     def checkpoint_ids(self) -> list[str]:
-        try:
-            names = os.listdir(self.checkpoints_dir)
-        except FileNotFoundError:
-            return []
-        return sorted(n[:-5] for n in names if n.endswith(".json") and ids.is_id(n[:-5]))
+        found = (info.name[len(MANIFESTS_PREFIX):-5] for info in self.backend.list(MANIFESTS_PREFIX)
+                 if info.name.endswith(".json"))
+        return sorted(i for i in found if ids.is_id(i))
 
     def load(self, checkpoint_id: str) -> Manifest:
-        path = self.manifest_path(checkpoint_id)
+        name = self.manifest_name(checkpoint_id)
+        path = self.backend.where(name)
         try:
-            data = json.loads(path.read_bytes())
-        except FileNotFoundError:
+            data = json.loads(self.backend.get(name))
+        except BlobNotFound:
             raise CheckpointNotFound(f"no checkpoint with ID {checkpoint_id}", hint="see 'ckpt list'") from None
         except ValueError as exc:
             raise DamagedCheckpoint(f"checkpoint {checkpoint_id}: manifest {path} is not valid JSON ({exc})") from exc
@@ -275,8 +290,8 @@ class Store:
         try:
             # Never replaces: two dumps in the same millisecond drawing the same 24 random bits
             # must not lose a checkpoint (their staging directories collide first, in practice).
-            atomic_write_bytes(self.manifest_path(manifest.id), data, replace=False)
-        except FileExistsError:
+            self.backend.put_if_absent(self.manifest_name(manifest.id), data)
+        except BlobExists:
             raise StoreError(f"a checkpoint with ID {manifest.id} already exists (two dumps drew the same ID)",
                              hint="dump again: the new dump gets another ID") from None
         except OSError as exc:
@@ -314,14 +329,16 @@ class Store:
         make_private_dir(path)
         return path
 
-    def object_path(self, digest: str, codec: str) -> Path:
-        return self.objects_dir / digest[:2] / (digest + CODEC_SUFFIX[codec])
+    @staticmethod
+    def object_name(digest: str, codec: str) -> str:
+        return f"{OBJECTS_PREFIX}{digest[:2]}/{digest}{CODEC_SUFFIX[codec]}"
 
-    def find_object(self, digest: str) -> tuple[Path, str] | None:
+    def find_object(self, digest: str) -> tuple[str, str] | None:
+        """(blob name, codec) of the object holding that content, or None."""
         for codec in CODECS:
-            path = self.object_path(digest, codec)
-            if path.exists():
-                return path, codec
+            name = self.object_name(digest, codec)
+            if self.backend.exists(name):
+                return name, codec
         return None
 
     def ingest(self, staging: DumpStaging, codec: str, reporter: Reporter = NullReporter(),
@@ -344,7 +361,7 @@ class Store:
         other_files = [p for p in files if p not in page_images]
         entries: list[FileEntry] = []
         added = 0
-        superseded: list[Path] = []  # damaged copies under another codec's name, deleted last
+        superseded: list[str] = []  # damaged copies under another codec's name, deleted last
         # Writing the small images back to disk runs in a thread while the pages are hashed.
         fds = [os.open(p, os.O_RDONLY) for p in other_files]
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -372,8 +389,9 @@ class Store:
                     digest = hash_file(path)
                     existing = self.find_object(digest)
                     if existing and self._object_intact(*existing, digest):
-                        stored_path, stored_codec = existing
-                        entries.append(FileEntry(path.name, size, digest, stored_codec, stored_path.stat().st_size))
+                        stored_name, stored_codec = existing
+                        entries.append(FileEntry(path.name, size, digest, stored_codec,
+                                                 self.backend.stat(stored_name).size))
                         continue
                     # New, or damaged: a damaged object is replaced, which heals every older
                     # checkpoint naming it (see "Damage and healing" in docs/design.md).
@@ -383,10 +401,7 @@ class Store:
                     added += stored_size
                     entries.append(FileEntry(path.name, size, digest, stored_codec, stored_size))
                 flushed.result()
-                for sub in {e.hash[:2] for e in entries}:
-                    fsync_dir(self.objects_dir / sub)
-                for path in superseded:  # only now that the fresh copies are durable
-                    path.unlink(missing_ok=True)
+                self.backend.delete(superseded)  # only now that the fresh copies are durable
             except OSError as exc:
                 raise translate_os_error(exc, "storing the images") from exc
             finally:
@@ -409,32 +424,34 @@ class Store:
                 return manifest
         return None
 
-    def _put_bytes(self, data: bytes, superseded: list[Path]) -> tuple[str, int, int]:
+    def _put_bytes(self, data: bytes, superseded: list[str]) -> tuple[str, int, int]:
         """Stores bytes as an object (codec none); returns (hash, stored size, bytes added).
         A damaged existing copy is replaced (one under another codec's name goes to superseded)."""
         digest = blake3.blake3(data).hexdigest()
         existing = self.find_object(digest)
         if existing and self._object_intact(*existing, digest):
             return digest, len(data), 0
-        path = self.object_path(digest, "none")
-        make_private_dir(path.parent)
-        atomic_write_bytes(path, data)
-        if existing and existing[0] != path:
+        name = self.object_name(digest, "none")
+        self.backend.put(name, data)
+        if existing and existing[0] != name:
             superseded.append(existing[0])
         return digest, len(data), len(data)
 
-    def _object_intact(self, path: Path, codec: str, digest: str) -> bool:
+    def _object_intact(self, name: str, codec: str, digest: str) -> bool:
         """Whether a stored object still holds the content its name promises."""
         try:
-            return self._read_object_into(FileEntry(path.name, 0, digest, codec, 0), None) == digest
+            return self._read_object_into(FileEntry(name.rpartition("/")[2], 0, digest, codec, 0), None) == digest
         except (DamagedCheckpoint, OSError):
             return False
 
     def load_page_list(self, entry: FileEntry) -> bytes:
         found = self.find_object(entry.hash)
-        if found is None:
+        try:
+            data = self.backend.get(found[0]) if found is not None else None
+        except BlobNotFound:
+            data = None
+        if data is None:
             raise DamagedCheckpoint(f"image {entry.name}: its page list is missing from the store")
-        data = found[0].read_bytes()
         if blake3.blake3(data).hexdigest() != entry.hash:
             raise DamagedCheckpoint(f"image {entry.name}: its page list is damaged")
         return data
@@ -443,60 +460,56 @@ class Store:
         """Stores one file under its hash; returns the codec used and the stored size."""
         if codec == "zstd" and not _worth_compressing(source):
             codec = "none"
-        final = self.object_path(digest, codec)
-        make_private_dir(final.parent)
+        name = self.object_name(digest, codec)
         if codec == "none":
-            os.chmod(source, FILE_MODE)
-            try:
-                # Same filesystem: a rename moves the data without copying it (fsynced by ingest).
-                os.rename(source, final)
-            except OSError as exc:
-                if exc.errno != errno.EXDEV:
-                    raise
-                atomic_write_bytes(final, source.read_bytes())  # staged in RAM: copy it
-            return codec, final.stat().st_size
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+            return codec, self.backend.put_file(name, source)  # locally a rename: no copy
         compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=True)
-        try:
-            with open(source, "rb") as src, open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE),
-                                                 "wb") as dst:
-                compressor.copy_stream(src, dst, size=source.stat().st_size, read_size=CHUNK, write_size=CHUNK)
-                dst.flush()
-                os.fsync(dst.fileno())
-            os.rename(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        with open(source, "rb") as src, self.backend.writer(name) as dst:
+            compressor.copy_stream(src, dst, size=source.stat().st_size, read_size=CHUNK, write_size=CHUNK)
+            dst.commit()
         source.unlink()
-        return codec, final.stat().st_size
+        return codec, dst.written
 
     def _read_object_into(self, entry: FileEntry, dest: Path | None) -> str:
         """Streams an object (decompressed) into dest, or nowhere; returns the content's hash."""
         found = self.find_object(entry.hash)
+        missing = DamagedCheckpoint(f"image {entry.name}: object {entry.hash[:16]}… is missing from the store")
         if found is None:
-            raise DamagedCheckpoint(f"image {entry.name}: object {entry.hash[:16]}… is missing from the store")
-        path, codec = found
-        if codec == "none":
-            if dest is not None:
-                try:
-                    os.link(path, dest)
-                except OSError:  # staging in RAM: another filesystem
-                    shutil.copyfile(path, dest)
-            return hash_file(path)
-        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        out = open(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") if dest else None
+            raise missing
+        name, codec = found
         try:
-            with open(path, "rb") as src:
-                reader = zstandard.ZstdDecompressor().stream_reader(src, read_size=CHUNK)
+            if codec == "none":
+                if dest is not None:
+                    self.backend.get_file(name, dest)  # locally a hard link: no copy
+                    return hash_file(dest)
+                return self._hash_blob(name)
+            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            out = open(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") if dest else None
+            try:
+                reader = zstandard.ZstdDecompressor().stream_reader(BlobStream(self.backend, name, CHUNK),
+                                                                   read_size=CHUNK)
                 while chunk := reader.read(CHUNK):
                     hasher.update(chunk)
                     if out:
                         out.write(chunk)
-        except zstandard.ZstdError as exc:
-            raise DamagedCheckpoint(f"image {entry.name}: object {path} cannot be decompressed ({exc})") from exc
-        finally:
-            if out:
-                out.close()
+            except zstandard.ZstdError as exc:
+                raise DamagedCheckpoint(f"image {entry.name}: object {self.backend.where(name)} cannot be "
+                                        f"decompressed ({exc})") from exc
+            finally:
+                if out:
+                    out.close()
+        except BlobNotFound:
+            raise missing from None
+        return hasher.hexdigest()
+
+    def _hash_blob(self, name: str) -> str:
+        """The BLAKE3 of a stored blob, read in ranges (locally, views of a mapping: no copy)."""
+        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        with self.backend.reader() as reader:
+            size = reader.size(name)
+            for offset in range(0, size, HASH_CHUNK):
+                with reader.read(name, offset, HASH_CHUNK) as view:
+                    hasher.update(view)
         return hasher.hexdigest()
 
     def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False,
@@ -596,18 +609,13 @@ class Store:
     # ---- removal and clean-up (callers hold the exclusive lock) -----------------------------------
 
     def remove(self, checkpoint_ids: list[str], on_removed: Callable[[str], None] | None = None) -> None:
+        """Removes the checkpoints' manifests (each durably, one after the other), then their
+        logs. Their objects stay until a prune (ckpt/store/prune.py)."""
         for checkpoint_id in checkpoint_ids:
-            self.manifest_path(checkpoint_id).unlink(missing_ok=True)
-            shutil.rmtree(self.logs_root / checkpoint_id, ignore_errors=True)
+            self.backend.delete([self.manifest_name(checkpoint_id)])
+            shutil.rmtree(self.logs_root / ids.check_id(checkpoint_id), ignore_errors=True)
             if on_removed is not None:
                 on_removed(checkpoint_id)
-        fsync_dir(self.checkpoints_dir)
-
-    def collect_garbage(self) -> tuple[int, int]:
-        """Plans and executes a prune. Returns (files removed, bytes freed)."""
-        plan = prune_plan(self)
-        execute_prune(self, plan)
-        return plan.files_removed, plan.bytes_freed
 
     def _staging_areas(self) -> list[StagingArea]:
         """The store's tmp/ and its names in /dev/shm (swept whatever CKPT_STAGING says now:
@@ -629,15 +637,10 @@ class Store:
             area.sweep(restores=True)
 
     def iter_object_bytes(self) -> Iterator[int]:
-        for top in (self.objects_dir, self.root / "packs"):
-            for sub in top.iterdir() if top.exists() else []:
-                for obj in sub.iterdir():
-                    yield obj.stat().st_size
-        for obj in (self.root / "index").iterdir() if (self.root / "index").exists() else []:
-            yield obj.stat().st_size
+        """The size of each object, pack and index file."""
+        for prefix in (OBJECTS_PREFIX, *INDEX_AND_PACKS):
+            for info in self.backend.list(prefix):
+                yield info.size
 
     def total_bytes(self) -> int:
         return sum(self.iter_object_bytes())
-
-
-from ckpt.store.prune import execute_prune, prune_plan  # noqa: E402  (prune builds on Store)

@@ -10,7 +10,9 @@ import pytest
 
 from ckpt.errors import DamagedCheckpoint
 from ckpt.store.blockindex import BlockIndex
-from ckpt.store.blocks import ID_LEN, Segment, render_index
+from ckpt.store.blockindex import render_index
+from ckpt.store.segments import ID_LEN, Segment
+from ckpt.store.backends import LocalBackend
 
 
 def as_written(ids, segment_numbers, positions):
@@ -205,8 +207,8 @@ def test_an_index_loaded_ahead_is_the_one_used(tmp_path):
 
     image = tmp_path / "pages-1.img"
     image.write_bytes(os.urandom(4096 * 8))
-    page_lists, _, _ = BlockStore(tmp_path / "blocks").ingest([image], lambda _: "none")
-    blocks = BlockStore(tmp_path / "blocks")
+    page_lists, _, _ = BlockStore(LocalBackend(tmp_path / "blocks")).ingest([image], lambda _: "none")
+    blocks = BlockStore(LocalBackend(tmp_path / "blocks"))
     blocks.preload_index()
     index = blocks.index()
     assert blocks._preload is None and len(index.files) == 1
@@ -217,7 +219,7 @@ def test_an_index_loaded_ahead_is_the_one_used(tmp_path):
 def test_an_index_that_fails_to_load_ahead_fails_where_it_is_used(tmp_path, monkeypatch):
     from ckpt.store.blocks import BlockStore
 
-    blocks = BlockStore(tmp_path / "blocks")
+    blocks = BlockStore(LocalBackend(tmp_path / "blocks"))
     monkeypatch.setattr(BlockStore, "_load_index", lambda self: (_ for _ in ()).throw(PermissionError("no")))
     blocks.preload_index()  # the thread says nothing...
     with pytest.raises(PermissionError):

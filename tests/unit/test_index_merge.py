@@ -10,6 +10,7 @@ from ckpt import checkpoint
 from ckpt.reporting import NullReporter
 from ckpt.store import Store
 from ckpt.store.blocks import ID_LEN, MERGE_ABOVE, MERGE_COUNT, PAGE, BlockStore
+from ckpt.store.backends import LocalBackend
 
 
 def dump_pages(blocks: BlockStore, tmp_path, name: str, data: bytes) -> bytes:
@@ -22,7 +23,7 @@ def dump_pages(blocks: BlockStore, tmp_path, name: str, data: bytes) -> bytes:
 def store_with_index_files(tmp_path, count: int) -> tuple[BlockStore, dict[str, tuple[bytes, bytes]]]:
     """A block store with `count` index files, each from a dump of its own few pages (file k
     holds k % 5 + 1 pages, so that their sizes differ)."""
-    blocks = BlockStore(tmp_path / "blocks")
+    blocks = BlockStore(LocalBackend(tmp_path / "blocks"))
     dumps = {}
     for k in range(count):
         data = os.urandom((k % 5 + 1) * PAGE)
@@ -31,7 +32,7 @@ def store_with_index_files(tmp_path, count: int) -> tuple[BlockStore, dict[str, 
 
 
 def assert_every_page_is_read_back(blocks: BlockStore, dumps, tmp_path) -> None:
-    fresh = BlockStore(blocks.root)  # as the next command loads it
+    fresh = BlockStore(blocks.backend)  # as the next command loads it
     for name, (data, page_list) in dumps.items():
         out = tmp_path / f"out-{name}.img"
         out.unlink(missing_ok=True)
@@ -55,14 +56,14 @@ def test_a_page_two_files_name_is_named_once_by_the_merged_file(tmp_path):
     """Two dumps that stored the same page concurrently (neither saw the other's index)."""
     blocks, dumps = store_with_index_files(tmp_path, MERGE_ABOVE)
     shared = os.urandom(PAGE)  # one page: both files are among the smallest, and merged
-    unaware = {name: BlockStore(blocks.root) for name in ("a", "b")}
+    unaware = {name: BlockStore(blocks.backend) for name in ("a", "b")}
     for store in unaware.values():
         store.index()  # both loaded before either stored the page
     for name, store in unaware.items():
         dumps[name] = (shared, dump_pages(store, tmp_path, name, shared))
-    blocks._index = None
+    blocks.forget_index()
     assert len(blocks.merge_index_files()) == MERGE_COUNT
-    index = BlockStore(blocks.root).index()
+    index = BlockStore(blocks.backend).index()
     ids = [column.id_bytes() for column in index.columns]
     for file_ids in ids:
         entries = [file_ids[i:i + ID_LEN] for i in range(0, len(file_ids), ID_LEN)]
@@ -83,7 +84,7 @@ def test_an_interrupted_merge_loses_nothing_and_the_next_one_finishes(tmp_path, 
     monkeypatch.setattr(pathlib.Path, "unlink", real_unlink)
     assert len(blocks.index_file_names()) == MERGE_ABOVE + 2  # the merged file, and all the old ones
     assert_every_page_is_read_back(blocks, dumps, tmp_path)
-    blocks._index = None
+    blocks.forget_index()
     assert blocks.merge_index_files()
     assert_every_page_is_read_back(blocks, dumps, tmp_path)
 

@@ -8,6 +8,7 @@ import xxhash
 
 from ckpt.store import blocks
 from ckpt.store.blocks import PAGE, BlockStore
+from ckpt.store.backends import LocalBackend
 
 
 def serial_ids(data: bytes, seed: int) -> bytes:
@@ -36,7 +37,7 @@ def test_a_mapped_image_is_hashed_where_it_lies(tmp_path):
     image = tmp_path / "pages-1.img"
     data = os.urandom(20000 * PAGE)
     image.write_bytes(data)
-    store = BlockStore(tmp_path / "blocks")
+    store = BlockStore(LocalBackend(tmp_path / "blocks"))
     page_lists, stats, _ = store.ingest([image], lambda _: "none")
     assert page_lists[image.name] == serial_ids(data, store.seed)
     assert stats.new_pages == 20000
@@ -59,7 +60,7 @@ def compressible(pages: int) -> bytes:
 def test_segments_compressed_by_two_threads_read_back(tmp_path):
     image = tmp_path / "pages-1.img"
     image.write_bytes(compressible(256 * 20))  # 20 segments: compressed in two threads
-    store = BlockStore(tmp_path / "blocks")
+    store = BlockStore(LocalBackend(tmp_path / "blocks"))
     page_lists, stats, _ = store.ingest([image], lambda _: "zstd")
     assert stats.new_pages == 256 * 20 and stats.bytes_new < image.stat().st_size // 10
     out = tmp_path / "out.img"
@@ -70,7 +71,7 @@ def test_segments_compressed_by_two_threads_read_back(tmp_path):
 def rewrite_every_third_page(tmp_path, pages: int):
     """A block store holding an image, and the image with every third page rewritten since."""
     first = bytearray(compressible(pages))
-    store = BlockStore(tmp_path / "blocks")
+    store = BlockStore(LocalBackend(tmp_path / "blocks"))
     image = tmp_path / "pages-1.img"
     image.write_bytes(first)
     store.ingest([image], lambda _: "zstd")
@@ -121,7 +122,7 @@ def test_a_write_that_fails_midway_leaves_no_pack(tmp_path, monkeypatch):
     image's mapping still closes: no view of it is left in a thread), and no pack is left."""
     image = tmp_path / "pages-1.img"
     image.write_bytes(compressible(256 * 20))
-    store = BlockStore(tmp_path / "blocks")
+    store = BlockStore(LocalBackend(tmp_path / "blocks"))
     real_open = open
 
     class FullDisk:
@@ -141,7 +142,9 @@ def test_a_write_that_fails_midway_leaves_no_pack(tmp_path, monkeypatch):
         opened = real_open(file, mode, *args, **kwargs)
         return FullDisk(opened) if mode == "wb" else opened
 
-    monkeypatch.setattr(blocks, "open", opening, raising=False)
+    from ckpt.store.backends import local
+
+    monkeypatch.setattr(local, "open", opening, raising=False)  # the backend writes the pack
     with pytest.raises(OSError, match="No space left"):
         store.ingest([image], lambda _: "zstd")
     assert not list((tmp_path / "blocks").rglob("packs/*/*"))
@@ -153,7 +156,7 @@ def test_a_page_that_does_not_match_its_id_is_named(tmp_path, monkeypatch):
     image = tmp_path / "pages-1.img"
     data = os.urandom(40 * PAGE)
     image.write_bytes(data)
-    store = BlockStore(tmp_path / "blocks")
+    store = BlockStore(LocalBackend(tmp_path / "blocks"))
     page_lists, _, _ = store.ingest([image], lambda _: "none")
     real_pages = blocks._SegmentReader.pages
 

@@ -11,6 +11,7 @@ import pytest
 
 from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy, StoreError
 from ckpt.store import Manifest, Store, ids
+from ckpt.store.prune import collect_garbage
 
 PAGE = 4096
 
@@ -76,11 +77,11 @@ def test_remove_never_breaks_a_remaining_checkpoint(store):
     a = fake_dump(store, {"big": shared, "x": b"a"})
     b = fake_dump(store, {"big": shared, "x": b"b"})
     store.remove([a.id])
-    removed, freed = store.collect_garbage()
+    removed, freed = collect_garbage(store)
     assert removed == 1  # only a's own "x"
     assert store.verify(store.load(b.id)) == []
     store.remove([b.id])
-    store.collect_garbage()
+    collect_garbage(store)
     assert list(store.iter_object_bytes()) == []
 
 
@@ -104,7 +105,7 @@ def flip_byte(path, at):
 def test_damage_is_detected_and_named(store):
     m = fake_dump(store, {"pages-1.img": os.urandom(PAGE * 12), "core-1.img": b"c" * 5000}, codec="none")
     core = next(e for e in m.files if e.name == "core-1.img")
-    flip_byte(store.find_object(core.hash)[0], 100)
+    flip_byte(store.root / store.find_object(core.hash)[0], 100)
     problems = store.verify(m)
     assert len(problems) == 1 and "core-1.img" in problems[0]
     with pytest.raises(DamagedCheckpoint, match="core-1.img"):
@@ -114,7 +115,7 @@ def test_damage_is_detected_and_named(store):
 
 def test_damaged_pack_is_detected(store):
     m = fake_dump(store, {"pages-1.img": os.urandom(PAGE * 12)}, codec="zstd")
-    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    (pack,) = list((store.root / "packs").glob("*/*"))
     flip_byte(pack, PAGE * 5)
     problems = store.verify(m)
     assert len(problems) == 1 and "damaged" in problems[0] and "pages-1.img" in problems[0]
@@ -129,7 +130,7 @@ def test_damaged_or_truncated_pack_is_refused_whatever_the_codec(store, codec, d
     data = os.urandom(PAGE * 300) if codec == "none" else bytes(PAGE * 150) + os.urandom(PAGE * 150)
     m = fake_dump(store, {"pages-1.img": data}, codec=codec)
     assert store.materialize(m).joinpath("pages-1.img").read_bytes() == data
-    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    (pack,) = list((store.root / "packs").glob("*/*"))
     if damage == "flip":
         flip_byte(pack, pack.stat().st_size - PAGE)
     else:
@@ -164,7 +165,7 @@ def test_prune_repacks_and_keeps_every_remaining_checkpoint(store):
                                codec="zstd"), b"".join(pages)))
     store.remove([m.id for m, _ in made[:4]])
     before = store.total_bytes()
-    removed, freed = store.collect_garbage()
+    removed, freed = collect_garbage(store)
     assert removed > 0 and freed > 0 and store.total_bytes() < before
     for m, content in made[4:]:
         assert store.verify(m) == []
@@ -172,13 +173,13 @@ def test_prune_repacks_and_keeps_every_remaining_checkpoint(store):
         assert (dest / "pages-1.img").read_bytes() == content
     assert len(store.blocks.index_file_names()) == 1
     # A second prune finds nothing more to do.
-    removed, freed = store.collect_garbage()
+    removed, freed = collect_garbage(store)
     assert (removed, freed) == (0, 0)
 
 
 def test_manifest_is_json_with_format_first(store):
     m = fake_dump(store, {"a": b"1"})
-    data = json.loads(store.manifest_path(m.id).read_text())
+    data = json.loads((store.root / store.manifest_name(m.id)).read_text())
     assert list(data)[:2] == ["format", "id"] and data["format"] == 2
 
 
@@ -236,7 +237,7 @@ def test_a_damaged_object_is_replaced_by_the_next_dump_that_holds_it(store, code
     core = os.urandom(3000) * 3  # compressible: stored as zstd when asked
     first = fake_dump(store, {"core-1.img": core, "pages-1.img": os.urandom(PAGE * 4)}, codec=codec)
     entry = next(e for e in first.files if e.name == "core-1.img")
-    flip_byte(store.find_object(entry.hash)[0], 50)
+    flip_byte(store.root / store.find_object(entry.hash)[0], 50)
     assert store.verify(first), "the damage must be seen"
     second = fake_dump(store, {"core-1.img": core, "pages-1.img": os.urandom(PAGE * 4)}, codec=codec)
     assert second.bytes_stored > len(core) // 10, "the damaged object must be stored again"
@@ -249,7 +250,7 @@ def test_a_damaged_page_list_is_replaced_by_the_next_dump_with_the_same_pages(st
     pages = os.urandom(PAGE * 8)
     first = fake_dump(store, {"pages-1.img": pages, "core-1.img": b"a"}, codec="none")
     entry = next(e for e in first.files if e.kind == "pages")
-    flip_byte(store.find_object(entry.hash)[0], 3)
+    flip_byte(store.root / store.find_object(entry.hash)[0], 3)
     second = fake_dump(store, {"pages-1.img": pages, "core-1.img": b"b"}, codec="none")
     assert store.verify(second) == [] and store.verify(first) == []
 
@@ -258,7 +259,7 @@ def test_a_damaged_page_list_is_replaced_by_the_next_dump_with_the_same_pages(st
 def test_a_damaged_segment_once_seen_is_stored_again_and_prune_drops_it(store, codec):
     pages = bytes(PAGE * 20) + os.urandom(PAGE * 20)
     first = fake_dump(store, {"pages-1.img": pages}, codec=codec)
-    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    (pack,) = list((store.root / "packs").glob("*/*"))
     flip_byte(pack, pack.stat().st_size - 10)
     assert store.verify(first), "verify finds the damage"
     assert store.blocks.damage_markers(), "and records it"
@@ -266,7 +267,7 @@ def test_a_damaged_segment_once_seen_is_stored_again_and_prune_drops_it(store, c
     assert second.bytes_stored > PAGE, "pages known only from a damaged segment are stored again"
     assert store.verify(second) == []
     assert store.verify(first) == [], "the older checkpoint reads the healthy copy"
-    store.collect_garbage()
+    collect_garbage(store)
     assert not pack.exists(), "the damaged segment was dead: its pack is gone"
     assert store.blocks.damage_markers() == []
     for m in (first, second):
@@ -278,7 +279,7 @@ def test_a_damaged_segment_once_seen_is_stored_again_and_prune_drops_it(store, c
 def test_verify_records_every_damaged_segment_not_just_the_first(store):
     pages = os.urandom(PAGE * 600)  # segments of 256, 256 and 88 pages
     first = fake_dump(store, {"pages-1.img": pages}, codec="none")
-    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    (pack,) = list((store.root / "packs").glob("*/*"))
     flip_byte(pack, 10 * PAGE)  # two flips in one pack: segments 0 and 2
     flip_byte(pack, 590 * PAGE)
     (problem,) = store.verify(first)
@@ -289,7 +290,7 @@ def test_verify_records_every_damaged_segment_not_just_the_first(store):
 def test_verify_records_every_segment_of_a_truncated_pack(store):
     pages = os.urandom(PAGE * 600)
     first = fake_dump(store, {"pages-1.img": pages}, codec="none")
-    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    (pack,) = list((store.root / "packs").glob("*/*"))
     os.truncate(pack, pack.stat().st_size // 2)  # cuts segment 1 and all of segment 2 off
     assert store.verify(first)
     assert sorted(offset for _, offset in store.blocks.damage_markers()) == [256 * PAGE, 512 * PAGE]
@@ -305,7 +306,7 @@ def test_a_dump_checks_the_segments_it_would_reuse_in_a_pack_with_recorded_damag
     shared, own = os.urandom(PAGE * 256), os.urandom(PAGE * 300)
     both = fake_dump(store, {"pages-1.img": shared + own}, codec="none")
     part = fake_dump(store, {"pages-1.img": shared}, codec="none")  # names segment 0 only
-    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    (pack,) = list((store.root / "packs").glob("*/*"))
     if damage == "flip":
         flip_byte(pack, 10 * PAGE)
         flip_byte(pack, 500 * PAGE)  # segment 2: in no page `part` names
@@ -314,7 +315,7 @@ def test_a_dump_checks_the_segments_it_would_reuse_in_a_pack_with_recorded_damag
         os.truncate(pack, 300 * PAGE)
     assert store.verify(part)
     assert [offset for _, offset in store.blocks.damage_markers()] == [0], "verify met only segment 0"
-    store.blocks._index = None  # as a new command sees the store
+    store.blocks.forget_index()  # as a new command sees the store
     again = fake_dump(store, {"pages-1.img": shared + own}, codec="none")
     if damage == "flip":  # segment 1 found damaged, segment 2 intact and reused
         assert sorted(offset for _, offset in store.blocks.damage_markers()) == [0, 256 * PAGE]
@@ -326,7 +327,7 @@ def test_a_dump_checks_the_segments_it_would_reuse_in_a_pack_with_recorded_damag
     for m in (both, part, again):
         assert store.verify(m) == [], "older checkpoints read the fresh copies"
         assert (store.materialize(m) / "pages-1.img").read_bytes() == (shared if m is part else shared + own)
-    store.collect_garbage()
+    collect_garbage(store)
     assert not pack.exists() and store.blocks.damage_markers() == []
 
 
@@ -335,7 +336,7 @@ def no_space(*args, **kwargs):
 
 
 def test_a_holder_record_that_cannot_be_written_does_not_stop_a_command(store, monkeypatch):
-    import ckpt.store.lock as lock
+    import ckpt.store.backends.local as lock
 
     real_write = os.write
     monkeypatch.setattr(lock.os, "write", no_space)  # however the record is written, it fails
@@ -347,17 +348,17 @@ def test_a_holder_record_that_cannot_be_written_does_not_stop_a_command(store, m
 
 
 def test_prune_without_room_to_repack_still_drops_what_is_dead(store, monkeypatch):
-    from ckpt.store import blocks as blocks_module
+    from ckpt.store.backends import local as local_backend
 
     pages = [os.urandom(PAGE) for _ in range(300)]  # segments of 256 and 44 pages
     whole = fake_dump(store, {"pages-1.img": b"".join(pages)}, codec="none")
     tail = fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
     alone = fake_dump(store, {"pages-1.img": os.urandom(PAGE * 20)}, codec="none")
-    (old_pack,) = [p for p in store.blocks.packs_dir.glob("*/*") if p.stat().st_size > 100 * PAGE]
+    (old_pack,) = [p for p in (store.root / "packs").glob("*/*") if p.stat().st_size > 100 * PAGE]
     store.remove([whole.id, alone.id])
-    monkeypatch.setattr(blocks_module.PackWriter, "write", no_space)  # a full disk for the copy
-    store.collect_garbage()
-    assert [p for p in store.blocks.packs_dir.glob("*/*")] == [old_pack], \
+    monkeypatch.setattr(local_backend._LocalWriter, "write", no_space)  # a full disk for the copy
+    collect_garbage(store)
+    assert [p for p in (store.root / "packs").glob("*/*")] == [old_pack], \
         "the pack to repack stays, the dead one and the half-written copy are gone"
     assert len(store.blocks.index_file_names()) == 1
     assert (store.materialize(tail) / "pages-1.img").read_bytes() == b"".join(pages[256:])
@@ -367,11 +368,11 @@ def test_a_repacked_damaged_segment_keeps_its_record(store):
     pages = [os.urandom(PAGE) for _ in range(300)]  # segments of 256 and 44 pages
     whole = fake_dump(store, {"pages-1.img": b"".join(pages)}, codec="none")
     tail = fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
-    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    (pack,) = list((store.root / "packs").glob("*/*"))
     flip_byte(pack, 280 * PAGE)
     assert store.verify(tail)
     store.remove([whole.id])
-    store.collect_garbage()  # the 256-page segment is dead: the damaged one is copied to a new pack
+    collect_garbage(store)  # the 256-page segment is dead: the damaged one is copied to a new pack
     assert not pack.exists()
     (marker,) = store.blocks.damage_markers()
     assert marker[0] != pack.name
@@ -386,7 +387,7 @@ def test_a_parent_with_pages_recorded_damaged_is_not_used(store, tmp_path):
                        codec="none")
     store.materialize_parent(parent, tmp_path / "ok")
     assert (tmp_path / "ok" / "pagemap-1.img").read_bytes() == b"pm"
-    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    (pack,) = list((store.root / "packs").glob("*/*"))
     flip_byte(pack, 100)
     assert store.verify(parent)
     with pytest.raises(DamagedCheckpoint, match="recorded as damaged"):
@@ -401,11 +402,11 @@ def test_a_parent_in_a_pack_with_recorded_damage_is_checked_before_it_is_used(st
     parent = fake_dump(store, {"pages-1.img": second, "pagemap-1.img": b"pm", "inventory.img": b"inv"},
                        codec="none")
     other = fake_dump(store, {"pages-1.img": first}, codec="none")
-    (pack,) = list(store.blocks.packs_dir.glob("*/*"))
+    (pack,) = list((store.root / "packs").glob("*/*"))
     flip_byte(pack, 100)
     flip_byte(pack, 260 * PAGE)
     assert store.verify(other)  # records segment 0 only: `parent` names none of its pages
-    store.blocks._index = None
+    store.blocks.forget_index()
     with pytest.raises(DamagedCheckpoint, match="recorded as damaged"):
         store.materialize_parent(parent, tmp_path / "parent")
 
@@ -413,19 +414,19 @@ def test_a_parent_in_a_pack_with_recorded_damage_is_checked_before_it_is_used(st
 def test_a_damaged_index_file_is_named_healed_by_the_next_dump_and_stops_prune(store):
     pages = os.urandom(PAGE * 30)
     first = fake_dump(store, {"pages-1.img": pages}, codec="none")
-    (index_file,) = list(store.blocks.index_dir.iterdir())
+    (index_file,) = list((store.root / "index").iterdir())
     flip_byte(index_file, index_file.stat().st_size - 3)  # in the last entry: a page's place
-    store.blocks._index = None
+    store.blocks.forget_index()
     (problem,) = store.verify(first)
     assert "missing from the store" in problem and index_file.name in problem and "damaged" in problem
     with pytest.raises(StoreError, match="index file .* is damaged"):
-        store.collect_garbage()
+        collect_garbage(store)
     second = fake_dump(store, {"pages-1.img": pages}, codec="none")
     assert second.bytes_stored >= 30 * PAGE, "pages named only by the damaged index are stored again"
     assert store.verify(second) == [] and store.verify(first) == [], "and the first checkpoint is whole again"
     index_file.unlink()  # what prune's hint says to do
-    store.blocks._index = None  # as a new command would see the store
-    store.collect_garbage()
+    store.blocks.forget_index()  # as a new command would see the store
+    collect_garbage(store)
     for m in (first, second):
         assert (store.materialize(m) / "pages-1.img").read_bytes() == pages
 
@@ -436,7 +437,7 @@ def test_a_second_checkpoint_never_replaces_one_with_the_same_id(store):
     with pytest.raises(StoreError, match="already exists"):
         store.commit(twin)
     assert store.load(first.id).command == "x" and store.verify(store.load(first.id)) == []
-    assert [p.name for p in store.checkpoints_dir.iterdir()] == [f"{first.id}.json"]
+    assert [p.name for p in (store.root / "checkpoints").iterdir()] == [f"{first.id}.json"]
 
 
 def pagemap_bytes(tmp_path, pages_id: int, runs) -> bytes:
@@ -495,7 +496,7 @@ def test_an_earlier_checkpoint_that_cannot_be_read_only_costs_a_lookup(store, mo
     pages = os.urandom(32 * PAGE)
     pagemap = pagemap_bytes(tmp_path, 1, [(0x10000, 32)])
     first = fake_dump(store, {"pages-1.img": pages, "pagemap-10.img": pagemap}, pid=10)
-    page_list = store.find_object(next(e for e in first.files if e.kind == "pages").hash)[0]
+    page_list = store.root / store.find_object(next(e for e in first.files if e.kind == "pages").hash)[0]
     os.chmod(page_list, 0o600)
     page_list.write_bytes(b"\xff" * page_list.stat().st_size)
     staging = tmp_path / "images"

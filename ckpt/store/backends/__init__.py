@@ -1,0 +1,9 @@
+"""Storage backends: the one interface every byte of the store goes through (base.py), and
+its implementations (local.py: a directory). See "Storage backends" in docs/design.md."""
+
+from ckpt.store.backends.base import (Backend, BlobExists, BlobInfo, BlobNotFound, BlobStream, BlobWriter, LockOwner,
+                                      RangeReader)
+from ckpt.store.backends.local import LocalBackend
+
+__all__ = ["Backend", "BlobExists", "BlobInfo", "BlobNotFound", "BlobStream", "BlobWriter", "LocalBackend",
+           "LockOwner", "RangeReader"]

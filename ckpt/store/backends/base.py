@@ -1,0 +1,234 @@
+"""The storage backend interface: every byte the store writes or reads goes through it.
+
+A backend holds named, immutable blobs ("checkpoints/<id>.json", "packs/ab/<pack>", ...; see
+"Storage backends" in docs/design.md) and the store's lock. It is shaped for object storage
+(restic's internal/backend, kopia's blob.Storage): whole-blob writes that appear atomically
+under their name, ranged reads, listing by prefix, deletion, and an atomic create-if-absent
+that is the commit point of a checkpoint. The repository (manifests, packs, index files,
+objects, damage markers, prune, verify) is written against this interface only.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import re
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+# A name is a relative path of lower-case words ("packs/ab/<pack>", "checkpoints/<id>.json"):
+# nothing unvalidated becomes a path (or a key). A component starting with "." is the
+# backend's own (a write in progress).
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$")
+
+
+def check_name(name: str) -> str:
+    if not _NAME_RE.match(name) or len(name) > 512:
+        raise ValueError(f"invalid blob name {name!r}")
+    return name
+
+
+class BlobNotFound(FileNotFoundError):
+    """No blob of that name."""
+
+
+class BlobExists(FileExistsError):
+    """put_if_absent found a blob of that name already (another writer committed first)."""
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class LockOwner:
+    """Who holds (or held) the store's lock: enough to say whom a waiting command waits for,
+    and, for lock objects, to tell a stale one (its process is gone, or it has not been
+    refreshed for too long) from a live one."""
+
+    pid: int
+    host: str
+    command: str
+    since: str  # ISO 8601, UTC
+    mode: str  # "shared" or "exclusive"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return f"pid {self.pid} ({self.command}, since {self.since})"
+
+
+class BlobWriter(abc.ABC):
+    """A blob written piece by piece (a pack of a few GiB). Nothing is visible under the name
+    until commit() returns; abort() (or leaving a `with` block on an error) drops it all."""
+
+    written: int = 0
+
+    @abc.abstractmethod
+    def write(self, data) -> None: ...
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """Makes the blob durable and visible under its name (replacing one of that name)."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Drops what was written; never raises (it runs on the way out of errors, a full disk)."""
+
+    def __enter__(self) -> BlobWriter:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is not None:
+            self.abort()
+
+
+class RangeReader:
+    """A reading session: ranged reads of a few blobs, many times each (a restore reads
+    thousands of segments out of a few packs). This default asks the backend for each range;
+    a backend may keep descriptors or mappings open until close()."""
+
+    def __init__(self, backend: Backend):
+        self._backend = backend
+        self._sizes: dict[str, int] = {}
+
+    def size(self, name: str) -> int:
+        """The blob's size (BlobNotFound if there is none)."""
+        if name not in self._sizes:
+            self._sizes[name] = self._backend.stat(name).size
+        return self._sizes[name]
+
+    def read(self, name: str, offset: int, length: int) -> memoryview:
+        """length bytes from offset (fewer where the blob ends). Release the view (use it in
+        a `with` block) before close()."""
+        return memoryview(self._backend.get(name, offset, length))
+
+    def copy_to(self, name: str, offset: int, length: int, fd: int) -> int:
+        """Writes length bytes from offset to the file descriptor; returns how many there
+        were (fewer where the blob ends)."""
+        with self.read(name, offset, length) as view:
+            data = view
+            while data:
+                data = data[os.write(fd, data):]
+            return len(view)
+
+    def close(self) -> None:
+        self._sizes.clear()
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class BlobStream:
+    """A blob as a readable binary stream, read range by range (decompressors read from it)."""
+
+    def __init__(self, backend: Backend, name: str, chunk: int = 4 << 20):
+        self._backend, self._name, self._chunk = backend, name, chunk
+        self._offset = 0
+        self._size = backend.stat(name).size
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            size = self._size - self._offset
+        if size == 0 or self._offset >= self._size:
+            return b""
+        data = self._backend.get(self._name, self._offset, min(size, self._size - self._offset))
+        self._offset += len(data)
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+
+class Backend(abc.ABC):
+    """Named immutable blobs, and the store's lock.
+
+    Blobs are written whole (put, put_file, writer) and appear atomically: a reader sees the
+    complete blob under its name or nothing. Every write is durable when it returns. A name
+    written again gets the same content (an object healed after damage) or, for the few
+    mutable names (none today), a complete new content, never a mix. Errors: BlobNotFound,
+    BlobExists, and OSError (a full disk: ENOSPC) for everything else."""
+
+    # ---- writing ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def put(self, name: str, data: bytes) -> None:
+        """Writes the blob, replacing any of that name, atomically and durably."""
+
+    @abc.abstractmethod
+    def put_if_absent(self, name: str, data: bytes) -> None:
+        """Creates the blob atomically and durably, or raises BlobExists if one of that name
+        exists: of two writers racing for a name, exactly one wins. The commit point of a
+        checkpoint (local: link(2), which never replaces; S3: PutObject with If-None-Match: *)."""
+
+    @abc.abstractmethod
+    def put_file(self, name: str, source: Path) -> int:
+        """Stores a local file as the blob (replacing any of that name) and returns its size.
+        The file is consumed: the backend may move it instead of copying it (local: rename)."""
+
+    @abc.abstractmethod
+    def writer(self, name: str) -> BlobWriter:
+        """A writer for a large blob, written in pieces (local: a temp file handed to
+        writeback as it grows; S3: a multipart upload)."""
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
+        """The blob, or length bytes of it from offset (fewer where it ends)."""
+
+    @abc.abstractmethod
+    def get_file(self, name: str, dest: Path) -> None:
+        """Writes the whole blob to a new local file dest (local: a hard link where it can)."""
+
+    @abc.abstractmethod
+    def stat(self, name: str) -> BlobInfo: ...
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.stat(name)
+        except BlobNotFound:
+            return False
+        return True
+
+    @abc.abstractmethod
+    def list(self, prefix: str, incomplete: bool = False) -> list[BlobInfo]:
+        """The blobs whose name starts with prefix, sorted by name. incomplete=True lists
+        instead what writes that never finished left behind (temp files, unfinished uploads),
+        which delete() accepts: only a caller holding the exclusive lock may delete them."""
+
+    def reader(self) -> RangeReader:
+        return RangeReader(self)
+
+    def where(self, name: str) -> str:
+        """Where the blob lives, for messages (a path, a URL)."""
+        return name
+
+    # ---- deleting --------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def delete(self, names: list[str]) -> None:
+        """Deletes the blobs (a missing one is not an error); durable when it returns, so a
+        caller may order deletions (an index file before the packs it names)."""
+
+    # ---- locking ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def lock(self, exclusive: bool, timeout: float,
+             on_wait: Callable[[list[LockOwner]], None] | None = None) -> AbstractContextManager:
+        """Holds the store's lock (shared or exclusive) for a `with` block; waits up to timeout
+        seconds, calling on_wait(holders) once if it has to wait, then raises StoreBusy. A
+        lock whose holder is gone never blocks anyone (local: flock dies with its process;
+        lock objects: stale once their process is gone or they are not refreshed)."""
+
+    @abc.abstractmethod
+    def lock_holders(self) -> list[LockOwner]:
+        """The live holders of the lock (stale ones left out), this process excepted."""
