@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CRIU_LIB_FILE := $(VENV)/.criu-lib
 
-.PHONY: setup test unit integration vm-test demo bench clean
+.PHONY: setup test lint unit integration vm-test demo bench clean
 
 setup: $(VENV)/.installed
 	@# The page hashing extension is built in place (ckpt/): rebuilt if it went missing.
@@ -32,8 +32,14 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml ckpt/_pagehash.c $(CRIU_LI
 	$(PY) -c 'import pycriu.images, ckpt; print("ckpt and pycriu installed in $(VENV)")'
 	@touch $@
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -ra
+
+# ruff (settings in pyproject.toml: pycodestyle, pyflakes, bugbear, complexity, pyupgrade, pylint
+# checks) on the code and the tests, then mypy on ckpt/. `make test` runs it first.
+lint: setup
+	$(PY) -m ruff check ckpt tests
+	$(PY) -m mypy
 
 unit: setup
 	$(PY) -m pytest -ra tests/unit tests/cli
@@ -52,6 +58,6 @@ bench: setup
 	$(PY) scripts/bench.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info ckpt/*.so
+	rm -rf $(VENV) build *.egg-info ckpt/*.so .mypy_cache .ruff_cache
 
 FORCE:

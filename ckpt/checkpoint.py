@@ -95,7 +95,7 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
         return _dump(store_root, request, reporter, started)
 
 
-def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: float) -> DumpResult:
+def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: float) -> DumpResult:  # noqa: C901, PLR0915
     facts = procs.preflight(request.pid)
     # CRIU would dump memory a lazy restore has not filled in yet as missing.
     wait_for_lazy_restores(set(facts.pids), lambda record: reporter.info(
@@ -267,7 +267,7 @@ def _plan_tracking(store: Store, request: DumpRequest, binary, reporter: Reporte
     return TrackingPlan(target, parent)
 
 
-def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs.TargetFacts, binary,
+def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs.TargetFacts, binary,  # noqa: PLR0913
                        options: DumpOptions, checkpoint_id: str, started: float, reporter: Reporter,
                        tracking: TrackingPlan | None, earlier: unchanged.EarlierCheckpoint | None,
                        frozen_ms: float | None = None) -> Manifest:

@@ -63,7 +63,7 @@ def _check_grammar(expr: str, fields: list[str]) -> None:
         raise UsageError(f"'{expr}' is not a cron expression",
                          hint="give five fields: minute hour day-of-month month day-of-week, e.g. '*/5 * * * *', "
                               "or @hourly, @daily, @weekly, @monthly or @yearly")
-    for text, name in zip(fields, FIELDS):
+    for text, name in zip(fields, FIELDS, strict=True):
         grammar = _NAMED if name in ("month", "day-of-week") else _NUMBERS
         for item in text.split(","):
             if grammar.fullmatch(item):

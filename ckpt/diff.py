@@ -19,7 +19,7 @@ def _snapshot(store: Store, manifest: Manifest) -> dict:
         vmas = {}
         for pid in processes:
             image, addresses = images.page_addresses(image_dir, pid)
-            ids = page_lists.get(image, b"")
+            ids = page_lists.get(image or "", b"")
             pages[pid] = {addr: ids[k * ID_LEN:(k + 1) * ID_LEN] for k, addr in enumerate(addresses)}
             mm = image_dir / f"mm-{pid}.img"
             vmas[pid] = {(int(v["start"]), int(v["end"])) for v in images._load(mm)["entries"][0].get("vmas", [])} \
@@ -39,7 +39,7 @@ def diff(store: Store, ref_a: str, ref_b: str) -> dict:
         b = store.load(store.resolve(ref_b))
         old, new = _snapshot(store, a), _snapshot(store, b)
     pids_a, pids_b = set(old["processes"]), set(new["processes"])
-    result = {
+    result: dict = {
         "from": a.id, "to": b.id,
         "processes": {"added": sorted(pids_b - pids_a), "removed": sorted(pids_a - pids_b)},
         "per_process": [],
@@ -63,7 +63,8 @@ def diff(store: Store, ref_a: str, ref_b: str) -> dict:
             "pid": pid, "command": new["processes"][pid]["command"],
             "threads": {"from": len(old["processes"][pid]["threads"]), "to": len(new["processes"][pid]["threads"])},
             "mappings": {"added": len(vb - va), "removed": len(va - vb),
-                         "bytes_added": sum(e - s for s, e in vb - va), "bytes_removed": sum(e - s for s, e in va - vb)},
+                         "bytes_added": sum(e - s for s, e in vb - va),
+                         "bytes_removed": sum(e - s for s, e in va - vb)},
             "pages": {"changed": changed, "added": added, "removed": removed,
                       "bytes_changed": changed * PAGE, "bytes_added": added * PAGE, "bytes_removed": removed * PAGE},
             "files": files,

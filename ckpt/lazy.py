@@ -120,7 +120,10 @@ class _StorePages:
         return min(nr_pages, count - (vaddr - start) // PAGE)
 
     def send(self, pid: int, vaddr: int, nr_pages: int, out_fd: int) -> None:
-        image, (start, _, first) = self._run(pid, vaddr)
+        found = self._run(pid, vaddr)
+        if found is None:  # serve() asks available() first
+            raise LookupError(f"process {pid} has no lazy pages at {vaddr:#x}")
+        image, (start, _, first) = found
         self.sender.send(self.plan.locations[image], first + (vaddr - start) // PAGE, nr_pages, out_fd)
 
 
@@ -139,6 +142,8 @@ class PageServer:
         """Called once CRIU has restored the tree, before it runs: the watcher takes a copy of
         the tree's userfaultfds (processes: how many of the tree's processes have lazy memory)."""
         try:
+            if self.watcher is None:
+                raise OSError("its connection was closed")
             self.watcher.sendall(b"G%d\n" % processes)
             self.watcher.settimeout(HANDOVER_TIMEOUT_S + 5)
             answer = self.watcher.recv(512)
@@ -266,7 +271,7 @@ def _detach_stdio(keep: set[int]) -> None:  # pragma: no cover - runs in the for
         signal.signal(number, signal.SIG_IGN)
 
 
-def _spawn(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,
+def _spawn(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,  # noqa: PLR0913
            plan: LazyPlan, tree_pids: list[int], log_level: int, ours_fd: int, theirs_fd: int,
            ready_write: int, control_fd: int) -> int:  # pragma: no cover - runs in the first child
     """Forks the server and its watcher, in a session of their own, reparented to init once
@@ -300,7 +305,7 @@ def _spawn(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Pat
     return 0
 
 
-def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,
+def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,  # noqa: PLR0913
                  plan: LazyPlan, tree_pids: list[int], log_level: int, ours_fd: int, theirs_fd: int,
                  ready_write: int, status_fd: int) -> int:  # pragma: no cover - runs in the forked server
     _detach_stdio({ours_fd, theirs_fd, ready_write, status_fd})

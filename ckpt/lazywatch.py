@@ -98,11 +98,11 @@ def _alive_not_exiting(pid: int) -> bool:
     # becomes readable only after: without it a descriptor table emptied by the exit would
     # read as the daemon having closed them.
     fields = _stat_fields(pid)
-    return bool(fields) and fields[0] not in ("Z", "X") and not int(fields[6]) & _PF_EXITING
+    return bool(fields and fields[0] not in ("Z", "X") and not int(fields[6]) & _PF_EXITING)
 
 
 def _uffds_of(pid: int) -> set[int]:
-    found = set()
+    found: set[int] = set()
     try:
         names = os.listdir(f"/proc/{pid}/fd")
     except OSError:
@@ -189,7 +189,7 @@ class Watcher:
                 if not data:
                     return self._failed(f"the page server (PID {self.server_pid}) ended")
             if self.abandoned and self.daemon is not None:
-                self._abandon()
+                self._abandon(self.daemon)
             if self.handed_over:
                 self._rescan()
 
@@ -253,7 +253,7 @@ class Watcher:
             finally:
                 os.close(pidfd)
 
-    def _abandon(self) -> None:
+    def _abandon(self, daemon: int) -> None:
         """`ckpt restore` ended (killed, or failed) before CRIU's post-restore notification:
         no tree depends on this server, whose daemon would otherwise wait for a restoring CRIU
         forever, holding the store's shared lock (every prune and rm then waited) and a record
@@ -262,7 +262,7 @@ class Watcher:
         the server sees its connection close and cleans up as after any failure."""
         self.abandoned = False
         try:
-            os.kill(self.daemon, signal.SIGKILL)
+            os.kill(daemon, signal.SIGKILL)
         except ProcessLookupError:
             pass
 

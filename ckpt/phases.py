@@ -55,7 +55,7 @@ _paused = False
 
 def phase(name: str) -> None:
     """Marks reaching phase `name`; pauses there (once per process) if a test asked for it."""
-    global _paused
+    global _paused  # noqa: PLW0603 (once per process)
     if _wanted is None or name != _wanted or _paused:
         return
     _paused = True

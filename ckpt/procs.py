@@ -172,7 +172,7 @@ O_ACCMODE = 0o3
 def _fd_inodes(pid: int, kind: str) -> list[tuple[int, int]]:
     """(fd, inode) of every descriptor of the process that is a `kind` ("pipe", "socket")."""
     prefix = f"{kind}:["
-    result = []
+    result: list[tuple[int, int]] = []
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:

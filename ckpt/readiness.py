@@ -106,7 +106,7 @@ def _store_writable(store_root: Path) -> Finding:
     except CheckpointNotFound:
         pass  # none yet: the first dump makes it
     except CkptError as exc:
-        return Finding("store", False, exc.message, exc.hint)
+        return Finding("store", False, exc.message, exc.hint or "")
     probe_dir = store_root if store_root.exists() else store_root.parent
     while not probe_dir.exists():
         probe_dir = probe_dir.parent

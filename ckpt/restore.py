@@ -61,7 +61,7 @@ class RestoreResult:
                 "log": str(self.log_path), "lazy": self.lazy}
 
 
-def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:
+def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:  # noqa: C901, PLR0915
     """Restores the checkpoint request.ref names from the store at store_root."""
     started = time.monotonic()
     procs.require_root()
@@ -77,6 +77,7 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
         lazy = _wants_lazy(request, manifest, binary)
         reporter.step(f"verifying checkpoint {checkpoint_id}")
         plan = LazyPlan()
+        images_dir: Path | None
         if lazy:
             def holes_for(directory: Path) -> dict[str, list[tuple[int, int]]]:
                 minimum = settings.current().lazy_min_bytes if request.lazy is None else 1

@@ -31,7 +31,7 @@ CRON_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 class TargetAmbiguous(CkptError):
-    exit_code = 2
+    exit_code = UsageError.exit_code
 
 
 @dataclass
@@ -186,7 +186,7 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
 
         expr = cron.every_to_cron(parse_duration(every))
     else:
-        expr = cron.check(cron_expr)
+        expr = cron.check(cron_expr or "")  # given: exactly one of the two is (checked above)
     schedule = Schedule(name=name, target=target, cron=expr, every=every, retention=policy.to_json()
                         if not policy.empty() else {}, pre_dump=pre_dump,
                         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -274,7 +274,7 @@ def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait
     schedule = book.load(name)
     wait_s = settings.current().schedule_wait if wait_s is None else wait_s
     started = datetime.now(timezone.utc)
-    outcome = {"time": started.isoformat(timespec="seconds"), "outcome": None}
+    outcome: dict[str, object] = {"time": started.isoformat(timespec="seconds"), "outcome": None}
     make_private_dir(book.dir)
     lock_fd = os.open(book.dir / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -287,7 +287,7 @@ def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait
                 if time.monotonic() >= deadline:
                     outcome.update(outcome="skipped", error=f"the previous run was still going after {wait_s:.0f} s")
                     book.record(name, outcome)
-                    raise StoreBusy(f"schedule '{name}': skipped, the previous run is still going")
+                    raise StoreBusy(f"schedule '{name}': skipped, the previous run is still going") from None
                 time.sleep(0.2)
         try:
             pid = resolve_target(schedule.target)

@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from ckpt.errors import UsageError
 
@@ -144,7 +145,7 @@ class Settings:
         """Each field from its CKPT_* variable, or its default when unset or empty (as for
         any shell variable). A bad value raises UsageError naming the variable."""
         environ = os.environ if environ is None else environ
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}
         for f in fields(cls):
             raw = environ.get(f.metadata["env"], "")
             if raw != "":
@@ -171,7 +172,7 @@ _installed: Settings | None = None
 
 def use(settings: Settings | None) -> None:
     """Installs the settings the CLI built (None: back to reading the environment)."""
-    global _installed
+    global _installed  # noqa: PLW0603 (the one installed instance)
     _installed = settings
 
 

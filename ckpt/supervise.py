@@ -95,7 +95,7 @@ class Supervisor:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise CkptError("cannot become a child subreaper (prctl failed)")
-        output = self.request.output
+        output = self.request.output or self.store_root / "logs" / f"run-{self.request.name}.out"
         output.parent.mkdir(parents=True, exist_ok=True)
         # The command's output goes to a file: a pipe or terminal shared with ckpt would not
         # survive a restore (its other end is outside the checkpointed tree).
@@ -166,6 +166,8 @@ class Supervisor:
         from ckpt.retention import Policy
         from ckpt.store import Store
 
+        if self.pid is None:
+            return  # nothing started yet
         try:
             result = dump(self.store_root, DumpRequest(pid=self.pid, name=self.request.name,
                                                        pre_dump_hook=self.request.pre_dump_hook))

@@ -48,8 +48,8 @@ def dumping(pid: int, timeout: float, on_wait: Callable[[str], None] | None = No
                 on_wait(holder)
                 told = True
             if time.monotonic() >= deadline:
-                raise StoreBusy(f"another dump of PID {pid} is in progress (ckpt PID {holder})",
-                                hint=f"waited {timeout:.0f} s; wait for it to finish or raise CKPT_LOCK_TIMEOUT")
+                raise StoreBusy(f"another dump of PID {pid} is in progress (ckpt PID {holder})", hint=f"waited "
+                                f"{timeout:.0f} s; wait for it to finish or raise CKPT_LOCK_TIMEOUT") from None
             time.sleep(0.1)
             continue
         try:

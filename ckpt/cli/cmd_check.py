@@ -30,7 +30,8 @@ def register(app: typer.Typer) -> None:
         else:
             for f in findings:
                 label, style = ("ok  ", "green") if f.ok else (("FAIL", "red") if f.required else ("warn", "yellow"))
-                stdout.print(styled(label, style, f" {f.name}: {f.detail}" + (f"\n       fix: {f.fix}" if f.fix else "")))
+                fix = f"\n       fix: {f.fix}" if f.fix else ""
+                stdout.print(styled(label, style, f" {f.name}: {f.detail}{fix}"))
         if not ready(findings):
             failed = ", ".join(f.name for f in findings if f.required and not f.ok)
             raise NotReady(f"dump and restore cannot work here yet ({failed})", hint="see the fixes above")

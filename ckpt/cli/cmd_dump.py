@@ -36,7 +36,8 @@ def register(app: typer.Typer) -> None:
     @app.command("dump", help=HELP)
     def dump_command(
         pid: Annotated[int, typer.Argument(help="PID of the root of the tree to checkpoint.")],
-        name: Annotated[Optional[str], typer.Option("--name", help="Label; 'ckpt restore NAME' takes the newest.")] = None,
+        name: Annotated[Optional[str], typer.Option("--name",
+                                                    help="Label; 'ckpt restore NAME' takes the newest.")] = None,
         stop: Annotated[bool, typer.Option("--stop", help="End the tree after a successful dump.")] = False,
         shell_job: Annotated[Optional[bool], typer.Option("--shell-job/--no-shell-job",
                              help="Tree is a job of a terminal session it does not lead [default: detect].")] = None,

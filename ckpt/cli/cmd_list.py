@@ -44,9 +44,9 @@ def register(app: typer.Typer) -> None:
             return
         print_table(
             ["ID", "NAME", "CREATED", "PID", "COMMAND", "PROCS", "SIZE", "STORED"],
-            [[r["id"], r["name"] or "", datetime.fromisoformat(r["created"]).astimezone().strftime("%Y-%m-%d %H:%M:%S"),
-              str(r["pid"]), r["command"], str(r["processes"]), human_bytes(r["bytes_total"]),
-              human_bytes(r["bytes_stored"])] for r in rows],
+            [[m.id, m.name or "", datetime.fromisoformat(m.created).astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+              str(m.pid), m.command, str(len(m.processes)), human_bytes(m.bytes_total),
+              human_bytes(m.bytes_stored)] for m in manifests],
             widest={4: 60})
         stderr.print(f"{len(rows)} checkpoint(s); the store holds {human_bytes(st.total_bytes())} in all "
                      f"(STORED: what each checkpoint added when it was taken)")

@@ -2,7 +2,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption, output_file_option, store_root
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption, output_file_flag, store_root
 from ckpt.cli.output import CliReporter, emit_json, stderr, styled
 from ckpt.restore import RestoreRequest, restore
 
@@ -39,10 +39,10 @@ Examples:
   ckpt restore agent --eager       # all memory in place before the tree runs
 """
 
-OutputOption = output_file_option(
+OutputOption = Annotated[Optional[str], output_file_flag(
     "Where the tree now writes what it wrote into pipes or sockets to programs outside it ('agent | tee log'): "
     "FILE (appended), or '-' for ckpt's own stdout and stderr. Default: output-TIME.log in the checkpoint's "
-    "log directory.")
+    "log directory.")]
 
 
 def register(app: typer.Typer) -> None:

@@ -4,7 +4,7 @@ from typing import Annotated, Optional
 import typer
 
 from ckpt.cli.output import CliReporter, emit_json_line
-from ckpt.cli.options import JsonOption, StoreOption, count_option, output_file_option, store_root
+from ckpt.cli.options import JsonOption, StoreOption, count_flag, output_file_flag, store_root
 from ckpt.retention import parse_duration
 from ckpt.store import ids
 from ckpt.supervise import RunRequest, Supervisor, default_name
@@ -27,10 +27,10 @@ Examples:
   ckpt run --every 1m --json -- python3 agent.py > events.jsonl
 """
 
-KeepLastOption = count_option("--keep-last", "Checkpoints to keep (0: all).")
-MaxRestoresOption = count_option("--max-restores", "Restores before giving up.")
-OutputOption = output_file_option("File for the command's output [default: <store>/logs/run-NAME.out].",
-                                  created_parent=True)
+KeepLastOption = Annotated[int, count_flag("--keep-last", "Checkpoints to keep (0: all).")]
+MaxRestoresOption = Annotated[int, count_flag("--max-restores", "Restores before giving up.")]
+OutputOption = Annotated[Optional[str], output_file_flag(
+    "File for the command's output [default: <store>/logs/run-NAME.out].", created_parent=True)]
 
 
 def register(app: typer.Typer) -> None:
@@ -42,7 +42,8 @@ def register(app: typer.Typer) -> None:
         keep_last: KeepLastOption = 3,
         max_restores: MaxRestoresOption = 3,
         output: OutputOption = None,
-        pre_dump: Annotated[Optional[str], typer.Option("--pre-dump", help="Shell command run before each dump.")] = None,
+        pre_dump: Annotated[Optional[str], typer.Option("--pre-dump",
+                                                        help="Shell command run before each dump.")] = None,
         post_restore: Annotated[Optional[str], typer.Option("--post-restore",
                                                             help="Shell command run after each restore.")] = None,
         store: StoreOption = None,

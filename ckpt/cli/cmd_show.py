@@ -63,7 +63,7 @@ def register(app: typer.Typer) -> None:
             stdout.print(f"  PID {sock['pid']} fd {sock['fd']} sends datagrams to "
                          f"{sock.get('peer_path') or 'an unnamed socket'}{holder} (connected again on restore)")
         tree = Tree("processes")
-        nodes = {}
+        nodes: dict[int, Tree] = {}
         for proc in data["processes"]:
             label = (f"{proc['pid']} {proc['command']}  [{len(proc['threads'])} thread(s), "
                      f"{proc['mappings']} mappings, {human_bytes(proc['mapped_bytes'])} mapped, "

@@ -4,7 +4,7 @@ Each checks its value while the command line is parsed: a bad one is a one-line 
 (exit 2) before the command does anything."""
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from typing import Annotated
@@ -44,29 +44,30 @@ NameFilterOption = Annotated[Optional[str], typer.Option("--name", help="Only th
                                                          callback=_name)]
 
 
-def count_option(flag: str, help: str):
+# The *_flag functions make the typer.Option of an `Annotated[int, ...]` / `Annotated[Optional[str], ...]`
+# (written out where used, so that the type checker sees a type and not a call).
+def count_flag(flag: str, help: str) -> Any:
     """A whole number of 0 or more (a count of checkpoints, restores...)."""
-    return Annotated[int, typer.Option(flag, help=help, callback=_count, metavar="N")]
+    return typer.Option(flag, help=help, callback=_count, metavar="N")
 
 
-def duration_option(flag: str, help: str):
+def duration_flag(flag: str, help: str) -> Any:
     """30s, 5m, 2h, 7d, 4w: checked by retention_policy(), before the command does anything."""
-    return Annotated[Optional[str], typer.Option(flag, help=help, metavar="DURATION")]
+    return typer.Option(flag, help=help, metavar="DURATION")
 
 
 # Retention, as `forget` and `schedule add` take it.
-KeepLastOption = count_option("--keep-last", "Keep the N newest.")
-KeepWithinOption = duration_option("--keep-within", "Keep all newer than DURATION (30m, 2d).")
-KeepHourlyOption = count_option("--keep-hourly", "Keep the newest of N hours.")
-KeepDailyOption = count_option("--keep-daily", "Keep the newest of N days.")
-KeepWeeklyOption = count_option("--keep-weekly", "Keep the newest of N weeks.")
+KeepLastOption = Annotated[int, count_flag("--keep-last", "Keep the N newest.")]
+KeepWithinOption = Annotated[Optional[str], duration_flag("--keep-within", "Keep all newer than DURATION (30m, 2d).")]
+KeepHourlyOption = Annotated[int, count_flag("--keep-hourly", "Keep the newest of N hours.")]
+KeepDailyOption = Annotated[int, count_flag("--keep-daily", "Keep the newest of N days.")]
+KeepWeeklyOption = Annotated[int, count_flag("--keep-weekly", "Keep the newest of N weeks.")]
 
 
-def output_file_option(help: str, created_parent: bool = False):
+def output_file_flag(help: str, created_parent: bool = False) -> Any:
     """A file to write into ('-' allowed), not a directory; its directory must exist unless the
     command creates it (created_parent)."""
-    return Annotated[Optional[str], typer.Option("--output", metavar="FILE", help=help,
-                                                 callback=_output_file(created_parent))]
+    return typer.Option("--output", metavar="FILE", help=help, callback=_output_file(created_parent))
 
 
 def _output_file(created_parent: bool):

@@ -6,7 +6,7 @@ import json
 import sys
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
 from ckpt.textutil import printable
@@ -52,8 +52,8 @@ class CliReporter:
     def __init__(self, quiet: bool = False):
         self.quiet = quiet
         self._progress: Progress | None = None
-        self._task = None
-        self._what = None
+        self._task: TaskID | None = None
+        self._what: str | None = None
 
     def _close_bar(self) -> None:
         if self._progress is not None:
@@ -75,7 +75,8 @@ class CliReporter:
             self._progress.start()
             self._task = self._progress.add_task(what, total=total)
             self._what = what
-        self._progress.update(self._task, completed=done)
+        if self._task is not None:
+            self._progress.update(self._task, completed=done)
 
     def info(self, message: str) -> None:
         self._close_bar()
@@ -98,6 +99,6 @@ def print_table(headers: list[str], rows: list[list[str]], widest: dict[int, int
     cells = [[c if len(c) <= widest.get(i, 10**6) else c[:widest[i] - 1] + "…" for i, c in enumerate(row)]
              for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     sys.stdout.write("\n".join(lines) + "\n")

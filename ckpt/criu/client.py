@@ -17,7 +17,7 @@ import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ckpt import settings
 from ckpt.criu.binary import CriuBinary
@@ -213,14 +213,14 @@ class CriuClient:
         try:
             with open(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as stderr:
                 # CRIU opens images_dir_fd/work_dir_fd through /proc/<our pid>/fd, so we keep them open.
-                stdio = {} if options.inherit_stdio else {"stdin": subprocess.DEVNULL, "stdout": stderr,
-                                                           "stderr": stderr}
+                stdio: dict[str, Any] = {} if options.inherit_stdio else {"stdin": subprocess.DEVNULL,
+                                                                          "stdout": stderr, "stderr": stderr}
                 # umask 077: CRIU's logs and stats files hold facts about the tree (0644 before);
                 # the restored tasks get their own umask back from the images.
                 proc = subprocess.Popen([self.binary.path, "swrk", str(theirs.fileno())],
                                         pass_fds=(theirs.fileno(), *(fd for _, fd in options.inherit_fds)),
                                         close_fds=True, umask=0o077,
-                                        preexec_fn=_die_with(os.getpid()) if die_with_us else None, **stdio)
+                                        preexec_fn=_die_with(os.getpid()) if die_with_us else None, **stdio)  # noqa: PLW1509 (see _die_with)
             theirs.close()
             # Imported once CRIU is starting (it waits for the request): the import overlaps
             # CRIU's own start-up instead of delaying it.

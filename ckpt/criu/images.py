@@ -212,7 +212,8 @@ def write_pagemap(path: Path, pages_id: int, runs: list[tuple[int, int, int]]) -
 MADV_HUGEPAGE_BIT, MADV_NOHUGEPAGE_BIT = 1 << 14, 1 << 15  # VmaEntry.madv: 1 << MADV_*
 
 
-def lazy_runs(image_dir: Path, huge_pages_everywhere: bool = False) -> dict[int, tuple[str, list[tuple[int, int, int]]]] | None:
+def lazy_runs(image_dir: Path,
+              huge_pages_everywhere: bool = False) -> dict[int, tuple[str, list[tuple[int, int, int]]]] | None:
     """Prepares staged images for a lazy restore. Returns per process its pages image and the
     pagemap entries a lazy restore serves as (vaddr, nr_pages, position of the first page in
     the pages image).

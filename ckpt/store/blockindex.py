@@ -136,9 +136,9 @@ class BlockIndex:
             for columns in self._columns:
                 ids, locations = columns.id_list(), columns.locations().tolist()
                 if not damaged:
-                    pages.update(zip(ids, locations))
+                    pages.update(zip(ids, locations, strict=True))
                     continue
-                for page_id, location in zip(ids, locations):  # rare: the store has recorded damage
+                for page_id, location in zip(ids, locations, strict=True):  # rare: the store has recorded damage
                     known = pages.get(page_id)
                     if known is None or rank(location) < rank(known):
                         pages[page_id] = location

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import blake3
 import xxhash
@@ -319,9 +319,9 @@ class BlockStore:
         if len(index.files) <= MERGE_ABOVE or index.damaged_files or index.damaged:
             return []
         segments_of: dict[str, list[Segment]] = collections.defaultdict(list)
-        for segment, name in zip(index.segment_list, index.segment_file):
+        for segment, name in zip(index.segment_list, index.segment_file, strict=True):
             segments_of[name].append(segment)
-        columns_of = dict(zip(index.files, index.columns))
+        columns_of = dict(zip(index.files, index.columns, strict=True))
         chosen = sorted(index.files, key=lambda name: (columns_of[name].count, name))[:MERGE_COUNT]
         segments: list[Segment] = []
         ids, numbers, positions = [], [], []
@@ -345,7 +345,7 @@ class BlockStore:
 
     # ---- writing --------------------------------------------------------------------------
 
-    def ingest(self, images: list[Path], codec_for, earlier: dict[str, tuple] | None = None
+    def ingest(self, images: list[Path], codec_for, earlier: dict[str, tuple] | None = None  # noqa: PLR0915
                ) -> tuple[dict[str, bytes], IngestStats, list[str]]:
         """Stores the new pages of each pages image in one new pack and an index file.
 
@@ -402,7 +402,7 @@ class BlockStore:
                                 fresh.append(i)
                         runs = _runs(fresh, SEGMENT_PAGES)
                         encoded = _encoded_segments(view, runs, codec, encoders)
-                        for (run_start, end), (stored, used, checksum) in zip(runs, encoded):
+                        for (run_start, end), (stored, used, checksum) in zip(runs, encoded, strict=True):
                             if out is None:
                                 out = self.backend.writer(pack_name(pack))
                             out.write(stored)
@@ -456,8 +456,8 @@ class BlockStore:
             raise DamagedCheckpoint(f"image {image_name}: page {missing} is missing from the store{cause}")
         return locations
 
-    def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,
-                    holes: list[tuple[int, int]] = ()) -> list[int]:
+    def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,  # noqa: C901
+                    holes: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
         Returns the location of each page (BlockIndex.pages).
 
@@ -538,14 +538,14 @@ class BlockStore:
                 os.close(out_fd)
         return locations
 
-    def page_sender(self) -> "PageSender":
+    def page_sender(self) -> PageSender:
         return PageSender(_SegmentReader(self, self.index()))
 
 
 class PageSender:
     """Writes pages, given their locations, to a descriptor (a lazy restore's page server)."""
 
-    def __init__(self, reader: "_SegmentReader"):
+    def __init__(self, reader: _SegmentReader):
         self.reader = reader
 
     def send(self, locations: list[int], first: int, count: int, out_fd: int) -> None:

@@ -28,7 +28,7 @@ def make_private_dir(path: Path) -> None:
 DISK_FULL_HINT = "free some space or remove old checkpoints with 'ckpt rm' (which works on a full disk)"
 
 
-def translate_os_error(exc: OSError, what: str) -> StoreError:
+def translate_os_error(exc: OSError, what: str) -> StoreError | PermissionProblem:
     """Turns an OSError into the typed error a user can act on."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskFull(f"no space left on the store's disk while {what}", hint=DISK_FULL_HINT)
@@ -126,7 +126,7 @@ def check_trusted_dir(path: Path, what: str, follow: bool = False) -> None:
     me = os.geteuid()
     if stat.S_ISLNK(st.st_mode):
         raise PermissionProblem(f"{what} {path} is a symbolic link, which ckpt does not follow inside a store",
-                                hint=f"replace it with the directory it points to, or remove it")
+                                hint="replace it with the directory it points to, or remove it")
     if not stat.S_ISDIR(st.st_mode):
         raise PermissionProblem(f"{what} {path} is not a directory", hint="move it away")
     if st.st_uid != me:

@@ -53,7 +53,8 @@ class PrunePlan:
 
     def to_json(self) -> dict:
         return {"objects": len(self.objects), "drop_packs": self.drop_packs, "repack": self.repack,
-                "unindexed_packs": [p.rpartition("/")[2] for p in self.unindexed_packs], "rewrite_index": self.rewrite_index,
+                "unindexed_packs": [p.rpartition("/")[2] for p in self.unindexed_packs],
+                "rewrite_index": self.rewrite_index,
                 "bytes_freed": self.bytes_freed, "files_removed": self.files_removed}
 
 
@@ -73,7 +74,7 @@ def sweep_and_plan(store: Store) -> PrunePlan:
     return prune_plan(store)
 
 
-def prune_plan(store: Store) -> PrunePlan:
+def prune_plan(store: Store) -> PrunePlan:  # noqa: C901
     damaged: list[str] = []
     manifests = store.manifests(lambda i, e: damaged.append(i))
     if damaged:
@@ -130,12 +131,12 @@ def prune_plan(store: Store) -> PrunePlan:
     plan.live_segments = sorted(live_keys)
     plan.live_pages = live_pages
     if plan.rewrite_index:
-        plan.dead_index_files = [name for name, columns in zip(index.files, index.columns)
+        plan.dead_index_files = [name for name, columns in zip(index.files, index.columns, strict=True)
                                  if not any(page in live_pages for page in columns.id_list())]
         dead = set(plan.dead_index_files)
-        named_by_others = {seg.pack for seg, name in zip(index.segment_list, index.segment_file) if name not in dead}
-        plan.dead_files_packs = sorted({seg.pack for seg, name in zip(index.segment_list, index.segment_file)
-                                        if name in dead} - named_by_others)
+        segment_files = list(zip(index.segment_list, index.segment_file, strict=True))
+        named_by_others = {seg.pack for seg, name in segment_files if name not in dead}
+        plan.dead_files_packs = sorted({seg.pack for seg, name in segment_files if name in dead} - named_by_others)
     plan.files_removed = len(plan.objects) + len(plan.drop_packs) + len(plan.repack) + len(plan.unindexed_packs)
     return plan
 

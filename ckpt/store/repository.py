@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import blake3
 import zstandard
@@ -154,7 +154,7 @@ class Store:
     # ---- opening -------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, root: Path, create: bool = False) -> Store:
+    def open(cls, root: Path, create: bool = False) -> Store:  # noqa: C901
         """Opens the store at root. Only create=True (a dump) makes one, and only where nothing or
         an empty directory is; it never changes the mode of a directory it did not make.
 
@@ -365,7 +365,7 @@ class Store:
         # Writing the small images back to disk runs in a thread while the pages are hashed.
         fds = [os.open(p, os.O_RDONLY) for p in other_files]
         with ThreadPoolExecutor(max_workers=1) as pool:
-            flushed = pool.submit(lambda: [os.fsync(fd) for fd in fds])
+            flushed = pool.submit(lambda: list(map(os.fsync, fds)))
             try:
                 sizes = {p.name: p.stat().st_size for p in page_images}
                 reporter.step(f"storing {sum(sizes.values()) // 4096} pages")
@@ -465,7 +465,8 @@ class Store:
             return codec, self.backend.put_file(name, source)  # locally a rename: no copy
         compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=True)
         with open(source, "rb") as src, self.backend.writer(name) as dst:
-            compressor.copy_stream(src, dst, size=source.stat().st_size, read_size=CHUNK, write_size=CHUNK)
+            compressor.copy_stream(src, dst, size=source.stat().st_size,  # type: ignore[arg-type]  # only write()
+                                   read_size=CHUNK, write_size=CHUNK)
             dst.commit()
         source.unlink()
         return codec, dst.written
@@ -486,7 +487,7 @@ class Store:
             hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
             out = open(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") if dest else None
             try:
-                reader = zstandard.ZstdDecompressor().stream_reader(BlobStream(self.backend, name, CHUNK),
+                reader = zstandard.ZstdDecompressor().stream_reader(BlobStream(self.backend, name, CHUNK),  # type: ignore[arg-type]
                                                                    read_size=CHUNK)
                 while chunk := reader.read(CHUNK):
                     hasher.update(chunk)
@@ -513,7 +514,7 @@ class Store:
         return hasher.hexdigest()
 
     def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False,
-                    holes: list[tuple[int, int]] = ()) -> list[int] | None:
+                    holes: Sequence[tuple[int, int]] = ()) -> list[int] | None:
         """Checks one image (writing it to dest if given). For a pages image, returns the
         location of each of its pages; holes are page ranges checked but not written."""
         if entry.kind == "pages":
@@ -581,7 +582,7 @@ class Store:
                     if holes is None:
                         holes = holes_for(dest) if holes_for is not None else {}
                     found = self.check_entry(entry, dest / entry.name, holes=holes.get(entry.name, ()))
-                    if holes.get(entry.name):
+                    if holes.get(entry.name) and found is not None:
                         locations[entry.name] = found
                 else:
                     self.check_entry(entry, dest / entry.name)

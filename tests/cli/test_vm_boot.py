@@ -55,7 +55,8 @@ def fake(tmp_path):
     return tmp_path
 
 
-def boot(fake: Path, accels: str, kvm: str, timeout_s: int = 60, silence_s: int = SILENCE_S) -> tuple[subprocess.CompletedProcess, float]:
+def boot(fake: Path, accels: str, kvm: str, timeout_s: int = 60,
+         silence_s: int = SILENCE_S) -> tuple[subprocess.CompletedProcess, float]:
     env = dict(os.environ, CKPT_VM_QEMU=str(fake / "qemu-system-x86_64"), CKPT_VM_SILENCE=str(silence_s),
                CKPT_VM_TIMEOUT=str(timeout_s), FAKE_KVM=kvm, FAKE_SILENCE=str(silence_s),
                FAKE_LOG=str(fake / "started"), FAKE_OUT=str(fake / "out"))

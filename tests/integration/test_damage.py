@@ -25,7 +25,7 @@ def test_a_dump_after_verify_found_damage_restores_whole(procs, tmp_path, isolat
     target = procs.start("bigmem.py", out, SIZE_MIB)
     wait_until(lambda: read_lines(out), timeout=60, what="bigmem")
     memory = read_lines(out)[0].split()[0]
-    first = ckpt_json("dump", target.pid)
+    ckpt_json("dump", target.pid)
     pack = max((isolated_env / "packs").glob("*/*"), key=lambda p: p.stat().st_size)
     size = pack.stat().st_size
     if damage == "truncate":

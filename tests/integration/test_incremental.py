@@ -15,7 +15,7 @@ def test_ten_checkpoints_forget_prune_and_restore_each(procs, tmp_path, isolated
     target = procs.start("bigmem.py", out, 32)
     wait_until(lambda: read_lines(out), timeout=60, what="bigmem")
     dumps = []
-    for k in range(10):
+    for _ in range(10):
         dumps.append(ckpt_json("dump", target.pid, "--name", "mem"))
         time.sleep(0.2)
     first, later = dumps[0], dumps[1:]

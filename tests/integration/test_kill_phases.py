@@ -153,7 +153,7 @@ def killed_at(phase: str, args: list, tmp_path: Path, procs, target: Target) -> 
             errors.seek(0)
             pytest.fail(f"ckpt {' '.join(map(str, args))} never reached phase {phase} "
                         f"(exit {proc.returncode}):\n{errors.read()}")
-        assert wait_until(lambda: pause.read_text()).split() == [phase, str(proc.pid)]
+        assert wait_until(pause.read_text).split() == [phase, str(proc.pid)]
         # Its helpers (CRIU; while restoring, the tree too): they must end by themselves.
         helpers = [p for p in tree_pids(proc.pid) if p != proc.pid and p != target.pid]
         procs.pids.update(helpers)  # ended at teardown should the test fail

@@ -88,7 +88,7 @@ def test_a_page_in_two_index_files_and_a_damaged_copy():
     index.add_file(*index_file(second_ids, pack="cd" * 16))
     assert index.find(page).tolist()[0] >= 0
     # The copy in the first file's segment is damaged: the healthy copy in the second is found.
-    first_location = dict(zip(first_ids, index._columns[0].locations().tolist()))[page]
+    first_location = dict(zip(first_ids, index._columns[0].locations().tolist(), strict=True))[page]
     index.mark_damaged([first_location >> 16])
     location = index.find(page).tolist()[0]
     assert location >> 16 != first_location >> 16

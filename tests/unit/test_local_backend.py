@@ -155,7 +155,7 @@ def test_put_if_absent_race_between_processes_has_one_winner(backend):
     """Two processes commit the same name at the same moment: exactly one wins, the other is
     told, and the blob is the winner's whole content (never a mix, never replaced)."""
     backend.put("checkpoints/other.json", b"")  # the directory exists: both race for the name only
-    for attempt in range(5):
+    for _attempt in range(5):
         backend.delete(["checkpoints/same.json"])
         start = time.time() + 1.0
         racers = [subprocess.Popen([sys.executable, "-c", RACER, str(backend.root), str(start), letter],

@@ -482,8 +482,8 @@ def test_a_dump_looks_up_only_pages_not_at_their_address_in_its_pids_newest_chec
     earlier = read_ahead.pieces(staging)
     # (row, earlier row, count): the heap's first 4 pages, then the data 2 rows further on
     assert earlier["pages-1.img"][1].tolist() == [[0, 0, 4], [6, 4, 60]]
-    second = fake_dump(store, {"pages-1.img": bytes(pages), "pagemap-10.img": (staging / "pagemap-10.img").read_bytes()},
-                       pid=10, earlier=earlier)
+    second = fake_dump(store, {"pages-1.img": bytes(pages),
+                               "pagemap-10.img": (staging / "pagemap-10.img").read_bytes()}, pid=10, earlier=earlier)
     assert searched[-1] == 4, "only the new heap pages and the rewritten ones are looked up"
     assert second.bytes_stored < 8 * PAGE, "only those 4 pages (and the page list) are stored"
     assert (store.materialize(second) / "pages-1.img").read_bytes() == bytes(pages)

@@ -11,6 +11,7 @@ objects, damage markers, prune, verify) is written against this interface only.
 from __future__ import annotations
 
 import abc
+import builtins
 import os
 import re
 from contextlib import AbstractContextManager
@@ -215,7 +216,7 @@ class Backend(abc.ABC):
     # ---- deleting --------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def delete(self, names: list[str]) -> None:
+    def delete(self, names: builtins.list[str]) -> None:
         """Deletes the blobs (a missing one is not an error); durable when it returns, so a
         caller may order deletions (an index file before the packs it names)."""
 
@@ -223,12 +224,12 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def lock(self, exclusive: bool, timeout: float,
-             on_wait: Callable[[list[LockOwner]], None] | None = None) -> AbstractContextManager:
+             on_wait: Callable[[builtins.list[LockOwner]], None] | None = None) -> AbstractContextManager:
         """Holds the store's lock (shared or exclusive) for a `with` block; waits up to timeout
         seconds, calling on_wait(holders) once if it has to wait, then raises StoreBusy. A
         lock whose holder is gone never blocks anyone (local: flock dies with its process;
         lock objects: stale once their process is gone or they are not refreshed)."""
 
     @abc.abstractmethod
-    def lock_holders(self) -> list[LockOwner]:
+    def lock_holders(self) -> builtins.list[LockOwner]:
         """The live holders of the lock (stale ones left out), this process excepted."""

@@ -9,6 +9,7 @@ docs/design.md).
 
 from __future__ import annotations
 
+import builtins
 import errno
 import fcntl
 import json
@@ -178,7 +179,7 @@ class LocalBackend(Backend):
 
     # ---- deleting --------------------------------------------------------------------------
 
-    def delete(self, names: list[str]) -> None:
+    def delete(self, names: builtins.list[str]) -> None:
         directories = set()
         for name in names:
             path = self._path(name, incomplete=True)
@@ -194,7 +195,7 @@ class LocalBackend(Backend):
 
     @contextmanager
     def lock(self, exclusive: bool, timeout: float,
-             on_wait: Callable[[list[LockOwner]], None] | None = None) -> Iterator[None]:
+             on_wait: Callable[[builtins.list[LockOwner]], None] | None = None) -> Iterator[None]:
         """flock(2) on <root>/lock: the kernel releases it when its holder dies, so a crashed
         ckpt never leaves the store locked. Holder records only say whom a waiting command
         waits for."""
@@ -215,8 +216,8 @@ class LocalBackend(Backend):
                         told = True
                     if time.monotonic() >= deadline:
                         who = ", ".join(h.describe() for h in self.lock_holders()) or "another ckpt command"
-                        raise StoreBusy(f"the store at {self.root} is locked by {who}",
-                                        hint=f"waited {timeout:.0f} s; try again later or raise CKPT_LOCK_TIMEOUT")
+                        raise StoreBusy(f"the store at {self.root} is locked by {who}", hint=f"waited {timeout:.0f} s;"
+                                        " try again later or raise CKPT_LOCK_TIMEOUT") from None
                     time.sleep(0.1)
             owner = LockOwner(pid=os.getpid(), host=socket.gethostname(), command=" ".join(sys.argv[:3]) or "ckpt",
                               since=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -233,7 +234,7 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)  # releases the flock
 
-    def lock_holders(self) -> list[LockOwner]:
+    def lock_holders(self) -> builtins.list[LockOwner]:
         holders = []
         for path in sorted((self.root / "holders").glob("*.json")):
             try:
