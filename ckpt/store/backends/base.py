@@ -14,7 +14,7 @@ import abc
 import os
 import re
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +42,10 @@ class BlobExists(FileExistsError):
 class BlobInfo:
     name: str
     size: int
+    # When the blob (or the unfinished write) was last written, seconds since the epoch by the
+    # backend's clock (local: mtime; S3: the server's LastModified or upload start): what a
+    # safety margin of garbage collection is measured against. Not part of equality.
+    modified: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
