@@ -159,7 +159,9 @@ class Backend(abc.ABC):
     complete blob under its name or nothing. Every write is durable when it returns. A name
     written again gets the same content (an object healed after damage) or, for the few
     mutable names (none today), a complete new content, never a mix. Errors: BlobNotFound,
-    BlobExists, and OSError (a full disk: ENOSPC) for everything else."""
+    BlobExists, and OSError (a full disk: ENOSPC) for everything else; a remote backend
+    raises the typed store errors of ckpt/errors.py instead (StoreUnreachable,
+    StoreAccessDenied, StoreNotFound, DiskFull, StoreError)."""
 
     # ---- writing ---------------------------------------------------------------------------
 
