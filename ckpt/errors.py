@@ -17,6 +17,7 @@ class ExitCode(IntEnum):
     DAMAGED = 6  # verification failed
     BUSY = 7  # lock not obtained, PID in use
     NOT_READY = 8  # `ckpt check` found a blocking problem
+    UNREACHABLE = 9  # the store's server cannot be reached or keeps refusing for now (retry later)
     INTERNAL = 70
 
 
@@ -66,6 +67,23 @@ class StoreError(CkptError):
 
 class StoreBusy(CkptError):
     exit_code = ExitCode.BUSY
+
+
+class StoreNotFound(CkptError):
+    """A remote store's bucket does not exist."""
+
+    exit_code = ExitCode.NOT_FOUND
+
+
+class StoreAccessDenied(PermissionProblem):
+    """The store's server refused ckpt's credentials (or found none)."""
+
+
+class StoreUnreachable(CkptError):
+    """The store's server could not be reached, or kept answering "slow down" or "unavailable",
+    after the retries: a later run may succeed."""
+
+    exit_code = ExitCode.UNREACHABLE
 
 
 class DiskFull(StoreError):

@@ -15,7 +15,7 @@ import builtins
 import os
 import re
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +43,10 @@ class BlobExists(FileExistsError):
 class BlobInfo:
     name: str
     size: int
+    # When the blob (or the unfinished write) was last written, seconds since the epoch by the
+    # backend's clock (local: mtime; S3: the server's LastModified or upload start): what a
+    # safety margin of garbage collection is measured against. Not part of equality.
+    modified: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,9 @@ class Backend(abc.ABC):
     complete blob under its name or nothing. Every write is durable when it returns. A name
     written again gets the same content (an object healed after damage) or, for the few
     mutable names (none today), a complete new content, never a mix. Errors: BlobNotFound,
-    BlobExists, and OSError (a full disk: ENOSPC) for everything else."""
+    BlobExists, and OSError (a full disk: ENOSPC) for everything else; a remote backend
+    raises the typed store errors of ckpt/errors.py instead (StoreUnreachable,
+    StoreAccessDenied, StoreNotFound, DiskFull, StoreError)."""
 
     # ---- writing ---------------------------------------------------------------------------
 

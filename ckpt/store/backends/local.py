@@ -141,7 +141,8 @@ class LocalBackend(Backend):
     def stat(self, name: str) -> BlobInfo:
         path = self._path(name)
         try:
-            return BlobInfo(name, os.stat(path).st_size)
+            st = os.stat(path)
+            return BlobInfo(name, st.st_size, st.st_mtime)
         except FileNotFoundError:
             raise BlobNotFound(errno.ENOENT, "no such blob", str(path)) from None
 
@@ -170,7 +171,8 @@ class LocalBackend(Backend):
             elif entry.is_file(follow_symlinks=False) and name.startswith(prefix) \
                     and entry.name.startswith(".") == incomplete:
                 try:
-                    yield BlobInfo(name, entry.stat(follow_symlinks=False).st_size)
+                    st = entry.stat(follow_symlinks=False)
+                    yield BlobInfo(name, st.st_size, st.st_mtime)
                 except FileNotFoundError:
                     continue
 

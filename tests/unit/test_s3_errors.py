@@ -1,0 +1,193 @@
+"""The S3 backend's failures: transient ones retried (503 SlowDown, a body cut midway: through a
+small fault-injecting proxy in front of the real server), the rest one typed error each with
+its exit code and a one-line message saying what to do: a stopped server, wrong or missing
+credentials, a missing bucket, a malformed URL."""
+
+import http.client
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from ckpt.errors import ExitCode, StoreAccessDenied, StoreNotFound, StoreUnreachable, UsageError
+from ckpt.store.backends.s3 import S3Backend
+from tests.conftest import S3_BUCKET
+from tests.s3server import WeedServer
+
+
+def one_line(error) -> str:
+    text = str(error)
+    assert "\n" not in text and "Traceback" not in text
+    return text
+
+
+def test_a_stopped_server_is_unreachable_quickly(s3_env, tmp_path, monkeypatch):
+    server = WeedServer(tmp_path).start()
+    try:
+        server.client().create_bucket(Bucket="gone")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+        backend = S3Backend("gone", "store")
+        backend.put("checkpoints/a.json", b"{}")
+    finally:
+        server.stop()
+    for fresh in (False, True):  # a request of a backend in use, and a first one (HeadBucket)
+        if fresh:
+            backend = S3Backend("gone", "store")
+        started = time.monotonic()
+        with pytest.raises(StoreUnreachable) as info:
+            backend.get("checkpoints/a.json")
+        assert time.monotonic() - started < 10, "bounded retries"
+        assert info.value.exit_code == ExitCode.UNREACHABLE == 9
+        assert server.endpoint in one_line(info.value) and "AWS_ENDPOINT_URL" in str(info.value)
+
+
+@pytest.mark.parametrize("variable, value", [("AWS_SECRET_ACCESS_KEY", "wrong-secret"),
+                                              ("AWS_ACCESS_KEY_ID", "unknown-key")])
+def test_wrong_credentials_are_refused_with_the_fix(s3_url, monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(StoreAccessDenied) as info:
+        S3Backend.from_url(s3_url).list("checkpoints/")
+    assert info.value.exit_code == ExitCode.PERMISSION
+    assert "refused access" in one_line(info.value) and "AWS_SECRET_ACCESS_KEY" in str(info.value)
+
+
+def test_missing_credentials_say_how_to_give_them(s3_url, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    started = time.monotonic()
+    with pytest.raises(StoreAccessDenied, match="no AWS credentials found.*AWS_ACCESS_KEY_ID") as info:
+        S3Backend.from_url(s3_url).stat("store.json")
+    assert time.monotonic() - started < 5
+    one_line(info.value)
+
+
+def test_a_missing_bucket_is_named(s3_env):
+    with pytest.raises(StoreNotFound) as info:
+        S3Backend.from_url("s3://no-such-bucket/store").get("store.json")
+    assert info.value.exit_code == ExitCode.NOT_FOUND
+    assert "no bucket 'no-such-bucket'" in one_line(info.value) and "aws s3 mb" in str(info.value)
+
+
+@pytest.mark.parametrize("url", ["s3:/bucket", "bucket/prefix", "s3://B/x", "s3://ab", "s3://bucket/a/../b",
+                                 "s3://bucket/.hidden"])
+def test_urls_that_are_not_stores_are_refused(url):
+    with pytest.raises(UsageError) as info:
+        S3Backend.from_url(url)
+    assert info.value.exit_code == ExitCode.USAGE
+    one_line(info.value)
+
+
+def test_a_profile_that_does_not_exist_is_named(s3_env, monkeypatch):
+    monkeypatch.setenv("AWS_PROFILE", "nobody")
+    with pytest.raises(UsageError, match="profile 'nobody' does not exist"):
+        S3Backend.from_url(f"s3://{S3_BUCKET}/x")
+
+
+# ---- transient faults, through a proxy -------------------------------------------------------
+
+class FaultyProxy:
+    """Forwards requests to the server; the next `slow_down` requests are answered 503 SlowDown
+    instead, and the next `cut` GET responses are cut after half of their body (the connection
+    closed), as a reset mid-download would."""
+
+    def __init__(self, upstream: str):
+        host, port = upstream.removeprefix("http://").split(":")
+        self.slow_down = 0
+        self.cut = 0
+        self.requests: list[str] = []
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                proxy.requests.append(self.command)
+                if proxy.slow_down > 0:
+                    proxy.slow_down -= 1
+                    error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
+                upstream_conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                upstream_conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                for key, value in self.headers.items():
+                    upstream_conn.putheader(key, value)
+                upstream_conn.endheaders(body)
+                response = upstream_conn.getresponse()
+                data = response.read()
+                upstream_conn.close()
+                cut = self.command == "GET" and proxy.cut > 0 and len(data) > 1
+                if cut:
+                    proxy.cut -= 1
+                self.send_response(response.status, response.reason)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if cut:
+                    self.wfile.write(data[:len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):
+                pass  # the client gave up on a cut response: expected here
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy(s3_env, monkeypatch):
+    faulty = FaultyProxy(s3_env.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", faulty.endpoint)
+    yield faulty
+    faulty.close()
+
+
+def test_slow_down_is_retried_with_backoff(proxy, s3_url):
+    backend = S3Backend.from_url(s3_url)
+    backend.put("objects/ab/one", b"one")
+    proxy.slow_down = 2
+    started = time.monotonic()
+    backend.put("objects/ab/two", b"two")
+    assert proxy.slow_down == 0 and backend.get("objects/ab/two") == b"two"
+    assert time.monotonic() - started < 10
+    few = S3Backend.from_url(s3_url, attempts=3)
+    assert few.exists("objects/ab/one")
+    proxy.slow_down = 100  # more than the retries: a typed error, not a traceback
+    with pytest.raises(StoreUnreachable, match="SlowDown.*after 3 attempts") as info:
+        few.get("objects/ab/one")
+    assert info.value.exit_code == ExitCode.UNREACHABLE
+    one_line(info.value)
+
+
+def test_a_download_cut_midway_is_asked_again(proxy, s3_url, tmp_path):
+    data = os.urandom(12 << 20)
+    backend = S3Backend.from_url(s3_url, part_size=5 << 20)
+    backend.put("packs/ab/pack", data)
+    for read in (lambda: backend.get("packs/ab/pack"),
+                 lambda: (backend.get_file("packs/ab/pack", tmp_path / "pack"), (tmp_path / "pack").read_bytes())[1]):
+        proxy.cut = 2
+        gets = proxy.requests.count("GET")
+        assert read() == data
+        assert proxy.cut == 0 and proxy.requests.count("GET") - gets == 3 + 2, "3 ranges, 2 asked again"
