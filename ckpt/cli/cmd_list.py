@@ -4,7 +4,7 @@ import typer
 
 from ckpt.cli.options import JsonOption, NameFilterOption, StoreOption, open_store
 from ckpt.cli.output import emit_json, human_bytes, print_table, stderr, styled
-from ckpt.lazywatch import describe, failures
+from ckpt.restore.lazywatch import describe, failures
 
 HELP = """List the checkpoints in the store, oldest first.
 

@@ -159,7 +159,7 @@ def read_pagemap(path: Path) -> tuple[int, list[tuple[int, int, int]]]:
 
     Parsed with pycriu's message classes rather than its image reader, which turns every
     field into a dict entry: 60 ms for the 300 runs of a 2 GiB process, which a dump pays
-    twice (ckpt/unchanged.py). Same layout as pycriu's pagemap handler reads: the magic (after
+    twice (ckpt/dump/unchanged.py). Same layout as pycriu's pagemap handler reads: the magic (after
     a common/service magic), then size-prefixed messages, a head and then the entries."""
     from pycriu.images import magic, pb  # deferred: importing pycriu costs ~0.1 s
 

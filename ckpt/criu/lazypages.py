@@ -4,7 +4,7 @@ In a lazy restore CRIU recreates the tree without its lazily restorable memory (
 anonymous mappings, which pagemaps mark PE_LAZY) and registers that memory with userfaultfd;
 `criu lazy-pages` receives the userfaultfds, and fills the memory in, first where the tree
 touches it, then everything else in the background, asking a page server for the pages. The
-page server is ckpt's (ckpt/lazy.py): the pages come from the store's packs, and no pages image
+page server is ckpt's (ckpt/restore/lazy.py): the pages come from the store's packs, and no pages image
 of that memory is ever written. The wire format is CRIU's struct page_server_iov
 (criu/page-xfer.c); requests and answers go in order over one stream socket.
 """

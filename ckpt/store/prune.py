@@ -24,11 +24,11 @@ import xxhash
 from ckpt.errors import StoreError
 from ckpt.phases import phase
 from ckpt.store.backends import BlobNotFound
-from ckpt.store.blockindex import BlockIndex, render_index
-from ckpt.store.blocks import BlockStore
+from ckpt.store.blocks.blockstore import BlockStore
+from ckpt.store.blocks.index import BlockIndex, render_index
+from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, Segment, pack_name
 from ckpt.store.fsutil import translate_os_error
 from ckpt.store.repository import OBJECTS_PREFIX, Store
-from ckpt.store.segments import ID_LEN, INDEX_PREFIX, Segment, pack_name
 
 PACKS_PREFIX = "packs/"
 

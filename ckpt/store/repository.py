@@ -24,10 +24,10 @@ from ckpt.errors import (CheckpointNotFound, DamagedCheckpoint, PermissionProble
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import ids
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, BlobStream, LocalBackend
-from ckpt.store.blocks import BlockStore, IngestStats
+from ckpt.store.blocks.blockstore import BlockStore, IngestStats
 from ckpt.store.fsutil import (DIR_MODE, FILE_MODE, check_safe_ancestors, check_trusted_dir, make_private_dir,
                                translate_os_error)
-from ckpt.store.segments import ID_LEN as PAGE_ID_SIZE, PAGE
+from ckpt.store.blocks.segments import ID_LEN as PAGE_ID_SIZE, PAGE
 from ckpt.store.staging import DumpStaging, StagingArea, discard, remove_tree  # noqa: F401  (re-exported)
 
 FORMAT = 2
@@ -350,7 +350,7 @@ class Store:
         before anything else is stored: it may lengthen them with pages the store already
         holds (dirty-page tracking) and returns how many pages it added. Returns the file
         entries, the bytes this added to the store and the block figures. earlier, when given,
-        comes from a checkpoint of the same target (ckpt/unchanged.py): it spares looking up
+        comes from a checkpoint of the same target (ckpt/dump/unchanged.py): it spares looking up
         the pages that have not changed since (see BlockStore.ingest).
         """
         if codec not in DUMP_CODECS:

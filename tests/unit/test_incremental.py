@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from ckpt.errors import DamagedCheckpoint
-from ckpt.incremental import (PE_PARENT, PE_PRESENT, TargetIdentity, TrackingLog, choose_parent,
+from ckpt.dump.incremental import (PE_PARENT, PE_PRESENT, TargetIdentity, TrackingLog, choose_parent,
                               flatten_runs, parent_page_ids)
 
 TARGET = TargetIdentity("boot-1", 4242, 1000)

@@ -204,7 +204,7 @@ def test_exclusive_lock_waits_and_names_holder(store, tmp_path):
 
 
 def test_runs_of_new_pages_are_consecutive_and_bounded():
-    from ckpt.store.blocks import _runs
+    from ckpt.store.blocks.blockstore import _runs
 
     assert _runs([], 4) == []
     assert _runs([1, 2, 3, 7, 8, 10], 2) == [(1, 3), (3, 4), (7, 9), (10, 11)]
@@ -450,7 +450,7 @@ def pagemap_bytes(tmp_path, pages_id: int, runs) -> bytes:
 
 def searches(monkeypatch) -> list[int]:
     """How many ids each lookup in the index is for."""
-    from ckpt.store.blockindex import BlockIndex
+    from ckpt.store.blocks.index import BlockIndex
 
     searched = []
     real_held = BlockIndex.held
@@ -461,7 +461,7 @@ def searches(monkeypatch) -> list[int]:
 
 def test_a_dump_looks_up_only_pages_not_at_their_address_in_its_pids_newest_checkpoint(store, monkeypatch,
                                                                                          tmp_path):
-    from ckpt import unchanged
+    from ckpt.dump import unchanged
 
     searched = searches(monkeypatch)
     heap, data = 0x10000, 0x7f0000000000
@@ -490,7 +490,7 @@ def test_a_dump_looks_up_only_pages_not_at_their_address_in_its_pids_newest_chec
 
 
 def test_an_earlier_checkpoint_that_cannot_be_read_only_costs_a_lookup(store, monkeypatch, tmp_path):
-    from ckpt import unchanged
+    from ckpt.dump import unchanged
 
     searched = searches(monkeypatch)
     pages = os.urandom(32 * PAGE)
@@ -516,7 +516,7 @@ def test_an_earlier_checkpoint_that_cannot_be_read_only_costs_a_lookup(store, mo
     ([(0x40000, 2)], [-1, -1]),  # pages the earlier image took from its parent: not held there
 ])
 def test_pages_are_matched_by_address(now_runs, want):
-    from ckpt.unchanged import _pieces_by_address
+    from ckpt.dump.unchanged import _pieces_by_address
 
     earlier = [(0x80000, 6, 4), (0x10000, 4, 4), (0x40000, 3, 1)]  # out of order; one "in parent" run
     pieces = _pieces_by_address([(v, n, 4) for v, n in now_runs], earlier, 10)
@@ -533,7 +533,7 @@ def test_pages_are_matched_by_address(now_runs, want):
 def test_an_unchanged_layout_is_one_stretch():
     """Runs that follow each other in both images make one (row, earlier row, count) stretch:
     the ids of half a million pages are then compared in one go."""
-    from ckpt.unchanged import _pieces_by_address
+    from ckpt.dump.unchanged import _pieces_by_address
 
     runs = [(0x10000, 4, 4), (0x80000, 6, 4), (0x7F0000000000, 100, 4)]
     assert _pieces_by_address(runs, runs, 110).tolist() == [[0, 0, 110]]

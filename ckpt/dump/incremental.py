@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ckpt import settings
 from ckpt.errors import DamagedCheckpoint
-from ckpt.store.blocks import ID_LEN as PAGE_ID_SIZE, PAGE
+from ckpt.store.blocks.blockstore import ID_LEN as PAGE_ID_SIZE, PAGE
 from ckpt.store.fsutil import atomic_write_bytes, make_private_dir
 
 # pagemap entry flags (CRIU's images/pagemap.proto)

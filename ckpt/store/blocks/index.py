@@ -14,7 +14,7 @@ import blake3
 import numpy as np
 
 from ckpt.errors import DamagedCheckpoint
-from ckpt.store.segments import ID_LEN, Segment
+from ckpt.store.blocks.segments import ID_LEN, Segment
 
 INDEX_MAGIC = b"CKPTIDX1"
 SEGMENT = struct.Struct("<IQIHB16s")  # pack number, offset, stored length, pages, codec, checksum
@@ -202,7 +202,7 @@ class BlockIndex:
 
         earlier: (the page list of a committed checkpoint of the same target, and where the
         pages at the same addresses sat in it: (row, earlier row, count) stretches;
-        ckpt/unchanged.py). A row whose id is the one its address had there is held: that
+        ckpt/dump/unchanged.py). A row whose id is the one its address had there is held: that
         checkpoint's pages are all in the store, and the shared lock keeps them there. Only
         the other rows are searched for, which for a target that changed 1% of its memory
         spares sorting and searching the other 99% (0.3 s for 2 GiB). Where the store has

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from ckpt.errors import PermissionProblem, PidInUse, ProcessNotFound, StoreBusy, TargetRefused, UsageError
-from ckpt.textutil import printable
+from ckpt.system.textutil import printable
 
 PF_KTHREAD = 0x00200000
 
@@ -289,7 +289,7 @@ def external_stream_sockets(tree_pids: list[int]) -> list[dict]:
     --ext-unix-sk). ckpt names them to CRIU as external (`unix[<inode>]`) and a restore relays
     what the tree writes there to its output, as for pipes to the outside. Each: {"pid", "fd",
     "inode", "peer_inode", "peer": "journald (PID n)" or None}."""
-    from ckpt.unixdiag import stream_peers  # netlink, only when the tree holds sockets
+    from ckpt.system.unixdiag import stream_peers  # netlink, only when the tree holds sockets
 
     return _external_unix_sockets(tree_pids, stream_peers)
 
@@ -300,7 +300,7 @@ def external_datagram_sockets(tree_pids: list[int]) -> list[dict]:
 
     CRIU dumps them only with --ext-unix-sk, and a restore connects them again to the same
     path (the peer must be bound to one, and be there then). Each also has "peer_path"."""
-    from ckpt.unixdiag import datagram_peers  # netlink, only when the tree holds sockets
+    from ckpt.system.unixdiag import datagram_peers  # netlink, only when the tree holds sockets
 
     names: dict[int, str] = {}
 

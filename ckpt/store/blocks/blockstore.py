@@ -30,11 +30,11 @@ import zstandard
 from ckpt.errors import DamagedCheckpoint
 from ckpt.phases import phase
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, RangeReader
+from ckpt.store.blocks.segments import CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segment, pack_name
 from ckpt.store.fsutil import FILE_MODE
-from ckpt.store.segments import CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segment, pack_name
 
 if TYPE_CHECKING:
-    from ckpt.store.blockindex import BlockIndex
+    from ckpt.store.blocks.index import BlockIndex
 
 SEGMENT_PAGES = 256  # 1 MiB of pages per segment at most
 MERGE_ABOVE = 32  # index files; then the MERGE_COUNT with the fewest entries become one
@@ -45,9 +45,9 @@ DAMAGED_PREFIX = "damaged/"
 
 
 def _blockindex() -> ModuleType:
-    """The block index (ckpt/store/blockindex.py), imported where it is first needed: it needs
+    """The block index (ckpt/store/blocks/index.py), imported where it is first needed: it needs
     numpy, whose import (0.1-1 s) commands that read no page (`ckpt list`) do without."""
-    from ckpt.store import blockindex
+    from ckpt.store.blocks import index as blockindex
 
     return blockindex
 
@@ -350,7 +350,7 @@ class BlockStore:
         """Stores the new pages of each pages image in one new pack and an index file.
 
         earlier: by image name, the page list of a committed checkpoint of the same target and
-        where the image's pages sat in it, by address (ckpt/unchanged.py);
+        where the image's pages sat in it, by address (ckpt/dump/unchanged.py);
         only a shortcut (BlockIndex.missing), the pages stored are the same without it.
 
         Returns each image's page list (ids in order), the figures, and the names of the blobs
@@ -466,7 +466,7 @@ class BlockStore:
         reads (locally: checked through a mapping of the pack and copied by the kernel with
         sendfile, so the bytes never pass through a Python buffer). holes are (first page,
         count) ranges that are checked but left as holes of the file: a lazy restore serves
-        those pages from the packs (ckpt/lazy.py) and CRIU never reads them from the image.
+        those pages from the packs (ckpt/restore/lazy.py) and CRIU never reads them from the image.
         """
         index = self.index()
         locations = self.locate(image_name, page_list)

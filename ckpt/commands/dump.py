@@ -13,17 +13,20 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ckpt import incremental, procs, settings, unchanged
+from ckpt import settings
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient
-from ckpt.dump_options import DumpOptions
+from ckpt.dump import incremental
+from ckpt.dump import unchanged
+from ckpt.dump.dump_options import DumpOptions
+from ckpt.dump.target_lock import dumping
 from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, StoreBusy, TargetRefused, UsageError
-from ckpt.lazy import wait_for_lazy_restores
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.restore.lazy import wait_for_lazy_restores
 from ckpt.store import Manifest, Store, ids
-from ckpt.store.blocks import CODECS, MERGE_ABOVE
-from ckpt.target_lock import dumping
+from ckpt.store.blocks.blockstore import CODECS, MERGE_ABOVE
+from ckpt.system import procs
 
 
 @dataclass
@@ -119,7 +122,7 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
     options = replace(options, track_mem=tracking is not None)
     checkpoint_id = ids.new_id()
     if request.pre_dump_hook:
-        from ckpt.hooks import run_hook
+        from ckpt.schedule.hooks import run_hook
 
         reporter.step("running the pre-dump hook")
         run_hook(request.pre_dump_hook, "pre-dump", request.pid, checkpoint_id, request.name)
@@ -130,7 +133,7 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
         parent_img = None
         if tracking is not None:
             # Recorded before CRIU clears the target's soft-dirty bits: if this dump is never
-            # committed, the next one knows not to trust them (see ckpt/incremental.py).
+            # committed, the next one knows not to trust them (see ckpt/dump/incremental.py).
             incremental.TrackingLog().record_attempt(tracking.target, store.root, checkpoint_id)
             if tracking.parent is not None:
                 try:

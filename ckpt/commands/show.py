@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 
-from ckpt.lazywatch import failures
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.restore.lazywatch import failures
 from ckpt.store import Store
 from ckpt.store.repository import discard
 

@@ -12,7 +12,7 @@ The page server is a detached process: it outlives `ckpt restore`, holds the sto
 lock (so no prune removes a pack it reads), and removes the staged images once the daemon is
 done. While it runs, it leaves a record in /run/ckpt/lazy naming the tree's PIDs: a dump of
 the tree waits for it, as CRIU would otherwise dump the pages not filled in yet as missing.
-A watcher process beside it (ckpt/lazywatch.py) makes sure that the tree never runs on memory
+A watcher process beside it (ckpt/restore/lazywatch.py) makes sure that the tree never runs on memory
 that a page server which ended early did not fill in.
 """
 
@@ -35,9 +35,9 @@ from ckpt.criu.binary import CriuBinary
 from ckpt.criu.client import error_lines, has_feature
 from ckpt.criu.images import lazy_runs
 from ckpt.errors import CriuFailed, UsageError
-from ckpt.lazywatch import HANDOVER_TIMEOUT_S, Watcher, protect_from_oom
+from ckpt.restore.lazywatch import HANDOVER_TIMEOUT_S, Watcher, protect_from_oom
 from ckpt.store import Manifest, Store
-from ckpt.store.blocks import PAGE
+from ckpt.store.blocks.blockstore import PAGE
 from ckpt.store.repository import discard
 
 READY_TIMEOUT_S = 30.0

@@ -20,11 +20,13 @@ from pathlib import Path
 
 import psutil
 
-from ckpt import cron, procs, settings
+from ckpt import settings
 from ckpt.errors import CkptError, ProcessNotFound, StoreBusy, UsageError
 from ckpt.reporting import NullReporter, Reporter
-from ckpt.retention import Policy
+from ckpt.schedule import cron
+from ckpt.schedule.retention import Policy
 from ckpt.store.fsutil import atomic_write_bytes, make_private_dir
+from ckpt.system import procs
 
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")  # cron.d ignores file names with dots
 CRON_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -182,7 +184,7 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
     if bool(every) == bool(cron_expr):
         raise UsageError("give exactly one of --every DURATION and --cron 'EXPR'")
     if every:
-        from ckpt.retention import parse_duration
+        from ckpt.schedule.retention import parse_duration
 
         expr = cron.every_to_cron(parse_duration(every))
     else:
@@ -267,8 +269,8 @@ def resolve_target(target: dict) -> int:
 
 def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait_s: float | None = None) -> dict:
     """What cron runs: one dump of the target plus the schedule's retention. Records the outcome."""
-    from ckpt.checkpoint import DumpRequest, dump
-    from ckpt.forget import forget
+    from ckpt.commands.dump import DumpRequest, dump
+    from ckpt.commands.forget import forget
     from ckpt.store import Store
 
     schedule = book.load(name)
