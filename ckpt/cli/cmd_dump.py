@@ -5,7 +5,7 @@ import typer
 from ckpt.cli.options import JsonOption, QuietOption, StoreOption, store_root
 from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr, styled
 from ckpt.commands.dump import DumpRequest, dump
-from ckpt.store.blocks.blockstore import CODECS
+from ckpt.store.blocks.segments import CODECS
 
 HELP = """Checkpoint the process tree rooted at PID into the store.
 

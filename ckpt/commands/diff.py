@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ckpt.store import Manifest, Store
 from ckpt.store.blocks.blockstore import ID_LEN, PAGE
-from ckpt.store.repository import discard
+from ckpt.store.staging import discard
 
 
 def _snapshot(store: Store, manifest: Manifest) -> dict:

@@ -25,7 +25,8 @@ from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore.lazy import wait_for_lazy_restores
 from ckpt.store import Manifest, Store, ids
-from ckpt.store.blocks.blockstore import CODECS, MERGE_ABOVE
+from ckpt.store.blocks.blockstore import MERGE_ABOVE
+from ckpt.store.blocks.segments import CODECS
 from ckpt.system import procs
 
 

@@ -21,9 +21,9 @@ from ckpt.restore.lazy import LazyPlan, lazy_processes, start_page_server
 from ckpt.restore.lazy import supported as lazy_supported
 from ckpt.store import Manifest, Store
 from ckpt.store.blocks.blockstore import PAGE
-from ckpt.store.fsutil import make_private_dir
-from ckpt.store.repository import discard
+from ckpt.store.staging import discard
 from ckpt.system import procs
+from ckpt.system.files import make_private_dir
 
 
 @dataclass

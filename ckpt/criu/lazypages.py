@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ckpt.criu.binary import CriuBinary
+from ckpt.criu.images import PE_PRESENT
 
 # struct page_server_iov { u32 cmd; u64 nr_pages; u64 vaddr; u64 dst_id; } (natural alignment)
 _IOV = struct.Struct("=I4xQQQ")
@@ -26,7 +27,6 @@ _PS_IOV_GET = 7
 _PS_IOV_CLOSE = 0x1023
 _PS_IOV_FORCE_CLOSE = 0x1024
 _PS_CMD_BITS = 16
-_PE_PRESENT = 4
 
 
 class PageServerError(Exception):
@@ -71,7 +71,7 @@ def serve(sock: socket.socket, source: PageSource) -> tuple[int, int]:
             raise PageServerError(f"process {pid} asked for pages at {vaddr:#x} that the checkpoint "
                                   "does not hold as lazy pages")
         # May be fewer pages than asked for (to the end of a pagemap entry): the daemon asks again.
-        sock.sendall(_IOV.pack(_PE_PRESENT << _PS_CMD_BITS | _PS_IOV_ADD_F, count, vaddr, pid))
+        sock.sendall(_IOV.pack(PE_PRESENT << _PS_CMD_BITS | _PS_IOV_ADD_F, count, vaddr, pid))
         source.send(pid, vaddr, count, sock.fileno())
         sent += count
         requests += 1

@@ -38,7 +38,7 @@ from ckpt.errors import CriuFailed, UsageError
 from ckpt.restore.lazywatch import HANDOVER_TIMEOUT_S, Watcher, protect_from_oom
 from ckpt.store import Manifest, Store
 from ckpt.store.blocks.blockstore import PAGE
-from ckpt.store.repository import discard
+from ckpt.store.staging import discard
 
 READY_TIMEOUT_S = 30.0
 

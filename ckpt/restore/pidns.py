@@ -16,7 +16,7 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from ckpt.errors import CkptError, CriuFailed
+from ckpt.errors import CkptError, from_record, to_record
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
@@ -74,7 +74,7 @@ def run_in_new_pidns(restore_inside: Callable[[], int]) -> tuple[int, int]:
     """Runs restore_inside() as PID 1 of a new PID namespace.
 
     Returns (root PID as seen on the host, root PID inside the namespace). Re-raises the
-    CkptError restore_inside raised, with its message.
+    CkptError restore_inside raised: same class, message, hint and exit code.
     """
     read_end, write_end = os.pipe()
     first = os.fork()
@@ -95,10 +95,9 @@ def run_in_new_pidns(restore_inside: Callable[[], int]) -> tuple[int, int]:
     with os.fdopen(read_end) as reader:
         messages = [json.loads(line) for line in reader if line.strip()]
     result = {k: v for m in messages for k, v in m.items()}
+    if "error_type" in result:
+        raise from_record(result)
     if "error" in result:
-        error_type = result.get("error_type")
-        if error_type == "CriuFailed":
-            raise CriuFailed(result["error"], log_path=result.get("log"))
         raise CkptError(result["error"])
     if "pid" not in result or "init" not in result:
         raise CkptError("the restore in a new PID namespace ended without a result")
@@ -112,8 +111,7 @@ def _as_init(write_end: int, restore_inside: Callable[[], int]) -> None:
         pid = restore_inside()
         os.write(write_end, json.dumps({"pid": pid}).encode() + b"\n")
     except CkptError as exc:
-        os.write(write_end, json.dumps({"error": str(exc), "error_type": type(exc).__name__,
-                                        "log": getattr(exc, "log_path", None)}).encode() + b"\n")
+        os.write(write_end, json.dumps(to_record(exc)).encode() + b"\n")
         os._exit(1)
     except BaseException as exc:
         os.write(write_end, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode() + b"\n")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.commands.schedule import Schedule, ScheduleBook
 from ckpt.errors import CkptError
+from ckpt.schedule.book import Schedule, ScheduleBook
 from tests.helpers import ckpt, ckpt_json, state, wait_until
 
 

@@ -27,7 +27,8 @@ from typing import Callable, Iterator
 from ckpt.errors import StoreBusy
 from ckpt.store.backends.base import (Backend, BlobExists, BlobInfo, BlobNotFound, BlobWriter, LockOwner,
                                       RangeReader, check_name)
-from ckpt.store.fsutil import FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir
+from ckpt.system.files import FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir
+from ckpt.system.locks import wait_for_flock
 
 WRITE_BUFFER = 4 << 20
 # How much of a large blob (a pack) is written before the kernel is asked to start writing it
@@ -202,22 +203,15 @@ class LocalBackend(Backend):
         make_private_dir(holders_dir)
         fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
         mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        deadline = time.monotonic() + timeout
-        told = False
+
+        def busy() -> StoreBusy:
+            who = ", ".join(h.describe() for h in self.lock_holders()) or "another ckpt command"
+            return StoreBusy(f"the store at {self.root} is locked by {who}",
+                             hint=f"waited {timeout:.0f} s; try again later or raise CKPT_LOCK_TIMEOUT")
+
         try:
-            while True:
-                try:
-                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if not told and on_wait is not None:
-                        on_wait(self.lock_holders())
-                        told = True
-                    if time.monotonic() >= deadline:
-                        who = ", ".join(h.describe() for h in self.lock_holders()) or "another ckpt command"
-                        raise StoreBusy(f"the store at {self.root} is locked by {who}",
-                                        hint=f"waited {timeout:.0f} s; try again later or raise CKPT_LOCK_TIMEOUT")
-                    time.sleep(0.1)
+            wait_for_flock(fd, mode, time.monotonic() + timeout, busy,
+                           (lambda: on_wait(self.lock_holders())) if on_wait is not None else None)
             owner = LockOwner(pid=os.getpid(), host=socket.gethostname(), command=" ".join(sys.argv[:3]) or "ckpt",
                               since=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                               mode="exclusive" if exclusive else "shared")

@@ -30,8 +30,9 @@ import zstandard
 from ckpt.errors import DamagedCheckpoint
 from ckpt.phases import phase
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, RangeReader
-from ckpt.store.blocks.segments import CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segment, pack_name
-from ckpt.store.fsutil import FILE_MODE
+from ckpt.store.blocks.segments import (CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segment, pack_name, segment_key,
+                                        split_location)
+from ckpt.system.files import FILE_MODE
 
 if TYPE_CHECKING:
     from ckpt.store.blocks.index import BlockIndex
@@ -288,7 +289,7 @@ class BlockStore:
         found = index.find(page_list)
         suspect, damaged = index.suspect, index.damaged
         segments = index.segment_list
-        keys = [key for key in np.unique(found[found >= 0] >> 16).tolist() if key in suspect
+        keys = [key for key in np.unique(segment_key(found[found >= 0])).tolist() if key in suspect
                 and key not in damaged and (segments[key].pack, segments[key].offset) not in self._checked]
         if not keys:
             return
@@ -489,7 +490,7 @@ class BlockStore:
             # large tree's memory is there).
             hole_keys: set[int] = set()
             for first, count in holes:
-                hole_keys.update(location >> 16 for location in locations[first:first + count])
+                hole_keys.update(segment_key(location) for location in locations[first:first + count])
             for key in sorted(hole_keys):
                 reader.check(key, 0, 1)
             for begin, end in written:
@@ -499,7 +500,7 @@ class BlockStore:
                 starts = [begin] + [i for i in range(begin + 1, end) if locations[i] != locations[i - 1] + 1]
                 for k, first in enumerate(starts):
                     stop = starts[k + 1] if k + 1 < len(starts) else end
-                    key, within = locations[first] >> 16, locations[first] & 0xFFFF
+                    key, within = split_location(locations[first])
                     count = stop - first
                     if key in damaged:
                         continue
@@ -555,7 +556,7 @@ class PageSender:
             while run < end and locations[run] == locations[run - 1] + 1:
                 run += 1
             location = locations[first]
-            self.reader.copy(location >> 16, location & 0xFFFF, run - first, out_fd)
+            self.reader.copy(*split_location(location), run - first, out_fd)
             first = run
 
     def close(self) -> None:
