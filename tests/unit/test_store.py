@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from ckpt.dump.commit import DumpRecord, ingest_and_commit
 from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy, StoreError
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.prune import collect_garbage
@@ -17,16 +18,18 @@ PAGE = 4096
 
 
 def fake_dump(store: Store, files: dict[str, bytes], name=None, codec="zstd", pid=4242, earlier=None) -> Manifest:
+    """A dump without CRIU: the files staged as CRIU would leave them, then the dump's own
+    ingest-and-commit (ckpt/dump/commit.py), the path every real dump ends with."""
     checkpoint_id = ids.new_id()
     staging = store.begin_dump(checkpoint_id)
     for file_name, content in files.items():
         (staging.images_dir / file_name).write_bytes(content)
-    entries, added, _ = store.ingest(staging, codec, earlier=earlier)
-    manifest = Manifest(id=checkpoint_id, created="2026-11-30T23:00:00+00:00", pid=pid, command="x",
-                        processes=[{"pid": 4242, "threads": [4242, 4243]}], files=entries, name=name,
-                        bytes_total=sum(e.size for e in entries), bytes_stored=added)
-    store.commit(manifest)
-    staging.remove()
+    record = DumpRecord(checkpoint_id=checkpoint_id, pid=pid, command="x", started=time.monotonic(), name=name,
+                        processes=[{"pid": 4242, "threads": [4242, 4243]}])
+    try:
+        manifest = ingest_and_commit(store, staging, record, codec, earlier=earlier)
+    finally:
+        staging.remove()
     time.sleep(0.001)
     return manifest
 
