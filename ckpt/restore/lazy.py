@@ -39,6 +39,7 @@ from ckpt.restore.lazywatch import HANDOVER_TIMEOUT_S, Watcher, protect_from_oom
 from ckpt.store import Manifest, Store
 from ckpt.store.blocks.blockstore import PAGE
 from ckpt.store.staging import discard
+from ckpt.system.detach import detach_stdio
 
 READY_TIMEOUT_S = 30.0
 
@@ -248,17 +249,7 @@ def _read_ready(fd: int) -> tuple[int, int, bool]:
 
 
 def _detach_stdio(keep: set[int]) -> None:  # pragma: no cover - runs in the forked server and watcher
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):  # a caller reading ckpt's output must see its end when ckpt exits
-        os.dup2(devnull, fd)
-    os.close(devnull)
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd > 2 and fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    detach_stdio(keep)
     # Ending the server, its daemon or the watcher early would end the tree: a Ctrl-C meant
     # for `ckpt restore`, a hang-up or a stray SIGTERM must not. The daemon inherits this
     # (ignored signals survive exec), and the OOM protection. The server ends by itself in seconds.

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from ckpt.errors import CkptError, from_record, to_record
+from ckpt.system.detach import detach_stdio
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
@@ -109,6 +110,10 @@ def _as_init(write_end: int, restore_inside: Callable[[], int]) -> None:
         _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
         _check(_libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
         pid = restore_inside()
+        # This process lives as long as the restored tree: it must not keep ckpt's descriptors
+        # (with the store lock's, prune and rm waited, then failed, while such a tree ran).
+        # Closed before the result goes back, so that they are closed when `ckpt restore` returns.
+        detach_stdio(keep={write_end})
         os.write(write_end, json.dumps({"pid": pid}).encode() + b"\n")
     except CkptError as exc:
         os.write(write_end, json.dumps(to_record(exc)).encode() + b"\n")
@@ -119,8 +124,5 @@ def _as_init(write_end: int, restore_inside: Callable[[], int]) -> None:
     os.close(write_end)
     # Shown by ps as the namespace's init rather than as a copy of the ckpt command line.
     _libc.prctl(15, b"ckpt-pidns-init", 0, 0, 0)  # PR_SET_NAME
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
     _init_loop()
     os._exit(0)
