@@ -3,8 +3,8 @@ from datetime import datetime
 import typer
 
 from ckpt.cli.options import JsonOption, NameFilterOption, StoreOption, open_store
-from ckpt.cli.output import emit_json, human_bytes, print_table, stderr, styled
-from ckpt.restore.lazywatch import describe, failures
+from ckpt.cli.output import CliReporter, emit_json, human_bytes, print_table, stderr
+from ckpt.commands.list import list_checkpoints
 
 HELP = """List the checkpoints in the store, oldest first.
 
@@ -24,18 +24,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOption = False,
     ) -> None:
         st = open_store(store)
-        manifests = st.manifests(on_damaged=lambda i, e: stderr.print(styled("Warning:", "yellow", f" {e}")))
-        if name:
-            manifests = [m for m in manifests if m.name == name]
-        lost = {m.id: failures(st.logs_root / m.id) for m in manifests}
-        for records in lost.values():
-            for failure in records:
-                stderr.print(styled("Warning:", "yellow", f" {describe(failure)} ({failure.get('time', '?')})"))
-        rows = [{
-            "id": m.id, "name": m.name, "created": m.created, "pid": m.pid, "command": m.command,
-            "processes": len(m.processes), "bytes_total": m.bytes_total, "bytes_stored": m.bytes_stored,
-            "lazy_restore_failures": len(lost[m.id]),
-        } for m in manifests]
+        rows = list_checkpoints(st, name, CliReporter())
         if json_out:
             emit_json(rows)
             return
