@@ -90,6 +90,9 @@ class DiskFull(StoreError):
     pass
 
 
+DISK_FULL_HINT = "free some space or remove old checkpoints with 'ckpt rm' (which works on a full disk)"
+
+
 class ImageUnreadable(StoreError):
     """A CRIU image ckpt must read is truncated or malformed (as CRIU leaves one it could not
     finish writing on a full disk)."""
@@ -121,3 +124,37 @@ class PidInUse(CkptError):
 
 class HookFailed(CkptError):
     exit_code = ExitCode.ERROR
+
+
+def to_record(exc: CkptError) -> dict:
+    """The error as JSON, for a forked child to report to its parent (from_record rebuilds it):
+    the parent must exit with the child's documented exit code, not a generic one."""
+    return {"error_type": type(exc).__name__, "message": exc.message, "hint": exc.hint,
+            "exit_code": int(exc.exit_code), "log_path": getattr(exc, "log_path", None),
+            "log_lines": getattr(exc, "log_lines", None)}
+
+
+def _error_classes(base: type[CkptError] = CkptError) -> dict[str, type[CkptError]]:
+    found: dict[str, type[CkptError]] = {base.__name__: base}
+    for sub in base.__subclasses__():
+        found.update(_error_classes(sub))
+    return found
+
+
+def from_record(record: dict) -> CkptError:
+    """The error a child reported with to_record: of its class where this process knows it,
+    else a CkptError; with its message, hint, exit code and CRIU log either way."""
+    cls = _error_classes().get(record.get("error_type", ""), CkptError)
+    message, hint = str(record.get("message", "")), record.get("hint")
+    if issubclass(cls, CriuFailed):
+        exc: CkptError = cls(message, hint=hint, log_path=record.get("log_path"), log_lines=record.get("log_lines"))
+    else:
+        try:
+            exc = cls(message, hint=hint)
+        except TypeError:  # a subclass with a constructor of its own
+            exc = CkptError(message, hint=hint)
+    try:
+        exc.exit_code = ExitCode(int(record.get("exit_code", exc.exit_code)))
+    except ValueError:
+        pass
+    return exc

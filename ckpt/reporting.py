@@ -29,19 +29,3 @@ class NullReporter:
 
     def warn(self, message: str) -> None:
         pass
-
-
-class RecordingReporter(NullReporter):
-    """Keeps every message; used by tests and by callers that want a transcript."""
-
-    def __init__(self) -> None:
-        self.messages: list[tuple[str, str]] = []
-
-    def step(self, message: str) -> None:
-        self.messages.append(("step", message))
-
-    def info(self, message: str) -> None:
-        self.messages.append(("info", message))
-
-    def warn(self, message: str) -> None:
-        self.messages.append(("warn", message))

@@ -22,7 +22,6 @@ from typing import Any
 from ckpt.errors import UsageError
 
 STAGING_CHOICES = ("auto", "disk", "ram")
-CRIU_LOG_LEVELS = range(0, 5)
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 

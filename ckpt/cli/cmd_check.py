@@ -2,8 +2,8 @@ import typer
 
 from ckpt.cli.options import JsonOption, StoreOption, store_root
 from ckpt.cli.output import emit_json, stdout, styled
+from ckpt.commands.check import as_json, check_readiness, ready
 from ckpt.errors import CkptError, ExitCode
-from ckpt.readiness import as_json, check_readiness, ready
 
 HELP = """Report whether checkpoints can be taken and restored here, and how to fix what is missing.
 

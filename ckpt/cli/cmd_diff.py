@@ -4,7 +4,7 @@ import typer
 
 from ckpt.cli.options import JsonOption, StoreOption, open_store
 from ckpt.cli.output import emit_json, human_bytes, stdout
-from ckpt.diff import diff
+from ckpt.commands.diff import diff
 
 HELP = """Show what changed between two checkpoints: processes, mappings, pages, files, sockets.
 

@@ -2,10 +2,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.checkpoint import DumpRequest, dump
 from ckpt.cli.options import JsonOption, QuietOption, StoreOption, store_root
 from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr, styled
-from ckpt.store.blocks import CODECS
+from ckpt.commands.dump import DumpRequest, dump
+from ckpt.store.blocks.segments import CODECS
 
 HELP = """Checkpoint the process tree rooted at PID into the store.
 

@@ -6,7 +6,7 @@ from ckpt.cli.options import (DryRunOption, JsonOption, KeepDailyOption, KeepHou
                               KeepWeeklyOption, KeepWithinOption, NameFilterOption, QuietOption, StoreOption,
                               open_store, retention_policy)
 from ckpt.cli.output import emit_json, human_bytes, stderr, stdout
-from ckpt.forget import forget
+from ckpt.commands.forget import forget
 
 HELP = """Forget checkpoints by a retention policy, per group (name, or command when unnamed).
 

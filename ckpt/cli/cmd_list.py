@@ -3,8 +3,8 @@ from datetime import datetime
 import typer
 
 from ckpt.cli.options import JsonOption, NameFilterOption, StoreOption, open_store
-from ckpt.cli.output import emit_json, human_bytes, print_table, stderr, styled
-from ckpt.lazywatch import describe, failures
+from ckpt.cli.output import CliReporter, emit_json, human_bytes, print_table, stderr
+from ckpt.commands.list import list_checkpoints
 
 HELP = """List the checkpoints in the store, oldest first.
 
@@ -24,18 +24,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOption = False,
     ) -> None:
         st = open_store(store)
-        manifests = st.manifests(on_damaged=lambda i, e: stderr.print(styled("Warning:", "yellow", f" {e}")))
-        if name:
-            manifests = [m for m in manifests if m.name == name]
-        lost = {m.id: failures(st.logs_root / m.id) for m in manifests}
-        for records in lost.values():
-            for failure in records:
-                stderr.print(styled("Warning:", "yellow", f" {describe(failure)} ({failure.get('time', '?')})"))
-        rows = [{
-            "id": m.id, "name": m.name, "created": m.created, "pid": m.pid, "command": m.command,
-            "processes": len(m.processes), "bytes_total": m.bytes_total, "bytes_stored": m.bytes_stored,
-            "lazy_restore_failures": len(lost[m.id]),
-        } for m in manifests]
+        rows = list_checkpoints(st, name, CliReporter())
         if json_out:
             emit_json(rows)
             return
@@ -44,9 +33,10 @@ def register(app: typer.Typer) -> None:
             return
         print_table(
             ["ID", "NAME", "CREATED", "PID", "COMMAND", "PROCS", "SIZE", "STORED"],
-            [[m.id, m.name or "", datetime.fromisoformat(m.created).astimezone().strftime("%Y-%m-%d %H:%M:%S"),
-              str(m.pid), m.command, str(len(m.processes)), human_bytes(m.bytes_total),
-              human_bytes(m.bytes_stored)] for m in manifests],
+            [[r["id"], r["name"] or "",
+              datetime.fromisoformat(r["created"]).astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+              str(r["pid"]), r["command"], str(r["processes"]), human_bytes(r["bytes_total"]),
+              human_bytes(r["bytes_stored"])] for r in rows],
             widest={4: 60})
         stderr.print(f"{len(rows)} checkpoint(s); the store holds {human_bytes(st.total_bytes())} in all "
                      f"(STORED: what each checkpoint added when it was taken)")

@@ -2,7 +2,7 @@ import typer
 
 from ckpt.cli.options import DryRunOption, JsonOption, QuietOption, StoreOption, open_store
 from ckpt.cli.output import emit_json, human_bytes, stderr
-from ckpt.prune import prune
+from ckpt.commands.prune import prune
 
 HELP = """Reclaim the space of data no checkpoint references any more.
 

@@ -4,7 +4,7 @@ import typer
 
 from ckpt.cli.options import JsonOption, QuietOption, StoreOption, output_file_flag, store_root
 from ckpt.cli.output import CliReporter, emit_json, stderr, styled
-from ckpt.restore import RestoreRequest, restore
+from ckpt.commands.restore import RestoreRequest, restore
 
 HELP = """Restore a checkpoint: the tree continues where it stopped, detached from ckpt.
 

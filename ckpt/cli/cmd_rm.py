@@ -4,7 +4,7 @@ import typer
 
 from ckpt.cli.options import DryRunOption, JsonOption, QuietOption, StoreOption, open_store
 from ckpt.cli.output import emit_json, human_bytes, stderr
-from ckpt.remove import remove
+from ckpt.commands.rm import remove
 
 HELP = """Remove checkpoints and reclaim the space no remaining checkpoint uses.
 

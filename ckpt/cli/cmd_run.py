@@ -3,11 +3,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.output import CliReporter, emit_json_line
 from ckpt.cli.options import JsonOption, StoreOption, count_flag, output_file_flag, store_root
-from ckpt.retention import parse_duration
+from ckpt.cli.output import CliReporter, emit_json_line
+from ckpt.commands.run import RunRequest, Supervisor, default_name
+from ckpt.schedule.retention import parse_duration
 from ckpt.store import ids
-from ckpt.supervise import RunRequest, Supervisor, default_name
 
 HELP = """Run COMMAND, checkpoint it periodically, and restore it when it dies.
 

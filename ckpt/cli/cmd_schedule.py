@@ -6,7 +6,8 @@ from rich.table import Table
 from ckpt.cli.options import (JsonOption, KeepDailyOption, KeepHourlyOption, KeepLastOption, KeepWeeklyOption,
                               KeepWithinOption, QuietOption, StoreOption, retention_policy, store_root)
 from ckpt.cli.output import CliReporter, emit_json, stderr, stdout
-from ckpt.schedule import ScheduleBook, add, listing, remove, run
+from ckpt.commands.schedule import add, listing, remove, run
+from ckpt.schedule.book import ScheduleBook
 from ckpt.store import Store
 
 HELP = """Periodic snapshots with cron: add, list, rm, and run (what cron runs).

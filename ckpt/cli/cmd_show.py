@@ -6,8 +6,8 @@ from rich.tree import Tree
 
 from ckpt.cli.options import JsonOption, StoreOption, open_store
 from ckpt.cli.output import emit_json, human_bytes, stderr, stdout, styled
-from ckpt.inspect import inspect
-from ckpt.lazywatch import describe
+from ckpt.commands.show import inspect
+from ckpt.restore.lazywatch import describe
 
 HELP = """Show what a checkpoint holds: process tree, threads, memory, open files and sockets.
 

@@ -4,8 +4,8 @@ import typer
 
 from ckpt.cli.options import JsonOption, QuietOption, StoreOption, open_store
 from ckpt.cli.output import CliReporter, emit_json, stderr, styled
+from ckpt.commands.verify import verify
 from ckpt.errors import DamagedCheckpoint, UsageError
-from ckpt.verify import verify
 
 HELP = """Recompute the hash of every image of a checkpoint (or of all) and name what is damaged.
 

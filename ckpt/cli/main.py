@@ -14,8 +14,7 @@ from typer.exceptions import Abort, Exit, TyperException
 from ckpt import __version__, settings
 from ckpt.cli import (cmd_check, cmd_diff, cmd_dump, cmd_forget, cmd_list, cmd_prune, cmd_restore, cmd_rm, cmd_run,
                       cmd_schedule, cmd_show, cmd_verify)
-from ckpt.errors import CkptError, CriuFailed, DiskFull, ExitCode
-from ckpt.store.fsutil import DISK_FULL_HINT
+from ckpt.errors import DISK_FULL_HINT, CkptError, CriuFailed, DiskFull, ExitCode
 
 app = typer.Typer(
     name="ckpt",

@@ -96,7 +96,7 @@ def open_store(path: Optional[str], create: bool = False) -> Store:
 
 def retention_policy(keep_last: int, keep_within: Optional[str], keep_hourly: int, keep_daily: int,
                      keep_weekly: int):
-    from ckpt.retention import Policy, parse_duration
+    from ckpt.schedule.retention import Policy, parse_duration
 
     return Policy(keep_last=keep_last, keep_within=parse_duration(keep_within) if keep_within else None,
                   keep_hourly=keep_hourly, keep_daily=keep_daily, keep_weekly=keep_weekly)

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from ckpt.textutil import printable
+from ckpt.system.textutil import printable
 
 # No markup: what ckpt prints carries commands, paths and arguments of other programs, and a
 # "[/]" in one of them must print as it is, not be read as markup (or fail). Styles are set

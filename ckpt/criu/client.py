@@ -21,8 +21,9 @@ from typing import Any, Callable
 
 from ckpt import settings
 from ckpt.criu.binary import CriuBinary
-from ckpt.errors import CriuFailed, DiskFull, PidInUse
-from ckpt.store.fsutil import DISK_FULL_HINT
+from ckpt.errors import DISK_FULL_HINT, CriuFailed, DiskFull, PidInUse
+from ckpt.system import procfs
+from ckpt.system.files import atomic_write_bytes
 
 # Logged by every CRIU run on these machines, which then succeeds: never shown as a failure.
 BENIGN_ERRORS = (re.compile(r"rlimit: Can't setup RLIMIT_NOFILE"),)
@@ -92,6 +93,15 @@ def _rpc():
     import pycriu.rpc_pb2 as rpc  # deferred: importing pycriu costs ~0.1 s
 
     return rpc
+
+
+def bindings_version() -> str:
+    """The protobuf version pycriu's generated RPC module loads with; raises whatever importing
+    it raises (ImportError, or protobuf's own errors for a version it does not support)."""
+    _rpc()
+    from google.protobuf import __version__
+
+    return __version__
 
 
 def _fill_opts(rpc, opts_msg, options: CriuOptions, images_fd: int, work_fd: int) -> None:
@@ -296,7 +306,7 @@ def has_feature(binary: CriuBinary, feature: str) -> bool:
     check` always runs the checks afresh."""
     path = settings.current().feature_cache  # tmpfs by default: forgotten at reboot, as the kernel is
     try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        boot_id = procfs.boot_id()
         key = f"{binary.path}|{binary.version_text}|{os.stat(binary.path).st_mtime_ns}|{feature}"
     except OSError:
         return run_check(binary, feature)[0]
@@ -313,10 +323,7 @@ def has_feature(binary: CriuBinary, feature: str) -> bool:
     features = {**features, key: passed}
     try:  # best effort: a cache that cannot be written only costs the check next time
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"boot_id": boot_id, "features": features}))
-        os.chmod(tmp, 0o600)
-        os.rename(tmp, path)
+        atomic_write_bytes(path, json.dumps({"boot_id": boot_id, "features": features}).encode(), durable=False)
     except OSError:
         pass
     return passed

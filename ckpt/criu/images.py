@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import bisect
-import os
+import io
 import struct
 from pathlib import Path
 
 from ckpt.errors import ImageUnreadable
+from ckpt.system.files import atomic_write_bytes
 
 
 def _load(path: Path) -> dict:
@@ -128,6 +129,7 @@ def describe(image_dir: Path, manifest_processes: list[dict]) -> list[dict]:
     return result
 
 
+# pagemap entry flags (CRIU's images/pagemap.proto): the one copy ckpt uses
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
 
 
@@ -159,7 +161,7 @@ def read_pagemap(path: Path) -> tuple[int, list[tuple[int, int, int]]]:
 
     Parsed with pycriu's message classes rather than its image reader, which turns every
     field into a dict entry: 60 ms for the 300 runs of a 2 GiB process, which a dump pays
-    twice (ckpt/unchanged.py). Same layout as pycriu's pagemap handler reads: the magic (after
+    twice (ckpt/dump/unchanged.py). Same layout as pycriu's pagemap handler reads: the magic (after
     a common/service magic), then size-prefixed messages, a head and then the entries."""
     from pycriu.images import magic, pb  # deferred: importing pycriu costs ~0.1 s
 
@@ -203,10 +205,9 @@ def write_pagemap(path: Path, pages_id: int, runs: list[tuple[int, int, int]]) -
         # compat_nr_pages is required by the format; CRIU writes 0 and reads nr_pages.
         {"vaddr": vaddr, "compat_nr_pages": 0, "flags": flags, "nr_pages": nr_pages}
         for vaddr, nr_pages, flags in runs]}
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        images.dump(image, f)
-    os.replace(tmp, path)
+    data = io.BytesIO()
+    images.dump(image, data)
+    atomic_write_bytes(path, data.getvalue(), durable=False)  # a staged image: a crash discards it anyway
 
 
 MADV_HUGEPAGE_BIT, MADV_NOHUGEPAGE_BIT = 1 << 14, 1 << 15  # VmaEntry.madv: 1 << MADV_*

@@ -4,7 +4,7 @@ In a lazy restore CRIU recreates the tree without its lazily restorable memory (
 anonymous mappings, which pagemaps mark PE_LAZY) and registers that memory with userfaultfd;
 `criu lazy-pages` receives the userfaultfds, and fills the memory in, first where the tree
 touches it, then everything else in the background, asking a page server for the pages. The
-page server is ckpt's (ckpt/lazy.py): the pages come from the store's packs, and no pages image
+page server is ckpt's (ckpt/restore/lazy.py): the pages come from the store's packs, and no pages image
 of that memory is ever written. The wire format is CRIU's struct page_server_iov
 (criu/page-xfer.c); requests and answers go in order over one stream socket.
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ckpt.criu.binary import CriuBinary
+from ckpt.criu.images import PE_PRESENT
 
 # struct page_server_iov { u32 cmd; u64 nr_pages; u64 vaddr; u64 dst_id; } (natural alignment)
 _IOV = struct.Struct("=I4xQQQ")
@@ -26,7 +27,6 @@ _PS_IOV_GET = 7
 _PS_IOV_CLOSE = 0x1023
 _PS_IOV_FORCE_CLOSE = 0x1024
 _PS_CMD_BITS = 16
-_PE_PRESENT = 4
 
 
 class PageServerError(Exception):
@@ -71,7 +71,7 @@ def serve(sock: socket.socket, source: PageSource) -> tuple[int, int]:
             raise PageServerError(f"process {pid} asked for pages at {vaddr:#x} that the checkpoint "
                                   "does not hold as lazy pages")
         # May be fewer pages than asked for (to the end of a pagemap entry): the daemon asks again.
-        sock.sendall(_IOV.pack(_PE_PRESENT << _PS_CMD_BITS | _PS_IOV_ADD_F, count, vaddr, pid))
+        sock.sendall(_IOV.pack(PE_PRESENT << _PS_CMD_BITS | _PS_IOV_ADD_F, count, vaddr, pid))
         source.send(pid, vaddr, count, sock.fileno())
         sent += count
         requests += 1

@@ -24,11 +24,11 @@ import xxhash
 from ckpt.errors import StoreError
 from ckpt.phases import phase
 from ckpt.store.backends import BlobNotFound
-from ckpt.store.blockindex import BlockIndex, render_index
-from ckpt.store.blocks import BlockStore
+from ckpt.store.blocks.blockstore import BlockStore
+from ckpt.store.blocks.index import BlockIndex, render_index
+from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, Segment, pack_name, segment_key, split_location
 from ckpt.store.fsutil import translate_os_error
 from ckpt.store.repository import OBJECTS_PREFIX, Store
-from ckpt.store.segments import ID_LEN, INDEX_PREFIX, Segment, pack_name
 
 PACKS_PREFIX = "packs/"
 
@@ -102,7 +102,7 @@ def prune_plan(store: Store) -> PrunePlan:  # noqa: C901
             if e.kind == "pages":
                 page_list = store.load_page_list(e)
                 live_pages.update(page_list[i:i + ID_LEN] for i in range(0, len(page_list), ID_LEN))
-    live_keys = {index.pages[p] >> 16 for p in live_pages if p in index.pages}
+    live_keys = {segment_key(index.pages[p]) for p in live_pages if p in index.pages}
     pack_bytes: dict[str, int] = {}
     live_bytes: dict[str, int] = {}
     for key, seg in enumerate(index.segment_list):
@@ -224,8 +224,8 @@ def _write_new_index(blocks: BlockStore, index: BlockIndex, plan: PrunePlan, rep
         if not segments:
             return "", segments
         live = [page for page in plan.live_pages if page in index.pages]
-        data = render_index(segments, b"".join(live), [seg_no[index.pages[page] >> 16] for page in live],
-                            [index.pages[page] & 0xFFFF for page in live])
+        data = render_index(segments, b"".join(live), [seg_no[segment_key(index.pages[page])] for page in live],
+                            [split_location(index.pages[page])[1] for page in live])
         name = blake3.blake3(data).hexdigest()
         backend.put(INDEX_PREFIX + name, data)
         phase("prune.index-written")

@@ -24,19 +24,19 @@ from ckpt.errors import (CheckpointNotFound, DamagedCheckpoint, PermissionProble
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import ids
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, BlobStream, LocalBackend
-from ckpt.store.blocks import BlockStore, IngestStats
-from ckpt.store.fsutil import (DIR_MODE, FILE_MODE, check_safe_ancestors, check_trusted_dir, make_private_dir,
-                               translate_os_error)
-from ckpt.store.segments import ID_LEN as PAGE_ID_SIZE, PAGE
-from ckpt.store.staging import DumpStaging, StagingArea, discard, remove_tree  # noqa: F401  (re-exported)
+from ckpt.store.blocks.blockstore import BlockStore, IngestStats
+from ckpt.store.blocks.segments import CODECS, ID_LEN as PAGE_ID_SIZE, PAGE
+from ckpt.store.fsutil import check_safe_ancestors, check_trusted_dir, translate_os_error
+from ckpt.store.staging import DumpStaging, StagingArea, discard
+from ckpt.system.files import DIR_MODE, FILE_MODE, make_private_dir
 
 FORMAT = 2
 STORE_DIRS = ("checkpoints", "objects", "packs", "index", "logs", "tmp", "holders", "damaged", "schedules")
 # What an interrupted creation can have left (store.json comes last): a dump finishes it.
 STORE_ENTRIES = (*STORE_DIRS, "lock")
-CODECS = ("zstd", "none")
-DUMP_CODECS = ("zstd", "lz4", "none")
-CODEC_SUFFIX = {"none": "", "zstd": ".zst"}
+# An object is kept compressed with zstd or not at all (a dump with lz4 keeps its objects as
+# zstd): its codec is the suffix of its name, zstd looked for first.
+OBJECT_SUFFIX = {"zstd": ".zst", "none": ""}
 # Blob names (see "On-disk tree" and "Storage backends" in docs/design.md).
 STORE_META = "store.json"
 MANIFESTS_PREFIX = "checkpoints/"
@@ -331,11 +331,11 @@ class Store:
 
     @staticmethod
     def object_name(digest: str, codec: str) -> str:
-        return f"{OBJECTS_PREFIX}{digest[:2]}/{digest}{CODEC_SUFFIX[codec]}"
+        return f"{OBJECTS_PREFIX}{digest[:2]}/{digest}{OBJECT_SUFFIX[codec]}"
 
     def find_object(self, digest: str) -> tuple[str, str] | None:
         """(blob name, codec) of the object holding that content, or None."""
-        for codec in CODECS:
+        for codec in OBJECT_SUFFIX:
             name = self.object_name(digest, codec)
             if self.backend.exists(name):
                 return name, codec
@@ -350,11 +350,11 @@ class Store:
         before anything else is stored: it may lengthen them with pages the store already
         holds (dirty-page tracking) and returns how many pages it added. Returns the file
         entries, the bytes this added to the store and the block figures. earlier, when given,
-        comes from a checkpoint of the same target (ckpt/unchanged.py): it spares looking up
+        comes from a checkpoint of the same target (ckpt/dump/unchanged.py): it spares looking up
         the pages that have not changed since (see BlockStore.ingest).
         """
-        if codec not in DUMP_CODECS:
-            raise StoreError(f"unknown compression '{codec}'", hint=f"use one of: {', '.join(DUMP_CODECS)}")
+        if codec not in CODECS:
+            raise StoreError(f"unknown compression '{codec}'", hint=f"use one of: {', '.join(CODECS)}")
         object_codec = "none" if codec == "none" else "zstd"
         files = staging.image_files()
         page_images = [p for p in files if p.name.startswith("pages-") and p.name.endswith(".img")]

@@ -33,7 +33,7 @@ from pathlib import Path
 import blake3
 
 from ckpt.errors import StoreError
-from ckpt.store.fsutil import owned_private_dir, rename_noreplace
+from ckpt.system.files import owned_private_dir, rename_noreplace
 
 RAM_BASE = Path("/dev/shm")
 LARGE_TREE = 512 << 20

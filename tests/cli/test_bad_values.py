@@ -118,7 +118,7 @@ def test_a_schedule_keeps_its_pidfile_as_an_absolute_path(capsys, cron_dir, tmp_
 
 
 @pytest.mark.parametrize("variable, value, command, message", [
-    # Read when ckpt.lazy was imported: a 13-line ValueError traceback.
+    # Read when ckpt.restore.lazy was imported: a 13-line ValueError traceback.
     ("CKPT_LAZY_MIN_MIB", "x", "check", "CKPT_LAZY_MIN_MIB='x' is not a whole number of MiB; unset it or set e.g. 64"),
     # Both silently ignored before.
     ("CKPT_LOCK_TIMEOUT", "abc", "list", "CKPT_LOCK_TIMEOUT='abc' is not a number of seconds; unset it or set e.g. 60"),

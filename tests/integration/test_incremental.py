@@ -105,8 +105,8 @@ def test_damage_found_by_verify_is_not_reused_and_heals(procs, tmp_path, isolate
 def test_a_next_dump_looks_up_only_the_pages_its_target_changed(procs, tmp_path, isolated_env, monkeypatch):
     """Real CRIU pagemaps: the second dump matches the pages by address to the first one and
     searches the store's index only for the others; its checkpoint restores whole."""
-    from ckpt.checkpoint import DumpRequest, dump
-    from ckpt.store.blockindex import BlockIndex
+    from ckpt.commands.dump import DumpRequest, dump
+    from ckpt.store.blocks.index import BlockIndex
 
     searched = []
     real_held = BlockIndex.held
@@ -136,7 +136,7 @@ def test_a_next_dump_looks_up_only_the_pages_its_target_changed(procs, tmp_path,
 def test_many_dumps_keep_few_index_files_and_every_checkpoint_restores(procs, tmp_path, isolated_env):
     """Each dump that stores new pages adds an index file; past MERGE_ABOVE a dump merges the
     smallest ones (a lookup costs per file). Every checkpoint still verifies and restores."""
-    from ckpt.store.blocks import MERGE_ABOVE
+    from ckpt.store.blocks.blockstore import MERGE_ABOVE
 
     out = tmp_path / "sums.txt"
     target = procs.start("bigmem.py", out, 8)

@@ -1,4 +1,4 @@
-"""Lazy restores (ckpt/lazy.py): the tree runs before its memory is back, a page server fills it
+"""Lazy restores (ckpt/restore/lazy.py): the tree runs before its memory is back, a page server fills it
 in from the store. Each test checks the memory itself, not only that the tree runs."""
 
 import json

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ckpt.errors import CkptError
-from ckpt.schedule import Schedule, ScheduleBook
+from ckpt.schedule.book import Schedule, ScheduleBook
 from tests.helpers import ckpt, ckpt_json, state, wait_until
 
 

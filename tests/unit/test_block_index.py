@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from ckpt.errors import DamagedCheckpoint
-from ckpt.store.blockindex import BlockIndex
-from ckpt.store.blockindex import render_index
-from ckpt.store.segments import ID_LEN, Segment
 from ckpt.store.backends import LocalBackend
+from ckpt.store.blocks.index import BlockIndex
+from ckpt.store.blocks.index import render_index
+from ckpt.store.blocks.segments import ID_LEN, Segment
 
 
 def as_written(ids, segment_numbers, positions):
@@ -27,7 +27,7 @@ def index_file(ids: list[bytes], sort: bool = True, pack: str = "ab" * 16) -> tu
     if sort:
         data = render_index(segments, *columns)
     else:
-        with mock.patch("ckpt.store.blockindex.in_id_order", as_written):
+        with mock.patch("ckpt.store.blocks.index.in_id_order", as_written):
             data = render_index(segments, *columns)
     return blake3.blake3(data).hexdigest(), data
 
@@ -203,7 +203,7 @@ def test_damaged_index_files_are_refused(damage):
 
 
 def test_an_index_loaded_ahead_is_the_one_used(tmp_path):
-    from ckpt.store.blocks import BlockStore
+    from ckpt.store.blocks.blockstore import BlockStore
 
     image = tmp_path / "pages-1.img"
     image.write_bytes(os.urandom(4096 * 8))
@@ -217,7 +217,7 @@ def test_an_index_loaded_ahead_is_the_one_used(tmp_path):
 
 
 def test_an_index_that_fails_to_load_ahead_fails_where_it_is_used(tmp_path, monkeypatch):
-    from ckpt.store.blocks import BlockStore
+    from ckpt.store.blocks.blockstore import BlockStore
 
     blocks = BlockStore(LocalBackend(tmp_path / "blocks"))
     monkeypatch.setattr(BlockStore, "_load_index", lambda self: (_ for _ in ()).throw(PermissionError("no")))

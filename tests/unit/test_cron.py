@@ -10,8 +10,8 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from ckpt.cron import check, every_to_cron, next_run
 from ckpt.errors import UsageError
+from ckpt.schedule.cron import check, every_to_cron, next_run
 
 T = datetime(2026, 11, 30, 10, 7, 30, tzinfo=timezone.utc)  # a Monday
 

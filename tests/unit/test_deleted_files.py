@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from ckpt import checkpoint, procs
+from ckpt.commands import dump as checkpoint
 from ckpt.errors import TargetRefused
+from ckpt.system import procs
 
 
 def test_deleted_files_held_open_or_mapped_are_found_once(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ckpt.criu.client import CriuOptions
-from ckpt.dump_options import DumpOptions
+from ckpt.dump.dump_options import DumpOptions
 
 DESIGN = Path(__file__).parent.parent.parent / "docs" / "design.md"
 WHERE = dict(images_dir=Path("/i"), log_dir=Path("/l"), log_name="x.log")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ckpt.checkpoint import DumpRequest, dump
+from ckpt.commands.dump import DumpRequest, dump
 from ckpt.errors import CkptError, ExitCode
 
 NO_SUCH_PID = 4000000

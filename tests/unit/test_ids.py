@@ -43,7 +43,7 @@ def test_invalid_names(bad):
 
 
 def test_text_from_other_programs_prints_on_one_line_without_escapes():
-    from ckpt.textutil import printable
+    from ckpt.system.textutil import printable
 
     assert printable("python3 agent.py") == "python3 agent.py"
     assert printable("-c import time\ntime.sleep(1)") == "-c import time\\ntime.sleep(1)"

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from ckpt.criu.images import PE_PARENT, PE_PRESENT
+from ckpt.dump.incremental import TargetIdentity, TrackingLog, choose_parent, flatten_runs, parent_page_ids
 from ckpt.errors import DamagedCheckpoint
-from ckpt.incremental import (PE_PARENT, PE_PRESENT, TargetIdentity, TrackingLog, choose_parent,
-                              flatten_runs, parent_page_ids)
 
 TARGET = TargetIdentity("boot-1", 4242, 1000)
 STORE = Path("/var/lib/ckpt")

@@ -6,11 +6,11 @@ import pathlib
 
 import pytest
 
-from ckpt import checkpoint
+from ckpt.commands import dump as checkpoint
 from ckpt.reporting import NullReporter
 from ckpt.store import Store
-from ckpt.store.blocks import ID_LEN, MERGE_ABOVE, MERGE_COUNT, PAGE, BlockStore
 from ckpt.store.backends import LocalBackend
+from ckpt.store.blocks.blockstore import ID_LEN, MERGE_ABOVE, MERGE_COUNT, PAGE, BlockStore
 
 
 def dump_pages(blocks: BlockStore, tmp_path, name: str, data: bytes) -> bytes:

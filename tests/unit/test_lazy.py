@@ -10,7 +10,7 @@ import pytest
 
 from ckpt.criu import lazypages
 from ckpt.errors import DamagedCheckpoint
-from ckpt.lazy import LazyPlan, _StorePages
+from ckpt.restore.lazy import LazyPlan, _StorePages
 from ckpt.store import Store
 from tests.unit.test_store import PAGE, fake_dump, flip_byte
 

@@ -6,9 +6,9 @@ import os
 import pytest
 import xxhash
 
-from ckpt.store import blocks
-from ckpt.store.blocks import PAGE, BlockStore
 from ckpt.store.backends import LocalBackend
+from ckpt.store.blocks import blockstore as blocks
+from ckpt.store.blocks.blockstore import PAGE, BlockStore
 
 
 def serial_ids(data: bytes, seed: int) -> bytes:

@@ -2,7 +2,7 @@
 
 import importlib
 
-from ckpt import readiness
+from ckpt.commands import check as readiness
 
 
 def test_page_hashing_in_c_is_reported():

@@ -3,7 +3,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from ckpt.errors import UsageError
-from ckpt.retention import Item, Policy, apply_policy, emptied_groups, format_duration, parse_duration
+from ckpt.schedule.retention import Item, Policy, apply_policy, emptied_groups, format_duration, parse_duration
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from ckpt.dump.commit import DumpRecord, ingest_and_commit
 from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy, StoreError
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.prune import collect_garbage
@@ -17,16 +18,18 @@ PAGE = 4096
 
 
 def fake_dump(store: Store, files: dict[str, bytes], name=None, codec="zstd", pid=4242, earlier=None) -> Manifest:
+    """A dump without CRIU: the files staged as CRIU would leave them, then the dump's own
+    ingest-and-commit (ckpt/dump/commit.py), the path every real dump ends with."""
     checkpoint_id = ids.new_id()
     staging = store.begin_dump(checkpoint_id)
     for file_name, content in files.items():
         (staging.images_dir / file_name).write_bytes(content)
-    entries, added, _ = store.ingest(staging, codec, earlier=earlier)
-    manifest = Manifest(id=checkpoint_id, created="2026-11-30T23:00:00+00:00", pid=pid, command="x",
-                        processes=[{"pid": 4242, "threads": [4242, 4243]}], files=entries, name=name,
-                        bytes_total=sum(e.size for e in entries), bytes_stored=added)
-    store.commit(manifest)
-    staging.remove()
+    record = DumpRecord(checkpoint_id=checkpoint_id, pid=pid, command="x", started=time.monotonic(), name=name,
+                        processes=[{"pid": 4242, "threads": [4242, 4243]}])
+    try:
+        manifest = ingest_and_commit(store, staging, record, codec, earlier=earlier)
+    finally:
+        staging.remove()
     time.sleep(0.001)
     return manifest
 
@@ -204,7 +207,7 @@ def test_exclusive_lock_waits_and_names_holder(store, tmp_path):
 
 
 def test_runs_of_new_pages_are_consecutive_and_bounded():
-    from ckpt.store.blocks import _runs
+    from ckpt.store.blocks.blockstore import _runs
 
     assert _runs([], 4) == []
     assert _runs([1, 2, 3, 7, 8, 10], 2) == [(1, 3), (3, 4), (7, 9), (10, 11)]
@@ -450,7 +453,7 @@ def pagemap_bytes(tmp_path, pages_id: int, runs) -> bytes:
 
 def searches(monkeypatch) -> list[int]:
     """How many ids each lookup in the index is for."""
-    from ckpt.store.blockindex import BlockIndex
+    from ckpt.store.blocks.index import BlockIndex
 
     searched = []
     real_held = BlockIndex.held
@@ -461,7 +464,7 @@ def searches(monkeypatch) -> list[int]:
 
 def test_a_dump_looks_up_only_pages_not_at_their_address_in_its_pids_newest_checkpoint(store, monkeypatch,
                                                                                          tmp_path):
-    from ckpt import unchanged
+    from ckpt.dump import unchanged
 
     searched = searches(monkeypatch)
     heap, data = 0x10000, 0x7f0000000000
@@ -490,7 +493,7 @@ def test_a_dump_looks_up_only_pages_not_at_their_address_in_its_pids_newest_chec
 
 
 def test_an_earlier_checkpoint_that_cannot_be_read_only_costs_a_lookup(store, monkeypatch, tmp_path):
-    from ckpt import unchanged
+    from ckpt.dump import unchanged
 
     searched = searches(monkeypatch)
     pages = os.urandom(32 * PAGE)
@@ -516,7 +519,7 @@ def test_an_earlier_checkpoint_that_cannot_be_read_only_costs_a_lookup(store, mo
     ([(0x40000, 2)], [-1, -1]),  # pages the earlier image took from its parent: not held there
 ])
 def test_pages_are_matched_by_address(now_runs, want):
-    from ckpt.unchanged import _pieces_by_address
+    from ckpt.dump.unchanged import _pieces_by_address
 
     earlier = [(0x80000, 6, 4), (0x10000, 4, 4), (0x40000, 3, 1)]  # out of order; one "in parent" run
     pieces = _pieces_by_address([(v, n, 4) for v, n in now_runs], earlier, 10)
@@ -533,7 +536,7 @@ def test_pages_are_matched_by_address(now_runs, want):
 def test_an_unchanged_layout_is_one_stretch():
     """Runs that follow each other in both images make one (row, earlier row, count) stretch:
     the ids of half a million pages are then compared in one go."""
-    from ckpt.unchanged import _pieces_by_address
+    from ckpt.dump.unchanged import _pieces_by_address
 
     runs = [(0x10000, 4, 4), (0x80000, 6, 4), (0x7F0000000000, 100, 4)]
     assert _pieces_by_address(runs, runs, 110).tolist() == [[0, 0, 110]]

@@ -28,7 +28,8 @@ from typing import Callable, Iterator
 from ckpt.errors import StoreBusy
 from ckpt.store.backends.base import (Backend, BlobExists, BlobInfo, BlobNotFound, BlobWriter, LockOwner,
                                       RangeReader, check_name)
-from ckpt.store.fsutil import FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir
+from ckpt.system.files import FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir
+from ckpt.system.locks import wait_for_flock
 
 WRITE_BUFFER = 4 << 20
 # How much of a large blob (a pack) is written before the kernel is asked to start writing it
@@ -149,7 +150,7 @@ class LocalBackend(Backend):
     def exists(self, name: str) -> bool:
         return os.path.lexists(self._path(name))
 
-    def list(self, prefix: str, incomplete: bool = False) -> list[BlobInfo]:
+    def list(self, prefix: str, incomplete: bool = False) -> builtins.list[BlobInfo]:
         head = prefix.rpartition("/")[0]
         if head:
             check_name(head)
@@ -205,22 +206,15 @@ class LocalBackend(Backend):
         make_private_dir(holders_dir)
         fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
         mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        deadline = time.monotonic() + timeout
-        told = False
+
+        def busy() -> StoreBusy:
+            who = ", ".join(h.describe() for h in self.lock_holders()) or "another ckpt command"
+            return StoreBusy(f"the store at {self.root} is locked by {who}",
+                             hint=f"waited {timeout:.0f} s; try again later or raise CKPT_LOCK_TIMEOUT")
+
         try:
-            while True:
-                try:
-                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if not told and on_wait is not None:
-                        on_wait(self.lock_holders())
-                        told = True
-                    if time.monotonic() >= deadline:
-                        who = ", ".join(h.describe() for h in self.lock_holders()) or "another ckpt command"
-                        raise StoreBusy(f"the store at {self.root} is locked by {who}", hint=f"waited {timeout:.0f} s;"
-                                        " try again later or raise CKPT_LOCK_TIMEOUT") from None
-                    time.sleep(0.1)
+            wait_for_flock(fd, mode, time.monotonic() + timeout, busy,
+                           (lambda: on_wait(self.lock_holders())) if on_wait is not None else None)
             owner = LockOwner(pid=os.getpid(), host=socket.gethostname(), command=" ".join(sys.argv[:3]) or "ckpt",
                               since=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                               mode="exclusive" if exclusive else "shared")

@@ -7,23 +7,26 @@ the tree is still frozen, so the target is killed only once its checkpoint exist
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
 from pathlib import Path
 
-from ckpt import incremental, procs, settings, unchanged
+from ckpt import settings
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient
-from ckpt.dump_options import DumpOptions
+from ckpt.dump import incremental
+from ckpt.dump import unchanged
+from ckpt.dump.commit import DumpRecord, ingest_and_commit
+from ckpt.dump.dump_options import DumpOptions
+from ckpt.dump.target_lock import dumping
 from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, StoreBusy, TargetRefused, UsageError
-from ckpt.lazy import wait_for_lazy_restores
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.restore.lazy import wait_for_lazy_restores
 from ckpt.store import Manifest, Store, ids
-from ckpt.store.blocks import CODECS, MERGE_ABOVE
-from ckpt.target_lock import dumping
+from ckpt.store.blocks.blockstore import MERGE_ABOVE
+from ckpt.store.blocks.segments import CODECS
+from ckpt.system import procs
 
 
 @dataclass
@@ -119,7 +122,7 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
     options = replace(options, track_mem=tracking is not None)
     checkpoint_id = ids.new_id()
     if request.pre_dump_hook:
-        from ckpt.hooks import run_hook
+        from ckpt.schedule.hooks import run_hook
 
         reporter.step("running the pre-dump hook")
         run_hook(request.pre_dump_hook, "pre-dump", request.pid, checkpoint_id, request.name)
@@ -130,7 +133,7 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
         parent_img = None
         if tracking is not None:
             # Recorded before CRIU clears the target's soft-dirty bits: if this dump is never
-            # committed, the next one knows not to trust them (see ckpt/incremental.py).
+            # committed, the next one knows not to trust them (see ckpt/dump/incremental.py).
             incremental.TrackingLog().record_attempt(tracking.target, store.root, checkpoint_id)
             if tracking.parent is not None:
                 try:
@@ -271,6 +274,7 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
                        options: DumpOptions, checkpoint_id: str, started: float, reporter: Reporter,
                        tracking: TrackingPlan | None, earlier: unchanged.EarlierCheckpoint | None,
                        frozen_ms: float | None = None) -> Manifest:
+    """What CRIU's images and the pre-flight say of the tree, then the common ingest and commit."""
     from ckpt.criu import images  # deferred: imports pycriu
 
     image_dir = staging.images_dir
@@ -284,8 +288,6 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
     if tracking is not None and tracking.parent is not None:
         completion = incremental.completer(image_dir, staging.root / "parent",
                                            {e.name: e for e in tracking.parent.files}, store.load_page_list)
-    entries, added, block_stats = store.ingest(staging, request.codec, reporter, completion,
-                                               earlier=earlier.pieces(image_dir) if earlier else None)
     criu_facts = {"version": binary.version_text, "options": options.to_manifest(), "tty": facts.has_tty}
     if facts.external_pipes:
         criu_facts["external_pipes"] = facts.external_pipes
@@ -293,36 +295,15 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
         criu_facts["external_sockets"] = facts.external_sockets
     if facts.external_datagram_sockets:
         criu_facts["external_datagram_sockets"] = facts.external_datagram_sockets
-    if tracking is not None:
-        criu_facts["tracking"] = {"target": tracking.target.key,
-                                  "parent": tracking.parent.id if tracking.parent else None,
-                                  "pages_from_parent": block_stats.pages_from_parent}
-    manifest = Manifest(
-        id=checkpoint_id,
-        name=request.name,
-        created=datetime.now(timezone.utc).isoformat(),
-        host=socket.gethostname(),
-        pid=request.pid,
-        command=facts.command,
-        processes=processes,
-        files=entries,
-        criu=criu_facts,
-        stats={"freeze_ms": stats.get("frozen_ms", frozen_ms), "pages_written": stats.get("pages_written"),
-               "pages_scanned": stats.get("pages_scanned"),
-               "pages": block_stats.pages, "pages_new": block_stats.new_pages,
-               # what CRIU read while the tree was frozen (with dirty tracking: the dirty pages)
-               "pages_dumped": block_stats.pages - block_stats.pages_from_parent,
-               "bytes_dedup": block_stats.bytes_dedup,
-               "compression_ratio": round(block_stats.new_pages * 4096 / block_stats.bytes_new, 2)
-               if block_stats.bytes_new else None,
-               "duration_ms": round((time.monotonic() - started) * 1000, 1)},
-        bytes_total=sum(e.size for e in entries),
-        bytes_stored=added,
-    )
-    phase("dump.before-commit")
-    store.commit(manifest)
-    phase("dump.committed")
-    return manifest
+    record = DumpRecord(
+        checkpoint_id=checkpoint_id, pid=request.pid, command=facts.command, processes=processes,
+        started=started, name=request.name, criu=criu_facts,
+        criu_stats={"freeze_ms": stats.get("frozen_ms", frozen_ms), "pages_written": stats.get("pages_written"),
+                    "pages_scanned": stats.get("pages_scanned")},
+        tracking={"target": tracking.target.key, "parent": tracking.parent.id if tracking.parent else None}
+        if tracking is not None else None)
+    return ingest_and_commit(store, staging, record, request.codec, reporter, completion,
+                             earlier=earlier.pieces(image_dir) if earlier else None)
 
 
 CRIU_GHOST_LIMIT = 1 << 20  # CRIU saves deleted files up to this size unless told otherwise

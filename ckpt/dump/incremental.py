@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt import settings
+from ckpt.criu.images import PE_PARENT, PE_PRESENT
 from ckpt.errors import DamagedCheckpoint
-from ckpt.store.blocks import ID_LEN as PAGE_ID_SIZE, PAGE
-from ckpt.store.fsutil import atomic_write_bytes, make_private_dir
+from ckpt.store.blocks.blockstore import ID_LEN as PAGE_ID_SIZE, PAGE
+from ckpt.system import procfs
+from ckpt.system.files import atomic_write_bytes, make_private_dir
 
-# pagemap entry flags (CRIU's images/pagemap.proto)
-PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
 
 
 @dataclass(frozen=True)
@@ -45,14 +45,9 @@ class TargetIdentity:
 
 def identify(pid: int) -> TargetIdentity | None:
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot_id = f.read().strip()
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-        start_ticks = int(data[data.rindex(")") + 2:].split()[19])
+        return TargetIdentity(procfs.boot_id(), pid, procfs.start_ticks(pid))
     except (OSError, ValueError, IndexError):
         return None
-    return TargetIdentity(boot_id, pid, start_ticks)
 
 
 class TrackingLog:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ckpt.criu.images import held_runs
 from ckpt.store import Manifest, Store
-from ckpt.store.blocks import ID_LEN, PAGE
+from ckpt.store.blocks.blockstore import ID_LEN, PAGE
 
 
 class EarlierCheckpoint:

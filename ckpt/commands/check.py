@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ckpt.criu.binary import find_criu
-from ckpt.criu.client import run_check
+from ckpt.criu.client import bindings_version, run_check
 from ckpt.errors import CkptError
 
 FEATURES = {
@@ -51,8 +51,7 @@ def check_readiness(store_root: Path) -> list[Finding]:
     except CkptError as exc:
         findings.append(Finding("criu", False, exc.message, exc.hint or "run 'make setup'"))
     try:
-        importlib.import_module("pycriu.rpc_pb2")  # the generated protobuf module loads
-        from google.protobuf import __version__ as pb_version
+        pb_version = bindings_version()  # the generated protobuf module loads
         findings.append(Finding("pycriu", True, f"pycriu importable (protobuf {pb_version})"))
     except Exception as exc:  # any import failure means the same thing to the user
         findings.append(Finding("pycriu", False, f"cannot import pycriu: {exc}",

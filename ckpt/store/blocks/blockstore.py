@@ -30,11 +30,12 @@ import zstandard
 from ckpt.errors import DamagedCheckpoint
 from ckpt.phases import phase
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, RangeReader
-from ckpt.store.fsutil import FILE_MODE
-from ckpt.store.segments import CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segment, pack_name
+from ckpt.store.blocks.segments import (CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segment, pack_name, segment_key,
+                                        split_location)
+from ckpt.system.files import FILE_MODE
 
 if TYPE_CHECKING:
-    from ckpt.store.blockindex import BlockIndex
+    from ckpt.store.blocks.index import BlockIndex
 
 SEGMENT_PAGES = 256  # 1 MiB of pages per segment at most
 MERGE_ABOVE = 32  # index files; then the MERGE_COUNT with the fewest entries become one
@@ -45,9 +46,9 @@ DAMAGED_PREFIX = "damaged/"
 
 
 def _blockindex() -> ModuleType:
-    """The block index (ckpt/store/blockindex.py), imported where it is first needed: it needs
+    """The block index (ckpt/store/blocks/index.py), imported where it is first needed: it needs
     numpy, whose import (0.1-1 s) commands that read no page (`ckpt list`) do without."""
-    from ckpt.store import blockindex
+    from ckpt.store.blocks import index as blockindex
 
     return blockindex
 
@@ -288,7 +289,7 @@ class BlockStore:
         found = index.find(page_list)
         suspect, damaged = index.suspect, index.damaged
         segments = index.segment_list
-        keys = [key for key in np.unique(found[found >= 0] >> 16).tolist() if key in suspect
+        keys = [key for key in np.unique(segment_key(found[found >= 0])).tolist() if key in suspect
                 and key not in damaged and (segments[key].pack, segments[key].offset) not in self._checked]
         if not keys:
             return
@@ -350,7 +351,7 @@ class BlockStore:
         """Stores the new pages of each pages image in one new pack and an index file.
 
         earlier: by image name, the page list of a committed checkpoint of the same target and
-        where the image's pages sat in it, by address (ckpt/unchanged.py);
+        where the image's pages sat in it, by address (ckpt/dump/unchanged.py);
         only a shortcut (BlockIndex.missing), the pages stored are the same without it.
 
         Returns each image's page list (ids in order), the figures, and the names of the blobs
@@ -466,7 +467,7 @@ class BlockStore:
         reads (locally: checked through a mapping of the pack and copied by the kernel with
         sendfile, so the bytes never pass through a Python buffer). holes are (first page,
         count) ranges that are checked but left as holes of the file: a lazy restore serves
-        those pages from the packs (ckpt/lazy.py) and CRIU never reads them from the image.
+        those pages from the packs (ckpt/restore/lazy.py) and CRIU never reads them from the image.
         """
         index = self.index()
         locations = self.locate(image_name, page_list)
@@ -489,7 +490,7 @@ class BlockStore:
             # large tree's memory is there).
             hole_keys: set[int] = set()
             for first, count in holes:
-                hole_keys.update(location >> 16 for location in locations[first:first + count])
+                hole_keys.update(segment_key(location) for location in locations[first:first + count])
             for key in sorted(hole_keys):
                 reader.check(key, 0, 1)
             for begin, end in written:
@@ -499,7 +500,7 @@ class BlockStore:
                 starts = [begin] + [i for i in range(begin + 1, end) if locations[i] != locations[i - 1] + 1]
                 for k, first in enumerate(starts):
                     stop = starts[k + 1] if k + 1 < len(starts) else end
-                    key, within = locations[first] >> 16, locations[first] & 0xFFFF
+                    key, within = split_location(locations[first])
                     count = stop - first
                     if key in damaged:
                         continue
@@ -555,7 +556,7 @@ class PageSender:
             while run < end and locations[run] == locations[run - 1] + 1:
                 run += 1
             location = locations[first]
-            self.reader.copy(location >> 16, location & 0xFFFF, run - first, out_fd)
+            self.reader.copy(*split_location(location), run - first, out_fd)
             first = run
 
     def close(self) -> None:

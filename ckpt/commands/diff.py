@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 from ckpt.store import Manifest, Store
-from ckpt.store.repository import discard
-from ckpt.store.blocks import ID_LEN, PAGE
+from ckpt.store.blocks.blockstore import ID_LEN, PAGE
+from ckpt.store.staging import discard
 
 
 def _snapshot(store: Store, manifest: Manifest) -> dict:

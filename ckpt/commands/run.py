@@ -23,9 +23,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Callable
 
-from ckpt import procs
 from ckpt.errors import CkptError, UsageError
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.system import procs
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -161,9 +161,9 @@ class Supervisor:
                 root_status = status
 
     def _checkpoint(self) -> None:
-        from ckpt.checkpoint import DumpRequest, dump
-        from ckpt.forget import forget
-        from ckpt.retention import Policy
+        from ckpt.commands.dump import DumpRequest, dump
+        from ckpt.commands.forget import forget
+        from ckpt.schedule.retention import Policy
         from ckpt.store import Store
 
         if self.pid is None:
@@ -193,10 +193,10 @@ class Supervisor:
 
     def _explain_lazy_failure(self) -> str | None:
         """A lazily restored tree is killed when its page server ends before the memory is back
-        (ckpt/lazywatch.py): said (and returned), and restored again like any other death."""
+        (ckpt/restore/lazywatch.py): said (and returned), and restored again like any other death."""
         if self.lazy_log_dir is None:
             return None
-        from ckpt.lazywatch import FAILURE_FILE, describe
+        from ckpt.restore.lazywatch import FAILURE_FILE, describe
 
         try:
             record = json.loads((self.lazy_log_dir / FAILURE_FILE).read_text())
@@ -220,7 +220,7 @@ class Supervisor:
             time.sleep(0.02)
 
     def _restore(self) -> bool:
-        from ckpt.restore import RestoreRequest, restore
+        from ckpt.commands.restore import RestoreRequest, restore
         from ckpt.store import Store
 
         try:

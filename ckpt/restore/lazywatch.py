@@ -35,7 +35,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ckpt.store.fsutil import atomic_write_bytes
+from ckpt.system.files import atomic_write_bytes
+from ckpt.system.procfs import stat_fields
 
 FAILURE_FILE = "lazy-failure.json"
 SCAN_INTERVAL_S = 0.05
@@ -82,10 +83,9 @@ def describe(record: dict) -> str:
 
 def _stat_fields(pid: int) -> list[str] | None:
     try:
-        data = Path(f"/proc/{pid}/stat").read_text()
+        return stat_fields(pid)
     except OSError:
         return None
-    return data[data.rindex(")") + 2:].split()
 
 
 def _start_time(pid: int) -> str | None:

@@ -14,7 +14,7 @@ import blake3
 import numpy as np
 
 from ckpt.errors import DamagedCheckpoint
-from ckpt.store.segments import ID_LEN, Segment
+from ckpt.store.blocks.segments import ID_LEN, Segment, segment_key, to_location
 
 INDEX_MAGIC = b"CKPTIDX1"
 SEGMENT = struct.Struct("<IQIHB16s")  # pack number, offset, stored length, pages, codec, checksum
@@ -77,13 +77,13 @@ class _IndexColumns:
         return [data[o:o + ID_LEN] for o in range(at, at + ID_LEN * self.count, ID_LEN)]
 
     def locations(self, rows=slice(None)) -> np.ndarray:
-        return ((self.segs[rows].astype(np.int64) + self.base) << 16) | self.within[rows]
+        return to_location(self.segs[rows].astype(np.int64) + self.base, self.within[rows])
 
 
 class BlockIndex:
     """Every index file of the store, loaded.
 
-    A page's location is an int: segment number << 16 | page within the segment, where the
+    A page's location is an int: segment number << 16 | page within the segment (segments.py), where the
     segment number indexes `segment_list` (one flat list over all index files). Index files
     are kept as numpy views of their bytes: loading one costs no work per entry, and `find`
     looks pages up with sorted searches instead of building a dict of every page the store
@@ -130,7 +130,7 @@ class BlockIndex:
             damaged, suspect = self.damaged, self.suspect
 
             def rank(location: int) -> int:
-                key = location >> 16
+                key = segment_key(location)
                 return 2 if key in damaged else 1 if key in suspect else 0
 
             for columns in self._columns:
@@ -195,14 +195,14 @@ class BlockIndex:
         found = self.find(page_list)
         if not self.damaged:
             return found >= 0
-        return (found >= 0) & ~np.isin(found >> 16, np.fromiter(self.damaged, dtype=np.int64))
+        return (found >= 0) & ~np.isin(segment_key(found), np.fromiter(self.damaged, dtype=np.int64))
 
     def missing(self, page_list: bytes, earlier: tuple | None = None) -> list[int]:
         """The rows of a page list whose page the store holds no healthy copy of.
 
         earlier: (the page list of a committed checkpoint of the same target, and where the
         pages at the same addresses sat in it: (row, earlier row, count) stretches;
-        ckpt/unchanged.py). A row whose id is the one its address had there is held: that
+        ckpt/dump/unchanged.py). A row whose id is the one its address had there is held: that
         checkpoint's pages are all in the store, and the shared lock keeps them there. Only
         the other rows are searched for, which for a target that changed 1% of its memory
         spares sorting and searching the other 99% (0.3 s for 2 GiB). Where the store has
@@ -235,9 +235,6 @@ class BlockIndex:
             self.damaged |= new
             self._pages = None
             self._suspect = None
-
-    def segment_of(self, location: int) -> tuple[int, int]:
-        return location >> 16, location & 0xFFFF
 
     def add_file(self, name: str, data: bytes) -> None:
         """Adds one index file, checked first against its name (the BLAKE3 of its content): a

@@ -10,19 +10,20 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ckpt import procs, settings
+from ckpt import settings
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient
-from ckpt.dump_options import DumpOptions
+from ckpt.dump.dump_options import DumpOptions
 from ckpt.errors import HookFailed, UsageError
-from ckpt.lazy import LazyPlan, lazy_processes, start_page_server
-from ckpt.lazy import supported as lazy_supported
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.restore.lazy import LazyPlan, lazy_processes, start_page_server
+from ckpt.restore.lazy import supported as lazy_supported
 from ckpt.store import Manifest, Store
-from ckpt.store.blocks import PAGE
-from ckpt.store.fsutil import make_private_dir
-from ckpt.store.repository import discard
+from ckpt.store.blocks.blockstore import PAGE
+from ckpt.store.staging import discard
+from ckpt.system import procs
+from ckpt.system.files import make_private_dir
 
 
 @dataclass
@@ -38,7 +39,7 @@ class RestoreRequest:
     # For a restore on another machine (the connection's address is not there) or long after
     # the peers gave up.
     tcp_close: bool = False
-    # Lazy restore (ckpt/lazy.py): True, False, or None to decide (lazy when the tree has at
+    # Lazy restore (ckpt/restore/lazy.py): True, False, or None to decide (lazy when the tree has at
     # least settings.lazy_min_bytes of memory (CKPT_LAZY_MIN_MIB) CRIU can restore lazily and the kernel can).
     lazy: bool | None = None
 
@@ -135,7 +136,7 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                         server.hand_over(lazy_processes(plan))
 
             if request.new_pidns:
-                from ckpt.pidns import run_in_new_pidns
+                from ckpt.restore.pidns import run_in_new_pidns
 
                 reporter.step("restoring into a new PID namespace")
                 pid, inner = run_in_new_pidns(lambda: CriuClient(binary).restore(criu_options, on_notify))
@@ -157,7 +158,7 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                 os.close(fd)
     hook_error = None
     if request.post_restore_hook:
-        from ckpt.hooks import run_hook
+        from ckpt.schedule.hooks import run_hook
 
         reporter.step("running the post-restore hook")
         try:

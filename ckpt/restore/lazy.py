@@ -12,7 +12,7 @@ The page server is a detached process: it outlives `ckpt restore`, holds the sto
 lock (so no prune removes a pack it reads), and removes the staged images once the daemon is
 done. While it runs, it leaves a record in /run/ckpt/lazy naming the tree's PIDs: a dump of
 the tree waits for it, as CRIU would otherwise dump the pages not filled in yet as missing.
-A watcher process beside it (ckpt/lazywatch.py) makes sure that the tree never runs on memory
+A watcher process beside it (ckpt/restore/lazywatch.py) makes sure that the tree never runs on memory
 that a page server which ended early did not fill in.
 """
 
@@ -35,10 +35,11 @@ from ckpt.criu.binary import CriuBinary
 from ckpt.criu.client import error_lines, has_feature
 from ckpt.criu.images import lazy_runs
 from ckpt.errors import CriuFailed, UsageError
-from ckpt.lazywatch import HANDOVER_TIMEOUT_S, Watcher, protect_from_oom
+from ckpt.restore.lazywatch import HANDOVER_TIMEOUT_S, Watcher, protect_from_oom
 from ckpt.store import Manifest, Store
-from ckpt.store.blocks import PAGE
-from ckpt.store.repository import discard
+from ckpt.store.blocks.blockstore import PAGE
+from ckpt.store.staging import discard
+from ckpt.system.detach import detach_stdio
 
 READY_TIMEOUT_S = 30.0
 
@@ -253,17 +254,7 @@ def _read_ready(fd: int) -> tuple[int, int, bool]:
 
 
 def _detach_stdio(keep: set[int]) -> None:  # pragma: no cover - runs in the forked server and watcher
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):  # a caller reading ckpt's output must see its end when ckpt exits
-        os.dup2(devnull, fd)
-    os.close(devnull)
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd > 2 and fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    detach_stdio(keep)
     # Ending the server, its daemon or the watcher early would end the tree: a Ctrl-C meant
     # for `ckpt restore`, a hang-up or a stray SIGTERM must not. The daemon inherits this
     # (ignored signals survive exec), and the OOM protection. The server ends by itself in seconds.

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import psutil
 
 from ckpt.errors import PermissionProblem, PidInUse, ProcessNotFound, StoreBusy, TargetRefused, UsageError
-from ckpt.textutil import printable
+from ckpt.system.procfs import stat_fields
+from ckpt.system.textutil import printable
 
 PF_KTHREAD = 0x00200000
 
@@ -51,16 +52,9 @@ def command_line(proc: psutil.Process) -> str:
         return "?"
 
 
-def _stat_fields(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/stat") as f:
-        data = f.read()
-    # comm may contain spaces and parentheses: split after the last ')'.
-    return data[data.rindex(")") + 2:].split()
-
-
 def is_kernel_thread(pid: int) -> bool:
     try:
-        flags = int(_stat_fields(pid)[6])
+        flags = int(stat_fields(pid)[6])
     except (OSError, ValueError, IndexError):
         return False
     return bool(flags & PF_KTHREAD)
@@ -69,7 +63,7 @@ def is_kernel_thread(pid: int) -> bool:
 def process_state(pid: int) -> str | None:
     """The one-letter state from /proc/PID/stat, or None when there is no such process."""
     try:
-        return _stat_fields(pid)[0]
+        return stat_fields(pid)[0]
     except (OSError, IndexError):
         return None
 
@@ -289,7 +283,7 @@ def external_stream_sockets(tree_pids: list[int]) -> list[dict]:
     --ext-unix-sk). ckpt names them to CRIU as external (`unix[<inode>]`) and a restore relays
     what the tree writes there to its output, as for pipes to the outside. Each: {"pid", "fd",
     "inode", "peer_inode", "peer": "journald (PID n)" or None}."""
-    from ckpt.unixdiag import stream_peers  # netlink, only when the tree holds sockets
+    from ckpt.system.unixdiag import stream_peers  # netlink, only when the tree holds sockets
 
     return _external_unix_sockets(tree_pids, stream_peers)
 
@@ -300,7 +294,7 @@ def external_datagram_sockets(tree_pids: list[int]) -> list[dict]:
 
     CRIU dumps them only with --ext-unix-sk, and a restore connects them again to the same
     path (the peer must be bound to one, and be there then). Each also has "peer_path"."""
-    from ckpt.unixdiag import datagram_peers  # netlink, only when the tree holds sockets
+    from ckpt.system.unixdiag import datagram_peers  # netlink, only when the tree holds sockets
 
     names: dict[int, str] = {}
 
@@ -339,7 +333,7 @@ def _refuse_session_led_from_another_pid_namespace(pid: int, command: str) -> No
     (a process started inside a container by something outside it, such as a CI runner).
     CRIU refuses such a tree after freezing it, with a message that names neither cause nor fix."""
     try:
-        sid = int(_stat_fields(pid)[3])
+        sid = int(stat_fields(pid)[3])
     except (OSError, ValueError, IndexError):
         return
     if sid == 0:
@@ -353,7 +347,7 @@ def _needs_shell_job(root: psutil.Process) -> bool:
     """CRIU needs --shell-job when the tree's session or process group is led from outside it,
     or when it has a controlling terminal."""
     try:
-        fields = _stat_fields(root.pid)
+        fields = stat_fields(root.pid)
         pgid, sid, tty_nr = int(fields[2]), int(fields[3]), int(fields[4])
     except (OSError, ValueError, IndexError):
         return False
@@ -362,7 +356,7 @@ def _needs_shell_job(root: psutil.Process) -> bool:
 
 def _has_tty(pid: int) -> bool:
     try:
-        return int(_stat_fields(pid)[4]) != 0
+        return int(stat_fields(pid)[4]) != 0
     except (OSError, ValueError, IndexError):
         return False
 
@@ -387,7 +381,7 @@ def pid_holder(pid: int) -> str | None:
         return None
     if state in ("Z", "X"):
         try:
-            parent = int(_stat_fields(pid)[1])
+            parent = int(stat_fields(pid)[1])
             return (f"an exited process that its parent has not reaped "
                     f"({pid_holder(parent) or f'PID {parent}'} must wait() for it)")
         except (OSError, ValueError, IndexError):
@@ -422,11 +416,3 @@ def wait_for_pids_free(pids: list[int], timeout: float = 5.0, live_grace: float 
                            hint="end that process, or restore with --new-pidns to give the tree "
                                 "its own PID namespace")
         time.sleep(0.05)
-
-
-def signal_tree(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass

@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 
 from ckpt.errors import UsageError
 from ckpt.phases import phase
-from ckpt.retention import Item, Policy, apply_policy, emptied_groups
+from ckpt.schedule.retention import Item, Policy, apply_policy, emptied_groups
 from ckpt.store import Manifest, Store
 from ckpt.store.prune import collect_garbage
 

@@ -16,7 +16,8 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from ckpt.errors import CkptError, CriuFailed
+from ckpt.errors import CkptError, from_record, to_record
+from ckpt.system.detach import detach_stdio
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
@@ -74,7 +75,7 @@ def run_in_new_pidns(restore_inside: Callable[[], int]) -> tuple[int, int]:
     """Runs restore_inside() as PID 1 of a new PID namespace.
 
     Returns (root PID as seen on the host, root PID inside the namespace). Re-raises the
-    CkptError restore_inside raised, with its message.
+    CkptError restore_inside raised: same class, message, hint and exit code.
     """
     read_end, write_end = os.pipe()
     first = os.fork()
@@ -95,10 +96,9 @@ def run_in_new_pidns(restore_inside: Callable[[], int]) -> tuple[int, int]:
     with os.fdopen(read_end) as reader:
         messages = [json.loads(line) for line in reader if line.strip()]
     result = {k: v for m in messages for k, v in m.items()}
+    if "error_type" in result:
+        raise from_record(result)
     if "error" in result:
-        error_type = result.get("error_type")
-        if error_type == "CriuFailed":
-            raise CriuFailed(result["error"], log_path=result.get("log"))
         raise CkptError(result["error"])
     if "pid" not in result or "init" not in result:
         raise CkptError("the restore in a new PID namespace ended without a result")
@@ -110,10 +110,13 @@ def _as_init(write_end: int, restore_inside: Callable[[], int]) -> None:
         _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
         _check(_libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
         pid = restore_inside()
+        # This process lives as long as the restored tree: it must not keep ckpt's descriptors
+        # (with the store lock's, prune and rm waited, then failed, while such a tree ran).
+        # Closed before the result goes back, so that they are closed when `ckpt restore` returns.
+        detach_stdio(keep={write_end})
         os.write(write_end, json.dumps({"pid": pid}).encode() + b"\n")
     except CkptError as exc:
-        os.write(write_end, json.dumps({"error": str(exc), "error_type": type(exc).__name__,
-                                        "log": getattr(exc, "log_path", None)}).encode() + b"\n")
+        os.write(write_end, json.dumps(to_record(exc)).encode() + b"\n")
         os._exit(1)
     except BaseException as exc:
         os.write(write_end, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode() + b"\n")
@@ -121,8 +124,5 @@ def _as_init(write_end: int, restore_inside: Callable[[], int]) -> None:
     os.close(write_end)
     # Shown by ps as the namespace's init rather than as a copy of the ckpt command line.
     _libc.prctl(15, b"ckpt-pidns-init", 0, 0, 0)  # PR_SET_NAME
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
     _init_loop()
     os._exit(0)

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ckpt.errors import StoreBusy
-from ckpt.store.fsutil import check_trusted_dir, make_private_dir
+from ckpt.store.fsutil import check_trusted_dir
+from ckpt.system.files import make_private_dir
+from ckpt.system.locks import wait_for_flock
 
 LOCK_DIR = Path("/run/ckpt/dumping")
 
@@ -36,22 +38,24 @@ def dumping(pid: int, timeout: float, on_wait: Callable[[str], None] | None = No
     check_trusted_dir(lock_dir, "the lock directory")
     path = lock_dir / f"{pid}.lock"
     deadline = time.monotonic() + timeout
-    told = False
+    told: list[bool] = []  # said once, however many times the lock file is replaced under us
+
+    def tell() -> None:
+        if on_wait is not None and not told:
+            on_wait(_holder(path))
+            told.append(True)
+
+    def busy() -> StoreBusy:
+        return StoreBusy(f"another dump of PID {pid} is in progress (ckpt PID {_holder(path)})",
+                         hint=f"waited {timeout:.0f} s; wait for it to finish or raise CKPT_LOCK_TIMEOUT")
+
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            wait_for_flock(fd, fcntl.LOCK_EX, deadline, busy, tell)
+        except BaseException:
             os.close(fd)
-            holder = _holder(path)
-            if not told and on_wait is not None:
-                on_wait(holder)
-                told = True
-            if time.monotonic() >= deadline:
-                raise StoreBusy(f"another dump of PID {pid} is in progress (ckpt PID {holder})", hint=f"waited "
-                                f"{timeout:.0f} s; wait for it to finish or raise CKPT_LOCK_TIMEOUT") from None
-            time.sleep(0.1)
-            continue
+            raise
         try:
             current = os.stat(path, follow_symlinks=False).st_ino
         except FileNotFoundError:

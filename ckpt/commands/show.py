@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 
-from ckpt.lazywatch import failures
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.restore.lazywatch import failures
 from ckpt.store import Store
-from ckpt.store.repository import discard
+from ckpt.store.staging import discard
 
 
 def inspect(store: Store, ref: str, reporter: Reporter = NullReporter()) -> dict:

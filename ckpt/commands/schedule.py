@@ -1,0 +1,173 @@
+"""Use cases of `ckpt schedule`: add, rm, list, and the run cron performs (one dump of the
+target plus the schedule's retention). The definitions and cron entries: ckpt/schedule/book.py.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import psutil
+
+from ckpt import settings
+from ckpt.errors import CkptError, ProcessNotFound, StoreBusy, UsageError
+from ckpt.reporting import NullReporter, Reporter
+from ckpt.schedule import cron
+from ckpt.schedule.book import Schedule, ScheduleBook, TargetAmbiguous, check_name
+from ckpt.schedule.retention import Policy
+from ckpt.system import procs
+from ckpt.system.files import atomic_write_bytes, make_private_dir
+from ckpt.system.locks import wait_for_flock
+
+
+def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_expr: str | None,
+        policy: Policy, pre_dump: str | None = None) -> tuple[Schedule, str]:
+    check_name(name)
+    if len(target) != 1:
+        raise UsageError("give exactly one target: --pid, --pidfile or --match")
+    if "pid" in target:
+        procs.check_pid(target["pid"])
+        if target["pid"] == 1:
+            raise UsageError("PID 1 (init) cannot be checkpointed", hint="give the PID of the process tree to save")
+    if "pidfile" in target:
+        # Cron runs ckpt from $HOME: a relative path would name another file there.
+        target = {"pidfile": str(Path(target["pidfile"]).expanduser().absolute())}
+    if "match" in target:
+        try:
+            re.compile(target["match"])
+        except re.error as exc:
+            raise UsageError(f"invalid --match regular expression: {exc}") from None
+    if bool(every) == bool(cron_expr):
+        raise UsageError("give exactly one of --every DURATION and --cron 'EXPR'")
+    if every:
+        from ckpt.schedule.retention import parse_duration
+
+        expr = cron.every_to_cron(parse_duration(every))
+    else:
+        expr = cron.check(cron_expr or "")  # given: exactly one of the two is (checked above)
+    schedule = Schedule(name=name, target=target, cron=expr, every=every, retention=policy.to_json()
+                        if not policy.empty() else {}, pre_dump=pre_dump,
+                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    from ckpt.store import Store
+
+    Store.open(book.store_root, create=True)  # made (and checked) only now that the schedule is valid
+    make_private_dir(book.dir)
+    make_private_dir(book.log_dir)
+    atomic_write_bytes(book.path(name), json.dumps(asdict(schedule), indent=2).encode())
+    where = book.install_cron(schedule)
+    return schedule, where
+
+
+def remove(book: ScheduleBook, name: str) -> Schedule:
+    """Removes the cron entry and the definition; checkpoints already taken stay. Returns the
+    definition removed."""
+    schedule = book.load(name)
+    book.remove_cron(name)
+    book.path(name).unlink(missing_ok=True)
+    book.state_path(name).unlink(missing_ok=True)
+    return schedule
+
+
+def _next_run(expr: str, now: datetime) -> str | None:
+    try:
+        return cron.next_run(cron.check(expr), now).isoformat(timespec="minutes")
+    except UsageError:
+        return None  # a schedule made by an older ckpt that cron refuses (e.g. '5/10'): it never runs
+
+
+def listing(book: ScheduleBook, now: datetime | None = None) -> list[dict]:
+    now = now or cron.cron_now()
+    rows = []
+    for name in book.names():
+        schedule = book.load(name)
+        rows.append({
+            "name": name, "target": schedule.target, "cron": schedule.cron, "every": schedule.every,
+            "next_run": _next_run(schedule.cron, now),
+            "last": book.state(name) or None, "retention": schedule.retention or None,
+            "pre_dump": schedule.pre_dump,
+            "installed": book.cron_file(name).exists() if os.geteuid() == 0 else None,
+        })
+    return rows
+
+
+def resolve_target(target: dict) -> int:
+    """The PID a schedule's target means right now."""
+    if "pid" in target:
+        pid = int(target["pid"])
+        if procs.process_state(pid) in (None, "Z"):
+            raise ProcessNotFound(f"target PID {pid} is gone")
+        return pid
+    if "pidfile" in target:
+        try:
+            pid = int(Path(target["pidfile"]).read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            raise ProcessNotFound(f"cannot read a PID from {target['pidfile']}") from None
+        if procs.process_state(pid) in (None, "Z"):
+            raise ProcessNotFound(f"PID {pid} from {target['pidfile']} is gone")
+        return pid
+    pattern = re.compile(target["match"])
+    me = os.getpid()
+    mine = {me} | {p.pid for p in psutil.Process(me).parents()}
+    matches = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        if proc.info["pid"] in mine or proc.info["status"] == psutil.STATUS_ZOMBIE or not proc.info["cmdline"]:
+            continue
+        if pattern.search(" ".join(proc.info["cmdline"])):
+            matches.append(proc.info["pid"])
+    if not matches:
+        raise ProcessNotFound(f"no process matches '{target['match']}'")
+    if len(matches) > 1:
+        raise TargetAmbiguous(f"{len(matches)} processes match '{target['match']}' (PIDs "
+                              f"{', '.join(map(str, matches[:10]))}); refusing to guess",
+                              hint="make --match more specific, or use --pidfile")
+    return matches[0]
+
+
+def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait_s: float | None = None) -> dict:
+    """What cron runs: one dump of the target plus the schedule's retention. Records the outcome."""
+    from ckpt.commands.dump import DumpRequest, dump
+    from ckpt.commands.forget import forget
+    from ckpt.store import Store
+
+    schedule = book.load(name)
+    wait_s = settings.current().schedule_wait if wait_s is None else wait_s
+    started = datetime.now(timezone.utc)
+    outcome: dict[str, object] = {"time": started.isoformat(timespec="seconds"), "outcome": None}
+    make_private_dir(book.dir)
+    lock_fd = os.open(book.dir / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+
+    def skipped() -> StoreBusy:
+        outcome.update(outcome="skipped", error=f"the previous run was still going after {wait_s:.0f} s")
+        book.record(name, outcome)
+        return StoreBusy(f"schedule '{name}': skipped, the previous run is still going")
+
+    try:
+        wait_for_flock(lock_fd, fcntl.LOCK_EX, time.monotonic() + wait_s, skipped)
+        try:
+            pid = resolve_target(schedule.target)
+            outcome["pid"] = pid
+            result = dump(book.store_root, DumpRequest(pid=pid, name=name, pre_dump_hook=schedule.pre_dump), reporter)
+            outcome.update(outcome="ok", id=result.manifest.id, bytes_stored=result.manifest.bytes_stored,
+                           freeze_ms=result.manifest.stats.get("freeze_ms"))
+            if schedule.retention:
+                forgotten = forget(Store.open(book.store_root), schedule.policy, name=name, prune=True,
+                                   allow_remove_all=False)
+                outcome["forgot"] = [r["id"] for r in forgotten["remove"]]
+        except ProcessNotFound as exc:
+            outcome.update(outcome="target-gone", error=str(exc))
+            raise
+        except CkptError as exc:
+            outcome.update(outcome="failed", error=str(exc))
+            raise
+        finally:
+            outcome["duration_ms"] = round((datetime.now(timezone.utc) - started).total_seconds() * 1000)
+            book.record(name, outcome)
+    finally:
+        os.close(lock_fd)
+    return outcome

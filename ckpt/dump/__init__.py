@@ -1,0 +1,1 @@
+"""The dump path below its use case: pre-flight helpers, dirty tracking, read-ahead, options, commit."""

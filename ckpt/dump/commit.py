@@ -1,0 +1,74 @@
+"""The end of every dump: the staged images into the store, then the manifest, committed last.
+
+Apart from the dump use case (ckpt/commands/dump.py) so that the store's tests commit their
+checkpoints by this very path, with staged files and no CRIU.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from ckpt.phases import phase
+from ckpt.reporting import NullReporter, Reporter
+from ckpt.store import Manifest, Store
+from ckpt.store.blocks.segments import PAGE
+from ckpt.store.staging import DumpStaging
+
+
+@dataclass
+class DumpRecord:
+    """What a checkpoint's manifest says besides its images: all known before the ingest."""
+
+    checkpoint_id: str
+    pid: int
+    command: str
+    processes: list[dict]
+    started: float  # time.monotonic() when the dump began: the manifest's duration_ms
+    name: str | None = None
+    criu: dict = field(default_factory=dict)  # the manifest's "criu" facts: version, options, tty, pipes...
+    # From CRIU's stats-dump image: freeze_ms, pages_written, pages_scanned (None where unknown).
+    criu_stats: dict = field(default_factory=dict)
+    # Dirty-page tracking: {"target": key, "parent": id or None}; the ingest adds pages_from_parent.
+    tracking: dict | None = None
+
+
+def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, codec: str,
+                      reporter: Reporter = NullReporter(), complete_page_lists=None,
+                      earlier: dict | None = None) -> Manifest:
+    """Ingests every staged image (only pages the store lacks are written), then commits the
+    manifest: the checkpoint exists from that moment on, and not before. complete_page_lists
+    and earlier are Store.ingest's (dirty-page tracking; the read-ahead of an earlier checkpoint)."""
+    entries, added, block_stats = store.ingest(staging, codec, reporter, complete_page_lists, earlier=earlier)
+    criu = dict(record.criu)
+    if record.tracking is not None:
+        criu["tracking"] = {**record.tracking, "pages_from_parent": block_stats.pages_from_parent}
+    manifest = Manifest(
+        id=record.checkpoint_id,
+        name=record.name,
+        created=datetime.now(timezone.utc).isoformat(),
+        host=socket.gethostname(),
+        pid=record.pid,
+        command=record.command,
+        processes=record.processes,
+        files=entries,
+        criu=criu,
+        stats={"freeze_ms": record.criu_stats.get("freeze_ms"),
+               "pages_written": record.criu_stats.get("pages_written"),
+               "pages_scanned": record.criu_stats.get("pages_scanned"),
+               "pages": block_stats.pages, "pages_new": block_stats.new_pages,
+               # what CRIU read while the tree was frozen (with dirty tracking: the dirty pages)
+               "pages_dumped": block_stats.pages - block_stats.pages_from_parent,
+               "bytes_dedup": block_stats.bytes_dedup,
+               "compression_ratio": round(block_stats.new_pages * PAGE / block_stats.bytes_new, 2)
+               if block_stats.bytes_new else None,
+               "duration_ms": round((time.monotonic() - record.started) * 1000, 1)},
+        bytes_total=sum(e.size for e in entries),
+        bytes_stored=added,
+    )
+    phase("dump.before-commit")
+    store.commit(manifest)
+    phase("dump.committed")
+    return manifest

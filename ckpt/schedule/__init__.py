@@ -1,0 +1,1 @@
+"""Scheduled checkpoints: cron expressions, crontab entries, retention, hooks."""

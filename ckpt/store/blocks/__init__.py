@@ -1,0 +1,1 @@
+"""The block store: pages hashed, packed into segments, found through index files."""

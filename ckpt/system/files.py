@@ -1,0 +1,102 @@
+"""Durable, owner-only file operations: the one copy every layer uses."""
+
+import ctypes
+import errno
+import os
+import stat
+from pathlib import Path
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_private_dir(path: Path) -> None:
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    os.chmod(path, DIR_MODE)
+
+
+def atomic_write_bytes(path: Path, data: bytes, replace: bool = True, mode: int = FILE_MODE,
+                       durable: bool = True) -> None:
+    """Temp file in the same directory, write, fsync, rename, fsync the directory: readers see
+    the old content or the new, never a part. The temp file's name starts with a dot (cron, for
+    one, ignores such names in /etc/cron.d).
+
+    replace=False never replaces an existing file: the temp file is linked into place (which
+    fails with FileExistsError if path exists), then unlinked. durable=False skips the fsyncs,
+    for files that need not outlive a crash (caches, images being staged)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            if mode != FILE_MODE:
+                os.fchmod(fd, mode)  # the umask may have taken bits away
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if replace:
+            os.rename(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError as exc:
+                # A filesystem without hard links (some FUSE or network ones): check, then rename.
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                if os.path.lexists(path):
+                    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+                os.rename(tmp, path)
+            else:
+                os.unlink(tmp)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def rename_noreplace(source: Path, target: Path) -> None:
+    """rename(2) that never replaces what is at target (renameat2's RENAME_NOREPLACE): plain
+    rename silently replaces an empty directory, which another user may have planted in a
+    shared directory such as /dev/shm. Raises FileExistsError if target exists."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE) == 0:
+        return
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS) and not os.path.lexists(target):
+        os.rename(source, target)  # a filesystem without RENAME_NOREPLACE (never tmpfs or ext4)
+        return
+    if err == errno.EEXIST:
+        raise FileExistsError(err, os.strerror(err), str(target))
+    raise OSError(err, os.strerror(err), str(target))
+
+
+def owned_private_dir(path: Path) -> bool:
+    """Whether path is a real directory (not a link) owned by us that nobody else can write:
+    the test an entry of a shared directory such as /dev/shm must pass before ckpt uses it."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077

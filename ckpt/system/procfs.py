@@ -1,0 +1,25 @@
+"""Raw facts from /proc, each read in one place. Cheap to import (no psutil): the lazy restore's
+watcher and `ckpt list` use it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name: [0] is the state, [6] the flags,
+    [19] the start time in clock ticks. Raises OSError when there is no such process."""
+    data = Path(f"/proc/{pid}/stat").read_text()
+    # comm may contain spaces and parentheses: split after the last ')'.
+    return data[data.rindex(")") + 2:].split()
+
+
+def start_ticks(pid: int) -> int:
+    """When the process started, in clock ticks since boot: with the boot id and the PID, it
+    names one incarnation of a process (a PID is reused, the three together are not)."""
+    return int(stat_fields(pid)[19])
+
+
+def boot_id() -> str:
+    """This boot's random id: what was true of processes and the kernel before a reboot is not."""
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
