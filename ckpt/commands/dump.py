@@ -98,7 +98,7 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
         return _dump(store_root, request, reporter, started)
 
 
-def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: float) -> DumpResult:  # noqa: C901, PLR0915
+def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: float) -> DumpResult:
     facts = procs.preflight(request.pid)
     # CRIU would dump memory a lazy restore has not filled in yet as missing.
     wait_for_lazy_restores(set(facts.pids), lambda record: reporter.info(
@@ -106,18 +106,7 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
     binary = find_criu()
     store = Store.open(store_root, create=True)
     options = _choose_options(request, facts)
-    detected = [k for k in DumpOptions.DETECTED if getattr(options, k) and getattr(request, k) is None]
-    if detected:
-        reporter.info("detected: " + ", ".join(f"--{k.replace('_', '-')}" for k in detected))
-
-    for note in _outside_notes(facts):
-        reporter.warn(note)
-    for deleted in facts.deleted_files:
-        if deleted["size"] > CRIU_GHOST_LIMIT:
-            held = f"fd {deleted['fd']}" if deleted["fd"] is not None else "mapped"
-            reporter.info(f"PID {deleted['pid']} holds a deleted file, {deleted['path']} ({held}, "
-                          f"{deleted['size'] / (1 << 20):.1f} MiB): its content is saved in the checkpoint")
-
+    _report_findings(request, facts, options, reporter)
     tracking = _plan_tracking(store, request, binary, reporter)
     options = replace(options, track_mem=tracking is not None)
     checkpoint_id = ids.new_id()
@@ -130,19 +119,7 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
         store.remove_leftovers()
         staging = store.begin_dump(checkpoint_id)
         log_dir = store.logs_dir(checkpoint_id)
-        parent_img = None
-        if tracking is not None:
-            # Recorded before CRIU clears the target's soft-dirty bits: if this dump is never
-            # committed, the next one knows not to trust them (see ckpt/dump/incremental.py).
-            incremental.TrackingLog().record_attempt(tracking.target, store.root, checkpoint_id)
-            if tracking.parent is not None:
-                try:
-                    store.materialize_parent(tracking.parent, staging.root / "parent")
-                    parent_img = "../parent"  # CRIU takes it relative to the images directory
-                except DamagedCheckpoint as exc:
-                    # A damaged older checkpoint must not stop a new one: read every page.
-                    reporter.warn(f"{exc.message}; dirty-page tracking reads every page this time")
-                    tracking = TrackingPlan(tracking.target, None)
+        parent_img, tracking = _lay_out_parent(store, staging, tracking, checkpoint_id, reporter)
         criu_options = options.to_criu_dump(staging.images_dir, log_dir, "dump.log", request.pid, parent_img,
                                             [f"unix[{s['inode']}]" for s in facts.external_sockets])
         committed: list[Manifest] = []
@@ -198,6 +175,42 @@ def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: f
                 pass
     _merge_index_files(store, reporter)
     return DumpResult(manifest, log_dir / "dump.log")
+
+
+def _report_findings(request: DumpRequest, facts: procs.TargetFacts, options: DumpOptions,
+                     reporter: Reporter) -> None:
+    """Says which CRIU options were detected, what the tree shares with the outside, and which
+    deleted files go into the checkpoint."""
+    detected = [k for k in DumpOptions.DETECTED if getattr(options, k) and getattr(request, k) is None]
+    if detected:
+        reporter.info("detected: " + ", ".join(f"--{k.replace('_', '-')}" for k in detected))
+    for note in _outside_notes(facts):
+        reporter.warn(note)
+    for deleted in facts.deleted_files:
+        if deleted["size"] > CRIU_GHOST_LIMIT:
+            held = f"fd {deleted['fd']}" if deleted["fd"] is not None else "mapped"
+            reporter.info(f"PID {deleted['pid']} holds a deleted file, {deleted['path']} ({held}, "
+                          f"{deleted['size'] / (1 << 20):.1f} MiB): its content is saved in the checkpoint")
+
+
+def _lay_out_parent(store: Store, staging, tracking: TrackingPlan | None, checkpoint_id: str,
+                    reporter: Reporter) -> tuple[str | None, TrackingPlan | None]:
+    """For a dirty-tracking dump: records the attempt and lays out the parent checkpoint for
+    CRIU. Returns CRIU's parent_img (None: read every page) and the tracking plan in effect."""
+    if tracking is None:
+        return None, None
+    # Recorded before CRIU clears the target's soft-dirty bits: if this dump is never
+    # committed, the next one knows not to trust them (see ckpt/dump/incremental.py).
+    incremental.TrackingLog().record_attempt(tracking.target, store.root, checkpoint_id)
+    if tracking.parent is None:
+        return None, tracking
+    try:
+        store.materialize_parent(tracking.parent, staging.root / "parent")
+    except DamagedCheckpoint as exc:
+        # A damaged older checkpoint must not stop a new one: read every page.
+        reporter.warn(f"{exc.message}; dirty-page tracking reads every page this time")
+        return None, TrackingPlan(tracking.target, None)
+    return "../parent", tracking  # CRIU takes it relative to the images directory
 
 
 def _choose_options(request: DumpRequest, facts: procs.TargetFacts) -> DumpOptions:

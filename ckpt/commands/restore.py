@@ -62,7 +62,7 @@ class RestoreResult:
                 "log": str(self.log_path), "lazy": self.lazy}
 
 
-def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:  # noqa: C901, PLR0915
+def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:  # noqa: PLR0915
     """Restores the checkpoint request.ref names from the store at store_root."""
     started = time.monotonic()
     procs.require_root()
@@ -75,23 +75,8 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
         _require_datagram_peers(manifest)
         if any(entry.kind == "pages" for entry in manifest.files):
             store.blocks.preload_index()  # meanwhile, the other images are written and checked
-        lazy = _wants_lazy(request, manifest, binary)
-        reporter.step(f"verifying checkpoint {checkpoint_id}")
-        plan = LazyPlan()
         images_dir: Path | None
-        if lazy:
-            def holes_for(directory: Path) -> dict[str, list[tuple[int, int]]]:
-                minimum = settings.current().lazy_min_bytes if request.lazy is None else 1
-                holes = plan.prepare(directory, manifest, minimum)
-                if holes is None:
-                    reporter.info("restoring all memory first: a mapping that may use huge pages holds pages "
-                                  "that cannot come back lazily")
-                return holes or {}
-
-            images_dir, plan.locations = store.materialize_lazily(manifest, holes_for, reporter)
-            lazy = bool(plan.locations)  # none left out: nothing to serve
-        else:
-            images_dir = store.materialize(manifest, reporter)
+        images_dir, lazy, plan = _lay_out_images(store, manifest, request, binary, reporter)
         phase("restore.materialized")
         inherit: list[tuple[str, int]] = []
         server = None
@@ -156,19 +141,47 @@ def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = Null
                 discard(images_dir)
             for _, fd in inherit:
                 os.close(fd)
-    hook_error = None
-    if request.post_restore_hook:
-        from ckpt.schedule.hooks import run_hook
-
-        reporter.step("running the post-restore hook")
-        try:
-            run_hook(request.post_restore_hook, "post-restore", pid, manifest.id, manifest.name)
-        except HookFailed as exc:
-            # The tree is restored and running: the failure is reported, the tree is left alone.
-            hook_error = str(exc)
-            reporter.warn(f"{hook_error}; the restored tree keeps running")
+    hook_error = _run_post_restore_hook(request, pid, manifest, reporter)
     return RestoreResult(manifest, pid, round((time.monotonic() - started) * 1000, 1), criu_options.log_path,
                          inner, hook_error, output, lazy_info)
+
+
+def _lay_out_images(store: Store, manifest: Manifest, request: RestoreRequest, binary, reporter: Reporter
+                    ) -> tuple[Path, bool, LazyPlan]:
+    """Writes the checkpoint's images into a fresh staging directory for CRIU, verifying each.
+    For a lazy restore the pages a page server will serve are checked but left out (plan says
+    which and where). Returns the directory, whether the restore is lazy after all, and the plan."""
+    lazy = _wants_lazy(request, manifest, binary)
+    reporter.step(f"verifying checkpoint {manifest.id}")
+    plan = LazyPlan()
+    if not lazy:
+        return store.materialize(manifest, reporter), False, plan
+
+    def holes_for(directory: Path) -> dict[str, list[tuple[int, int]]]:
+        minimum = settings.current().lazy_min_bytes if request.lazy is None else 1
+        holes = plan.prepare(directory, manifest, minimum)
+        if holes is None:
+            reporter.info("restoring all memory first: a mapping that may use huge pages holds pages "
+                          "that cannot come back lazily")
+        return holes or {}
+
+    images_dir, plan.locations = store.materialize_lazily(manifest, holes_for, reporter)
+    return images_dir, bool(plan.locations), plan  # none left out: nothing to serve
+
+
+def _run_post_restore_hook(request: RestoreRequest, pid: int, manifest: Manifest, reporter: Reporter) -> str | None:
+    """Runs --post-restore once the tree runs; returns its failure, which leaves the tree alone."""
+    if not request.post_restore_hook:
+        return None
+    from ckpt.schedule.hooks import run_hook
+
+    reporter.step("running the post-restore hook")
+    try:
+        run_hook(request.post_restore_hook, "post-restore", pid, manifest.id, manifest.name)
+    except HookFailed as exc:
+        reporter.warn(f"{exc}; the restored tree keeps running")
+        return str(exc)
+    return None
 
 
 def _require_datagram_peers(manifest: Manifest) -> None:
