@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ckpt.errors import CheckpointNotFound, PermissionProblem, UsageError
+from ckpt.errors import CheckpointNotFound, PermissionProblem, StoreError, UsageError
 from ckpt.store import Store
 from ckpt.store import staging as staging_module
 from ckpt.store.staging import StagingArea
@@ -174,6 +174,7 @@ def test_links_another_user_planted_in_dev_shm_are_never_followed(tmp_path, ram_
     victim = tmp_path / "victim"
     (victim / "precious").mkdir(parents=True)
     (victim / "precious" / "data").write_text("keep me")
+    os.chmod(victim, 0o755)
     os.chmod(tmp_path, 0o755)  # so that nobody can point at it; it cannot write there
     # The names ckpt used before (the store's directory, and a dump's under it) and names of
     # the shape it uses now, all pointing at the victim.
@@ -190,7 +191,7 @@ def test_links_another_user_planted_in_dev_shm_are_never_followed(tmp_path, ram_
     finally:
         staging.remove()
     assert (victim / "precious" / "data").read_text() == "keep me"
-    assert os.lstat(victim).st_mode & 0o777 != 0o700 or True
+    assert os.lstat(victim).st_mode & 0o777 == 0o755, "ckpt changed the mode of what a planted link points to"
     for path in planted:
         assert os.path.islink(path), "another user's entry was removed or replaced"
 
@@ -239,7 +240,7 @@ def test_a_dev_shm_without_the_sticky_bit_is_not_used_for_staging(tmp_path, monk
     shm.mkdir()
     os.chmod(shm, 0o777)
     monkeypatch.setattr(staging_module, "RAM_BASE", shm)
-    with pytest.raises(Exception, match="sticky"):
+    with pytest.raises(StoreError, match="sticky"):
         StagingArea.in_ram(tmp_path / "store")
     os.chmod(shm, 0o1777)
     assert StagingArea.in_ram(tmp_path / "store").base == shm
