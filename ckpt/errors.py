@@ -79,6 +79,10 @@ class StoreAccessDenied(PermissionProblem):
     """The store's server refused ckpt's credentials (or found none)."""
 
 
+class PasswordNeeded(PermissionProblem):
+    """The store is encrypted and no password was given (CKPT_PASSWORD, CKPT_PASSWORD_FILE, a terminal)."""
+
+
 class StoreUnreachable(CkptError):
     """The store's server could not be reached, or kept answering "slow down" or "unavailable",
     after the retries: a later run may succeed."""

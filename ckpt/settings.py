@@ -35,6 +35,23 @@ def default_store_path(environ: Mapping[str, str] | None = None) -> Path:
     return base / "ckpt"
 
 
+def default_cache_path(environ: Mapping[str, str] | None = None) -> Path:
+    """`/var/cache/ckpt` for root, `$XDG_CACHE_HOME/ckpt` (or ~/.cache/ckpt) otherwise."""
+    if os.geteuid() == 0:
+        return Path("/var/cache/ckpt")
+    xdg = (os.environ if environ is None else environ).get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "ckpt"
+
+
+# A store is a local directory or an s3:// URL (kept as text: Path would fold "s3://" to "s3:/").
+StoreLocation = Path | str
+
+
+def is_remote(location: StoreLocation) -> bool:
+    return isinstance(location, str) and location.startswith("s3://")
+
+
 # ---- parsers: (variable, raw text) -> value, or a UsageError naming both ----------------------
 
 def _bad(variable: str, raw: str, what: str, example: str) -> UsageError:
@@ -45,6 +62,17 @@ def _path(variable: str, raw: str) -> Path:
     # Absolute now: cron runs ckpt from $HOME, a page server from /, and a relative path
     # would name another place there.
     return Path(raw).expanduser().absolute()
+
+
+def _store_location(variable: str, raw: str) -> StoreLocation:
+    if "://" in raw:
+        if not raw.startswith("s3://"):
+            raise _bad(variable, raw, "a directory or an s3://BUCKET/PREFIX URL", "s3://backups/ckpt")
+        from ckpt.store.backends.s3 import parse_url  # checks the bucket and prefix
+
+        bucket, prefix = parse_url(raw)
+        return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+    return _path(variable, raw)
 
 
 def _seconds(above_zero: bool, example: str) -> Callable[[str, str], float]:
@@ -104,7 +132,12 @@ class Settings:
     with from_environment()."""
 
     # The store; --store wins (store_from_flag).
-    store: Path = field(default_factory=default_store_path, metadata=_env("CKPT_STORE", _path))
+    store: StoreLocation = field(default_factory=default_store_path, metadata=_env("CKPT_STORE", _store_location))
+    # The local side of remote stores (staging, logs, schedules) and their cache of blobs.
+    cache: Path = field(default_factory=default_cache_path, metadata=_env("CKPT_CACHE", _path))
+    # The password of encrypted stores, or a file holding it (its first line). Never printed.
+    password: str | None = field(default=None, repr=False, metadata=_env("CKPT_PASSWORD", _text))
+    password_file: Path | None = field(default=None, metadata=_env("CKPT_PASSWORD_FILE", _path))
     # A CRIU binary to use instead of the first CRIU >= 4.0 found (criu/binary.py).
     criu: str | None = field(default=None, metadata=_env("CKPT_CRIU", _text))
     # 3: errors, warnings, info; 4: CRIU's debug trace, which costs a large dump ~5% of its freeze.
@@ -151,6 +184,8 @@ class Settings:
                 values[f.name] = f.metadata["parse"](f.metadata["env"], raw)
         if "store" not in values:
             values["store"] = default_store_path(environ)
+        if "cache" not in values:
+            values["cache"] = default_cache_path(environ)
         return cls(**values)
 
 
@@ -159,11 +194,11 @@ def variables() -> dict[str, str]:
     return {f.metadata["env"]: f.name for f in fields(Settings)}
 
 
-def store_from_flag(flag: str | Path) -> Path:
-    """--store's value (which wins over CKPT_STORE) as an absolute path."""
+def store_from_flag(flag: str | Path) -> StoreLocation:
+    """--store's value (which wins over CKPT_STORE): an absolute path or an s3:// URL."""
     if str(flag).strip() == "":
         raise UsageError("--store '' names no directory", hint="give the store's directory, or leave --store out")
-    return _path("--store", str(flag))
+    return _store_location("--store", str(flag))
 
 
 _installed: Settings | None = None

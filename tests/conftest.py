@@ -23,6 +23,7 @@ def isolated_env(tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     store = tmp_path / "store"
     monkeypatch.setenv("CKPT_STORE", str(store))
+    monkeypatch.setenv("CKPT_CACHE", str(tmp_path / "cache"))
     return store
 
 

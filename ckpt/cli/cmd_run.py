@@ -7,7 +7,7 @@ from ckpt.cli.options import JsonOption, StoreOption, count_flag, output_file_fl
 from ckpt.cli.output import CliReporter, emit_json_line
 from ckpt.commands.run import RunRequest, Supervisor, default_name
 from ckpt.schedule.retention import parse_duration
-from ckpt.store import ids
+from ckpt.store import Store, ids
 
 HELP = """Run COMMAND, checkpoint it periodically, and restore it when it dies.
 
@@ -53,7 +53,8 @@ def register(app: typer.Typer) -> None:
         run_name = ids.check_name(name or default_name(command))
         request = RunRequest(command=command, every=parse_duration(every), name=run_name, keep_last=keep_last,
                              max_restores=max_restores,
-                             output=(Path(output) if output else root / "logs" / f"run-{run_name}.out").absolute(),
+                             output=(Path(output) if output else Store.local_dir(root) / "logs" /
+                                     f"run-{run_name}.out").absolute(),
                              pre_dump_hook=pre_dump, post_restore_hook=post_restore)
         reporter = CliReporter()
         try:

@@ -1,5 +1,7 @@
 from typing import Annotated, Optional
 
+from pathlib import Path
+
 import typer
 from rich.table import Table
 
@@ -8,6 +10,7 @@ from ckpt.cli.options import (JsonOption, KeepDailyOption, KeepHourlyOption, Kee
 from ckpt.cli.output import CliReporter, emit_json, stderr, stdout
 from ckpt.commands.schedule import add, listing, remove, run
 from ckpt.schedule.book import ScheduleBook
+from ckpt import settings
 from ckpt.store import Store
 
 HELP = """Periodic snapshots with cron: add, list, rm, and run (what cron runs).
@@ -40,7 +43,11 @@ schedule_app = typer.Typer(help=HELP, no_args_is_help=True, rich_markup_mode=Non
 def _book(store, opened: bool = True) -> ScheduleBook:
     # Opened as a store so that schedules get the same ownership checks (a schedule names the
     # command cron runs as its owner); `add` makes the store once the schedule is valid.
-    return ScheduleBook(Store.open(store_root(store)).root if opened else store_root(store))
+    location = store_root(store)
+    if opened:
+        return ScheduleBook(Store.open(location).root, location=location)
+    local_dir = Store.local_side(str(location)) if settings.is_remote(location) else Path(location)
+    return ScheduleBook(local_dir, location=location)
 
 
 @schedule_app.command("add", help=ADD_HELP)

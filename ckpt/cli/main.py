@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import getpass
 import os
 import sys
 import traceback
@@ -13,8 +14,10 @@ from typer.exceptions import Abort, Exit, TyperException
 
 from ckpt import __version__, settings
 from ckpt.cli import (cmd_check, cmd_diff, cmd_dump, cmd_forget, cmd_list, cmd_prune, cmd_restore, cmd_rm, cmd_run,
-                      cmd_schedule, cmd_show, cmd_verify)
-from ckpt.errors import DISK_FULL_HINT, CkptError, CriuFailed, DiskFull, ExitCode
+                      cmd_schedule, cmd_init, cmd_show, cmd_verify)
+from ckpt.cli.options import PasswordFileOption, use_password_file
+from ckpt.errors import DISK_FULL_HINT, CkptError, CriuFailed, DiskFull, ExitCode, UsageError
+from ckpt.store import password
 
 app = typer.Typer(
     name="ckpt",
@@ -45,18 +48,29 @@ def root(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print ckpt's version and exit."),
+    password_file: PasswordFileOption = None,
 ) -> None:
     # Built once, before the command parses its options: a bad CKPT_* value stops every
     # command here, before anything is frozen or written.
     built = settings.Settings.from_environment()
     settings.use(built)
+    use_password_file(password_file)
+    if sys.stdin.isatty():
+        password.prompt = _ask_password
     if debug or built.debug:
         _debug["on"] = True
 
 
-for module in (cmd_check, cmd_dump, cmd_restore, cmd_list, cmd_show, cmd_diff, cmd_rm, cmd_verify, cmd_forget,
+for module in (cmd_init, cmd_check, cmd_dump, cmd_restore, cmd_list, cmd_show, cmd_diff, cmd_rm, cmd_verify, cmd_forget,
                cmd_prune, cmd_schedule, cmd_run):
     module.register(app)
+
+
+def _ask_password(what: str, confirm: bool) -> str:
+    text = getpass.getpass(f"{what}: ")
+    if confirm and getpass.getpass("again: ") != text:
+        raise UsageError("the two passwords differ", hint="type the same password twice")
+    return text
 
 
 def _error(message: str) -> None:

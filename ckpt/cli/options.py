@@ -3,6 +3,7 @@
 Each checks its value while the command line is parsed: a bad one is a one-line usage error
 (exit 2) before the command does anything."""
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,9 +17,13 @@ from ckpt.store import Store, ids
 # No envvar= here: CKPT_STORE is read, with every other setting, by ckpt.settings.
 # A str, not a Path: Path('') would turn an empty --store into the current directory.
 StoreOption = Annotated[Optional[str], typer.Option(
-    "--store", metavar="DIR",
-    help="Checkpoint store directory [env var: CKPT_STORE; default: /var/lib/ckpt for root, "
-         "$XDG_DATA_HOME/ckpt otherwise].")]
+    "--store", metavar="DIR|s3://BUCKET/PREFIX",
+    help="Checkpoint store: a directory or an S3 bucket (created by `ckpt init`) [env var: CKPT_STORE; "
+         "default: /var/lib/ckpt for root, $XDG_DATA_HOME/ckpt otherwise].")]
+PasswordFileOption = Annotated[Optional[str], typer.Option(
+    "--password-file", metavar="FILE",
+    help="The encrypted store's password: the first line of FILE (mode 600) [env var: CKPT_PASSWORD_FILE; "
+         "or CKPT_PASSWORD].")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
 DryRunOption = Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would be done, change nothing.")]
@@ -85,9 +90,17 @@ def _output_file(created_parent: bool):
     return check
 
 
-def store_root(flag: Optional[str]) -> Path:
+def store_root(flag: Optional[str]) -> settings.StoreLocation:
     """The store: --store, else CKPT_STORE, else the default (ckpt.settings)."""
     return settings.store_from_flag(flag) if flag is not None else settings.current().store
+
+
+def use_password_file(flag: Optional[str]) -> None:
+    """--password-file wins over CKPT_PASSWORD_FILE and CKPT_PASSWORD."""
+    if flag is not None:
+        if not flag.strip():
+            raise typer.BadParameter("'' names no file; give the file holding the password")
+        settings.use(replace(settings.current(), password=None, password_file=Path(flag).expanduser().absolute()))
 
 
 def open_store(path: Optional[str], create: bool = False) -> Store:

@@ -6,8 +6,8 @@ import importlib
 import os
 import tempfile
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
+from ckpt.settings import StoreLocation
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import bindings_version, run_check
 from ckpt.errors import CkptError
@@ -33,7 +33,7 @@ class Finding:
     required: bool = True
 
 
-def check_readiness(store_root: Path) -> list[Finding]:
+def check_readiness(store_root: StoreLocation) -> list[Finding]:
     findings: list[Finding] = []
     root = os.geteuid() == 0
     findings.append(Finding("privileges", root, "running as root" if root else f"running as uid {os.geteuid()}",
@@ -96,7 +96,7 @@ def _page_hashing() -> Finding:
                        "libxxhash-dev)", required=False)
 
 
-def _store_writable(store_root: Path) -> Finding:
+def _store_writable(store_root: StoreLocation) -> Finding:
     from ckpt.errors import CheckpointNotFound, CkptError
     from ckpt.store import Store
 
@@ -106,6 +106,8 @@ def _store_writable(store_root: Path) -> Finding:
         pass  # none yet: the first dump makes it
     except CkptError as exc:
         return Finding("store", False, exc.message, exc.hint or "")
+    if isinstance(store_root, str):
+        return Finding("store", True, f"{store_root} can be opened")
     probe_dir = store_root if store_root.exists() else store_root.parent
     while not probe_dir.exists():
         probe_dir = probe_dir.parent

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ckpt.settings import StoreLocation
 from ckpt import settings
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient
@@ -88,7 +89,7 @@ def check_request(request: DumpRequest) -> None:
         ids.check_name(request.name)
 
 
-def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReporter()) -> DumpResult:
+def dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter = NullReporter()) -> DumpResult:
     """Checkpoints request.pid into the store at store_root (created if needed)."""
     started = time.monotonic()
     check_request(request)
@@ -98,7 +99,7 @@ def dump(store_root: Path, request: DumpRequest, reporter: Reporter = NullReport
         return _dump(store_root, request, reporter, started)
 
 
-def _dump(store_root: Path, request: DumpRequest, reporter: Reporter, started: float) -> DumpResult:
+def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, started: float) -> DumpResult:
     facts = procs.preflight(request.pid)
     # CRIU would dump memory a lazy restore has not filled in yet as missing.
     wait_for_lazy_restores(set(facts.pids), lambda record: reporter.info(

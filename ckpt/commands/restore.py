@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ckpt.settings import StoreLocation
 from ckpt import settings
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient
@@ -62,7 +63,7 @@ class RestoreResult:
                 "log": str(self.log_path), "lazy": self.lazy}
 
 
-def restore(store_root: Path, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:  # noqa: PLR0915
+def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:  # noqa: PLR0915
     """Restores the checkpoint request.ref names from the store at store_root."""
     started = time.monotonic()
     procs.require_root()

@@ -23,6 +23,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Callable
 
+from ckpt.settings import StoreLocation
 from ckpt.errors import CkptError, UsageError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.system import procs
@@ -59,7 +60,7 @@ def describe_status(status: int) -> tuple[str, int, bool]:
 
 
 class Supervisor:
-    def __init__(self, store_root: Path, request: RunRequest, reporter: Reporter = NullReporter(),
+    def __init__(self, store_root: StoreLocation, request: RunRequest, reporter: Reporter = NullReporter(),
                  on_event: Callable[[dict], None] | None = None):
         if not request.command:
             raise UsageError("no command to run", hint="ckpt run [OPTIONS] -- COMMAND [ARGS...]")
@@ -95,7 +96,9 @@ class Supervisor:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise CkptError("cannot become a child subreaper (prctl failed)")
-        output = self.request.output or self.store_root / "logs" / f"run-{self.request.name}.out"
+        from ckpt.store import Store
+
+        output = self.request.output or Store.local_dir(self.store_root) / "logs" / f"run-{self.request.name}.out"
         output.parent.mkdir(parents=True, exist_ok=True)
         # The command's output goes to a file: a pipe or terminal shared with ckpt would not
         # survive a restore (its other end is outside the checkpointed tree).

@@ -22,6 +22,9 @@ from ckpt.system.files import atomic_write_bytes, make_private_dir
 
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")  # cron.d ignores file names with dots
 CRON_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Where boto3 finds the S3 server and the credential files; not the credentials themselves.
+CRON_AWS_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION",
+                      "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
 
 
 class TargetAmbiguous(CkptError):
@@ -58,10 +61,12 @@ def check_name(name: str) -> str:
 class ScheduleBook:
     """The schedules of one store, and their cron entries."""
 
-    def __init__(self, store_root: Path, cron_dir: Path | None = None):
-        self.store_root = store_root
-        self.dir = store_root / "schedules"
-        self.log_dir = store_root / "logs" / "schedules"
+    def __init__(self, local_dir: Path, cron_dir: Path | None = None, location: settings.StoreLocation | None = None):
+        # The store as commands name it (its directory or s3:// URL), and the local directory
+        # that holds its schedules (for a remote store: its local side in the cache).
+        self.store_root: settings.StoreLocation = location if location is not None else local_dir
+        self.dir = local_dir / "schedules"
+        self.log_dir = local_dir / "logs" / "schedules"
         self.cron_dir = cron_dir or settings.current().cron_dir
 
     def path(self, name: str) -> Path:
@@ -101,13 +106,26 @@ class ScheduleBook:
         return (f"{sys.executable} -m ckpt schedule run {name} --store {self.store_root} --quiet "
                 f">> {self.log_path(name)} 2>&1")
 
+    @staticmethod
+    def cron_environment() -> str:
+        """Lines VAR=value for cron of what a remote or encrypted store needs and cron's bare
+        environment lacks: where the cache, the password file and the S3 server are. Never a
+        secret (cron files are world-readable): credentials belong in ~/.aws/credentials, the
+        password in a file (schedule add refuses CKPT_PASSWORD alone for an encrypted store)."""
+        current = settings.current()
+        lines = [f"CKPT_CACHE={current.cache}"]
+        if current.password_file is not None:
+            lines.append(f"CKPT_PASSWORD_FILE={current.password_file}")
+        lines += [f"{name}={os.environ[name]}" for name in CRON_AWS_VARIABLES if os.environ.get(name)]
+        return "".join(line + "\n" for line in lines)
+
     def cron_file(self, name: str) -> Path:
         return self.cron_dir / f"ckpt-{name}"
 
     def render_cron_file(self, schedule: Schedule) -> str:
         return (f"# ckpt schedule '{schedule.name}': {schedule.describe_target()}. Managed by ckpt;\n"
                 f"# remove it with: ckpt schedule rm {schedule.name} --store {self.store_root}\n"
-                f"SHELL=/bin/sh\nPATH={CRON_PATH}\n"
+                f"SHELL=/bin/sh\nPATH={CRON_PATH}\n{self.cron_environment()}"
                 f"{schedule.cron} root {self.cron_command(schedule.name)}\n")
 
     def install_cron(self, schedule: Schedule) -> str:

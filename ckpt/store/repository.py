@@ -26,12 +26,15 @@ from ckpt.store import ids
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, BlobStream, LocalBackend
 from ckpt.store.blocks.blockstore import BlockStore, IngestStats
 from ckpt.store.blocks.segments import CODECS, ID_LEN as PAGE_ID_SIZE, PAGE
+from ckpt.store.password import password_for
 from ckpt.store.fsutil import check_safe_ancestors, check_trusted_dir, translate_os_error
 from ckpt.store.staging import DumpStaging, StagingArea, discard
 from ckpt.system.files import DIR_MODE, FILE_MODE, make_private_dir
 
 FORMAT = 2
-STORE_DIRS = ("checkpoints", "objects", "packs", "index", "logs", "tmp", "holders", "damaged", "schedules")
+STORE_DIRS = ("checkpoints", "objects", "packs", "index", "logs", "tmp", "holders", "damaged", "schedules", "keys")
+# The local side of a remote store (under the cache directory): what is local by nature.
+LOCAL_SIDE_DIRS = ("tmp", "logs", "schedules")
 # What an interrupted creation can have left (store.json comes last): a dump finishes it.
 STORE_ENTRIES = (*STORE_DIRS, "lock")
 # An object is kept compressed with zstd or not at all (a dump with lz4 keeps its objects as
@@ -138,9 +141,12 @@ class Store:
     local by nature (tmp/ for staging, logs/ for CRIU's logs) and, for the local backend, the
     blobs themselves."""
 
-    def __init__(self, root: Path, backend: Backend | None = None):
+    def __init__(self, root: Path, backend: Backend | None = None, location: str | None = None):
         self.root = root
         self.backend: Backend = backend if backend is not None else LocalBackend(root)
+        # How the user names the store: its directory, or its s3:// URL (root is then its
+        # local side under the cache directory).
+        self.location = location or str(root)
         self.logs_root = root / "logs"
         self.tmp_dir = root / "tmp"
         self._blocks: BlockStore | None = None
@@ -153,10 +159,89 @@ class Store:
 
     # ---- opening -------------------------------------------------------------------------
 
+    @property
+    def remote(self) -> bool:
+        return self.location.startswith("s3://")
+
     @classmethod
-    def open(cls, root: Path, create: bool = False) -> Store:  # noqa: C901
+    def open(cls, location: settings.StoreLocation, create: bool = False) -> Store:
+        """Opens the store at location: a directory, or an s3:// URL (see open_remote). An
+        encrypted store (one with keys/) is unlocked with the password (ckpt/store/keys.py)."""
+        if settings.is_remote(location):
+            return cls.open_remote(str(location), create=create)
+        return cls.open_local(Path(location), create=create)
+
+    @classmethod
+    def open_remote(cls, url: str, create: bool = False) -> Store:
+        """A store in an S3 bucket: its blobs there, encrypted (a remote store is always
+        created encrypted, by `ckpt init`), read through the local cache; its local side
+        (staging, CRIU's logs, schedules) in the cache directory. create=True (a dump) does
+        not create one: that needs a password, which `ckpt init` asks for."""
+        from ckpt.store import keys
+        from ckpt.store.backends.s3 import S3Backend
+
+        remote = S3Backend.from_url(url)
+        if not keys.is_encrypted(remote):
+            if remote.exists(STORE_META):
+                raise StoreError(f"the store at {url} is not encrypted; ckpt keeps remote stores encrypted only",
+                                 hint="copy its checkpoints into a store made by `ckpt init` (ckpt copy)")
+            raise CheckpointNotFound(f"no ckpt store at {url}",
+                                     hint=f"create one with `ckpt init {url}`, or pass the right --store")
+        local_side = cls.local_side(url)
+        backend = keys.unlock(cls._cached(remote, url), password_for(url))
+        store = cls(local_side, backend, location=url)
+        store._check_format(backend, url)
+        return store
+
+    @classmethod
+    def local_dir(cls, location: settings.StoreLocation) -> Path:
+        """Where the store at location keeps what is local by nature: its directory, or the
+        local side of a remote store."""
+        return cls.local_side(location) if isinstance(location, str) else location
+
+    @staticmethod
+    def local_side(url: str) -> Path:
+        """The local directory of the remote store at url: <cache>/stores/<tag>/{tmp,logs,schedules}."""
+        base = settings.current().cache
+        tag = blake3.blake3(url.encode()).hexdigest()[:16]
+        root = base / "stores" / tag
+        try:
+            check_safe_ancestors(base)
+            for directory in (base, base / "stores", root, *(root / sub for sub in LOCAL_SIDE_DIRS)):
+                make_private_dir(directory)
+                check_trusted_dir(directory, "the cache directory")
+            marker = root / "url"
+            if not marker.exists():
+                marker.write_text(url + "\n")  # for whoever looks into the cache
+        except OSError as exc:
+            raise translate_os_error(exc, f"preparing the cache directory {root}") from exc
+        return root
+
+    @staticmethod
+    def _cached(remote: Backend, url: str) -> Backend:
+        """The remote backend behind the local cache of immutable blobs (ckpt/store/backends/cache.py)."""
+        return remote
+
+    @staticmethod
+    def _check_format(backend: Backend, where: str) -> None:
+        try:
+            info = json.loads(backend.get(STORE_META))
+        except BlobNotFound:
+            raise CheckpointNotFound(f"no ckpt store at {where} (no store.json there)",
+                                     hint="pass the right --store") from None
+        except ValueError as exc:
+            raise StoreError(f"store.json of {where} is not valid JSON: {exc}") from exc
+        if not isinstance(info, dict):
+            raise StoreError(f"store.json of {where} is not a ckpt store description", hint="pass the right --store")
+        if int(info.get("format", 0)) > FORMAT:
+            raise StoreError(f"the store at {where} has format {info['format']}, newer than this ckpt "
+                             f"understands ({FORMAT})", hint="upgrade ckpt")
+
+    @classmethod
+    def open_local(cls, root: Path, create: bool = False, password: bytes | None = None) -> Store:  # noqa: C901
         """Opens the store at root. Only create=True (a dump) makes one, and only where nothing or
-        an empty directory is; it never changes the mode of a directory it did not make.
+        an empty directory is; it never changes the mode of a directory it did not make. With
+        a password (ckpt init --encrypt), the store it creates is encrypted.
 
         A store that another user owns or others may write (the root, a directory in it, or a
         directory above it that someone else could rename it out of) is refused: whoever can
@@ -180,7 +265,7 @@ class Store:
             if real != root:
                 check_safe_ancestors(real)  # an administrator's link to the store's real place
             meta = real / STORE_META
-            backend = LocalBackend(real)
+            backend: Backend = LocalBackend(real)
             if not create and not os.path.lexists(meta):
                 raise CheckpointNotFound(f"no ckpt store at {root} (no store.json there)",
                                          hint="pass the right --store; only 'ckpt dump' creates a store")
@@ -194,6 +279,14 @@ class Store:
                                      hint="choose a new or empty directory with --store")
                 for sub in STORE_DIRS:
                     make_private_dir(real / sub)
+                if password is not None or os.listdir(real / "keys"):
+                    from ckpt.store import keys
+
+                    if password is None:
+                        raise UsageError(f"an interrupted `ckpt init --encrypt` left keys in {root}",
+                                         hint=f"remove {root} and run `ckpt init --encrypt` again")
+                    backend, _ = keys.initialize(backend, password)
+                    password = b""  # unlocked: not again below
                 # Written last: a directory without it, holding only these, is a store whose
                 # creation was interrupted, and the next dump finishes it.
                 backend.put_if_absent(STORE_META, json.dumps(
@@ -201,9 +294,13 @@ class Store:
             for sub in STORE_DIRS:
                 if os.path.lexists(real / sub):
                     check_trusted_dir(real / sub, "the store directory")
+            if password is None and os.path.isdir(real / "keys") and os.listdir(real / "keys"):
+                from ckpt.store import keys
+
+                backend = keys.unlock(backend, password_for(str(root)))
             info = json.loads(backend.get(STORE_META))
         except FileExistsError:
-            return cls.open(root, create=False)  # another dump finished creating it first
+            return cls.open_local(root, create=False)  # another dump finished creating it first
         except OSError as exc:
             raise translate_os_error(exc, f"opening the store at {root}") from exc
         except ValueError as exc:

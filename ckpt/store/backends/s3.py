@@ -135,11 +135,18 @@ class S3Backend(Backend):
         self.lock_ttl = lock_ttl
         self.concurrency = concurrency
         self.attempts = attempts
+        self._connect()
+        self.endpoint = self._client.meta.endpoint_url
+
+    def _connect(self) -> None:
+        """A client, pool and locks of this process: after a fork (a lazy restore's page
+        server) the parent's are unusable (their threads and connections are the parent's)."""
+        self._pid = os.getpid()
         config = Config(
             request_checksum_calculation="when_required", response_checksum_validation="when_required",
-            retries={"mode": "standard", "max_attempts": attempts},
+            retries={"mode": "standard", "max_attempts": self.attempts},
             connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
-            max_pool_connections=2 * concurrency + 2)
+            max_pool_connections=2 * self.concurrency + 2)
         try:
             # The default session: AWS_PROFILE, AWS_ENDPOINT_URL(_S3), AWS_ACCESS_KEY_ID, ~/.aws/config.
             self._client = boto3.session.Session().client("s3", config=config)
@@ -149,11 +156,14 @@ class S3Backend(Backend):
         except ValueError as exc:  # a malformed AWS_ENDPOINT_URL
             raise UsageError(f"the S3 endpoint is not usable: {exc}",
                              hint="set AWS_ENDPOINT_URL to e.g. http://127.0.0.1:8333, or unset it for AWS") from None
-        self.endpoint = self._client.meta.endpoint_url
-        self._checked = False
+        self._checked = getattr(self, "_checked", False)
         self._check_lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+
+    def _after_fork(self) -> None:
+        if os.getpid() != self._pid:
+            self._connect()
 
     @classmethod
     def from_url(cls, url: str, **options) -> S3Backend:
@@ -170,6 +180,7 @@ class S3Backend(Backend):
         return self._root + check_name(name)
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        self._after_fork()
         with self._pool_lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="ckpt-s3")
@@ -208,6 +219,7 @@ class S3Backend(Backend):
     def _request(self, operation: str, what: str, **kwargs) -> dict:
         """One S3 request (botocore retries the transient failures); its failures as typed
         errors. what names the blob (or prefix) for messages."""
+        self._after_fork()
         self._ready()
         method = getattr(self._client, _snake(operation))
         try:

@@ -1,0 +1,56 @@
+"""The password of an encrypted store: CKPT_PASSWORD, else the first line of CKPT_PASSWORD_FILE
+(or --password-file), else a prompt on the terminal when there is one.
+
+The prompt is the CLI's (it installs `prompt`); the core never talks to the terminal itself.
+A password is bytes from here on and is never logged or put in an error message.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Callable
+
+from ckpt import settings
+from ckpt.errors import PasswordNeeded, UsageError
+
+# Set by the CLI when stdin is a terminal: asks for a password (twice when confirm).
+prompt: Callable[[str, bool], str] | None = None
+
+
+def password_for(location: str, confirm: bool = False) -> bytes:
+    """The password of the store at location; PasswordNeeded when none is given anywhere."""
+    current = settings.current()
+    if current.password:
+        return current.password.encode()
+    if current.password_file is not None:
+        return read_password_file(current.password_file)
+    if prompt is not None:
+        text = prompt(f"password of the store at {location}", confirm)
+        if not text:
+            raise UsageError("an empty password", hint="type the store's password")
+        return text.encode()
+    raise PasswordNeeded(f"the store at {location} is encrypted and no password was given",
+                         hint="set CKPT_PASSWORD or CKPT_PASSWORD_FILE (or pass --password-file)")
+
+
+def read_password_file(path: os.PathLike) -> bytes:
+    """The first line of the file, without its line break. A file others may read is refused:
+    whoever reads it can read every checkpoint."""
+    try:
+        with open(path, "rb") as f:
+            info = os.fstat(f.fileno())
+            data = f.read(64 << 10)
+    except OSError as exc:
+        raise UsageError(f"cannot read the password file {path}: {exc.strerror}",
+                         hint="give a readable file with --password-file or CKPT_PASSWORD_FILE") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise UsageError(f"the password file {path} is not a regular file", hint="give a file holding the password")
+    if info.st_mode & 0o077:
+        raise UsageError(f"the password file {path} can be read by others (mode {stat.S_IMODE(info.st_mode):o})",
+                         hint=f"chmod 600 {path}")
+    line = data.split(b"\n", 1)[0].rstrip(b"\r")
+    if not line:
+        raise UsageError(f"the password file {path} starts with an empty line",
+                         hint="put the password on its first line")
+    return line

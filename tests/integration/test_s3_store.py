@@ -1,0 +1,204 @@
+"""Stores in an S3 bucket (a real SeaweedFS server, tests/s3server.py): every command through
+`--store s3://BUCKET/PREFIX`, restores on "another host" (a fresh cache, its own mount and UTS
+namespaces, the first host's local side hidden), encryption seen from the bucket's side, damage,
+concurrency and kill -9 mid-upload."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt.phases import PAUSE_AT, PAUSE_FILE
+from tests.conftest import S3_BUCKET
+from tests.helpers import ROOT, alive, ckpt, ckpt_json, read_lines, wait_until
+
+pytestmark = pytest.mark.integration
+
+PASSWORD = "correct horse battery staple"
+
+
+@pytest.fixture
+def s3_store(s3_url, monkeypatch):
+    """An encrypted store at a fresh prefix of the test bucket, and CKPT_STORE naming it."""
+    monkeypatch.setenv("CKPT_PASSWORD", PASSWORD)
+    monkeypatch.setenv("CKPT_STORE", s3_url)
+    created = ckpt_json("init", s3_url)
+    assert created["store"] == s3_url and created["encrypted"] is True
+    return s3_url
+
+
+def bucket_objects(s3_server, url: str) -> dict[str, bytes]:
+    """Every object under the store's prefix, read raw through the S3 API: {key: bytes}."""
+    client = s3_server.client()
+    prefix = url[len(f"s3://{S3_BUCKET}/"):] + "/"
+    found = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=S3_BUCKET, Prefix=prefix):
+        for item in page.get("Contents", []):
+            found[item["Key"]] = client.get_object(Bucket=S3_BUCKET, Key=item["Key"])["Body"].read()
+    return found
+
+
+def sums(path: Path) -> list[tuple[str, int]]:
+    """bigmem's reports: (checksum, counter) per line."""
+    return [(line.split()[0], int(line.split()[1])) for line in read_lines(path) if len(line.split()) == 2]
+
+
+def report(pid: int, path: Path) -> tuple[str, int]:
+    before = len(sums(path))
+    os.kill(pid, signal.SIGUSR1)
+    wait_until(lambda: len(sums(path)) > before, timeout=20, what="bigmem's report")
+    return sums(path)[-1]
+
+
+def on_another_host(args: list, cache: Path, hidden: Path, hostname: str = "other-host") -> subprocess.CompletedProcess:
+    """`ckpt ARGS` as on another machine: its own mount and UTS namespaces (another hostname),
+    an empty cache, and this host's cache (the local side of the remote store) hidden under an
+    empty tmpfs."""
+    script = (f"mount -t tmpfs -o mode=0700 none {hidden} && hostname {hostname} && "
+              f"exec {sys.executable} -m ckpt \"$@\"")
+    return subprocess.run(["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script, "ckpt",
+                           *map(str, args)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "CKPT_CACHE": str(cache)})
+
+
+def test_a_checkpoint_in_s3_restores_on_another_host_with_an_empty_cache(s3_store, procs, tmp_path):
+    out = tmp_path / "big.txt"
+    big = procs.start("bigmem.py", out, 96)
+    wait_until(lambda: sums(out), timeout=30, what="bigmem")
+    first = ckpt_json("dump", big.pid, "--name", "big")
+    before = report(big.pid, out)
+    second = ckpt_json("dump", big.pid, "--name", "big")
+    assert second["pages_new"] < second["pages"] / 10, "the next dump stored every page again"
+    listed = [c["id"] for c in ckpt_json("list")]
+    assert listed == [first["id"], second["id"]]
+    procs.kill_tree(big.pid)
+
+    restored = on_another_host(["restore", "big", "--json"], tmp_path / "cache-b", tmp_path / "cache")
+    assert restored.returncode == 0, restored.stderr
+    pid = json.loads(restored.stdout)["pid"]
+    procs.adopt(pid)
+    checksum, counter = report(pid, out)
+    assert checksum == before[0], "the restored memory differs from the checkpoint's"
+    assert counter >= before[1], "the counter started again"
+    assert (tmp_path / "cache-b").is_dir() and os.stat(tmp_path / "cache-b").st_mode & 0o077 == 0
+
+
+def test_a_server_restored_from_s3_on_another_host_accepts_again(s3_store, procs, tmp_path):
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    log = tmp_path / "server.txt"
+    server = procs.start("echo_server.py", log, port)
+    wait_until(lambda: read_lines(log), what="server")
+    dumped = ckpt_json("dump", server.pid)
+    procs.kill_tree(server.pid)
+    restored = on_another_host(["restore", dumped["id"], "--json"], tmp_path / "cache-b", tmp_path / "cache")
+    assert restored.returncode == 0, restored.stderr
+    procs.adopt(json.loads(restored.stdout)["pid"])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"after\n")
+        assert s.makefile().readline() == "after\n"
+
+
+def test_nothing_in_the_bucket_shows_the_memory_and_tampering_is_refused(s3_store, s3_server, procs, tmp_path):
+    marker = "ckpt-marker-" + os.urandom(8).hex()
+    holder = procs.start_program([sys.executable, "-c",
+                                  f"import time\nsecret = {marker!r} * 1000\nwhile True: time.sleep(0.1)"], "holder")
+    time.sleep(0.5)
+    dumped = ckpt_json("dump", holder.pid)
+    raw = bucket_objects(s3_server, s3_store)
+    assert any(key.split("/")[-2] == "packs" or "/packs/" in key for key in raw), sorted(raw)
+    for key, data in raw.items():
+        assert marker.encode() not in data, f"{key} holds the marker in clear"
+        assert dumped["id"] not in key and "checkpoints/" + dumped["id"] not in key
+
+    wrong = ckpt("list", check=False, env={"CKPT_PASSWORD": "not the password"})
+    assert wrong.returncode == 4 and "password" in wrong.stderr.lower(), wrong.stderr
+    assert "Traceback" not in wrong.stderr and len(wrong.stderr.strip().splitlines()) <= 2
+
+    # One byte flipped in the largest pack: verify names the damage, restore refuses.
+    client = s3_server.client()
+    pack = max((key for key in raw if "/packs/" in key), key=lambda key: len(raw[key]))
+    damaged = bytearray(raw[pack])
+    damaged[len(damaged) // 2] ^= 0x40
+    client.put_object(Bucket=S3_BUCKET, Key=pack, Body=bytes(damaged))
+    verified = ckpt("verify", dumped["id"], check=False, env={"CKPT_CACHE": str(tmp_path / "fresh-cache")})
+    assert verified.returncode == 6, verified.stdout + verified.stderr
+    procs.kill_tree(holder.pid)
+    refused = ckpt("restore", dumped["id"], "--eager", check=False, env={"CKPT_CACHE": str(tmp_path / "fresh-cache2")})
+    assert refused.returncode == 6, refused.stderr
+    assert not alive(holder.pid)
+
+
+def test_two_dumps_at_once_and_a_prune_during_a_dump_lose_nothing(s3_store, procs, tmp_path):
+    outs = [tmp_path / f"big{k}.txt" for k in range(2)]
+    bigs = [procs.start("bigmem.py", out, 32) for out in outs]
+    for out in outs:
+        wait_until(lambda out=out: sums(out), timeout=30, what="bigmem")
+    runs = [subprocess.Popen([sys.executable, "-m", "ckpt", "dump", str(big.pid), "--json", "--name", f"b{k}"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for k, big in enumerate(bigs)]
+    pruned = ckpt("prune", check=False)
+    results = [run.communicate(timeout=300) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err for _, err in results]
+    assert pruned.returncode == 0, pruned.stderr
+    expected = {k: report(big.pid, outs[k])[0] for k, big in enumerate(bigs)}
+    ckpt("prune")
+    for k, big in enumerate(bigs):
+        procs.kill_tree(big.pid)
+        restored = ckpt_json("restore", f"b{k}", "--eager")
+        procs.adopt(restored["pid"])
+        assert report(restored["pid"], outs[k])[0] == expected[k]
+
+
+def test_kill_9_mid_upload_shows_no_checkpoint_and_the_next_prune_cleans_up(s3_store, s3_server, procs, tmp_path):
+    out = tmp_path / "big.txt"
+    big = procs.start("bigmem.py", out, 64)
+    wait_until(lambda: sums(out), timeout=30, what="bigmem")
+    pause = tmp_path / "paused"
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt", "dump", str(big.pid)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, PAUSE_AT: "dump.before-commit", PAUSE_FILE: str(pause)})
+    wait_until(pause.exists, timeout=120, what="the dump to reach its commit")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert alive(big.pid) and open(f"/proc/{big.pid}/stat").read().split()[2] != "T"
+    assert ckpt_json("list") == []
+    assert not [key for key in bucket_objects(s3_server, s3_store) if "/checkpoints/" in key]
+    # What the killed dump uploaded is no checkpoint's: the next dump and prune go on.
+    dumped = ckpt_json("dump", big.pid)
+    ckpt("prune")
+    expected = report(big.pid, out)[0]
+    procs.kill_tree(big.pid)
+    restored = ckpt_json("restore", dumped["id"], "--eager")
+    procs.adopt(restored["pid"])
+    assert report(restored["pid"], out)[0] == expected
+
+
+def test_bad_remote_stores_get_one_line_and_their_exit_code(s3_env, s3_url, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_PASSWORD", PASSWORD)
+    missing = ckpt("list", "--store", s3_url, check=False)
+    assert missing.returncode == 3 and "ckpt init" in missing.stderr, missing.stderr
+    no_bucket = ckpt("list", "--store", "s3://no-such-bucket-here/x", check=False)
+    assert no_bucket.returncode == 3 and "no bucket" in no_bucket.stderr, no_bucket.stderr
+    denied = ckpt("list", "--store", s3_url, check=False, env={"AWS_SECRET_ACCESS_KEY": "wrong"})
+    assert denied.returncode == 4, denied.stderr
+    unreachable = ckpt("list", "--store", s3_url, check=False, env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"},
+                       timeout=120)
+    assert unreachable.returncode == 9, unreachable.stderr
+    ckpt("init", s3_url)
+    again = ckpt("init", s3_url, check=False)
+    assert again.returncode == 2 and "already" in again.stderr
+    no_password = ckpt("list", "--store", s3_url, check=False, env={"CKPT_PASSWORD": ""})
+    assert no_password.returncode == 4 and "CKPT_PASSWORD" in no_password.stderr
+    for result in (missing, no_bucket, denied, unreachable, again, no_password):
+        assert "Traceback" not in result.stderr
