@@ -68,9 +68,11 @@ def _store_location(variable: str, raw: str) -> StoreLocation:
     if "://" in raw:
         if not raw.startswith("s3://"):
             raise _bad(variable, raw, "a directory or an s3://BUCKET/PREFIX URL", "s3://backups/ckpt")
-        from ckpt.store.backends.s3 import parse_url  # checks the bucket and prefix
-
-        bucket, prefix = parse_url(raw)
+        # The bucket and prefix are checked when the store is opened (backends/s3.py parse_url).
+        bucket, _, prefix = raw[len("s3://"):].partition("/")
+        if not bucket:
+            raise _bad(variable, raw, "an s3://BUCKET/PREFIX URL with a bucket", "s3://backups/ckpt")
+        prefix = prefix.strip("/")
         return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
     return _path(variable, raw)
 
@@ -187,6 +189,17 @@ class Settings:
         if "cache" not in values:
             values["cache"] = default_cache_path(environ)
         return cls(**values)
+
+
+# Where boto3 finds the S3 server and the credential files (not the credentials themselves):
+# what a schedule's cron line passes on, since cron's environment is bare.
+S3_LOCATION_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_REGION",
+                         "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
+
+
+def s3_location_environment() -> dict[str, str]:
+    """The S3_LOCATION_VARIABLES that are set (boto3 reads them itself; not ckpt settings)."""
+    return {name: os.environ[name] for name in S3_LOCATION_VARIABLES if os.environ.get(name)}
 
 
 def variables() -> dict[str, str]:

@@ -22,9 +22,6 @@ from ckpt.system.files import atomic_write_bytes, make_private_dir
 
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")  # cron.d ignores file names with dots
 CRON_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# Where boto3 finds the S3 server and the credential files; not the credentials themselves.
-CRON_AWS_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION",
-                      "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
 
 
 class TargetAmbiguous(CkptError):
@@ -116,7 +113,7 @@ class ScheduleBook:
         lines = [f"CKPT_CACHE={current.cache}"]
         if current.password_file is not None:
             lines.append(f"CKPT_PASSWORD_FILE={current.password_file}")
-        lines += [f"{name}={os.environ[name]}" for name in CRON_AWS_VARIABLES if os.environ.get(name)]
+        lines += [f"{name}={value}" for name, value in settings.s3_location_environment().items()]
         return "".join(line + "\n" for line in lines)
 
     def cron_file(self, name: str) -> Path:

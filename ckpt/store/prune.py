@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import blake3
@@ -23,7 +24,7 @@ import xxhash
 
 from ckpt.errors import StoreError
 from ckpt.phases import phase
-from ckpt.store.backends import BlobNotFound
+from ckpt.store.backends import BlobInfo, BlobNotFound
 from ckpt.store.blocks.blockstore import BlockStore
 from ckpt.store.blocks.index import BlockIndex, render_index
 from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, Segment, pack_name, segment_key, split_location
@@ -89,14 +90,21 @@ def prune_plan(store: Store) -> PrunePlan:  # noqa: C901
     plan = PrunePlan()
     referenced = {e.hash for m in manifests for e in m.files}
     backend = store.backend
+    young = _young(backend)
     for info in backend.list(OBJECTS_PREFIX):
-        if info.name.rpartition("/")[2].split(".", 1)[0] not in referenced:
+        if info.name.rpartition("/")[2].split(".", 1)[0] not in referenced and not young(info):
             plan.objects.append(info.name)
             plan.bytes_freed += info.size
     for info in backend.list(OBJECTS_PREFIX, incomplete=True) + backend.list(INDEX_PREFIX, incomplete=True):
-        plan.objects.append(info.name)
-        plan.bytes_freed += info.size
+        if not young(info):
+            plan.objects.append(info.name)
+            plan.bytes_freed += info.size
     live_pages: set[bytes] = set()
+    # The pages of young index files count as live: they may be a dump's still committing.
+    young_files = {info.name[len(INDEX_PREFIX):] for info in backend.list(INDEX_PREFIX) if young(info)}
+    for name, columns in zip(index.files, index.columns, strict=True):
+        if name in young_files:
+            live_pages.update(columns.id_list())
     for m in manifests:
         for e in m.files:
             if e.kind == "pages":
@@ -122,6 +130,8 @@ def prune_plan(store: Store) -> PrunePlan:  # noqa: C901
     indexed = {pack_name(pack) for pack in pack_bytes}
     for info in [info for name, info in stored.items() if name not in indexed] + backend.list(PACKS_PREFIX,
                                                                                                 incomplete=True):
+        if young(info):
+            continue
         plan.unindexed_packs.append(info.name)
         plan.bytes_freed += info.size
     dead_entries = len(index.pages) - len(live_pages & index.pages.keys())
@@ -141,6 +151,17 @@ def prune_plan(store: Store) -> PrunePlan:  # noqa: C901
     return plan
 
 
+def _young(backend) -> Callable[[BlobInfo], bool]:
+    """Whether a blob is within the backend's safety margin (see "Pruning" in design.md):
+    never for local stores (margin 0), else modified less than the margin ago by the server's
+    clock."""
+    margin = backend.gc_margin()
+    if margin <= 0:
+        return lambda info: False
+    cutoff = backend.now() - margin
+    return lambda info: info.modified is None or info.modified > cutoff
+
+
 def execute_prune(store: Store, plan: PrunePlan) -> None:
     try:
         _execute(store, plan)
@@ -152,6 +173,7 @@ def _execute(store: Store, plan: PrunePlan) -> None:
     blocks, backend = store.blocks, store.backend
     index = blocks.index()
     old_index_files = list(index.files)
+    store.check_lock("deleting what no checkpoint uses")
     # Step 0: nothing a remaining checkpoint (or a later dump's deduplication) could reach.
     # An index file goes before its packs, as in steps 3-4: no page is ever found in a pack
     # that is gone (each delete is durable when it returns).

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,7 +21,7 @@ import blake3
 import zstandard
 
 from ckpt import settings
-from ckpt.errors import (CheckpointNotFound, DamagedCheckpoint, PermissionProblem, StoreError, UsageError)
+from ckpt.errors import (CheckpointNotFound, DamagedCheckpoint, PermissionProblem, StoreBusy, StoreError, UsageError)
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import ids
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, BlobStream, LocalBackend
@@ -150,6 +151,7 @@ class Store:
         self.logs_root = root / "logs"
         self.tmp_dir = root / "tmp"
         self._blocks: BlockStore | None = None
+        self._held_locks: list[object] = []
 
     @property
     def blocks(self) -> BlockStore:
@@ -315,11 +317,27 @@ class Store:
                                     hint="run as its owner (root) or choose another store with --store")
         return cls(real, backend)
 
-    def lock(self, exclusive: bool = False, on_wait=None, timeout: float | None = None):
+    @contextmanager
+    def lock(self, exclusive: bool = False, on_wait=None, timeout: float | None = None) -> Iterator[object]:
         """The store's lock for a `with` block: shared by commands that add or read checkpoints,
         exclusive by those that delete. on_wait(holders) hears once if it has to wait."""
         timeout = settings.current().lock_timeout if timeout is None else timeout
-        return self.backend.lock(exclusive, timeout, on_wait)
+        with self.backend.lock(exclusive, timeout, on_wait) as held:
+            self._held_locks.append(held)
+            try:
+                yield held
+            finally:
+                self._held_locks.remove(held)
+
+    def check_lock(self, what: str) -> None:
+        """Before a commit point: the locks this store holds are still held. A lock object can
+        be lost (not refreshed in time, the server unreachable for minutes, taken for stale by
+        another host); a flock cannot."""
+        for held in self._held_locks:
+            still_held = getattr(held, "still_held", None)
+            if still_held is not None and not still_held():
+                raise StoreBusy(f"lost the lock of the store at {self.location} before {what}; nothing was "
+                                "committed", hint="run the command again (check the server's reachability)")
 
     # ---- manifests ----------------------------------------------------------------------
 
@@ -384,6 +402,7 @@ class Store:
     def commit(self, manifest: Manifest) -> None:
         """The commit point: the manifest appears atomically, after all its objects are durable."""
         data = json.dumps(manifest.to_json(), indent=2).encode() + b"\n"
+        self.check_lock(f"committing checkpoint {manifest.id}")
         try:
             # Never replaces: two dumps in the same millisecond drawing the same 24 random bits
             # must not lose a checkpoint (their staging directories collide first, in practice).

@@ -86,3 +86,20 @@ def test_a_failing_command_prints_no_json(capsys, isolated_env):
     for argv in (["show", "latest"], ["rm", "nosuch"], ["schedule", "rm", "nosuch"], ["schedule", "run", "nosuch"]):
         code, out, err = run(capsys, *argv, "--json")
         assert code != 0 and out == "" and err.startswith("Error: "), argv
+
+
+def test_init_of_a_local_store_plain_and_encrypted(capsys, tmp_path, monkeypatch):
+    code, out, err = run(capsys, "init", str(tmp_path / "plain"), "--json")
+    assert code == 0, err
+    created = json.loads(out)
+    jsonshape.assert_shape(created, "init")
+    assert created["encrypted"] is False and (tmp_path / "plain" / "store.json").exists()
+    monkeypatch.setenv("CKPT_PASSWORD", "pw")
+    code, out, err = run(capsys, "init", str(tmp_path / "sealed"), "--encrypt", "--json")
+    assert code == 0, err
+    created = json.loads(out)
+    jsonshape.assert_shape(created, "init")
+    assert created["encrypted"] is True and created["key"]
+    assert b"format" not in (tmp_path / "sealed" / "store.json").read_bytes()  # encrypted on disk
+    code, out, err = run(capsys, "init", str(tmp_path / "sealed"), "--json")
+    assert code == 2 and out == "" and "already" in err

@@ -14,6 +14,7 @@ import abc
 import builtins
 import os
 import re
+import time
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -235,6 +236,15 @@ class Backend(abc.ABC):
         seconds, calling on_wait(holders) once if it has to wait, then raises StoreBusy. A
         lock whose holder is gone never blocks anyone (local: flock dies with its process;
         lock objects: stale once their process is gone or they are not refreshed)."""
+
+    def gc_margin(self) -> float:
+        """Seconds during which an unreferenced blob may still be part of a write in progress
+        and prune keeps it: 0 where locks cannot be lost (flock), more for lock objects."""
+        return 0.0
+
+    def now(self) -> float:
+        """The backend's clock, which BlobInfo.modified is measured by."""
+        return time.time()
 
     @abc.abstractmethod
     def lock_holders(self) -> builtins.list[LockOwner]:

@@ -166,6 +166,18 @@ class S3Backend(Backend):
             self._connect()
 
     @classmethod
+    def gc_margin(self) -> float:
+        # Twice the locks' TTL: a blob younger than that may belong to a command whose lock
+        # another took for stale and that has not yet seen it (it checks before committing).
+        return 2 * self.lock_ttl
+
+    def now(self) -> float:
+        """The server's clock (the Date of a list answer): what LastModified is compared with."""
+        response = self._request("ListObjectsV2", "", Prefix=self._root + LOCKS_PREFIX, MaxKeys=1)
+        server = _server_time(response)
+        return server if server is not None else time.time()
+
+    @classmethod
     def from_url(cls, url: str, **options) -> S3Backend:
         bucket, prefix = parse_url(url)
         return cls(bucket, prefix, **options)
@@ -573,6 +585,7 @@ class _HeldLock:
 
     def __init__(self, backend: S3Backend, name: str, data: bytes):
         self._backend, self._name, self._data = backend, name, data
+        self.refreshed = time.monotonic()
         self.lost = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._refresh, name="ckpt-s3-lock", daemon=True)
@@ -580,18 +593,28 @@ class _HeldLock:
 
     def _refresh(self) -> None:
         interval = self._backend.lock_ttl / 5
-        refreshed = time.monotonic()
         while not self._stopped.wait(interval):
             try:
                 if not self._backend.exists(self._name):
                     self.lost.set()
                     return
                 self._backend.put(self._name, self._data)
-                refreshed = time.monotonic()
+                self.refreshed = time.monotonic()
             except CkptError:
-                if time.monotonic() - refreshed > self._backend.lock_ttl:
+                if time.monotonic() - self.refreshed > self._backend.lock_ttl:
                     self.lost.set()
                     return
+
+    def still_held(self) -> bool:
+        """Checked right before a commit point (a manifest, prune's deletions): the lock object
+        is still ours and was refreshed well within its TTL, so no other locker can have taken
+        it for stale. One HEAD request."""
+        if self.lost.is_set() or time.monotonic() - self.refreshed > self._backend.lock_ttl * 0.8:
+            return False
+        try:
+            return self._backend.exists(self._name)
+        except CkptError:
+            return False
 
     def stop(self) -> None:
         self._stopped.set()
