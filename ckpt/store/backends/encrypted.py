@@ -206,20 +206,24 @@ class EncryptedBackend(Backend):
     def _open_chunks(self, name: str, aead: AESGCM, aad: bytes, sealed, first: int, ends: bool) -> list[bytes]:
         """Decrypts consecutive sealed chunks, the first of index `first`; `ends`: the last of
         them is the blob's last (sealed as final)."""
-        view = memoryview(sealed)
-        count = -(-len(view) // self._sealed)
         out = []
-        for i in range(count):
-            piece = view[i * self._sealed:(i + 1) * self._sealed]
-            index = first + i
-            if len(piece) < TAG_LEN:
-                raise self._damaged(name, f"cut short in chunk {index} (at byte {index * self.chunk})")
-            try:
-                out.append(aead.decrypt(_nonce(index, ends and i == count - 1), piece, aad))
-            except InvalidTag:
-                raise self._damaged(name, f"chunk {index} (at byte {index * self.chunk}) fails authentication"
-                                    + (" or the blob was cut short there" if ends and i == count - 1 else "")) \
-                    from None
+        # Views released on every way out: a traceback keeping one alive would keep a local
+        # reader's mapping from closing.
+        with memoryview(sealed) as view:
+            count = -(-len(view) // self._sealed)
+            for i in range(count):
+                index = first + i
+                with view[i * self._sealed:(i + 1) * self._sealed] as piece:
+                    if len(piece) < TAG_LEN:
+                        raise self._damaged(name, f"cut short in chunk {index} (at byte {index * self.chunk})")
+                    try:
+                        out.append(aead.decrypt(_nonce(index, ends and i == count - 1), piece, aad))
+                    except InvalidTag:
+                        pass
+                    else:
+                        continue
+                cut = " or the blob was cut short there" if ends and i == count - 1 else ""
+                raise self._damaged(name, f"chunk {index} (at byte {index * self.chunk}) fails authentication{cut}")
         return out
 
     # ---- writing ---------------------------------------------------------------------------
