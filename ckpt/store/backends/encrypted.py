@@ -62,7 +62,7 @@ HEADER_CACHE = 256
 # through a blob, chunks fetched ahead (doubling up to this many).
 READER_CHUNKS = 32
 READ_AHEAD = 16
-COPY_BATCH = 64  # chunks per step of get_file: 16 MiB
+COPY_BATCH = 64  # chunks per read of get_file and put_file: 16 MiB
 
 
 def _hkdf(master: bytes, length: int, info: bytes, salt: bytes | None = None) -> bytes:
@@ -314,20 +314,55 @@ class EncryptedBackend(Backend):
         return joined[skip:] if length is None else joined[skip:skip + length]
 
     def get_file(self, name: str, dest: Path) -> None:
-        with self.reader() as reader:
-            size = reader.size(name)  # BlobNotFound before dest is made
+        """The inner backend fetches the ciphertext whole into a temp file beside dest (local:
+        a hard link; S3: ranges in parallel), which is then decrypted into dest."""
+        inner_name = self._inner_name(name)
+        sealed_path = dest.with_name(f".{dest.name}.sealed")
+        self.inner.get_file(inner_name, sealed_path)  # BlobNotFound before dest is made
+        try:
             fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                if size == 0:
-                    self.get(name)  # its one empty chunk is still checked
-                step = COPY_BATCH * self.chunk
-                for offset in range(0, size, step):
-                    reader.copy_to(name, offset, step, fd)
+                with open(sealed_path, "rb") as sealed:
+                    self._decrypt_file(name, sealed, fd)
             except BaseException:
                 os.close(fd)
                 os.unlink(dest)
                 raise
             os.close(fd)
+        finally:
+            os.unlink(sealed_path)
+
+    def _decrypt_file(self, name: str, sealed, fd: int) -> None:
+        header = sealed.read(HEADER_LEN)
+        aead = self._open_header(name, header)
+        aad = header + name.encode()
+        stored = os.fstat(sealed.fileno()).st_size
+        count = max(1, -(-(stored - HEADER_LEN) // self._sealed))
+        batch = bytearray(COPY_BATCH * self._sealed)
+        plain = bytearray(self.chunk)
+        index = 0
+        with memoryview(batch) as batch_view, memoryview(plain) as plain_view:
+            while index < count:
+                got = sealed.readinto(batch_view)
+                if not got:
+                    raise self._damaged(name, f"cut short in chunk {index} (at byte {index * self.chunk})")
+                for at in range(0, got, self._sealed):
+                    piece = batch_view[at:min(got, at + self._sealed)]
+                    size = len(piece) - TAG_LEN
+                    if size < 0:
+                        raise self._damaged(name, f"cut short in chunk {index} (at byte {index * self.chunk})")
+                    try:
+                        aead.decrypt_into(_nonce(index, index == count - 1), piece, aad, plain_view[:size])
+                    except InvalidTag:
+                        cut = " or the blob was cut short there" if index == count - 1 else ""
+                        raise self._damaged(
+                            name, f"chunk {index} (at byte {index * self.chunk}) fails authentication{cut}") from None
+                    finally:
+                        piece.release()
+                    out = plain_view[:size]
+                    while out:
+                        out = out[os.write(fd, out):]
+                    index += 1
 
     def stat(self, name: str) -> BlobInfo:
         info = self.inner.stat(self._inner_name(name))
@@ -544,9 +579,12 @@ class _EncryptedReader(RangeReader):
 
     def copy_to(self, name: str, offset: int, length: int, fd: int) -> int:
         copied = 0
+        chunk = self._enc.chunk
         while copied < length:
-            step = min(length - copied, COPY_BATCH * self._enc.chunk)
-            with self.read(name, offset + copied, step) as view:
+            # A chunk at a time: views of decrypted chunks, never joined.
+            at = offset + copied
+            step = min(length - copied, chunk - at % chunk)
+            with self.read(name, at, step) as view:
                 data = view
                 while data:
                     data = data[os.write(fd, data):]
