@@ -106,6 +106,28 @@ class DamagedCheckpoint(CkptError):
     exit_code = ExitCode.DAMAGED
 
 
+class DamagedBlob(DamagedCheckpoint):
+    """A blob of an encrypted store failed authentication (a flipped byte, cut short, moved
+    from another name, or not this repository's): the store treats it as damaged data, as it
+    does a segment failing its checksum. name is the blob's (logical) name."""
+
+    def __init__(self, message: str, *, hint: str | None = None, name: str | None = None):
+        super().__init__(message, hint=hint)
+        self.name = name
+
+
+class WrongPassword(CkptError):
+    """No key file of an encrypted store opens with the password given."""
+
+    exit_code = ExitCode.PERMISSION
+
+
+class KeyNotFound(CkptError):
+    """No key file of that id in an encrypted store."""
+
+    exit_code = ExitCode.NOT_FOUND
+
+
 class CriuUnavailable(CkptError):
     exit_code = ExitCode.CRIU
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import blake3
 import xxhash
 
-from ckpt.errors import StoreError
+from ckpt.errors import DamagedBlob, StoreError
 from ckpt.phases import phase
 from ckpt.store.backends import BlobInfo, BlobNotFound
 from ckpt.store.blocks.blockstore import BlockStore
@@ -226,7 +226,7 @@ def _write_new_index(blocks: BlockStore, index: BlockIndex, plan: PrunePlan, rep
                     out = backend.writer(pack_name(new_pack))
                 try:
                     data = backend.get(pack_name(seg.pack), seg.offset, seg.length)
-                except BlobNotFound:
+                except (BlobNotFound, DamagedBlob):  # DamagedBlob: an encrypted store's, failing authentication
                     data = b""
                 # Checked on the way: a segment of a pack with recorded damage is trusted at
                 # its new place only if it is intact; one cut short is padded to its length,

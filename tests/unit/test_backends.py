@@ -1,8 +1,9 @@
 """Backend conformance: the same tests against every implementation of the storage backend
 interface (ckpt/store/backends): the local directory and S3 (a real SeaweedFS server,
-tests/s3server.py). What the store relies on: whole blobs appear atomically, ranged reads,
-listing by prefix across pages, deletion, create-if-absent with one winner, streamed writes
-visible only on commit, and a lock that excludes and goes stale with its holder."""
+tests/s3server.py), each also under the encryption wrapper (encrypted.py, "enc:<spec>"). What
+the store relies on: whole blobs appear atomically, ranged reads, listing by prefix across
+pages, deletion, create-if-absent with one winner, streamed writes visible only on commit, and
+a lock that excludes and goes stale with its holder."""
 
 import concurrent.futures
 import json
@@ -24,6 +25,9 @@ MiB = 1 << 20
 OPEN = """
 import sys
 def open_backend(spec, **options):
+    if spec.startswith("enc:"):
+        from ckpt.store.backends.encrypted import EncryptedBackend
+        return EncryptedBackend(open_backend(spec[4:], **options), bytes(range(32)))
     if spec.startswith("s3://"):
         from ckpt.store.backends.s3 import S3Backend
         return S3Backend.from_url(spec, **options)
@@ -40,24 +44,30 @@ def run_script(body: str, *args: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", OPEN + body, *args], cwd=REPO, **popen)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "enc-local", "enc-s3"])
 def spec(request, tmp_path):
-    if request.param == "local":
-        return str(tmp_path / "store")
-    return request.getfixturevalue("s3_url")
+    encrypted = "enc:" if request.param.startswith("enc-") else ""
+    if request.param.endswith("local"):
+        return encrypted + str(tmp_path / "store")
+    return encrypted + request.getfixturevalue("s3_url")
 
 
 @pytest.fixture
 def backend(spec):
     # Small parts: a few MiB exercise multipart uploads and parallel ranged reads.
-    opened = open_backend(spec, part_size=5 * MiB) if spec.startswith("s3://") else open_backend(spec)
+    opened = open_backend(spec, part_size=5 * MiB) if "s3://" in spec else open_backend(spec)
     yield opened
     if hasattr(opened, "close"):
         opened.close()
 
 
+def raw(backend):
+    """The backend under the encryption wrapper, if any."""
+    return getattr(backend, "inner", backend)
+
+
 def is_s3(backend) -> bool:
-    return not isinstance(backend, LocalBackend)
+    return not isinstance(raw(backend), LocalBackend)
 
 
 def test_put_get_stat_and_ranges(backend, tmp_path):
@@ -201,7 +211,7 @@ def test_a_streamed_blob_appears_only_on_commit(backend):
 
 ABANDONER = """
 import os
-backend = open_backend(sys.argv[1], **({"part_size": 5 << 20} if sys.argv[1].startswith("s3://") else {}))
+backend = open_backend(sys.argv[1], **({"part_size": 5 << 20} if "s3://" in sys.argv[1] else {}))
 writer = backend.writer("packs/ab/crashed")
 writer.write(os.urandom(6 << 20))
 print("written", flush=True)
@@ -242,7 +252,7 @@ def test_a_reader_reads_ranges_and_copies_them(backend, tmp_path):
 
 HOLDER = """
 import time
-backend = open_backend(sys.argv[1], **({"lock_ttl": float(sys.argv[3])} if sys.argv[1].startswith("s3://") else {}))
+backend = open_backend(sys.argv[1], **({"lock_ttl": float(sys.argv[3])} if "s3://" in sys.argv[1] else {}))
 with backend.lock(sys.argv[2] == "exclusive", 10):
     print("held", flush=True)
     time.sleep(float(sys.argv[4]))
@@ -300,7 +310,7 @@ def test_the_lock_of_a_killed_holder_is_taken_over(backend, spec):
         assert backend.lock_holders() == []
     assert time.monotonic() - started < 5, "a dead holder on this host is stale at once, not after the TTL"
     if is_s3(backend):
-        assert backend.list("locks/") == [], "the stale lock object and ours are gone"
+        assert raw(backend).list("locks/") == [], "the stale lock object and ours are gone"
 
 
 def test_an_unrefreshed_lock_of_another_host_goes_stale_after_its_ttl(s3_url):

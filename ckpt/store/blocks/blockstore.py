@@ -27,7 +27,7 @@ import blake3
 import xxhash
 import zstandard
 
-from ckpt.errors import DamagedCheckpoint
+from ckpt.errors import DamagedBlob, DamagedCheckpoint
 from ckpt.phases import phase
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, RangeReader
 from ckpt.store.blocks.segments import (CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segment, pack_name, segment_key,
@@ -595,7 +595,10 @@ class _SegmentReader:
             raise self._damaged(seg, f"pack {seg.pack} is empty")
         if seg.offset + seg.length > size:
             raise self._damaged(seg, f"pack {seg.pack} is damaged at offset {seg.offset} (truncated)")
-        return self.ranges.read(pack_name(seg.pack), seg.offset, seg.length)
+        try:
+            return self.ranges.read(pack_name(seg.pack), seg.offset, seg.length)
+        except DamagedBlob as exc:  # an encrypted store: the chunk holding it fails authentication
+            raise self._damaged(seg, f"pack {seg.pack} is damaged at offset {seg.offset} ({exc.message})") from None
 
     def _check(self, key: int, seg: Segment, stored) -> None:
         if key not in self.checked:
@@ -653,7 +656,11 @@ class _SegmentReader:
         finally:
             stored.release()
         offset, length = seg.offset + within * PAGE, count * PAGE
-        if self.ranges.copy_to(pack_name(seg.pack), offset, length, out_fd) < length:
+        try:
+            copied = self.ranges.copy_to(pack_name(seg.pack), offset, length, out_fd)
+        except DamagedBlob as exc:
+            raise self._damaged(seg, f"pack {seg.pack} is damaged at offset {offset} ({exc.message})") from None
+        if copied < length:
             raise self._damaged(seg, f"pack {seg.pack} is damaged at offset {offset} (truncated)")
 
     def close(self) -> None:
