@@ -11,6 +11,7 @@ from tests.helpers import ROOT
 
 COMMANDS = ["init", "check", "dump", "restore", "list", "show", "diff", "rm", "verify", "forget", "prune", "run"]
 SCHEDULE_COMMANDS = ["add", "list", "rm", "run"]
+KEY_COMMANDS = ["list", "add", "remove", "passwd"]
 
 
 def run(capsys, *argv):
@@ -27,10 +28,11 @@ def test_every_command_is_registered_and_has_help_with_examples(capsys):
         code, out, err = run(capsys, command, "--help")
         assert code == 0, err
         assert "Examples:" in out and f"ckpt {command}" in out, command
-    for command in SCHEDULE_COMMANDS:
-        code, out, err = run(capsys, "schedule", command, "--help")
-        assert code == 0, err
-        assert "Examples:" in out and f"ckpt schedule {command}" in out, command
+    for group, commands in (("schedule", SCHEDULE_COMMANDS), ("key", KEY_COMMANDS)):
+        for command in commands:
+            code, out, err = run(capsys, group, command, "--help")
+            assert code == 0, err
+            assert "Examples:" in out and f"ckpt {group} {command}" in out, command
 
 
 def test_list_on_empty_store_is_an_empty_json_array(capsys, isolated_env):
@@ -67,3 +69,41 @@ def test_list_and_help_do_not_import_pycriu():
             "assert 'pycriu' not in sys.modules, 'pycriu imported'\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_passwords_of_an_encrypted_store_are_added_changed_and_removed(capsys, tmp_path, monkeypatch):
+    store = tmp_path / "sealed"
+    files = {}
+    for word in ("pw1", "pw2", "pw3"):
+        files[word] = tmp_path / word
+        files[word].write_text(word + "\n")
+        files[word].chmod(0o600)
+    monkeypatch.setenv("CKPT_PASSWORD", "pw1")
+    assert run(capsys, "init", str(store), "--encrypt")[0] == 0
+    monkeypatch.setenv("CKPT_STORE", str(store))
+    code, out, err = run(capsys, "key", "add", "--new-password-file", str(files["pw2"]), "--json")
+    assert code == 0, err
+    second = json.loads(out)["added"]
+    code, out, err = run(capsys, "key", "list", "--json")
+    listed = json.loads(out)
+    assert len(listed) == 2 and [k["id"] for k in listed if k["current"]] != [second]
+    first = [k["id"] for k in listed if k["current"]][0]
+    monkeypatch.setenv("CKPT_PASSWORD", "pw2")
+    assert run(capsys, "list")[0] == 0
+    code, out, err = run(capsys, "key", "passwd", "--new-password-file", str(files["pw3"]), "--json")
+    assert code == 0, err
+    code, out, err = run(capsys, "list")
+    assert code == 4 and "password" in err  # pw2's key was replaced by pw3's
+    monkeypatch.setenv("CKPT_PASSWORD", "pw3")
+    code, out, err = run(capsys, "key", "remove", first, "--json")
+    assert code == 0 and json.loads(out) == {"removed": first}, err
+    monkeypatch.setenv("CKPT_PASSWORD", "pw1")
+    assert run(capsys, "list")[0] == 4
+    monkeypatch.setenv("CKPT_PASSWORD", "pw3")
+    code, out, err = run(capsys, "key", "list", "--json")
+    only = json.loads(out)
+    assert len(only) == 1 and only[0]["current"]
+    code, out, err = run(capsys, "key", "remove", only[0]["id"])
+    assert code != 0 and "Traceback" not in err  # never the last key, never the one in use
+    code, out, err = run(capsys, "key", "list", "--store", str(tmp_path / "plain-none"))
+    assert code == 3

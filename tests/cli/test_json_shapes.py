@@ -35,8 +35,8 @@ def test_every_command_has_json_and_a_documented_shape():
     schemas = jsonshape.load()
     documented = {name.split(":")[0] for name in schemas if name.split(":")[0] in commands_with_json()}
     every_command = {c.name for c in app.registered_commands} - {None}
-    every_command |= {f"schedule {c.name}" for c in typer.main.get_command(app).commands["schedule"].commands
-                      .values()}
+    for group in ("schedule", "key"):
+        every_command |= {f"{group} {c.name}" for c in typer.main.get_command(app).commands[group].commands.values()}
     assert commands_with_json() == every_command, "every command takes --json"
     assert documented == every_command, "docs/json.md has a schema for every command"
     assert {"run: started", "run: checkpoint", "run: died", "run: restored", "run: exit"} <= set(schemas)

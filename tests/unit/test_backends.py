@@ -338,3 +338,16 @@ def test_a_held_lock_is_refreshed_and_stays_live_past_its_ttl(s3_url):
                 pass
     finally:
         end(holder)
+
+
+def test_wrappers_pass_on_the_safety_margin_and_the_clock(s3_url):
+    """prune's safety margin (design.md, "Pruning") must reach it through encryption and the
+    cache: a wrapper answering the base class's 0 would let prune delete a dump's blobs."""
+    from ckpt.store import keys
+    from ckpt.store.backends.s3 import S3Backend
+
+    remote = S3Backend.from_url(s3_url)
+    wrapped, _ = keys.initialize(remote, b"pw")
+    assert remote.gc_margin() == 2 * remote.lock_ttl > 0
+    assert wrapped.gc_margin() == remote.gc_margin()
+    assert abs(wrapped.now() - time.time()) < 60

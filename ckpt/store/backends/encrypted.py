@@ -439,6 +439,12 @@ class EncryptedBackend(Backend):
     def lock_holders(self) -> builtins.list[LockOwner]:
         return self.inner.lock_holders()
 
+    def gc_margin(self) -> float:
+        return self.inner.gc_margin()
+
+    def now(self) -> float:
+        return self.inner.now()
+
     def close(self) -> None:
         closer = getattr(self.inner, "close", None)
         if closer is not None:

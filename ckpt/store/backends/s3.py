@@ -165,7 +165,6 @@ class S3Backend(Backend):
         if os.getpid() != self._pid:
             self._connect()
 
-    @classmethod
     def gc_margin(self) -> float:
         # Twice the locks' TTL: a blob younger than that may belong to a command whose lock
         # another took for stale and that has not yet seen it (it checks before committing).
