@@ -34,7 +34,7 @@ def password_for(location: str, confirm: bool = False) -> bytes:
                          hint="set CKPT_PASSWORD or CKPT_PASSWORD_FILE (or pass --password-file)")
 
 
-def read_password_file(path: os.PathLike) -> bytes:
+def read_password_file(path: str | os.PathLike) -> bytes:
     """The first line of the file, without its line break. A file others may read is refused:
     whoever reads it can read every checkpoint."""
     try:
