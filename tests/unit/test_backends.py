@@ -1,6 +1,6 @@
 """Backend conformance: the same tests against every implementation of the storage backend
-interface (ckpt/store/backends): the local directory and S3 (a real SeaweedFS server,
-tests/s3server.py). What the store relies on: whole blobs appear atomically, ranged reads,
+interface (ckpt/store/backends): the local directory, S3 (a real SeaweedFS server,
+tests/s3server.py), and S3 behind the local cache (CachingBackend). What the store relies on: whole blobs appear atomically, ranged reads,
 listing by prefix across pages, deletion, create-if-absent with one winner, streamed writes
 visible only on commit, and a lock that excludes and goes stale with its holder."""
 
@@ -24,6 +24,11 @@ MiB = 1 << 20
 OPEN = """
 import sys
 def open_backend(spec, **options):
+    if spec.startswith("cached:"):  # cached:<cache dir>|s3://...
+        from pathlib import Path
+        from ckpt.store.backends.cache import CachingBackend
+        directory, _, url = spec[len("cached:"):].partition("|")
+        return CachingBackend(open_backend(url, **options), Path(directory), url, 1 << 30)
     if spec.startswith("s3://"):
         from ckpt.store.backends.s3 import S3Backend
         return S3Backend.from_url(spec, **options)
@@ -40,17 +45,23 @@ def run_script(body: str, *args: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", OPEN + body, *args], cwd=REPO, **popen)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "cached"])
 def spec(request, tmp_path):
     if request.param == "local":
         return str(tmp_path / "store")
+    if request.param == "cached":
+        return f"cached:{tmp_path / 'cache'}|{request.getfixturevalue('s3_url')}"
     return request.getfixturevalue("s3_url")
+
+
+def remote(spec: str) -> bool:
+    return spec.startswith(("s3://", "cached:"))
 
 
 @pytest.fixture
 def backend(spec):
     # Small parts: a few MiB exercise multipart uploads and parallel ranged reads.
-    opened = open_backend(spec, part_size=5 * MiB) if spec.startswith("s3://") else open_backend(spec)
+    opened = open_backend(spec, part_size=5 * MiB) if remote(spec) else open_backend(spec)
     yield opened
     if hasattr(opened, "close"):
         opened.close()
@@ -201,7 +212,7 @@ def test_a_streamed_blob_appears_only_on_commit(backend):
 
 ABANDONER = """
 import os
-backend = open_backend(sys.argv[1], **({"part_size": 5 << 20} if sys.argv[1].startswith("s3://") else {}))
+backend = open_backend(sys.argv[1], **({"part_size": 5 << 20} if "s3://" in sys.argv[1] else {}))
 writer = backend.writer("packs/ab/crashed")
 writer.write(os.urandom(6 << 20))
 print("written", flush=True)
@@ -242,7 +253,7 @@ def test_a_reader_reads_ranges_and_copies_them(backend, tmp_path):
 
 HOLDER = """
 import time
-backend = open_backend(sys.argv[1], **({"lock_ttl": float(sys.argv[3])} if sys.argv[1].startswith("s3://") else {}))
+backend = open_backend(sys.argv[1], **({"lock_ttl": float(sys.argv[3])} if "s3://" in sys.argv[1] else {}))
 with backend.lock(sys.argv[2] == "exclusive", 10):
     print("held", flush=True)
     time.sleep(float(sys.argv[4]))
