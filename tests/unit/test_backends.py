@@ -1,8 +1,9 @@
 """Backend conformance: the same tests against every implementation of the storage backend
 interface (ckpt/store/backends): the local directory, S3 (a real SeaweedFS server,
-tests/s3server.py), and S3 behind the local cache (CachingBackend). What the store relies on: whole blobs appear atomically, ranged reads,
-listing by prefix across pages, deletion, create-if-absent with one winner, streamed writes
-visible only on commit, and a lock that excludes and goes stale with its holder."""
+tests/s3server.py), and S3 behind the local cache (CachingBackend). What the store relies
+on: whole blobs appear atomically, ranged reads, listing by prefix across pages, deletion,
+create-if-absent with one winner, streamed writes visible only on commit, and a lock that
+excludes and goes stale with its holder."""
 
 import concurrent.futures
 import json

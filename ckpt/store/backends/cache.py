@@ -155,6 +155,9 @@ class CachingBackend(Backend):
         for directory in (self.directory.parent, self.directory):
             make_private_dir(directory)
             check_trusted_dir(directory, "the cache directory")
+        for prefix in CACHED_PREFIXES:
+            # Made here, each 0700: mkdir(parents=True) would make them with the umask's mode.
+            make_private_dir(self.directory / prefix)
 
     def _path(self, name: str) -> Path:
         return self.directory / check_name(name)
