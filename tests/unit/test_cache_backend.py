@@ -239,8 +239,9 @@ print("done", flush=True)
     copies = [p for p in cache_root.rglob("*") if p.is_file() and "blobs" in p.parts]
     total = sum(p.stat().st_size for p in copies)
     assert 0 < total <= 4 * MiB
+    # (which store's copies remain depends on which process wrote last: the other's are older)
+    assert len([d for d in cache_root.iterdir() if (d / "blobs").is_dir()]) == 2, "each store has its own directory"
     assert cached(remote, cache_root).usage() == total
-    assert len({p.parents[3] for p in copies}) == 2, "each store has its own directory"
 
 
 def test_a_damaged_copy_of_an_index_file_or_object_is_never_served(remote, cache_root, tmp_path):
