@@ -176,7 +176,7 @@ class CachingBackend(Backend):
         if name.startswith(DAMAGED_PREFIX) and self._damage_is_the_caches(name):
             return
         self.inner.put(name, data)
-        if _cached(name):
+        if _cached(name) and self.max_bytes:
             self._keep_bytes(name, data)
 
     def put_if_absent(self, name: str, data: bytes) -> None:
