@@ -58,9 +58,7 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
 
     store = Store.open(book.store_root, create=True)  # made (and checked) only now that the schedule is valid
     from ckpt import settings
-    from ckpt.store.backends.encrypted import EncryptedBackend
-
-    if isinstance(store.backend, EncryptedBackend) and settings.current().password_file is None:
+    if store.encryption is not None and settings.current().password_file is None:
         # cron's runs have no terminal and cron files are world-readable: only a file works.
         raise UsageError(f"the store at {store.location} is encrypted, and cron's runs need its password in a file",
                          hint="pass --password-file FILE (mode 600) or set CKPT_PASSWORD_FILE")
