@@ -33,6 +33,7 @@ from ckpt.store.repository import STORE_META
 from ckpt.store.backends import BlobExists, BlobNotFound, BlobStream
 from ckpt.store.blocks.blockstore import KEY, PackWriter, page_ids
 from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, PAGE
+from ckpt.store.fsutil import translate_os_error
 
 BATCH_PAGES = 2048  # pages read, hashed and looked up at a time (8 MiB)
 CHUNK = 4 << 20
@@ -106,11 +107,19 @@ def copy(source: Store, dest: Store, checkpoint_ids: list[str], reporter: Report
     if where_from == where_to:
         raise UsageError(f"the source and the destination are the same store ({where_from})",
                          hint="give another store with --to")
+    try:
+        return _copy(source, dest, checkpoint_ids, reporter, codec, where_from, where_to)
+    except OSError as exc:
+        raise translate_os_error(exc, f"copying to {where_to}") from exc
+
+
+def _copy(source: Store, dest: Store, checkpoint_ids: list[str], reporter: Reporter, codec: str,
+          where_from: str, where_to: str) -> CopyReport:
     on_wait = lambda what: lambda _holders: reporter.info(f"waiting for the lock of the {what} store")  # noqa: E731
     with source.lock(exclusive=False, on_wait=on_wait("source")), dest.lock(exclusive=False,
                                                                             on_wait=on_wait("destination")):
         same_seed = _share_seed(source, dest)
-        report = CopyReport(str(where_from), str(where_to), same_seed)
+        report = CopyReport(where_from, where_to, same_seed)
         copier = _Copier(source, dest, reporter, codec, same_seed)
         for checkpoint_id in sorted(checkpoint_ids):
             try:
@@ -381,7 +390,7 @@ def finish_pending(store: Store, origin: str | None, reporter: Reporter = NullRe
             continue
         try:
             report = copy(store, open_destination(to), [r["id"] for r in records], reporter)
-        except CkptError as exc:
+        except (CkptError, OSError) as exc:
             for record in records:
                 pending.update(store.root, record, str(exc))
                 outcomes.append({"id": record["id"], "to": to, "status": "failed", "bytes_sent": 0,

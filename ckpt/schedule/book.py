@@ -37,6 +37,7 @@ class Schedule:
     retention: dict = field(default_factory=dict)
     pre_dump: str | None = None
     created: str = ""
+    copy_to: str | None = None  # a store each checkpoint is copied to after its dump
 
     @property
     def policy(self) -> Policy:

@@ -9,7 +9,7 @@ import pytest
 from ckpt.cli.main import app, main
 from tests.helpers import ROOT
 
-COMMANDS = ["check", "dump", "restore", "list", "show", "diff", "rm", "verify", "forget", "prune", "run"]
+COMMANDS = ["check", "dump", "restore", "list", "show", "diff", "rm", "verify", "forget", "prune", "copy", "run"]
 SCHEDULE_COMMANDS = ["add", "list", "rm", "run"]
 
 
