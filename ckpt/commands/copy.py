@@ -119,6 +119,9 @@ def _copy(source: Store, dest: Store, checkpoint_ids: list[str], reporter: Repor
     with source.lock(exclusive=False, on_wait=on_wait("source")), dest.lock(exclusive=False,
                                                                             on_wait=on_wait("destination")):
         same_seed = _share_seed(source, dest)
+        # Read under the locks: an index loaded before them may miss what a dump added since.
+        source.blocks.forget_index()
+        dest.blocks.forget_index()
         report = CopyReport(where_from, where_to, same_seed)
         copier = _Copier(source, dest, reporter, codec, same_seed)
         for checkpoint_id in sorted(checkpoint_ids):
