@@ -199,3 +199,37 @@ def test_copy_to_s3_and_back(procs, tmp_path, isolated_env, s3_url, s3_server):
         procs.adopt(target.pid)
         assert target.checksum() == taken[checkpoint_id]
         target.end()
+
+
+def test_run_copies_each_checkpoint_it_takes(procs, tmp_path, isolated_env):
+    """`ckpt run --copy-to`: each checkpoint is copied right after it is taken; retention
+    (--keep-last) applies to the source only."""
+    import subprocess
+    import sys
+
+    from tests.helpers import FIXTURES, ROOT
+
+    dest = tmp_path / "offsite"
+    events_file = tmp_path / "events.jsonl"
+    with open(events_file, "wb") as out:
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "ckpt", "run", "--every", "1s", "--name", "counter", "--keep-last", "1",
+             "--copy-to", dest, "--output", tmp_path / "run.out", "--json", "--",
+             sys.executable, FIXTURES / "counter.py", tmp_path / "count.txt", "0.05"],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.DEVNULL, start_new_session=True)
+    procs.popens.append(supervisor)
+    procs.pids.add(supervisor.pid)
+
+    def events() -> list[dict]:
+        return [json.loads(line) for line in read_lines(events_file)]
+
+    copied = wait_until(lambda: [e for e in events() if e["event"] == "copied"][2:], timeout=120,
+                        what="three checkpoints copied")
+    supervisor.send_signal(signal.SIGTERM)
+    supervisor.wait(timeout=30)
+    taken = [e["id"] for e in events() if e["event"] == "checkpoint"]
+    sent = [e["id"] for e in events() if e["event"] == "copied"]
+    assert sent == taken and {e["to"] for e in copied} == {str(dest)}
+    assert [c["id"] for c in ckpt_json("list", "--store", dest)] == taken  # all of them, retention or not
+    assert len(ckpt_json("list")) == 1
+    assert not list((isolated_env / "copy-pending").iterdir())
