@@ -12,8 +12,8 @@ from typer._click.exceptions import NoArgsIsHelpError, UsageError as ClickUsageE
 from typer.exceptions import Abort, Exit, TyperException
 
 from ckpt import __version__, settings
-from ckpt.cli import (cmd_check, cmd_copy, cmd_diff, cmd_dump, cmd_forget, cmd_list, cmd_prune, cmd_restore, cmd_rm, cmd_run,
-                      cmd_schedule, cmd_show, cmd_verify)
+from ckpt.cli import (cmd_check, cmd_copy, cmd_diff, cmd_dump, cmd_forget, cmd_list, cmd_prune, cmd_restore, cmd_rm,
+                      cmd_run, cmd_schedule, cmd_show, cmd_verify)
 from ckpt.errors import DISK_FULL_HINT, CkptError, CriuFailed, DiskFull, ExitCode
 
 app = typer.Typer(

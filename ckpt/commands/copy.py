@@ -381,14 +381,14 @@ def finish_pending(store: Store, origin: str | None, reporter: Reporter = NullRe
     by_destination: dict[str, list[dict]] = {}
     for record in pending.records(store.root, origin):
         by_destination.setdefault(record["to"], []).append(record)
-    for to, records in by_destination.items():
+    for to, recorded in by_destination.items():
         existing = set(store.checkpoint_ids())
-        gone = [r for r in records if r["id"] not in existing]
+        gone = [r for r in recorded if r["id"] not in existing]
         for record in gone:
             reporter.warn(f"checkpoint {record['id']} was removed before it was copied to {to}")
             pending.remove(store.root, record["id"])
             outcomes.append({"id": record["id"], "to": to, "status": "gone", "bytes_sent": 0, "error": None})
-        records = [r for r in records if r["id"] in existing]
+        records = [r for r in recorded if r["id"] in existing]
         if not records:
             continue
         try:

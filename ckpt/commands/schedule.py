@@ -61,7 +61,10 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
     Store.open(book.store_root, create=True)  # made (and checked) only now that the schedule is valid
     make_private_dir(book.dir)
     make_private_dir(book.log_dir)
-    atomic_write_bytes(book.path(name), json.dumps(asdict(schedule), indent=2).encode())
+    definition = asdict(schedule)
+    if definition["copy_to"] is None:
+        del definition["copy_to"]  # a schedule without it stays readable by an older ckpt
+    atomic_write_bytes(book.path(name), json.dumps(definition, indent=2).encode())
     where = book.install_cron(schedule)
     return schedule, where
 

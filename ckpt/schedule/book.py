@@ -76,7 +76,9 @@ class ScheduleBook:
 
     def load(self, name: str) -> Schedule:
         try:
-            return Schedule(**json.loads(self.path(name).read_text()))
+            data = json.loads(self.path(name).read_text())
+            # Keys a newer ckpt added are ignored, as readers of manifests ignore them.
+            return Schedule(**{k: v for k, v in data.items() if k in Schedule.__dataclass_fields__})
         except FileNotFoundError:
             raise ProcessNotFound(f"no schedule named '{name}'", hint="see 'ckpt schedule list'") from None
 

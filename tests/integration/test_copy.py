@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ckpt, ckpt_json, read_lines, state, wait_until
+from tests.jsonshape import assert_shape
 
 MIB = 16
 DIRTY = 64
@@ -119,8 +120,9 @@ def test_copy_of_some_checkpoints_and_bad_requests(procs, tmp_path, isolated_env
     assert [c["id"] for c in ckpt_json("list", "--store", dest)] == [taken[1]]
     rest = ckpt_json("copy", "--all", "--to", dest)
     assert [c["status"] for c in rest["checkpoints"]] == ["copied", "present", "copied"]
-    for args, code in ((["copy", "--all"], 2), (["copy", "--to", dest], 2), (["copy", "--all", "--to", isolated_env], 2),
-                       (["copy", "nosuch", "--to", dest], 3), (["copy", "latest", "--all", "--to", dest], 2)):
+    for args, code in ((["copy", "--all"], 2), (["copy", "--to", dest], 2),
+                       (["copy", "--all", "--to", isolated_env], 2), (["copy", "nosuch", "--to", dest], 3),
+                       (["copy", "latest", "--all", "--to", dest], 2)):
         proc = ckpt(*args, check=False)
         assert proc.returncode == code, (args, proc.stderr)
         assert proc.stderr.startswith("Error: ") and "Traceback" not in proc.stderr and proc.stdout == ""
@@ -230,6 +232,8 @@ def test_run_copies_each_checkpoint_it_takes(procs, tmp_path, isolated_env):
     taken = [e["id"] for e in events() if e["event"] == "checkpoint"]
     sent = [e["id"] for e in events() if e["event"] == "copied"]
     assert sent == taken and {e["to"] for e in copied} == {str(dest)}
+    for event in copied:
+        assert_shape(event, "run: copied")
     assert [c["id"] for c in ckpt_json("list", "--store", dest)] == taken  # all of them, retention or not
     assert len(ckpt_json("list")) == 1
     assert not list((isolated_env / "copy-pending").iterdir())
