@@ -47,6 +47,10 @@ PHASES = {
     "prune.before-index": "new pack durable, new index not written",
     "prune.index-written": "new index written, old index files not deleted",
     "prune.deleting": "one unreferenced pack or object deleted, others still to delete",
+    # copy (of two checkpoints, into another store)
+    "copy.packing": "the pages the destination lacks: its new pack is partly written",
+    "copy.before-commit": "pack, index file and objects durable in the destination; no manifest yet",
+    "copy.committed": "the first checkpoint committed in the destination, the second not copied yet",
 }
 
 _wanted = os.environ.get(PAUSE_AT) or None

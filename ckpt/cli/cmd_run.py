@@ -6,6 +6,7 @@ import typer
 from ckpt.cli.options import JsonOption, StoreOption, count_flag, output_file_flag, store_root
 from ckpt.cli.output import CliReporter, emit_json_line
 from ckpt.commands.run import RunRequest, Supervisor, default_name
+from ckpt.commands.schedule import destination_spec
 from ckpt.schedule.retention import parse_duration
 from ckpt.store import Store, ids
 
@@ -25,6 +26,8 @@ Examples:
   ckpt run --every 2s --max-restores 10 --output /tmp/job.log -- ./long-job --resume
 
   ckpt run --every 1m --json -- python3 agent.py > events.jsonl
+
+  ckpt run --every 5m --copy-to /mnt/backup/ckpt -- python3 agent.py
 """
 
 KeepLastOption = Annotated[int, count_flag("--keep-last", "Checkpoints to keep (0: all).")]
@@ -46,6 +49,10 @@ def register(app: typer.Typer) -> None:
                                                         help="Shell command run before each dump.")] = None,
         post_restore: Annotated[Optional[str], typer.Option("--post-restore",
                                                             help="Shell command run after each restore.")] = None,
+        copy_to: Annotated[Optional[str], typer.Option(
+            "--copy-to", metavar="STORE",
+            help="Copy each checkpoint to this store right after it is taken (a failed copy is tried "
+                 "again after the next one; 'ckpt copy --pending' finishes it by hand).")] = None,
         store: StoreOption = None,
         json_out: JsonOption = False,
     ) -> None:
@@ -55,7 +62,8 @@ def register(app: typer.Typer) -> None:
                              max_restores=max_restores,
                              output=(Path(output) if output else Store.local_dir(root) / "logs" /
                                      f"run-{run_name}.out").absolute(),
-                             pre_dump_hook=pre_dump, post_restore_hook=post_restore)
+                             pre_dump_hook=pre_dump, post_restore_hook=post_restore,
+                             copy_to=destination_spec(copy_to, root) if copy_to else None)
         reporter = CliReporter()
         try:
             code = Supervisor(root, request, reporter, on_event=emit_json_line if json_out else None).run()

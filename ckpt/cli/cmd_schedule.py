@@ -36,6 +36,8 @@ Examples:
   ckpt schedule add agent --match 'python3 agent\\.py' --every 5m --keep-last 12
 
   ckpt schedule add web --pidfile /run/web.pid --cron '0 * * * *' --keep-daily 7 --keep-within 6h
+
+  ckpt schedule add agent --match 'python3 agent\\.py' --every 15m --copy-to /mnt/backup/ckpt
 """
 
 schedule_app = typer.Typer(help=HELP, no_args_is_help=True, rich_markup_mode=None)
@@ -66,6 +68,10 @@ def add_command(
     keep_daily: KeepDailyOption = 0,
     keep_weekly: KeepWeeklyOption = 0,
     pre_dump: Annotated[Optional[str], typer.Option("--pre-dump", help="Shell command run before each dump.")] = None,
+    copy_to: Annotated[Optional[str], typer.Option(
+        "--copy-to", metavar="STORE",
+        help="Copy each checkpoint to this store right after its dump; a copy that fails is tried "
+             "again by the next run.")] = None,
     password_file: PasswordFileOption = None,
     store: StoreOption = None,
     json_out: JsonOption = False,
@@ -74,13 +80,15 @@ def add_command(
     policy = retention_policy(keep_last, keep_within, keep_hourly, keep_daily, keep_weekly)
     use_password_file(password_file)
     book = _book(store, opened=False)
-    schedule, where = add(book, name, target, every, cron_expr, policy, pre_dump)
+    schedule, where = add(book, name, target, every, cron_expr, policy, pre_dump, copy_to)
     if json_out:
         emit_json({"name": schedule.name, "cron": schedule.cron, "target": schedule.target,
-                   "retention": schedule.retention, "installed": where, "log": str(book.log_path(name))})
+                   "retention": schedule.retention, "copy_to": schedule.copy_to, "installed": where,
+                   "log": str(book.log_path(name))})
         return
     stderr.print(f"schedule '{name}' installed ({where}): {schedule.cron}, {schedule.describe_target()}, "
-                 f"keep {schedule.policy.describe()}; log: {book.log_path(name)}")
+                 f"keep {schedule.policy.describe()}"
+                 + (f", copied to {schedule.copy_to}" if schedule.copy_to else "") + f"; log: {book.log_path(name)}")
 
 
 @schedule_app.command("list", help="Show each schedule: target, timing, next and last run, retention.\n\n"

@@ -44,6 +44,10 @@ class DumpRequest:
     pre_dump_hook: str | None = None
     # Use the kernel's dirty-page tracking when it has it (False: always a full dump).
     dirty_tracking: bool = True
+    # --copy-to of a schedule or `ckpt run`: the store the checkpoint is to be copied to, and who
+    # owes the copy ("schedule NAME", "run NAME"); a pending-copy record is written before the commit.
+    copy_to: str | None = None
+    copy_origin: str = ""
 
 
 @dataclass
@@ -316,8 +320,14 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
                     "pages_scanned": stats.get("pages_scanned")},
         tracking={"target": tracking.target.key, "parent": tracking.parent.id if tracking.parent else None}
         if tracking is not None else None)
+    before_commit = None
+    if request.copy_to:
+        from ckpt.store import pending
+
+        def before_commit(manifest: Manifest) -> None:
+            pending.add(store.root, manifest.id, request.copy_to or "", request.copy_origin)
     return ingest_and_commit(store, staging, record, request.codec, reporter, completion,
-                             earlier=earlier.pieces(image_dir) if earlier else None)
+                             earlier=earlier.pieces(image_dir) if earlier else None, before_commit=before_commit)
 
 
 CRIU_GHOST_LIMIT = 1 << 20  # CRIU saves deleted files up to this size unless told otherwise

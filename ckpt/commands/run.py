@@ -41,6 +41,7 @@ class RunRequest:
     output: Path | None = None
     pre_dump_hook: str | None = None
     post_restore_hook: str | None = None
+    copy_to: str | None = None  # a store each checkpoint is copied to right after its dump
 
 
 def default_name(command: list[str]) -> str:
@@ -173,7 +174,9 @@ class Supervisor:
             return  # nothing started yet
         try:
             result = dump(self.store_root, DumpRequest(pid=self.pid, name=self.request.name,
-                                                       pre_dump_hook=self.request.pre_dump_hook))
+                                                       pre_dump_hook=self.request.pre_dump_hook,
+                                                       copy_to=self.request.copy_to,
+                                                       copy_origin=self._copy_origin))
         except CkptError as exc:
             if procs.process_state(self.pid) in (None, "Z"):
                 return  # it died meanwhile: the loop handles that
@@ -186,6 +189,8 @@ class Supervisor:
                            f"{m.bytes_stored} bytes new")
         self._event("checkpoint", id=m.id, pid=self.pid, freeze_ms=m.stats.get("freeze_ms"),
                     bytes_stored=m.bytes_stored)
+        if self.request.copy_to:
+            self._copy()  # before retention, which could forget a checkpoint still to copy
         if self.request.keep_last:
             try:
                 forget(Store.open(self.store_root), Policy(keep_last=self.request.keep_last),
@@ -193,6 +198,30 @@ class Supervisor:
             except CkptError as exc:
                 self.reporter.warn(f"retention failed: {exc}")
                 self._event("retention_failed", error=str(exc))
+
+    @property
+    def _copy_origin(self) -> str:
+        return f"run {self.request.name}"
+
+    def _copy(self) -> None:
+        """Copies this checkpoint, and those earlier copies failed to, to --copy-to. A failed
+        copy leaves its record (ckpt/store/pending.py) for the next checkpoint's turn."""
+        from ckpt.commands.copy import finish_pending
+        from ckpt.store import Store
+
+        try:
+            outcomes = finish_pending(Store.open(self.store_root), self._copy_origin, self.reporter)
+        except CkptError as exc:
+            outcomes = [{"id": self.checkpoints[-1], "to": self.request.copy_to, "status": "failed",
+                         "bytes_sent": 0, "error": str(exc)}]
+        for o in outcomes:
+            if o["status"] == "failed":
+                self.reporter.warn(f"copy of {o['id']} to {o['to']} failed (tried again after the next "
+                                   f"checkpoint): {o['error']}")
+                self._event("copy_failed", id=o["id"], to=o["to"], error=o["error"])
+            elif o["status"] in ("copied", "present"):
+                self.reporter.info(f"copied {o['id']} to {o['to']}: {o['bytes_sent']} bytes sent")
+                self._event("copied", id=o["id"], to=o["to"], bytes_sent=o["bytes_sent"])
 
     def _explain_lazy_failure(self) -> str | None:
         """A lazily restored tree is killed when its page server ends before the memory is back

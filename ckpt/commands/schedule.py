@@ -27,7 +27,7 @@ from ckpt.system.locks import wait_for_flock
 
 
 def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_expr: str | None,
-        policy: Policy, pre_dump: str | None = None) -> tuple[Schedule, str]:
+        policy: Policy, pre_dump: str | None = None, copy_to: str | None = None) -> tuple[Schedule, str]:
     check_name(name)
     if len(target) != 1:
         raise UsageError("give exactly one target: --pid, --pidfile or --match")
@@ -51,9 +51,11 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
         expr = cron.every_to_cron(parse_duration(every))
     else:
         expr = cron.check(cron_expr or "")  # given: exactly one of the two is (checked above)
+    if copy_to is not None:
+        copy_to = destination_spec(copy_to, book.store_root)
     schedule = Schedule(name=name, target=target, cron=expr, every=every, retention=policy.to_json()
                         if not policy.empty() else {}, pre_dump=pre_dump,
-                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), copy_to=copy_to)
     from ckpt.store import Store
 
     store = Store.open(book.store_root, create=True)  # made (and checked) only now that the schedule is valid
@@ -64,9 +66,23 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
                          hint="pass --password-file FILE (mode 600) or set CKPT_PASSWORD_FILE")
     make_private_dir(book.dir)
     make_private_dir(book.log_dir)
-    atomic_write_bytes(book.path(name), json.dumps(asdict(schedule), indent=2).encode())
+    definition = asdict(schedule)
+    if definition["copy_to"] is None:
+        del definition["copy_to"]  # a schedule without it stays readable by an older ckpt
+    atomic_write_bytes(book.path(name), json.dumps(definition, indent=2).encode())
     where = book.install_cron(schedule)
     return schedule, where
+
+
+def destination_spec(copy_to: str, store_root: Path) -> str:
+    """--copy-to as it is recorded: a URL as given, a directory as an absolute path (cron runs
+    in $HOME); never the store itself."""
+    if copy_to.startswith("s3://"):
+        return copy_to
+    path = settings.store_from_flag(copy_to)
+    if os.path.realpath(path) == os.path.realpath(store_root):
+        raise UsageError(f"--copy-to {copy_to} is the store itself", hint="give another store")
+    return str(path)
 
 
 def remove(book: ScheduleBook, name: str) -> Schedule:
@@ -95,7 +111,7 @@ def listing(book: ScheduleBook, now: datetime | None = None) -> list[dict]:
             "name": name, "target": schedule.target, "cron": schedule.cron, "every": schedule.every,
             "next_run": _next_run(schedule.cron, now),
             "last": book.state(name) or None, "retention": schedule.retention or None,
-            "pre_dump": schedule.pre_dump,
+            "pre_dump": schedule.pre_dump, "copy_to": schedule.copy_to,
             "installed": book.cron_file(name).exists() if os.geteuid() == 0 else None,
         })
     return rows
@@ -134,6 +150,24 @@ def resolve_target(target: dict) -> int:
     return matches[0]
 
 
+def _copy_pending(store_root: Path, origin: str, outcome: dict, reporter: Reporter) -> None:
+    from ckpt.commands.copy import finish_pending
+    from ckpt.store import Store, pending
+
+    if not pending.records(store_root, origin):
+        return
+    try:
+        copies = finish_pending(Store.open(store_root), origin, reporter)
+    except CkptError as exc:  # the source store itself
+        outcome["copy_error"] = str(exc)
+        return
+    outcome["copies"] = copies
+    failed = [c for c in copies if c["status"] == "failed"]
+    if failed:
+        outcome["copy_error"] = failed[0]["error"]
+        reporter.warn(f"copy to {failed[0]['to']} failed (the next run tries again): {failed[0]['error']}")
+
+
 def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait_s: float | None = None) -> dict:
     """What cron runs: one dump of the target plus the schedule's retention. Records the outcome."""
     from ckpt.commands.dump import DumpRequest, dump
@@ -141,6 +175,7 @@ def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait
     from ckpt.store import Store
 
     schedule = book.load(name)
+    origin = f"schedule {name}"
     wait_s = settings.current().schedule_wait if wait_s is None else wait_s
     started = datetime.now(timezone.utc)
     outcome: dict[str, object] = {"time": started.isoformat(timespec="seconds"), "outcome": None}
@@ -154,12 +189,17 @@ def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait
 
     try:
         wait_for_flock(lock_fd, fcntl.LOCK_EX, time.monotonic() + wait_s, skipped)
+        copied = False
         try:
             pid = resolve_target(schedule.target)
             outcome["pid"] = pid
-            result = dump(book.store_root, DumpRequest(pid=pid, name=name, pre_dump_hook=schedule.pre_dump), reporter)
+            result = dump(book.store_root, DumpRequest(pid=pid, name=name, pre_dump_hook=schedule.pre_dump,
+                                                       copy_to=schedule.copy_to, copy_origin=origin), reporter)
             outcome.update(outcome="ok", id=result.manifest.id, bytes_stored=result.manifest.bytes_stored,
                            freeze_ms=result.manifest.stats.get("freeze_ms"))
+            # Copied before retention runs, which could forget an older checkpoint still to copy.
+            copied = True
+            _copy_pending(book.store_root, origin, outcome, reporter)
             if schedule.retention:
                 forgotten = forget(Store.open(book.store_root), schedule.policy, name=name, prune=True,
                                    allow_remove_all=False)
@@ -171,6 +211,10 @@ def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait
             outcome.update(outcome="failed", error=str(exc))
             raise
         finally:
+            # The copies earlier runs could not make, even when this dump failed: a failed copy
+            # leaves its record for the next run and never fails the dump.
+            if not copied:
+                _copy_pending(book.store_root, origin, outcome, reporter)
             outcome["duration_ms"] = round((datetime.now(timezone.utc) - started).total_seconds() * 1000)
             book.record(name, outcome)
     finally:

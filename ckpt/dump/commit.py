@@ -37,10 +37,12 @@ class DumpRecord:
 
 def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, codec: str,
                       reporter: Reporter = NullReporter(), complete_page_lists=None,
-                      earlier: dict | None = None) -> Manifest:
+                      earlier: dict | None = None, before_commit=None) -> Manifest:
     """Ingests every staged image (only pages the store lacks are written), then commits the
     manifest: the checkpoint exists from that moment on, and not before. complete_page_lists
-    and earlier are Store.ingest's (dirty-page tracking; the read-ahead of an earlier checkpoint)."""
+    and earlier are Store.ingest's (dirty-page tracking; the read-ahead of an earlier checkpoint).
+    before_commit(manifest), when given, runs right before the commit (a dump with --copy-to
+    writes its pending-copy record there: no committed checkpoint is without it)."""
     entries, added, block_stats = store.ingest(staging, codec, reporter, complete_page_lists, earlier=earlier)
     criu = dict(record.criu)
     if record.tracking is not None:
@@ -69,6 +71,8 @@ def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, co
         bytes_stored=added,
     )
     phase("dump.before-commit")
+    if before_commit is not None:
+        before_commit(manifest)
     store.commit(manifest)
     phase("dump.committed")
     return manifest

@@ -37,6 +37,7 @@ class Schedule:
     retention: dict = field(default_factory=dict)
     pre_dump: str | None = None
     created: str = ""
+    copy_to: str | None = None  # a store each checkpoint is copied to after its dump
 
     @property
     def policy(self) -> Policy:
@@ -77,7 +78,9 @@ class ScheduleBook:
 
     def load(self, name: str) -> Schedule:
         try:
-            return Schedule(**json.loads(self.path(name).read_text()))
+            data = json.loads(self.path(name).read_text())
+            # Keys a newer ckpt added are ignored, as readers of manifests ignore them.
+            return Schedule(**{k: v for k, v in data.items() if k in Schedule.__dataclass_fields__})
         except FileNotFoundError:
             raise ProcessNotFound(f"no schedule named '{name}'", hint="see 'ckpt schedule list'") from None
 

@@ -9,7 +9,8 @@ import pytest
 from ckpt.cli.main import app, main
 from tests.helpers import ROOT
 
-COMMANDS = ["init", "check", "dump", "restore", "list", "show", "diff", "rm", "verify", "forget", "prune", "run"]
+COMMANDS = ["init", "check", "dump", "restore", "list", "show", "diff", "rm", "verify", "forget", "prune", "copy",
+            "run"]
 SCHEDULE_COMMANDS = ["add", "list", "rm", "run"]
 KEY_COMMANDS = ["list", "add", "remove", "passwd"]
 

@@ -55,11 +55,16 @@ def test_every_command_prints_its_documented_shape(procs, tmp_path, cron_dir):
     procs.adopt(restored["pid"])
     assert_shape(restored, "restore")
 
-    added = ckpt_json("schedule", "add", "sched", "--pid", restored["pid"], "--every", "5m", "--keep-last", "1")
+    added = ckpt_json("schedule", "add", "sched", "--pid", restored["pid"], "--every", "5m", "--keep-last", "1",
+                      "--copy-to", tmp_path / "offsite")
     assert_shape(added, "schedule add")
     assert_shape(ckpt_json("schedule", "list"), "schedule list")
     outcome = ckpt_json("schedule", "run", "sched")
     assert_shape(outcome, "schedule run")
+    assert outcome["copies"][0]["status"] == "copied", "the shape of the copies was checked too"
+    copied = ckpt_json("copy", "--all", "--to", tmp_path / "elsewhere")
+    assert_shape(copied, "copy")
+    assert_shape(ckpt_json("copy", "--pending"), "copy: pending")
     ckpt("schedule", "add", "none", "--pid", restored["pid"], "--cron", "0 * * * *")  # no retention
     listed = ckpt_json("schedule", "list")
     assert_shape(listed, "schedule list")

@@ -1,4 +1,4 @@
-"""kill -9 of ckpt at every named phase (ckpt/phases.py) of dump, restore, forget, rm and prune.
+"""kill -9 of ckpt at every named phase (ckpt/phases.py) of dump, restore, forget, rm, prune and copy.
 
 ckpt waits at the phase the test names (CKPT_TEST_PAUSE_AT, a test-only hook), says so in a
 file, and is killed there: no guessed sleeps, so every phase is hit on every machine, and a
@@ -10,7 +10,8 @@ phase that is never reached fails. After each kill, ckpt's promises:
     restores with its memory as it was;
   - a killed rm, forget or prune leaves every checkpoint it was not asked to remove intact;
   - ckpt's own helpers (CRIU) do not outlive it for long, and nothing holds the store's lock;
-  - the next dump succeeds and leaves no staging behind; prune then reclaims what is left.
+  - the next dump succeeds and leaves no staging behind; prune then reclaims what is left;
+  - a killed copy shows no half-copied checkpoint in the destination, and the next copy finishes.
 The target is dirtymem.py (8 MiB of random data and a counter): SIGUSR1 makes it write the
 checksum of its memory and its counter, SIGUSR2 rewrites some of its pages.
 """
@@ -30,7 +31,8 @@ import pytest
 from ckpt.phases import PAUSE_AT, PAUSE_FILE, PHASES
 from tests.helpers import ROOT, alive, ckpt, ckpt_json, read_lines, state, tree_pids, wait_until
 
-VARIANTS = {"dump": ("plain", "stop"), "restore": ("eager", "lazy"), "forget": ("",), "rm": ("",), "prune": ("",)}
+VARIANTS = {"dump": ("plain", "stop"), "restore": ("eager", "lazy"), "forget": ("",), "rm": ("",), "prune": ("",),
+            "copy": ("",)}
 CASES = [(name, variant) for name in PHASES for variant in VARIANTS[name.split(".")[0]]]
 MIB = 8
 DIRTY_PAGES = MIB * 256  # all of it: the first dump's pack keeps only the interpreter's pages, prune repacks it
@@ -270,5 +272,35 @@ def test_kill_9_at_phase(phase, variant, procs, tmp_path, isolated_env, monkeypa
         killed_at(phase, ["prune"], tmp_path, procs, target)
         target.assert_running()
         finish(target, expected, {second}, isolated_env)
+    elif verb == "copy":
+        copy_killed(phase, target, expected, procs, tmp_path, isolated_env)
     else:
         pytest.fail(f"no scenario for phase {phase}")
+
+
+def copy_killed(phase: str, target: Target, expected: dict[str, str], procs, tmp_path: Path, store: Path) -> None:
+    """Two checkpoints copied into another store, killed at the phase: the destination shows
+    whole checkpoints only (none before the first commit, the first after it), the next copy
+    finishes the rest, and what it copied restores from it."""
+    dest = tmp_path / "dest"
+    first = dump(target, expected)
+    target.dirty()
+    second = dump(target, expected)
+    killed_at(phase, ["copy", "--all", "--to", dest], tmp_path, procs, target)
+    target.assert_running()  # a store command never touches the target
+    verified = ckpt("verify", "--all", "--json", "--store", dest, check=False)
+    assert verified.returncode == 0, verified.stderr
+    listed = [c["id"] for c in json.loads(verified.stdout)]
+    assert listed == ([first] if phase == "copy.committed" else []), listed
+    finished = ckpt_json("copy", "--all", "--to", dest)
+    assert [c["status"] for c in finished["checkpoints"]] == (
+        ["present", "copied"] if phase == "copy.committed" else ["copied", "copied"])
+    assert [c["id"] for c in ckpt_json("list", "--store", dest)] == [first, second]
+    assert ckpt("verify", "--all", "--store", dest).returncode == 0
+    # Nothing holds the destination's lock; prune reclaims what the kill left there.
+    ckpt("prune", "--store", dest, env={"CKPT_LOCK_TIMEOUT": "30"})
+    assert not [p for p in (dest / "packs").rglob(".*")], "a partly written pack left after prune"
+    target.end()
+    target.restored(second, "--eager", "--store", dest)
+    assert target.assert_running()[0] == expected[second]
+    finish(target, expected, {first, second}, store)

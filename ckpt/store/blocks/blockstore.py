@@ -29,7 +29,7 @@ import zstandard
 
 from ckpt.errors import DamagedBlob, DamagedCheckpoint
 from ckpt.phases import phase
-from ckpt.store.backends import Backend, BlobExists, BlobNotFound, RangeReader
+from ckpt.store.backends import Backend, BlobExists, BlobNotFound, BlobWriter, RangeReader
 from ckpt.store.blocks.segments import (CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segment, pack_name, segment_key,
                                         split_location)
 from ckpt.system.files import FILE_MODE
@@ -196,6 +196,67 @@ def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
     return runs
 
 
+class PackWriter:
+    """One new pack and its index file (docs/design.md, "Write order"): segments are appended
+    in order; commit() makes the pack durable under its name, then writes the index file
+    naming its segments. Until that index file exists nobody can name a page of the pack, so
+    abort() (on the way out of any error, a full disk) deletes what was written of it."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.pack = secrets.token_hex(16)
+        self.segments: list[Segment] = []
+        # The index file's entries, as columns: ids, segment numbers, positions within.
+        self._ids: list[bytes] = []
+        self._numbers = array.array("I")
+        self._positions = array.array("H")
+        self._out: BlobWriter | None = None
+        self.offset = 0  # stored bytes written so far
+        self._committed = False
+        self.written: list[str] = []
+        self.index_data = b""  # the index file, once committed
+
+    def add(self, ids: bytes, stored: bytes, codec: str, checksum: bytes) -> None:
+        """Appends one segment: stored (its bytes, encoded with codec), holding the pages of ids."""
+        if self._out is None:
+            self._out = self.backend.writer(pack_name(self.pack))
+        self._out.write(stored)
+        pages = len(ids) // ID_LEN
+        number = len(self.segments)
+        self.segments.append(Segment(self.pack, self.offset, len(stored), pages, CODECS[codec], checksum))
+        self._ids.append(ids)
+        self._numbers.extend([number] * pages)
+        self._positions.extend(range(pages))
+        self.offset += len(stored)
+
+    def commit(self) -> list[str]:
+        """Pack, then index file, each durable when written; returns their blob names (none if
+        no segment was added)."""
+        if self._out is None:
+            return []
+        self._out.commit()
+        self._committed = True
+        data = _blockindex().render_index(self.segments, b"".join(self._ids), self._numbers, self._positions)
+        name = INDEX_PREFIX + blake3.blake3(data).hexdigest()
+        self.backend.put(name, data)
+        self.written = [pack_name(self.pack), name]
+        self.index_data = data
+        return self.written
+
+    def abort(self) -> None:
+        """Drops the pack unless its index file was written (then it is the store's: a
+        concurrent dump may already name its pages, and prune reclaims what nobody names)."""
+        if self.written or self._out is None:
+            return
+        if not self._committed:
+            self._out.abort()
+            return
+        try:
+            self.backend.delete([pack_name(self.pack)])
+        except OSError:
+            pass  # the next prune reclaims it
+
+
 class BlockStore:
     def __init__(self, backend: Backend):
         self.backend = backend
@@ -360,19 +421,10 @@ class BlockStore:
         index = self.index()
         stats = IngestStats()
         page_lists: dict[str, bytes] = {}
-        pack = secrets.token_hex(16)
-        segments: list[Segment] = []
-        # The new index file's entries, as columns: ids, segment numbers, positions within.
-        entry_ids: list[bytes] = []
-        entry_segments = array.array("I")
-        entry_positions = array.array("H")
         seen: set[bytes] = set()
-        out = None
-        offset = 0
         seed = self.seed
         encoders = _Encoders()
-        written: list[str] = []
-        committed = False
+        pack = PackWriter(self.backend)
         try:
             for image in images:
                 size = image.stat().st_size
@@ -403,19 +455,11 @@ class BlockStore:
                                 fresh.append(i)
                         runs = _runs(fresh, SEGMENT_PAGES)
                         encoded = _encoded_segments(view, runs, codec, encoders)
-                        for (run_start, end), (stored, used, checksum) in zip(runs, encoded, strict=True):
-                            if out is None:
-                                out = self.backend.writer(pack_name(pack))
-                            out.write(stored)
+                        for (run_start, end), segment in zip(runs, encoded, strict=True):
+                            pack.add(page_list[run_start * ID_LEN:end * ID_LEN], *segment)
                             phase("dump.ingest")
-                            seg_no = len(segments)
-                            segments.append(Segment(pack, offset, len(stored), end - run_start, CODECS[used], checksum))
-                            entry_ids.append(page_list[run_start * ID_LEN:end * ID_LEN])
-                            entry_segments.extend([seg_no] * (end - run_start))
-                            entry_positions.extend(range(end - run_start))
-                            offset += len(stored)
                             image_stats.new_pages += end - run_start
-                            image_stats.bytes_new += len(stored)
+                            image_stats.bytes_new += len(segment[0])
                         image_stats.bytes_dedup = (n - image_stats.new_pages) * PAGE
                         stats.add(image_stats)
                     finally:
@@ -424,26 +468,31 @@ class BlockStore:
                         if encoded is not None:
                             encoded.close()
                         view.release()
-            if out is not None:
-                out.commit()
-                committed = True
-                data = _blockindex().render_index(segments, b"".join(entry_ids), entry_segments, entry_positions)
-                name = blake3.blake3(data).hexdigest()
-                self.backend.put(INDEX_PREFIX + name, data)
-                written = [pack_name(pack), INDEX_PREFIX + name]
+            written = pack.commit()
+            if written:
                 self._index = None
         except BaseException:
-            # Until its index file exists nobody can name a page of the pack: a failed dump
-            # (a full disk) removes it rather than leave it taking the space until a prune.
-            if out is not None:
-                out.abort()
-            if committed and not written:
-                try:
-                    self.backend.delete([pack_name(pack)])
-                except OSError:
-                    pass  # the next prune reclaims it
+            pack.abort()
             raise
         return page_lists, stats, written
+
+    def add_pages(self, pack: PackWriter, pages, ids: bytes, codec: str, encoders: _Encoders | None = None) -> int:
+        """Appends pages (a buffer of whole pages) with their ids to a new pack, as runs of at
+        most SEGMENT_PAGES pages, each one segment encoded with codec, by ingest's path.
+        Returns the stored bytes added. (`ckpt copy` writes the pages a destination lacks.)"""
+        view = memoryview(pages)
+        n = len(view) // PAGE
+        runs = [(start, min(start + SEGMENT_PAGES, n)) for start in range(0, n, SEGMENT_PAGES)]
+        encoded = _encoded_segments(view, runs, codec, encoders or _Encoders())
+        added = 0
+        try:
+            for (start, end), segment in zip(runs, encoded, strict=True):
+                pack.add(ids[start * ID_LEN:end * ID_LEN], *segment)
+                added += len(segment[0])
+        finally:
+            encoded.close()
+            view.release()
+        return added
 
     # ---- reading --------------------------------------------------------------------------
 
@@ -539,8 +588,34 @@ class BlockStore:
                 os.close(out_fd)
         return locations
 
+    def page_reader(self) -> PageReader:
+        """Reads pages by location, each segment checked against its checksum (`ckpt copy`)."""
+        return PageReader(_SegmentReader(self, self.index()))
+
     def page_sender(self) -> PageSender:
         return PageSender(_SegmentReader(self, self.index()))
+
+
+class PageReader:
+    """Reads pages, given their locations (BlockStore.locate), out of the packs."""
+
+    def __init__(self, reader: _SegmentReader):
+        self.reader = reader
+
+    def read(self, locations: Sequence[int]) -> bytes:
+        """The pages at these locations, one after the other (runs within a segment are read at once)."""
+        parts = []
+        first, end = 0, len(locations)
+        while first < end:
+            run = first + 1
+            while run < end and locations[run] == locations[run - 1] + 1:
+                run += 1
+            parts.append(bytes(self.reader.pages(*split_location(locations[first]), run - first)))
+            first = run
+        return b"".join(parts)
+
+    def close(self) -> None:
+        self.reader.close()
 
 
 class PageSender:

@@ -1,0 +1,100 @@
+from typing import Annotated, Optional
+
+import typer
+
+from ckpt.cli.options import JsonOption, NameFilterOption, QuietOption, StoreOption, open_store
+from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr, styled
+from ckpt.commands.copy import copy, finish_pending, open_destination, select
+from ckpt.errors import DamagedCheckpoint, StoreError, UsageError
+
+HELP = """Copy checkpoints to another store, sending only what it lacks.
+
+Objects the destination has are skipped by name, pages by id: only the pages the destination
+does not hold yet are read from the source and written, into one new pack per checkpoint. A
+checkpoint is committed in the destination last (its manifest, with the same ID), so an
+interrupted copy shows nothing half copied and the next copy finishes it; a checkpoint the
+destination has is skipped. The destination is made if there is none.
+
+With --pending, copies what schedules and 'ckpt run' with --copy-to still owe (their copies
+that failed), and removes each record once its copy is committed.
+
+Examples:
+
+  ckpt copy latest --to /mnt/backup/ckpt
+
+  ckpt copy --all --to /mnt/backup/ckpt --json
+
+  ckpt copy --all --name agent --to /mnt/backup/ckpt
+
+  ckpt copy 20261130-230102-123-3fa9c1 agent --store /var/lib/ckpt --to /mnt/backup/ckpt
+
+  ckpt copy --pending
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("copy", help=HELP)
+    def copy_command(
+        refs: Annotated[Optional[list[str]], typer.Argument(help="Checkpoint IDs or names (a name: its newest).",
+                                                            show_default=False)] = None,
+        to: Annotated[Optional[str], typer.Option("--to", metavar="STORE",
+                                                  help="The store to copy into.")] = None,
+        all_: Annotated[bool, typer.Option("--all", help="Copy every checkpoint (with --name: every one "
+                                                         "of that name).")] = False,
+        name: NameFilterOption = None,
+        pending_: Annotated[bool, typer.Option("--pending", help="Finish the copies --copy-to left "
+                                                                 "pending.")] = False,
+        store: StoreOption = None,
+        json_out: JsonOption = False,
+        quiet: QuietOption = False,
+    ) -> None:
+        if pending_:
+            if refs or all_ or to or name:
+                raise UsageError("--pending takes no checkpoints and no --to (each record names its destination)",
+                                 hint="run 'ckpt copy --pending' alone")
+            _pending(store, json_out, quiet)
+            return
+        if not to:
+            raise UsageError("give the destination with --to STORE", hint="e.g. 'ckpt copy latest --to /backup/ckpt'")
+        source = open_store(store, create=False)
+        checkpoint_ids = select(source, refs or [], all_, name)
+        reporter = CliReporter(quiet=quiet)
+        try:
+            report = copy(source, open_destination(to), checkpoint_ids, reporter)
+        finally:
+            reporter.close()
+        if json_out:
+            emit_json(report.to_json())
+        elif not quiet:
+            for r in report.results:
+                if r.status == "copied":
+                    stderr.print(styled("copied", "green", f" {r.id}: {r.pages_sent} of {r.pages} pages sent, "
+                                                           f"{human_bytes(r.bytes_sent)} written"))
+                elif r.status == "present":
+                    stderr.print(styled("present", "dim", f" {r.id}: the destination has it"))
+            total = sum(r.bytes_sent for r in report.results)
+            stderr.print(f"{len(report.results) - len(report.failed)} of {len(report.results)} checkpoint(s) in "
+                         f"{report.destination}, {human_bytes(total)} sent")
+        if report.failed:
+            raise DamagedCheckpoint(f"{len(report.failed)} of {len(report.results)} checkpoint(s) not copied: "
+                                    + "; ".join(f"{r.id}: {r.error}" for r in report.failed),
+                                    hint="see 'ckpt verify' in the source store")
+
+
+def _pending(store, json_out: bool, quiet: bool) -> None:
+    reporter = CliReporter(quiet=quiet)
+    try:
+        outcomes = finish_pending(open_store(store, create=False), None, reporter)
+    finally:
+        reporter.close()
+    if json_out:
+        emit_json({"pending": outcomes})
+    elif not quiet:
+        if not outcomes:
+            stderr.print("no pending copies")
+        for o in outcomes:
+            stderr.print(f"{o['status']} {o['id']} -> {o['to']}" + (f": {o['error']}" if o["error"] else ""))
+    failed = [o for o in outcomes if o["status"] == "failed"]
+    if failed:
+        raise StoreError(f"{len(failed)} pending copie(s) failed again: {failed[0]['error']}",
+                         hint="their records stay; the next run (or 'ckpt copy --pending') tries again")
