@@ -63,15 +63,25 @@ class WeedServer:
             self.stop()
         raise RuntimeError(f"SeaweedFS did not start; its log: {self.workdir / 'weed.log'}")
 
-    def _start_once(self) -> bool:
+    def restart(self) -> WeedServer:
+        """Started again after stop(), on the same data and ports (the same endpoint): a server
+        that went away mid-upload and came back."""
+        if not self._start_once(keep=True):
+            raise RuntimeError(f"SeaweedFS did not start again; its log: {self.workdir / 'weed.log'}")
+        return self
+
+    def _start_once(self, keep: bool = False) -> bool:
         data = self.workdir / "data"
-        shutil.rmtree(data, ignore_errors=True)
-        data.mkdir(parents=True)
+        if not keep:
+            shutil.rmtree(data, ignore_errors=True)
+            data.mkdir(parents=True)
         config = self.workdir / "s3.json"
         config.write_text(json.dumps({"identities": [{
             "name": "ckpt", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = self.ports = _free_ports(8)
+        if not keep:
+            self.ports = _free_ports(8)
+        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = self.ports
         self.endpoint = f"http://127.0.0.1:{s3}"
         command = [
             weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
@@ -102,7 +112,10 @@ class WeedServer:
             try:
                 self.client().create_bucket(Bucket="ckpt-ready")
                 return True
-            except Exception:  # not up yet: connection refused, 5xx while the filer starts
+            except Exception as exc:  # not up yet: connection refused, 5xx while the filer starts
+                code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+                if code in ("BucketAlreadyExists", "BucketAlreadyOwnedByYou"):
+                    return True  # started again on its data (restart)
                 time.sleep(0.1)
         return False
 

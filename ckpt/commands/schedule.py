@@ -74,12 +74,14 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
     return schedule, where
 
 
-def destination_spec(copy_to: str, store_root: Path) -> str:
+def destination_spec(copy_to: str, store_root: settings.StoreLocation) -> str:
     """--copy-to as it is recorded: a URL as given, a directory as an absolute path (cron runs
     in $HOME); never the store itself."""
-    if copy_to.startswith("s3://"):
-        return copy_to
     path = settings.store_from_flag(copy_to)
+    if isinstance(path, str) or isinstance(store_root, str):
+        if str(path) == str(store_root):
+            raise UsageError(f"--copy-to {copy_to} is the store itself", hint="give another store")
+        return str(path)
     if os.path.realpath(path) == os.path.realpath(store_root):
         raise UsageError(f"--copy-to {copy_to} is the store itself", hint="give another store")
     return str(path)
@@ -150,11 +152,11 @@ def resolve_target(target: dict) -> int:
     return matches[0]
 
 
-def _copy_pending(store_root: Path, origin: str, outcome: dict, reporter: Reporter) -> None:
+def _copy_pending(store_root: settings.StoreLocation, origin: str, outcome: dict, reporter: Reporter) -> None:
     from ckpt.commands.copy import finish_pending
     from ckpt.store import Store, pending
 
-    if not pending.records(store_root, origin):
+    if not pending.records(Store.local_dir(store_root), origin):
         return
     try:
         copies = finish_pending(Store.open(store_root), origin, reporter)

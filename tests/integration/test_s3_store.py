@@ -233,3 +233,62 @@ def test_a_schedule_on_an_s3_store_runs_from_crons_bare_environment(s3_url, proc
     checkpoints = ckpt_json("list", "--store", s3_url)
     assert [c["name"] for c in checkpoints] == ["agent"] and checkpoints[0]["pid"] == target.pid
     assert ckpt_json("schedule", "list", "--store", s3_url)[0]["last"]["outcome"] == "ok"
+
+
+def test_copy_to_s3_survives_the_server_going_away_mid_upload(procs, tmp_path, monkeypatch):
+    """Dumps stay local; --copy-to sends each off the host. The server is killed while a copy
+    uploads: the dump is kept, its pending record stays, and once the server is back the next
+    run finishes the copy; the copied checkpoint restores from the bucket on another host."""
+    from tests.s3server import WeedServer
+
+    server = WeedServer(tmp_path / "weed").start()
+    try:
+        for key, value in server.environment().items():
+            monkeypatch.setenv(key, value)
+        server.client().create_bucket(Bucket="offsite")
+        url = "s3://offsite/host-a"
+        monkeypatch.setenv("CKPT_PASSWORD", PASSWORD)
+        password = tmp_path / "password"
+        password.write_text(PASSWORD + "\n")
+        password.chmod(0o600)
+        monkeypatch.setenv("CKPT_PASSWORD_FILE", str(password))
+        monkeypatch.setenv("CKPT_CRON_DIR", str(tmp_path / "cron.d"))
+        ckpt("init", url)
+        out = tmp_path / "big.txt"
+        big = procs.start("bigmem.py", out, 192)
+        wait_until(lambda: sums(out), timeout=30, what="bigmem")
+        ckpt("schedule", "add", "agent", "--pid", big.pid, "--every", "5m", "--copy-to", url)
+
+        run = subprocess.Popen([sys.executable, "-m", "ckpt", "schedule", "run", "agent", "--json"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        client = server.client()
+        wait_until(lambda: client.list_multipart_uploads(Bucket="offsite").get("Uploads") or run.poll() is not None,
+                   timeout=120, interval=0.02, what="the copy's upload to start")
+        assert run.poll() is None, "the copy finished before the server could be stopped"
+        server.stop()
+        stdout, stderr = run.communicate(timeout=300)
+        assert run.returncode == 0, stderr  # the dump itself succeeded
+        outcome = json.loads(stdout)
+        assert outcome["outcome"] == "ok" and outcome.get("copy_error"), outcome
+        first = outcome["id"]
+        assert alive(big.pid) and open(f"/proc/{big.pid}/stat").read().split()[2] != "T"
+        assert [c["id"] for c in ckpt_json("list")] == [first]  # kept locally
+        pending_dir = tmp_path / "store" / "copy-pending"
+        assert [p.name for p in pending_dir.iterdir()] == [f"{first}.json"]
+
+        server.restart()
+        expected = report(big.pid, out)[0]
+        second = ckpt_json("schedule", "run", "agent")
+        assert not second.get("copy_error"), second
+        assert list(pending_dir.iterdir()) == []
+        copied = [c["id"] for c in ckpt_json("list", "--store", url)]
+        assert copied == [first, second["id"]]
+        procs.kill_tree(big.pid)
+        restored = on_another_host(["restore", first, "--store", url, "--json"], tmp_path / "cache-b",
+                                   tmp_path / "cache")
+        assert restored.returncode == 0, restored.stderr
+        pid = json.loads(restored.stdout)["pid"]
+        procs.adopt(pid)
+        assert report(pid, out)[0] == expected
+    finally:
+        server.stop()
