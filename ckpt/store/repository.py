@@ -514,7 +514,7 @@ class Store:
                 reporter.step(f"storing {sum(sizes.values()) // 4096} pages")
                 page_lists, block_stats, _ = self.blocks.ingest(
                     page_images, lambda image: codec if codec == "none" or _worth_compressing(image) else "none",
-                    earlier)
+                    earlier, lambda done, total: reporter.progress(done, total, "storing pages"))
                 added += block_stats.bytes_new
                 if complete_page_lists is not None:
                     from_parent = complete_page_lists(page_lists)

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import blake3
 import xxhash
@@ -110,6 +110,28 @@ def page_ids(buffer, seed: int) -> bytes:
         return b"".join([digest(view[i:i + PAGE], seed) for i in range(0, len(view), PAGE)])
     finally:
         view.release()
+
+
+class _Told:
+    """Progress of an ingest, in bytes of the images: told every PROGRESS_STEP at most (a 1%
+    dump makes thousands of one-page segments; a call each would cost more than it tells)."""
+
+    STEP = 16 << 20
+
+    def __init__(self, progress: Callable[[int, int], None] | None, total: int):
+        self.progress, self.total = progress, total
+        self.before = 0  # bytes of the images done
+        self.last = 0
+
+    def at(self, within: int, final: bool = False) -> None:
+        done = self.total if final else self.before + within
+        if self.progress is not None and (final or done - self.last >= self.STEP):
+            self.last = done
+            self.progress(done, self.total)
+
+    def image_done(self, size: int) -> None:
+        self.before += size
+        self.at(0)
 
 
 class _Encoders:
@@ -407,8 +429,8 @@ class BlockStore:
 
     # ---- writing --------------------------------------------------------------------------
 
-    def ingest(self, images: list[Path], codec_for, earlier: dict[str, tuple] | None = None  # noqa: PLR0915
-               ) -> tuple[dict[str, bytes], IngestStats, list[str]]:
+    def ingest(self, images: list[Path], codec_for, earlier: dict[str, tuple] | None = None,  # noqa: PLR0915
+               progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, bytes], IngestStats, list[str]]:
         """Stores the new pages of each pages image in one new pack and an index file.
 
         earlier: by image name, the page list of a committed checkpoint of the same target and
@@ -416,10 +438,13 @@ class BlockStore:
         only a shortcut (BlockIndex.missing), the pages stored are the same without it.
 
         Returns each image's page list (ids in order), the figures, and the names of the blobs
-        written (pack, index file), durable when this returns.
+        written (pack, index file), durable when this returns. progress(done, total) hears, in
+        bytes of the images, how far it got (every 16 MiB or so: a store in S3 takes a while).
         """
         index = self.index()
         stats = IngestStats()
+        total = sum(image.stat().st_size for image in images)
+        told = _Told(progress, total)
         page_lists: dict[str, bytes] = {}
         seen: set[bytes] = set()
         seed = self.seed
@@ -457,11 +482,13 @@ class BlockStore:
                         encoded = _encoded_segments(view, runs, codec, encoders)
                         for (run_start, end), segment in zip(runs, encoded, strict=True):
                             pack.add(page_list[run_start * ID_LEN:end * ID_LEN], *segment)
+                            told.at(end * PAGE)
                             phase("dump.ingest")
                             image_stats.new_pages += end - run_start
                             image_stats.bytes_new += len(segment[0])
                         image_stats.bytes_dedup = (n - image_stats.new_pages) * PAGE
                         stats.add(image_stats)
+                        told.image_done(size)
                     finally:
                         # The mmap cannot close while a view of it exists, even on the way out of
                         # an error (a full disk): the encoders release theirs first.
@@ -469,6 +496,7 @@ class BlockStore:
                             encoded.close()
                         view.release()
             written = pack.commit()
+            told.at(0, final=True)
             if written:
                 self._index = None
         except BaseException:
