@@ -146,19 +146,23 @@ class OpenedFile:
 def opened_files(image_dir: Path) -> list[OpenedFile]:
     """The files of the tree that a restore opens again by path: open descriptors, mapped
     executables and libraries, working and root directories. Left out: deleted files CRIU
-    carries itself (ghost files and other remaps, remap-fpath.img) and files named to CRIU as
-    external (their descriptors are given to it)."""
+    carries itself (ghost files and other remaps, remap-fpath.img), terminals, and files named
+    to CRIU as external (their descriptors are given to it)."""
     files_path = image_dir / "files.img"
     if not files_path.exists():
         return []
-    remapped: set[int] = set()
+    skipped: set[int] = set()
     remap_path = image_dir / "remap-fpath.img"
     if remap_path.exists():
-        remapped = {int(e["orig_id"]) for e in _load(remap_path)["entries"]}
+        skipped = {int(e["orig_id"]) for e in _load(remap_path)["entries"]}
+    entries = _load(files_path)["entries"]
+    # A terminal's path is recorded as a reg-file too (the TTY entry's regf_id), but CRIU does not
+    # reopen it by that path: a pty comes back as a new pair, a --shell-job terminal is the restorer's.
+    skipped |= {int(e["tty"]["regf_id"]) for e in entries if "regf_id" in e.get("tty", {})}
     found = []
-    for entry in _load(files_path)["entries"]:
+    for entry in entries:
         reg = entry.get("reg")
-        if reg is None or int(reg.get("id", entry.get("id", 0))) in remapped or reg.get("ext"):
+        if reg is None or int(reg.get("id", entry.get("id", 0))) in skipped or reg.get("ext"):
             continue
         words = reg.get("build_id") or []
         found.append(OpenedFile(

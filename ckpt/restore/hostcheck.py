@@ -51,8 +51,7 @@ def _version(text: str, parts: int = 2) -> tuple[int, ...]:
 
 def is_another_host(manifest: Manifest) -> bool:
     """Whether the checkpoint was taken on another machine: another host name, or (where both
-    are recorded) another machine id, so that a host renamed, or two clones sharing a name, are
-    told apart where the machine id says so."""
+    are recorded) another machine id, which tells apart machines sharing a name (clones)."""
     if manifest.host and manifest.host != socket.gethostname():
         return True
     recorded = manifest.system.get("machine_id") or ""
