@@ -18,6 +18,7 @@ class ExitCode(IntEnum):
     BUSY = 7  # lock not obtained, PID in use
     NOT_READY = 8  # `ckpt check` found a blocking problem
     UNREACHABLE = 9  # the store's server cannot be reached or keeps refusing for now (retry later)
+    HOST_MISMATCH = 10  # this host lacks what a checkpoint needs (files, CRIU version, architecture)
     INTERNAL = 70
 
 
@@ -142,6 +143,13 @@ class CriuFailed(CkptError):
         super().__init__(message, hint=hint)
         self.log_path = log_path
         self.log_lines = log_lines or []
+
+
+class HostMismatch(CkptError):
+    """A restore would fail on this host: files the tree had open or mapped are missing or
+    differ, CRIU is older, the architecture differs. Raised before CRIU runs, naming them all."""
+
+    exit_code = ExitCode.HOST_MISMATCH
 
 
 class PidInUse(CkptError):

@@ -1,11 +1,18 @@
+from typing import Annotated, Optional
+
 import typer
 
 from ckpt.cli.options import JsonOption, StoreOption, store_root
 from ckpt.cli.output import emit_json, stdout, styled
-from ckpt.commands.check import as_json, check_readiness, ready
+from ckpt.commands.check import as_json, check_checkpoint, check_readiness, ready
 from ckpt.errors import CkptError, ExitCode
 
 HELP = """Report whether checkpoints can be taken and restored here, and how to fix what is missing.
+
+With REF (a checkpoint ID, name or 'latest'), also whether that checkpoint can be restored on
+this host: the files its tree had open or mapped (missing, or of another size, mode or ELF
+build id), the CRIU version and the architecture, as 'ckpt restore' checks them before CRIU
+runs, each mismatch listed; and whether its TCP connections would come back closed.
 
 Exit code 0 only when dump and restore can work (optional features may be missing).
 
@@ -14,6 +21,8 @@ Examples:
   ckpt check
 
   ckpt check --json
+
+  ckpt check agent     # before restoring checkpoint 'agent' on this machine
 """
 
 
@@ -23,8 +32,14 @@ class NotReady(CkptError):
 
 def register(app: typer.Typer) -> None:
     @app.command("check", help=HELP)
-    def check_command(store: StoreOption = None, json_out: JsonOption = False) -> None:
+    def check_command(
+        ref: Annotated[Optional[str], typer.Argument(
+            help="A checkpoint (ID, name or 'latest') to check against this host.")] = None,
+        store: StoreOption = None, json_out: JsonOption = False,
+    ) -> None:
         findings = check_readiness(store_root(store))
+        if ref is not None:
+            findings += check_checkpoint(store_root(store), ref)
         if json_out:
             emit_json(as_json(findings))
         else:
@@ -33,5 +48,7 @@ def register(app: typer.Typer) -> None:
                 fix = f"\n       fix: {f.fix}" if f.fix else ""
                 stdout.print(styled(label, style, f" {f.name}: {f.detail}{fix}"))
         if not ready(findings):
-            failed = ", ".join(f.name for f in findings if f.required and not f.ok)
-            raise NotReady(f"dump and restore cannot work here yet ({failed})", hint="see the fixes above")
+            failed = list(dict.fromkeys(f.name for f in findings if f.required and not f.ok))
+            if all(name.startswith("checkpoint ") for name in failed):
+                raise NotReady(f"{failed[0]} cannot be restored on this host", hint="see the fixes above")
+            raise NotReady(f"dump and restore cannot work here yet ({', '.join(failed)})", hint="see the fixes above")

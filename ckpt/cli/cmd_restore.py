@@ -21,6 +21,10 @@ A large tree is restored lazily where the kernel can (userfaultfd): it runs agai
 memory is all back, and a page server that ckpt leaves running fills the memory in from the
 store, where the tree touches it first, then the rest in the background (seconds for GiBs).
 --eager restores all memory first; --lazy restores lazily whatever the size.
+Before CRIU runs, ckpt checks that this host has what the checkpoint needs (the files the
+tree had open or mapped, with the same size, mode and ELF build id; a CRIU as new; the same
+architecture) and names every mismatch in one error (exit code 10). On another host,
+established TCP connections come back closed (--tcp-established keeps them).
 
 Examples:
 
@@ -34,7 +38,9 @@ Examples:
 
   ckpt restore agent --output agent.log   # was 'agent | tee agent.log'
 
-  ckpt restore agent --tcp-close   # on another machine: its connections fail, it reconnects
+  ckpt restore agent --tcp-close   # its connections fail, it reconnects (the default on another host)
+
+  ckpt restore agent --tcp-established   # on another host too: its peers moved with it
 
   ckpt restore agent --eager       # all memory in place before the tree runs
 """
@@ -54,10 +60,12 @@ def register(app: typer.Typer) -> None:
                                    "environment); its failure is reported, the tree keeps running.")] = None,
         new_pidns: Annotated[bool, typer.Option(
             "--new-pidns", help="Restore into a new PID namespace, for when the tree's PIDs are taken.")] = False,
-        tcp_close: Annotated[bool, typer.Option(
-            "--tcp-close", help="Restore established TCP connections closed: the program sees them fail and "
-                                "reconnects. For a restore on another machine, or long after the peers gave "
-                                "up.")] = False,
+        tcp_close: Annotated[Optional[bool], typer.Option(
+            "--tcp-close/--tcp-established",
+            help="Restore established TCP connections closed (the program sees them fail and reconnects) or "
+                 "established as they were. Default: closed when the checkpoint was taken on another host, "
+                 "established on its own host; --tcp-close also for a restore long after the peers gave "
+                 "up.")] = None,
         output: OutputOption = None,
         lazy: Annotated[Optional[bool], typer.Option(
             "--lazy/--eager",

@@ -78,6 +78,37 @@ def check_readiness(store_root: StoreLocation) -> list[Finding]:
     return findings
 
 
+def check_checkpoint(store_root: Path, ref: str) -> list[Finding]:
+    """Whether the checkpoint ref names can be restored on this host: what a restore checks
+    before CRIU runs (ckpt/restore/hostcheck.py), each mismatch a finding of its own, and how
+    its TCP connections would come back."""
+    from ckpt.restore import hostcheck
+    from ckpt.store import Store
+    from ckpt.store.staging import discard
+
+    binary = find_criu()
+    store = Store.open(store_root)
+    with store.lock(exclusive=False):
+        manifest = store.load(store.resolve(ref))
+        image_dir = store.materialize(manifest, skip_pages=True)  # checked against the manifest, as a restore does
+        try:
+            report = hostcheck.check(manifest, binary, image_dir)
+        finally:
+            discard(image_dir)
+    name = f"checkpoint {manifest.id}"
+    where = f"taken on {manifest.host or 'an unrecorded host'}" + (", another host" if report.another_host else "")
+    if manifest.criu.get("options", {}).get("tcp_established"):
+        where += ("; its established TCP connections would be restored closed (--tcp-established keeps them)"
+                  if report.another_host else "; its established TCP connections would be restored as they were")
+    found = f"; {len(report.mismatches)} thing(s) differ here" if report.mismatches else \
+        "; everything a restore checks matches here"
+    findings = [Finding(name, not report.mismatches, where + found)]
+    findings += [Finding(name, False, problem, hostcheck.fix_for(kind, manifest, report))
+                 for kind, problem in zip(report.kinds, report.mismatches, strict=True)]
+    findings += [Finding(name, True, warning, required=False) for warning in report.warnings]
+    return findings
+
+
 def _kernel_version() -> tuple[int, ...]:
     import re
 

@@ -6,7 +6,7 @@ import os
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from ckpt.dump.dump_options import DumpOptions
 from ckpt.errors import HookFailed, UsageError
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.restore import hostcheck
 from ckpt.restore.lazy import LazyPlan, lazy_processes, start_page_server
 from ckpt.restore.lazy import supported as lazy_supported
 from ckpt.store import Manifest, Store
@@ -36,10 +37,10 @@ class RestoreRequest:
     # Where the tree's pipes and sockets to programs outside it now write: a file, "-" for ckpt's own
     # stdout/stderr, None for a file in the checkpoint's log directory.
     output: str | None = None
-    # Restore established TCP connections closed: the program sees them fail and reconnects.
-    # For a restore on another machine (the connection's address is not there) or long after
-    # the peers gave up.
-    tcp_close: bool = False
+    # Restore established TCP connections closed (the program sees them fail and reconnects),
+    # or established again (TCP repair). None: closed on another host (its peers have moved on,
+    # its addresses are not there), established on the host that took the checkpoint.
+    tcp_close: bool | None = None
     # Lazy restore (ckpt/restore/lazy.py): True, False, or None to decide (lazy when the tree has at
     # least settings.lazy_min_bytes of memory (CKPT_LAZY_MIN_MIB) CRIU can restore lazily and the kernel can).
     lazy: bool | None = None
@@ -55,12 +56,17 @@ class RestoreResult:
     hook_error: str | None = None
     output: str | None = None  # where output to pipes and sockets outside the tree now goes
     lazy: dict | None = None  # a lazy restore: pages, bytes, page server PID, its log
+    another_host: bool = False  # the checkpoint was taken on another machine
+    # How the tree's established TCP connections came back: "established", "closed", or None (it had none).
+    tcp_connections: str | None = None
+    host_warnings: list[str] = field(default_factory=list)  # differences with the dump's host, not refused
 
     def to_json(self) -> dict:
         return {"id": self.manifest.id, "name": self.manifest.name, "pid": self.pid,
                 "pid_in_namespace": self.pid_in_namespace, "hook_error": self.hook_error, "output": self.output,
                 "processes": len(self.manifest.processes), "duration_ms": self.duration_ms,
-                "log": str(self.log_path), "lazy": self.lazy}
+                "log": str(self.log_path), "lazy": self.lazy, "another_host": self.another_host,
+                "tcp_connections": self.tcp_connections, "host_warnings": self.host_warnings}
 
 
 def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:  # noqa: PLR0915
@@ -73,11 +79,10 @@ def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Report
     with store.lock(exclusive=False, on_wait=lambda h: reporter.info("waiting for the store lock")):
         checkpoint_id = store.resolve(request.ref)
         manifest = store.load(checkpoint_id)
-        _require_datagram_peers(manifest)
         if any(entry.kind == "pages" for entry in manifest.files):
             store.blocks.preload_index()  # meanwhile, the other images are written and checked
         images_dir: Path | None
-        images_dir, lazy, plan = _lay_out_images(store, manifest, request, binary, reporter)
+        images_dir, lazy, plan, host = _lay_out_images(store, manifest, request, binary, reporter)
         phase("restore.materialized")
         inherit: list[tuple[str, int]] = []
         server = None
@@ -93,7 +98,8 @@ def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Report
             stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
             log_dir = store.logs_dir(checkpoint_id)
             output, inherit = _relays_to_output(manifest, request.output, log_dir / f"output-{stamp}.log")
-            extra = {"tcp_close": True} if request.tcp_close else {}
+            tcp = _tcp_connections(manifest, options.tcp_established, request.tcp_close, host, reporter)
+            extra = {"tcp_close": True} if tcp == "closed" else {}
             work_dir = log_dir
             if lazy:
                 # CRIU finds the daemon at <work dir>/lazy-pages.socket: one directory per restore.
@@ -144,21 +150,43 @@ def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Report
                 os.close(fd)
     hook_error = _run_post_restore_hook(request, pid, manifest, reporter)
     return RestoreResult(manifest, pid, round((time.monotonic() - started) * 1000, 1), criu_options.log_path,
-                         inner, hook_error, output, lazy_info)
+                         inner, hook_error, output, lazy_info, host.another_host, tcp, host.warnings)
 
 
 def _lay_out_images(store: Store, manifest: Manifest, request: RestoreRequest, binary, reporter: Reporter
-                    ) -> tuple[Path, bool, LazyPlan]:
+                    ) -> tuple[Path, bool, LazyPlan, hostcheck.HostReport]:
     """Writes the checkpoint's images into a fresh staging directory for CRIU, verifying each.
     For a lazy restore the pages a page server will serve are checked but left out (plan says
-    which and where). Returns the directory, whether the restore is lazy after all, and the plan."""
+    which and where). Before the pages images (the bulk), the host is checked against the
+    other images: a mismatch (HostMismatch) ends the restore before anything else is done.
+    Returns the directory, whether the restore is lazy after all, the plan and the host's report."""
     lazy = _wants_lazy(request, manifest, binary)
     reporter.step(f"verifying checkpoint {manifest.id}")
     plan = LazyPlan()
+    reports: list[hostcheck.HostReport] = []
+
+    def check_host(directory: Path) -> None:
+        if not reports:
+            reporter.step("checking this host against the checkpoint")
+            reports.append(hostcheck.check(manifest, binary, directory))
+            hostcheck.require_match(manifest, reports[0])
+
+    def checked(directory: Path) -> hostcheck.HostReport:
+        try:
+            check_host(directory)  # done already unless the checkpoint has no pages images
+        except BaseException:
+            discard(directory)
+            raise
+        for warning in reports[0].warnings:
+            reporter.warn(warning)
+        return reports[0]
+
     if not lazy:
-        return store.materialize(manifest, reporter), False, plan
+        images_dir = store.materialize(manifest, reporter, before_pages=check_host)
+        return images_dir, False, plan, checked(images_dir)
 
     def holes_for(directory: Path) -> dict[str, list[tuple[int, int]]]:
+        check_host(directory)
         minimum = settings.current().lazy_min_bytes if request.lazy is None else 1
         holes = plan.prepare(directory, manifest, minimum)
         if holes is None:
@@ -167,7 +195,7 @@ def _lay_out_images(store: Store, manifest: Manifest, request: RestoreRequest, b
         return holes or {}
 
     images_dir, plan.locations = store.materialize_lazily(manifest, holes_for, reporter)
-    return images_dir, bool(plan.locations), plan  # none left out: nothing to serve
+    return images_dir, bool(plan.locations), plan, checked(images_dir)  # none left out: nothing to serve
 
 
 def _run_post_restore_hook(request: RestoreRequest, pid: int, manifest: Manifest, reporter: Reporter) -> str | None:
@@ -185,16 +213,27 @@ def _run_post_restore_hook(request: RestoreRequest, pid: int, manifest: Manifest
     return None
 
 
-def _require_datagram_peers(manifest: Manifest) -> None:
-    """CRIU connects the tree's datagram sockets to the paths they sent to; without the socket
-    there, it fails midway ("Can't connect ... socket"): said first, and how to fix it."""
-    for sock in manifest.criu.get("external_datagram_sockets", []):
-        path = sock.get("peer_path")
-        if path and not path.startswith("@") and not os.path.exists(path):
-            raise UsageError(f"PID {sock['pid']} of checkpoint {manifest.id} sent datagrams to {path}, which does "
-                             "not exist here",
-                             hint="start the program that receives there (for /dev/log: a syslog daemon or "
-                                  "journald), then restore again")
+def _tcp_connections(manifest: Manifest, saved: bool, close: bool | None, host: hostcheck.HostReport,
+                     reporter: Reporter) -> str | None:
+    """How the tree's established TCP connections come back: "closed" or "established" (None:
+    the checkpoint holds none). On another host they are closed unless told otherwise: their
+    peers have moved on, and the local address is another machine's. Listening sockets listen
+    again either way. Says it in one line when they do not come back as a plain restore would."""
+    elsewhere = f"taken on {manifest.host or 'another host'}, this is {host.this_host}"
+    if not saved:
+        if host.another_host:
+            reporter.info(f"checkpoint {elsewhere}")
+        return None
+    tcp = "closed" if (host.another_host if close is None else close) else "established"
+    if host.another_host and close is None:
+        reporter.info(f"checkpoint {elsewhere}: its established TCP connections are restored closed (the program "
+                      "sees them fail), listening sockets listen again; --tcp-established restores them as they were")
+    elif host.another_host and not close:
+        reporter.info(f"checkpoint {elsewhere}: its established TCP connections are restored as they were "
+                      "(--tcp-established)")
+    elif close:
+        reporter.info("established TCP connections are restored closed (--tcp-close)")
+    return tcp
 
 
 def _wants_lazy(request: RestoreRequest, manifest: Manifest, binary) -> bool:

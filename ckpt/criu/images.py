@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import io
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt.errors import ImageUnreadable
@@ -127,6 +128,48 @@ def describe(image_dir: Path, manifest_processes: list[dict]) -> list[dict]:
             info["fds"].sort(key=lambda d: d["fd"])
         result.append(info)
     return result
+
+
+@dataclass(frozen=True)
+class OpenedFile:
+    """A file the tree had open or mapped by path (CRIU's reg-file in files.img): what CRIU
+    checks on restore before it opens the file again (criu/files-reg.c, validate_file)."""
+
+    path: str
+    mode: int | None  # st_mode at the dump: CRIU refuses another (type and permission bits)
+    size: int | None  # None where CRIU does not check it: not a regular file, or opened write-only with O_APPEND
+    # An ELF file's build id as CRIU recorded it: uint32 words copied from bytes in the dumping
+    # host's order (same architecture as this one, or the restore is refused anyway), zero-padded.
+    build_id: bytes | None
+
+
+def opened_files(image_dir: Path) -> list[OpenedFile]:
+    """The files of the tree that a restore opens again by path: open descriptors, mapped
+    executables and libraries, working and root directories. Left out: deleted files CRIU
+    carries itself (ghost files and other remaps, remap-fpath.img), terminals, and files named
+    to CRIU as external (their descriptors are given to it)."""
+    files_path = image_dir / "files.img"
+    if not files_path.exists():
+        return []
+    skipped: set[int] = set()
+    remap_path = image_dir / "remap-fpath.img"
+    if remap_path.exists():
+        skipped = {int(e["orig_id"]) for e in _load(remap_path)["entries"]}
+    entries = _load(files_path)["entries"]
+    # A terminal's path is recorded as a reg-file too (the TTY entry's regf_id), but CRIU does not
+    # reopen it by that path: a pty comes back as a new pair, a --shell-job terminal is the restorer's.
+    skipped |= {int(e["tty"]["regf_id"]) for e in entries if "regf_id" in e.get("tty", {})}
+    found = []
+    for entry in entries:
+        reg = entry.get("reg")
+        if reg is None or int(reg.get("id", entry.get("id", 0))) in skipped or reg.get("ext"):
+            continue
+        words = reg.get("build_id") or []
+        found.append(OpenedFile(
+            path=str(reg["name"]), mode=int(reg["mode"]) if "mode" in reg else None,
+            size=int(reg["size"]) if "size" in reg else None,
+            build_id=struct.pack(f"={len(words)}I", *(int(w) for w in words)) if words else None))
+    return found
 
 
 # pagemap entry flags (CRIU's images/pagemap.proto): the one copy ckpt uses

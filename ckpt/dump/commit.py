@@ -16,6 +16,7 @@ from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store
 from ckpt.store.blocks.segments import PAGE
 from ckpt.store.staging import DumpStaging
+from ckpt.system import procfs
 
 
 @dataclass
@@ -52,6 +53,7 @@ def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, co
         name=record.name,
         created=datetime.now(timezone.utc).isoformat(),
         host=socket.gethostname(),
+        system=procfs.host_facts(),
         pid=record.pid,
         command=record.command,
         processes=record.processes,

@@ -76,6 +76,9 @@ class Manifest:
     files: list[FileEntry]
     name: str | None = None
     host: str = ""
+    # The system it was taken on: machine_id, kernel, arch (ckpt.system.procfs.host_facts);
+    # empty in checkpoints taken before it was recorded.
+    system: dict = field(default_factory=dict)
     criu: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
     bytes_total: int = 0
@@ -691,11 +694,19 @@ class Store:
             elif entry.name == "inventory.img" or entry.name.startswith("pagemap-"):
                 self.check_entry(entry, dest / entry.name)
 
-    def materialize(self, manifest: Manifest, reporter: Reporter = NullReporter(), skip_pages: bool = False) -> Path:
+    def materialize(self, manifest: Manifest, reporter: Reporter = NullReporter(), skip_pages: bool = False,
+                    before_pages: Callable[[Path], None] | None = None) -> Path:
         """Writes the checkpoint's images into a fresh restore-* directory, verifying each.
 
-        skip_pages leaves out the page data (for inspection, which needs only the metadata)."""
-        return self._materialize(manifest, reporter, skip_pages, None)[0]
+        skip_pages leaves out the page data (for inspection, which needs only the metadata).
+        before_pages(directory) is called once every other image is written, before the pages
+        images (the bulk): a restore checks the host there, and what it raises ends the layout."""
+        def no_holes(directory: Path) -> dict[str, list[tuple[int, int]]]:
+            if before_pages is not None:
+                before_pages(directory)
+            return {}
+
+        return self._materialize(manifest, reporter, skip_pages, no_holes)[0]
 
     def materialize_lazily(self, manifest: Manifest, holes_for: Callable[[Path], dict[str, list[tuple[int, int]]]],
                            reporter: Reporter = NullReporter()) -> tuple[Path, dict[str, list[int]]]:

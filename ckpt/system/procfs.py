@@ -23,3 +23,25 @@ def start_ticks(pid: int) -> int:
 def boot_id() -> str:
     """This boot's random id: what was true of processes and the kernel before a reboot is not."""
     return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def machine_id() -> str:
+    """The installation's id (systemd's /etc/machine-id; empty where there is none): unlike the
+    host name it survives renaming, and unlike the boot id it survives reboots."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            value = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if value:
+            return value
+    return ""
+
+
+def host_facts() -> dict:
+    """What a checkpoint records of the system it was taken on (the manifest's `system`), for a
+    restore to tell another host and what must match there (docs/design.md, "Manifest")."""
+    import os
+
+    uname = os.uname()
+    return {"machine_id": machine_id(), "kernel": uname.release, "arch": uname.machine}

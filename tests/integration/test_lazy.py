@@ -6,6 +6,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -92,16 +93,38 @@ def test_dump_right_after_a_lazy_restore_holds_every_page(procs, tmp_path):
 
 
 def test_failed_lazy_restore_leaves_no_page_server_and_nothing_staged(procs, tmp_path, isolated_env):
-    data, _, dumped = dumped_file_reader(procs, tmp_path, lines=1000, records=3)
-    data.unlink()  # CRIU's restore fails: the file it reopens is gone
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    log = tmp_path / "server.txt"
+    server = procs.start("echo_server.py", log, port)
+    wait_until(lambda: read_lines(log), what="server")
+    dumped = ckpt_json("dump", server.pid, "--stop")
+    server.wait(timeout=10)
 
     before = {p.name for p in LAZY_RECORDS.glob("*.json")}
-    failed = ckpt("restore", dumped["id"], "--lazy", check=False)
-    assert failed.returncode != 0 and "Traceback" not in failed.stderr
-    assert f"is gone: {data}" in failed.stderr
+    # CRIU's restore fails once the page server runs: the server's port is taken (a missing
+    # file would be refused before, by the host check).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        failed = ckpt("restore", dumped["id"], "--lazy", check=False)
+    assert failed.returncode == 5 and "Traceback" not in failed.stderr, failed.stderr
     assert {p.name for p in LAZY_RECORDS.glob("*.json")} <= before, "a page server outlived the failed restore"
     assert not any((isolated_env / "tmp").iterdir()), "the failed restore left its staged images"
     ckpt("prune", env={"CKPT_LOCK_TIMEOUT": "5"})  # no page server holds the store's lock
+
+
+def test_lazy_restore_refused_by_the_host_check_starts_no_page_server(procs, tmp_path, isolated_env):
+    data, _, dumped = dumped_file_reader(procs, tmp_path, lines=1000, records=3)
+    data.unlink()
+    before = {p.name for p in LAZY_RECORDS.glob("*.json")}
+    refused = ckpt("restore", dumped["id"], "--lazy", check=False)
+    assert refused.returncode == 10 and f"{data} is missing" in refused.stderr, refused.stderr
+    assert {p.name for p in LAZY_RECORDS.glob("*.json")} <= before, "a page server was started"
+    assert not list((isolated_env / "logs" / dumped["id"]).glob("lazy-*")), "a lazy restore was begun"
+    assert not any((isolated_env / "tmp").iterdir()), "the refused restore left its staged images"
 
 
 def test_lazy_restore_of_memory_in_huge_pages(procs, tmp_path):

@@ -411,7 +411,7 @@ def test_datagrams_to_a_socket_outside_the_tree_flow_again_after_restore(procs, 
         receiver.close()
     path.unlink()
     refused = ckpt("restore", again["id"], check=False)
-    assert refused.returncode == 2, refused.stderr
+    assert refused.returncode == 10, refused.stderr
     assert f"sent datagrams to {path}, which does not exist here" in refused.stderr
     assert "Traceback" not in refused.stderr
 
