@@ -78,7 +78,7 @@ def check_readiness(store_root: StoreLocation) -> list[Finding]:
     return findings
 
 
-def check_checkpoint(store_root: Path, ref: str) -> list[Finding]:
+def check_checkpoint(store_root: StoreLocation, ref: str) -> list[Finding]:
     """Whether the checkpoint ref names can be restored on this host: what a restore checks
     before CRIU runs (ckpt/restore/hostcheck.py), each mismatch a finding of its own, and how
     its TCP connections would come back."""
