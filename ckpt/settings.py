@@ -163,6 +163,9 @@ class Settings:
         "CKPT_CRIU_LOG_LEVEL", _whole(0, 4, "a log level from 0 to 4", "4")))
     # Seconds to wait for a store another ckpt holds.
     lock_timeout: float = field(default=60.0, metadata=_env("CKPT_LOCK_TIMEOUT", _seconds(False, "60")))
+    # Seconds a lock object of a store in S3 stays live without being refreshed (its holder
+    # refreshes it every fifth of that); prune keeps unreferenced blobs younger than twice it.
+    lock_ttl: float = field(default=300.0, metadata=_env("CKPT_LOCK_TTL", _seconds(True, "300")))
     # Where images are staged: auto = disk (the store's tmp/), or ram (/dev/shm); see
     # Store.staging_base for why disk is the default.
     staging: str = field(default="auto", metadata=_env("CKPT_STAGING", _choice(STAGING_CHOICES, "ram")))

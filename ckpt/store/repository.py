@@ -185,7 +185,7 @@ class Store:
         from ckpt.store import keys
         from ckpt.store.backends.s3 import S3Backend
 
-        remote = S3Backend.from_url(url)
+        remote = S3Backend.from_url(url, lock_ttl=settings.current().lock_ttl)
         if not keys.is_encrypted(remote):
             if remote.exists(STORE_META):
                 raise StoreError(f"the store at {url} is not encrypted; ckpt keeps remote stores encrypted only",
