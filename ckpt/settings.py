@@ -77,6 +77,20 @@ def _store_location(variable: str, raw: str) -> StoreLocation:
     return _path(variable, raw)
 
 
+def _cache_size(variable: str, raw: str) -> str:
+    # The cap's syntax; its bytes are worked out when a store is opened (a share of the cache's
+    # filesystem): backends/cache.py cache_bytes.
+    text = raw.strip().upper().removesuffix("B").removesuffix("I")
+    number = text[:-1] if text[-1:] in ("%", "K", "M", "G", "T") else text
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (text.endswith("%") and value > 100):
+        raise _bad(variable, raw, "a size (512M, 20G) or a share of the cache's filesystem (10%)", "20G")
+    return raw.strip()
+
+
 def _seconds(above_zero: bool, example: str) -> Callable[[str, str], float]:
     def parse(variable: str, raw: str) -> float:
         try:
@@ -137,6 +151,8 @@ class Settings:
     store: StoreLocation = field(default_factory=default_store_path, metadata=_env("CKPT_STORE", _store_location))
     # The local side of remote stores (staging, logs, schedules) and their cache of blobs.
     cache: Path = field(default_factory=default_cache_path, metadata=_env("CKPT_CACHE", _path))
+    # The cap of that cache (all remote stores together): bytes (20G) or a share of its filesystem.
+    cache_size: str = field(default="10%", metadata=_env("CKPT_CACHE_SIZE", _cache_size))
     # The password of encrypted stores, or a file holding it (its first line). Never printed.
     password: str | None = field(default=None, repr=False, metadata=_env("CKPT_PASSWORD", _text))
     password_file: Path | None = field(default=None, metadata=_env("CKPT_PASSWORD_FILE", _path))

@@ -6,7 +6,8 @@ import typer
 from rich.table import Table
 
 from ckpt.cli.options import (JsonOption, KeepDailyOption, KeepHourlyOption, KeepLastOption, KeepWeeklyOption,
-                              KeepWithinOption, QuietOption, StoreOption, retention_policy, store_root)
+                              KeepWithinOption, PasswordFileOption, QuietOption, StoreOption, retention_policy,
+                              store_root, use_password_file)
 from ckpt.cli.output import CliReporter, emit_json, stderr, stdout
 from ckpt.commands.schedule import add, listing, remove, run
 from ckpt.schedule.book import ScheduleBook
@@ -65,11 +66,13 @@ def add_command(
     keep_daily: KeepDailyOption = 0,
     keep_weekly: KeepWeeklyOption = 0,
     pre_dump: Annotated[Optional[str], typer.Option("--pre-dump", help="Shell command run before each dump.")] = None,
+    password_file: PasswordFileOption = None,
     store: StoreOption = None,
     json_out: JsonOption = False,
 ) -> None:
     target = {k: v for k, v in (("pid", pid), ("pidfile", pidfile), ("match", match)) if v is not None}
     policy = retention_policy(keep_last, keep_within, keep_hourly, keep_daily, keep_weekly)
+    use_password_file(password_file)
     book = _book(store, opened=False)
     schedule, where = add(book, name, target, every, cron_expr, policy, pre_dump)
     if json_out:

@@ -14,10 +14,10 @@ from ckpt.store.backends.encrypted import EncryptedBackend
 
 
 def _encrypted(store: Store) -> EncryptedBackend:
-    if not isinstance(store.backend, EncryptedBackend):
+    if not isinstance(store.encryption, EncryptedBackend):
         raise UsageError(f"the store at {store.location} is not encrypted, so it has no keys",
                          hint="`ckpt init` makes encrypted stores (remote ones always, local ones with --encrypt)")
-    return store.backend
+    return store.encryption
 
 
 def list_keys(store: Store) -> list[dict]:

@@ -56,7 +56,12 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
                         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     from ckpt.store import Store
 
-    Store.open(book.store_root, create=True)  # made (and checked) only now that the schedule is valid
+    store = Store.open(book.store_root, create=True)  # made (and checked) only now that the schedule is valid
+    from ckpt import settings
+    if store.encryption is not None and settings.current().password_file is None:
+        # cron's runs have no terminal and cron files are world-readable: only a file works.
+        raise UsageError(f"the store at {store.location} is encrypted, and cron's runs need its password in a file",
+                         hint="pass --password-file FILE (mode 600) or set CKPT_PASSWORD_FILE")
     make_private_dir(book.dir)
     make_private_dir(book.log_dir)
     atomic_write_bytes(book.path(name), json.dumps(asdict(schedule), indent=2).encode())

@@ -10,6 +10,7 @@ from ckpt.store import Store
 def verify(store: Store, ref: str | None, reporter: Reporter = NullReporter()) -> list[dict]:
     """One result per checkpoint: {"id", "files", "problems": [...]} (no problems: intact)."""
     results = []
+    store = store.uncached()  # a remote store's own bytes, not the local cache's copies
     with store.lock(exclusive=False):
         checkpoint_ids = [store.resolve(ref)] if ref else store.checkpoint_ids()
         for checkpoint_id in checkpoint_ids:

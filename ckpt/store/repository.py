@@ -190,7 +190,7 @@ class Store:
             raise CheckpointNotFound(f"no ckpt store at {url}",
                                      hint=f"create one with `ckpt init {url}`, or pass the right --store")
         local_side = cls.local_side(url)
-        backend = keys.unlock(cls._cached(remote, url), password_for(url))
+        backend = cls._cached(keys.unlock(remote, password_for(url)), url)
         store = cls(local_side, backend, location=url)
         store._check_format(backend, url)
         return store
@@ -205,8 +205,9 @@ class Store:
     def local_side(url: str) -> Path:
         """The local directory of the remote store at url: <cache>/stores/<tag>/{tmp,logs,schedules}."""
         base = settings.current().cache
-        tag = blake3.blake3(url.encode()).hexdigest()[:16]
-        root = base / "stores" / tag
+        from ckpt.store.backends.cache import store_cache_dir
+
+        root = store_cache_dir(base / "stores", url)  # the cache's blobs/ go beside tmp/ and logs/
         try:
             check_safe_ancestors(base)
             for directory in (base, base / "stores", root, *(root / sub for sub in LOCAL_SIDE_DIRS)):
@@ -221,8 +222,34 @@ class Store:
 
     @staticmethod
     def _cached(remote: Backend, url: str) -> Backend:
-        """The remote backend behind the local cache of immutable blobs (ckpt/store/backends/cache.py)."""
-        return remote
+        """The remote (decrypted) store behind the local cache of its immutable blobs
+        (ckpt/store/backends/cache.py), which shares the local side's directory: staged files
+        are hard-linked into it. CKPT_CACHE_SIZE=0: no cache."""
+        from ckpt.store.backends.cache import CachingBackend, cache_bytes
+
+        current = settings.current()
+        cap = cache_bytes(current.cache_size, current.cache)
+        if cap == 0:
+            return remote
+        return CachingBackend(remote, current.cache / "stores", url, cap)
+
+    def uncached(self) -> Store:
+        """The same store read past the local cache: what `verify` checks is the remote copy."""
+        from ckpt.store.backends.cache import CachingBackend
+
+        if not isinstance(self.backend, CachingBackend):
+            return self
+        return Store(self.root, self.backend.inner, location=self.location)
+
+    @property
+    def encryption(self):
+        """The store's EncryptedBackend (behind the cache, for a remote store), or None."""
+        from ckpt.store.backends.encrypted import EncryptedBackend
+
+        backend: object = self.backend
+        while backend is not None and not isinstance(backend, EncryptedBackend):
+            backend = getattr(backend, "inner", None)
+        return backend
 
     @staticmethod
     def _check_format(backend: Backend, where: str) -> None:

@@ -202,3 +202,34 @@ def test_bad_remote_stores_get_one_line_and_their_exit_code(s3_env, s3_url, tmp_
     assert no_password.returncode == 4 and "CKPT_PASSWORD" in no_password.stderr
     for result in (missing, no_bucket, denied, unreachable, again, no_password):
         assert "Traceback" not in result.stderr
+
+
+def test_a_schedule_on_an_s3_store_runs_from_crons_bare_environment(s3_url, procs, tmp_path, monkeypatch):
+    """cron runs the line with only the variables of the cron file: they must find the server,
+    the credentials (a file, never in the world-readable cron file) and the password (a file)."""
+    monkeypatch.setenv("CKPT_CRON_DIR", str(tmp_path / "cron.d"))
+    credentials = Path(os.environ["AWS_SHARED_CREDENTIALS_FILE"])
+    credentials.write_text(f"[default]\naws_access_key_id = {os.environ['AWS_ACCESS_KEY_ID']}\n"
+                           f"aws_secret_access_key = {os.environ['AWS_SECRET_ACCESS_KEY']}\n")
+    password = tmp_path / "password"
+    password.write_text(PASSWORD + "\n")
+    password.chmod(0o600)
+    monkeypatch.setenv("CKPT_PASSWORD", PASSWORD)
+    ckpt("init", s3_url)
+    target = procs.start("counter.py", tmp_path / "c.txt")
+    refused = ckpt("schedule", "add", "agent", "--pid", target.pid, "--every", "5m", "--store", s3_url, check=False)
+    assert refused.returncode == 2 and "password" in refused.stderr and "file" in refused.stderr, refused.stderr
+    ckpt("schedule", "add", "agent", "--pid", target.pid, "--every", "5m", "--store", s3_url,
+         "--password-file", password)
+    text = (tmp_path / "cron.d" / "ckpt-agent").read_text()
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] not in text and PASSWORD not in text
+    environment = dict(line.split("=", 1) for line in text.splitlines()
+                       if "=" in line and not line.startswith("#") and " root " not in line)
+    assert environment["CKPT_PASSWORD_FILE"] == str(password)
+    command = [line for line in text.splitlines() if " root " in line][0].split(" root ", 1)[1]
+    ran = subprocess.run(["env", "-i", *(f"{k}={v}" for k, v in environment.items()), "sh", "-c", command],
+                         capture_output=True, text=True, timeout=300, cwd="/")
+    assert ran.returncode == 0, ran.stderr
+    checkpoints = ckpt_json("list", "--store", s3_url)
+    assert [c["name"] for c in checkpoints] == ["agent"] and checkpoints[0]["pid"] == target.pid
+    assert ckpt_json("schedule", "list", "--store", s3_url)[0]["last"]["outcome"] == "ok"

@@ -1,9 +1,10 @@
 """Backend conformance: the same tests against every implementation of the storage backend
-interface (ckpt/store/backends): the local directory and S3 (a real SeaweedFS server,
-tests/s3server.py), each also under the encryption wrapper (encrypted.py, "enc:<spec>"). What
-the store relies on: whole blobs appear atomically, ranged reads, listing by prefix across
-pages, deletion, create-if-absent with one winner, streamed writes visible only on commit, and
-a lock that excludes and goes stale with its holder."""
+interface (ckpt/store/backends): the local directory, S3 (a real SeaweedFS server,
+tests/s3server.py), each also under the encryption wrapper (encrypted.py, "enc:<spec>"), and
+S3 behind the local cache (CachingBackend, "cached:<dir>|<url>"). What the store relies on:
+whole blobs appear atomically, ranged reads, listing by prefix across pages, deletion,
+create-if-absent with one winner, streamed writes visible only on commit, and a lock that
+excludes and goes stale with its holder."""
 
 import concurrent.futures
 import json
@@ -28,6 +29,11 @@ def open_backend(spec, **options):
     if spec.startswith("enc:"):
         from ckpt.store.backends.encrypted import EncryptedBackend
         return EncryptedBackend(open_backend(spec[4:], **options), bytes(range(32)))
+    if spec.startswith("cached:"):  # cached:<cache dir>|s3://...
+        from pathlib import Path
+        from ckpt.store.backends.cache import CachingBackend
+        directory, _, url = spec[len("cached:"):].partition("|")
+        return CachingBackend(open_backend(url, **options), Path(directory), url, 1 << 30)
     if spec.startswith("s3://"):
         from ckpt.store.backends.s3 import S3Backend
         return S3Backend.from_url(spec, **options)
@@ -44,18 +50,24 @@ def run_script(body: str, *args: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", OPEN + body, *args], cwd=REPO, **popen)
 
 
-@pytest.fixture(params=["local", "s3", "enc-local", "enc-s3"])
+@pytest.fixture(params=["local", "s3", "enc-local", "enc-s3", "cached"])
 def spec(request, tmp_path):
+    if request.param == "cached":
+        return f"cached:{tmp_path / 'cache'}|{request.getfixturevalue('s3_url')}"
     encrypted = "enc:" if request.param.startswith("enc-") else ""
     if request.param.endswith("local"):
         return encrypted + str(tmp_path / "store")
     return encrypted + request.getfixturevalue("s3_url")
 
 
+def remote(spec: str) -> bool:
+    return "s3://" in spec
+
+
 @pytest.fixture
 def backend(spec):
     # Small parts: a few MiB exercise multipart uploads and parallel ranged reads.
-    opened = open_backend(spec, part_size=5 * MiB) if "s3://" in spec else open_backend(spec)
+    opened = open_backend(spec, part_size=5 * MiB) if remote(spec) else open_backend(spec)
     yield opened
     if hasattr(opened, "close"):
         opened.close()

@@ -1,0 +1,386 @@
+"""The local cache of a remote store (ckpt/store/backends/cache.py, "Local cache" in
+docs/design.md), over a real S3 server (SeaweedFS): what is downloaded (counted by a wrapper
+around the S3 backend), the cap and its eviction order, damaged copies, permissions. The
+backend conformance suite (test_backends.py) also runs over CachingBackend."""
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import blake3
+import pytest
+import zstandard
+
+from ckpt.errors import DamagedCheckpoint
+from ckpt.store.backends import Backend, BlobNotFound, RangeReader
+from ckpt.store.backends.cache import STALE_TEMP, CachingBackend, cache_bytes, store_cache_dir
+from ckpt.store.backends.s3 import S3Backend
+from ckpt.store.blocks.blockstore import PAGE, BlockStore
+
+REPO = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+
+class Counting(Backend):
+    """The S3 backend, counting the bytes it downloads (get, get_file, ranged reads)."""
+
+    def __init__(self, inner: S3Backend):
+        self.inner = inner
+        self.downloaded = 0
+        self.reads: list[tuple[str, int, int | None]] = []
+
+    def get(self, name, offset=0, length=None):
+        data = self.inner.get(name, offset, length)
+        self.downloaded += len(data)
+        self.reads.append((name, offset, length))
+        return data
+
+    def get_file(self, name, dest):
+        self.inner.get_file(name, dest)
+        self.downloaded += os.stat(dest).st_size
+        self.reads.append((name, 0, None))
+
+    def reader(self):
+        return RangeReader(self)  # every range through get: counted
+
+    def put(self, name, data):
+        self.inner.put(name, data)
+
+    def put_if_absent(self, name, data):
+        self.inner.put_if_absent(name, data)
+
+    def put_file(self, name, source):
+        return self.inner.put_file(name, source)
+
+    def writer(self, name):
+        return self.inner.writer(name)
+
+    def stat(self, name):
+        return self.inner.stat(name)
+
+    def list(self, prefix, incomplete=False):
+        return self.inner.list(prefix, incomplete)
+
+    def delete(self, names):
+        self.inner.delete(names)
+
+    def lock(self, exclusive, timeout, on_wait=None):
+        return self.inner.lock(exclusive, timeout, on_wait)
+
+    def lock_holders(self):
+        return self.inner.lock_holders()
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.fixture
+def remote(s3_url):
+    counting = Counting(S3Backend.from_url(s3_url, part_size=5 * MiB))
+    yield counting
+    counting.close()
+
+
+@pytest.fixture
+def cache_root(tmp_path):
+    return tmp_path / "cache"
+
+
+def cached(remote, cache_root, max_bytes=1 << 30, **options) -> CachingBackend:
+    """A CachingBackend as a new command would open it (nothing checked yet in this process)."""
+    return CachingBackend(remote, cache_root, "s3://test/store", max_bytes, **options)
+
+
+def copy_path(cache: CachingBackend, name: str) -> Path:
+    return cache.directory / name
+
+
+def index_blob(data: bytes) -> tuple[str, bytes]:
+    return f"index/{blake3.blake3(data).hexdigest()}", data
+
+
+def zst_object(content: bytes) -> tuple[str, bytes]:
+    digest = blake3.blake3(content).hexdigest()
+    return f"objects/{digest[:2]}/{digest}.zst", zstandard.ZstdCompressor().compress(content)
+
+
+def test_what_was_written_is_read_back_without_downloading(remote, cache_root, tmp_path):
+    """A dump's index file, objects and pack are kept as they are written: the next command
+    on this host (a next dump loading the index, a restore) downloads none of them."""
+    writing = cached(remote, cache_root)
+    index_name, index_data = index_blob(os.urandom(300_000))
+    writing.put(index_name, index_data)
+    object_name, object_data = zst_object(b"core image " * 1000)
+    writing.put(object_name, object_data)
+    staged = tmp_path / "staged.img"
+    plain_data = os.urandom(100_000)
+    staged.write_bytes(plain_data)
+    digest = blake3.blake3(plain_data).hexdigest()
+    plain = f"objects/{digest[:2]}/{digest}"
+    assert writing.put_file(plain, staged) == len(plain_data) and not staged.exists()
+    pack = os.urandom(12 * MiB)
+    with writing.writer("packs/ab/abcdef") as out:
+        for start in range(0, len(pack), MiB):
+            out.write(pack[start:start + MiB])
+        out.commit()
+    assert remote.downloaded == 0
+
+    reading = cached(remote, cache_root)
+    assert reading.get(index_name) == index_data
+    assert reading.get(object_name, 10, 20) == object_data[10:30]
+    reading.get_file(plain, tmp_path / "restored.img")
+    assert (tmp_path / "restored.img").read_bytes() == plain_data
+    with reading.reader() as reader:
+        assert reader.size("packs/ab/abcdef") == len(pack)
+        with reader.read("packs/ab/abcdef", 5 * MiB, 4096) as view:
+            assert bytes(view) == pack[5 * MiB:5 * MiB + 4096]
+    assert remote.downloaded == 0, remote.reads
+    assert remote.inner.get(index_name) == index_data, "written through to the store"
+
+
+def test_a_blob_read_once_is_not_downloaded_again(remote, cache_root, tmp_path):
+    """Blobs another host wrote: the first read downloads each whole once (a small pack read by
+    ranges too), the next command on this host downloads nothing."""
+    index_name, index_data = index_blob(os.urandom(200_000))
+    remote.inner.put(index_name, index_data)
+    pack = os.urandom(3 * MiB)
+    remote.inner.put("packs/cd/cdef", pack)
+
+    first = cached(remote, cache_root)
+    assert first.get(index_name) == index_data
+    with first.reader() as reader:
+        for offset in (MiB, 0, 2 * MiB):
+            with reader.read("packs/cd/cdef", offset, 4096) as view:
+                assert bytes(view) == pack[offset:offset + 4096]
+    assert remote.downloaded == len(index_data) + len(pack), remote.reads
+
+    remote.downloaded = 0
+    second = cached(remote, cache_root)
+    assert second.get(index_name) == index_data
+    assert second.get("packs/cd/cdef", 100, 100) == pack[100:200]
+    out = os.open(tmp_path / "pages.img", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with second.reader() as reader:
+            assert reader.copy_to("packs/cd/cdef", MiB, MiB, out) == MiB
+    finally:
+        os.close(out)
+    assert (tmp_path / "pages.img").read_bytes() == pack[MiB:2 * MiB]
+    assert remote.downloaded == 0, remote.reads
+
+
+def test_a_range_of_a_large_uncached_pack_downloads_only_that_range(remote, cache_root):
+    """A lazy restore reads the ranges it needs: a pack above whole_below is not downloaded
+    whole. A session that reads every byte of it leaves a whole copy in the cache."""
+    pack = os.urandom(8 * MiB)
+    remote.inner.put("packs/ef/efab", pack)
+    cache = cached(remote, cache_root, whole_below=MiB)
+    with cache.reader() as reader:
+        with reader.read("packs/ef/efab", 3 * MiB, 4096) as view:
+            assert bytes(view) == pack[3 * MiB:3 * MiB + 4096]
+    assert remote.downloaded == 4096, remote.reads
+    assert not copy_path(cache, "packs/ef/efab").exists(), "a part is not a copy"
+    assert list(copy_path(cache, "packs/ef").iterdir()) == [], "the part read was not left behind"
+
+    remote.downloaded = 0
+    with cache.reader() as reader:  # a restore reading the whole pack, in no particular order
+        for offset in [5, 0, 7, 2, 1, 6, 3, 4]:
+            with reader.read("packs/ef/efab", offset * MiB, MiB) as view:
+                assert bytes(view) == pack[offset * MiB:(offset + 1) * MiB]
+    assert remote.downloaded == len(pack)
+    assert copy_path(cache, "packs/ef/efab").read_bytes() == pack, "put together from the ranges read"
+
+    remote.downloaded = 0
+    with cached(remote, cache_root, whole_below=MiB).reader() as reader:
+        with reader.read("packs/ef/efab", 6 * MiB, MiB) as view:
+            assert bytes(view) == pack[6 * MiB:7 * MiB]
+    assert remote.downloaded == 0
+
+
+def test_the_cap_evicts_the_least_recently_used(remote, cache_root):
+    cache = cached(remote, cache_root, max_bytes=3 * MiB + MiB // 2)
+    blobs = {name: os.urandom(MiB) for name in ("packs/aa/aa01", "packs/bb/bb02", "packs/cc/cc03")}
+    for name, data in blobs.items():
+        cache.put(name, data)
+        time.sleep(0.05)
+    assert cache.usage() == 3 * MiB
+    assert cache.get("packs/aa/aa01") == blobs["packs/aa/aa01"]  # used: now the most recent
+    time.sleep(0.05)
+    cache.put("packs/dd/dd04", os.urandom(MiB))
+    present = sorted(p.name for p in cache.directory.rglob("*") if p.is_file())
+    assert present == ["aa01", "cc03", "dd04"], "the least recently used went first"
+    assert cache.usage() == 3 * MiB
+    cache.put("packs/ee/ee05", os.urandom(4 * MiB))
+    assert not copy_path(cache, "packs/ee/ee05").exists(), "a blob above the cap is not kept"
+    assert cache.get("packs/ee/ee05", 0, 10) and cache.get("packs/bb/bb02") == blobs["packs/bb/bb02"]
+
+
+def test_the_cap_holds_across_stores_and_processes(remote, cache_root, s3_url):
+    """Two processes (of two stores) filling one cache at once: each copy counted once, the
+    total within the cap, nothing failing when the other evicts what it was about to touch."""
+    script = """
+import os, sys
+from pathlib import Path
+from ckpt.store.backends.cache import CachingBackend
+from ckpt.store.backends.s3 import S3Backend
+cache = CachingBackend(S3Backend.from_url(sys.argv[1]), Path(sys.argv[2]), sys.argv[1], 4 << 20)
+for k in range(30):
+    name = f"packs/{k:02x}/{k:02x}{sys.argv[3]}"
+    data = os.urandom(300_000)
+    cache.put(name, data)
+    assert cache.get(name) == data
+print("done", flush=True)
+"""
+    writers = [subprocess.Popen([sys.executable, "-c", script, f"{s3_url}-{tag}", str(cache_root), tag],
+                                cwd=REPO, stdout=subprocess.PIPE, text=True) for tag in ("x", "y")]
+    assert [w.communicate(timeout=120)[0].strip() for w in writers] == ["done", "done"]
+    copies = [p for p in cache_root.rglob("*") if p.is_file() and "blobs" in p.parts]
+    total = sum(p.stat().st_size for p in copies)
+    assert 0 < total <= 4 * MiB
+    # (which store's copies remain depends on which process wrote last: the other's are older)
+    assert len([d for d in cache_root.iterdir() if (d / "blobs").is_dir()]) == 2, "each store has its own directory"
+    assert cached(remote, cache_root).usage() == total
+
+
+def test_a_damaged_copy_of_an_index_file_or_object_is_never_served(remote, cache_root, tmp_path):
+    index_name, index_data = index_blob(os.urandom(100_000))
+    object_name, object_data = zst_object(os.urandom(50_000))
+    writing = cached(remote, cache_root)
+    writing.put(index_name, index_data)
+    writing.put(object_name, object_data)
+    for name in (index_name, object_name):
+        path = copy_path(writing, name)
+        damaged = bytearray(path.read_bytes())
+        damaged[len(damaged) // 2] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+
+    reading = cached(remote, cache_root)  # the next command
+    assert reading.get(index_name) == index_data
+    reading.get_file(object_name, tmp_path / "object")
+    assert (tmp_path / "object").read_bytes() == object_data
+    assert remote.downloaded == len(index_data) + len(object_data)
+    assert copy_path(reading, index_name).read_bytes() == index_data, "the copy is healed"
+    assert copy_path(reading, object_name).read_bytes() == object_data
+
+
+def test_damage_in_a_cached_pack_is_not_recorded_in_the_store(remote, cache_root, tmp_path):
+    """A restore that meets a damaged segment in the cached copy of a pack fails as it would
+    without a cache, but the damage marker (seen by every host) is not written: the copy is
+    dropped, and the next restore reads the intact pack from the store."""
+    blocks = BlockStore(cached(remote, cache_root))
+    data = os.urandom(64 * PAGE)
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(data)
+    page_lists, _, written = blocks.ingest([image], lambda _: "none")
+    pack = next(name for name in written if name.startswith("packs/"))
+    path = copy_path(blocks.backend, pack)
+    damaged = bytearray(path.read_bytes())
+    damaged[5 * PAGE] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+
+    with pytest.raises(DamagedCheckpoint, match="is damaged"):
+        BlockStore(cached(remote, cache_root)).write_image("pages-1.img", page_lists[image.name], tmp_path / "a")
+    assert remote.inner.list("damaged/") == [], "no marker: the store's pack is intact"
+    assert not path.exists(), "the damaged copy was dropped"
+    BlockStore(cached(remote, cache_root)).write_image("pages-1.img", page_lists[image.name], tmp_path / "b")
+    assert (tmp_path / "b").read_bytes() == data
+    assert path.read_bytes() == remote.inner.get(pack), "cached again, intact"
+
+
+def test_damage_in_the_stores_pack_is_recorded_as_without_a_cache(remote, cache_root):
+    cache = cached(remote, cache_root)
+    remote.inner.put("packs/12/1234", b"x" * 10_000)  # as the store holds it, damaged or not
+    assert cache.get("packs/12/1234") == b"x" * 10_000  # the copy equals the store's pack
+    cache.put("damaged/1234-4096", b"")
+    assert remote.inner.exists("damaged/1234-4096")
+    cache.put("damaged/5678-0", b"")  # a pack not cached
+    assert remote.inner.exists("damaged/5678-0")
+
+
+def test_deleted_blobs_are_gone_from_the_cache_and_existence_is_the_stores(remote, cache_root):
+    cache = cached(remote, cache_root)
+    cache.put("objects/ab/ab12", b"one")
+    cache.put("objects/cd/cd34", b"two")
+    cache.delete(["objects/ab/ab12"])
+    assert not copy_path(cache, "objects/ab/ab12").exists() and not remote.inner.exists("objects/ab/ab12")
+    remote.inner.delete(["objects/cd/cd34"])  # pruned by another host
+    assert copy_path(cache, "objects/cd/cd34").exists()
+    assert not cache.exists("objects/cd/cd34") and cache.list("objects/") == []
+    with pytest.raises(BlobNotFound):
+        cache.stat("objects/cd/cd34")
+    assert cache.usage() == 3
+
+
+def test_manifests_and_markers_are_never_cached(remote, cache_root):
+    cache = cached(remote, cache_root)
+    cache.put_if_absent("checkpoints/x.json", b"{}")
+    assert cache.get("checkpoints/x.json") == b"{}"
+    cache.delete(["checkpoints/x.json"])
+    with pytest.raises(BlobNotFound):
+        cache.get("checkpoints/x.json")
+    cache.put("damaged/00ff-0", b"")
+    assert [p for p in cache.directory.rglob("*") if p.is_file()] == []
+
+
+def test_the_cache_is_the_owners_alone(remote, cache_root, tmp_path):
+    old = os.umask(0)
+    try:
+        cache = cached(remote, cache_root, whole_below=MiB)
+        cache.put("index/" + "0" * 64, b"i")
+        source = tmp_path / "image"
+        source.write_bytes(b"o" * 1000)
+        os.chmod(source, 0o644)
+        cache.put_file("objects/ab/abab", source)
+        with cache.writer("packs/ab/ab01") as out:
+            out.write(b"p" * 100)
+            out.commit()
+        remote.inner.put("packs/cd/cd01", b"q" * 2 * MiB)
+        remote.inner.put("packs/ef/ef01", b"r" * 1000)
+        with cache.reader() as reader:
+            reader.read("packs/cd/cd01", 0, 2 * MiB).release()  # put together from ranges
+            reader.read("packs/ef/ef01", 0, 10).release()  # downloaded whole
+    finally:
+        os.umask(old)
+    files = [p for p in cache_root.rglob("*") if p.is_file()]
+    assert len([p for p in files if "blobs" in p.parts]) == 5
+    for path in cache_root.rglob("*"):
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
+    assert stat.S_IMODE(cache_root.stat().st_mode) == 0o700
+
+
+def test_an_existing_cache_root_open_to_others_is_refused(remote, tmp_path):
+    from ckpt.errors import PermissionProblem
+
+    root = tmp_path / "shared"
+    root.mkdir(mode=0o777)
+    os.chmod(root, 0o777)
+    with pytest.raises(PermissionProblem, match="writable by others"):
+        cached(remote, root)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o777, "a directory the user chose is not chmod'ed"
+
+
+def test_what_dead_writers_left_is_swept_by_eviction(remote, cache_root):
+    cache = cached(remote, cache_root, max_bytes=MiB)
+    cache.put("packs/aa/aa01", os.urandom(1000))
+    old = copy_path(cache, "packs/aa/.aa02.999-dead.part")
+    old.write_bytes(b"x")
+    os.utime(old, (time.time() - STALE_TEMP - 60,) * 2)
+    fresh = copy_path(cache, "packs/aa/.aa03.999-live.tmp")
+    fresh.write_bytes(b"y")
+    cache.evict()
+    assert not old.exists() and fresh.exists() and copy_path(cache, "packs/aa/aa01").exists()
+
+
+def test_store_directories_and_sizes(tmp_path):
+    assert store_cache_dir(tmp_path, "s3://a/b") != store_cache_dir(tmp_path, "s3://a/c")
+    assert store_cache_dir(tmp_path, "s3://a/b").parent == tmp_path
+    assert cache_bytes("2G", tmp_path) == 2 << 30 and cache_bytes("512MiB", tmp_path) == 512 << 20
+    assert cache_bytes("1000", tmp_path) == 1000 and cache_bytes("0", tmp_path) == 0
+    fs = os.statvfs(tmp_path)
+    assert cache_bytes("10%", tmp_path / "not" / "yet") == int(fs.f_blocks * fs.f_frsize * 0.1)
+    for bad in ("lots", "-1G", "120%"):
+        with pytest.raises(ValueError):
+            cache_bytes(bad, tmp_path)
