@@ -197,6 +197,22 @@ class Backend(abc.ABC):
     def get_file(self, name: str, dest: Path) -> None:
         """Writes the whole blob to a new local file dest (local: a hard link where it can)."""
 
+    def get_parts(self, name: str, part: int, sink: Callable[[int, bytes], None], offset: int = 0) -> int:
+        """Reads the blob from offset to its end in consecutive parts of `part` bytes (the last
+        one shorter), handing each to sink(its offset, its bytes); returns how many bytes it
+        handed over (BlobNotFound if there is no blob). A backend may read several parts at
+        once and call sink from several threads, in any order (S3: ranged GETs in parallel);
+        it returns (or raises) only once no call of sink is running. This default reads the
+        parts one after the other."""
+        done = 0
+        while True:
+            data = self.get(name, offset + done, part)
+            if data:
+                sink(offset + done, data)
+            done += len(data)
+            if len(data) < part:
+                return done
+
     @abc.abstractmethod
     def stat(self, name: str) -> BlobInfo: ...
 

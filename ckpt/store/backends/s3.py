@@ -377,10 +377,13 @@ class S3Backend(Backend):
         return pieces, total, etag
 
     def _read_ranges(self, name: str, offset: int, end: int | None,
-                     sink: Callable[[int, bytes], None] | None = None) -> tuple[list[bytes], int | None]:
+                     sink: Callable[[int, bytes], None] | None = None,
+                     part: int | None = None) -> tuple[list[bytes], int | None]:
         """Bytes offset..end (exclusive; None: to the blob's end) as pieces, the first range
-        asked alone (its answer tells the size), the rest in parallel ranges of part_size."""
-        first_end = offset + self.part_size if end is None else min(end, offset + self.part_size)
+        asked alone (its answer tells the size), the rest in parallel ranges of part (default:
+        part_size). With sink, each range goes to sink(offset, bytes) instead, whole."""
+        part = part or self.part_size
+        first_end = offset + part if end is None else min(end, offset + part)
         pieces, total, etag = self._fetch(name, offset, first_end - 1, sink=sink)
         if total is None:
             return [], None
@@ -388,10 +391,19 @@ class S3Backend(Backend):
         done = offset + sum(len(p) for p in pieces) if sink is None else min(first_end, end)
         if done >= end:
             return pieces, total
-        ranges = [(start, min(start + self.part_size, end)) for start in range(done, end, self.part_size)]
-        fetched = self._executor().map(lambda r: self._fetch(name, r[0], r[1] - 1, etag, sink)[0], ranges)
-        for more in fetched:
-            pieces.extend(more)
+        pool = self._executor()
+        futures = [pool.submit(self._fetch, name, start, min(start + part, end) - 1, etag, sink)
+                   for start in range(done, end, part)]
+        try:
+            for future in futures:
+                pieces.extend(future.result()[0])
+        except BaseException:
+            # Every range has ended before this returns: a sink writing into a file must not
+            # run after its caller closed the file.
+            for future in futures:
+                future.cancel()
+            concurrent.futures.wait(futures)
+            raise
         return pieces, total
 
     def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -401,10 +413,14 @@ class S3Backend(Backend):
         pieces, _ = self._read_ranges(name, offset, None if length is None else offset + length)
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
+    def get_parts(self, name: str, part: int, sink: Callable[[int, bytes], None], offset: int = 0) -> int:
+        _, total = self._read_ranges(name, offset, None, sink=sink, part=part)
+        return 0 if total is None else total - offset
+
     def get_file(self, name: str, dest: Path) -> None:
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            self._read_ranges(name, 0, None, sink=lambda offset, piece: _pwrite_all(fd, piece, offset))
+            self.get_parts(name, self.part_size, lambda offset, piece: _pwrite_all(fd, piece, offset))
         except BaseException:
             os.close(fd)
             os.unlink(dest)
