@@ -665,7 +665,7 @@ class Store:
         location of each of its pages; holes are page ranges checked but not written."""
         if entry.kind == "pages":
             return self.blocks.write_image(entry.name, self.load_page_list(entry), dest, check_ids=thorough,
-                                           holes=holes)
+                                           holes=holes, check_holes=not self.remote)
         digest = self._read_object_into(entry, dest)
         if digest != entry.hash:
             raise DamagedCheckpoint(f"image {entry.name} is damaged: its content hash is {digest[:16]}…, "

@@ -535,7 +535,7 @@ class BlockStore:
         return locations
 
     def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,  # noqa: C901
-                    holes: Sequence[tuple[int, int]] = ()) -> list[int]:
+                    holes: Sequence[tuple[int, int]] = (), check_holes: bool = True) -> list[int]:
         """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
         Returns the location of each page (BlockIndex.pages).
 
@@ -568,7 +568,10 @@ class BlockStore:
             hole_keys: set[int] = set()
             for first, count in holes:
                 hole_keys.update(segment_key(location) for location in locations[first:first + count])
-            for key in sorted(hole_keys):
+            # check_holes=False (a store in S3): reading every segment up front would download
+            # the whole image before the tree runs; the page server checks each segment as it
+            # first serves it, and damage met there ends the tree (a failed lazy restore).
+            for key in sorted(hole_keys) if check_holes else ():
                 reader.check(key, 0, 1)
             for begin, end in written:
                 if out_fd is not None and holes:
