@@ -150,6 +150,7 @@ class Server:
         from ckpt.system.files import make_private_dir
 
         make_private_dir(self.path.parent)
+        _remove_stale_sockets(self.path.parent)
         self._listen()
         self.thread = threading.Thread(target=self._serve, name="ckpt-socket", daemon=True)
         self.thread.start()
@@ -305,6 +306,16 @@ class Server:
             return "ERROR END takes a token BEGIN gave", None
         self.markers.pop(args[0]).unlink(missing_ok=True)
         return "OK", None
+
+
+def _remove_stale_sockets(directory: Path) -> None:
+    """The sockets of supervisors that were killed (SIGKILL leaves the name behind)."""
+    for path in directory.glob("*.sock"):
+        try:
+            if not os.path.exists(f"/proc/{int(path.stem)}"):
+                path.unlink(missing_ok=True)
+        except (ValueError, OSError):
+            continue
 
 
 def _read_line(conn: socket.socket) -> str:
