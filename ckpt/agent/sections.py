@@ -200,7 +200,7 @@ def _marker_is_live(path: Path, pid: int) -> bool:
 
 def open_sections(tree_pids: set[int], directory: Path = SECTIONS_DIR) -> list[int]:
     """The PIDs of the tree with a live marker (each once, in marker order); removes the markers
-    of processes that are gone."""
+    of processes that are gone, the tree's or not (nobody else cleans them up)."""
     try:
         names = sorted(os.listdir(directory))
     except OSError:
@@ -213,13 +213,15 @@ def open_sections(tree_pids: set[int], directory: Path = SECTIONS_DIR) -> list[i
             pid = int(name.split(".", 1)[0])
         except ValueError:
             continue
-        if pid not in tree_pids or pid in found:
-            continue
         path = directory / name
+        if pid not in tree_pids or pid in found:
+            if pid not in tree_pids and _start_ticks(pid) is None:
+                path.unlink(missing_ok=True)  # its process died inside the section (kill -9)
+            continue
         if _marker_is_live(path, pid):
             found.append(pid)
         elif _start_ticks(pid) is None:
-            path.unlink(missing_ok=True)  # its process died inside the section
+            path.unlink(missing_ok=True)
     return found
 
 
