@@ -156,6 +156,13 @@ class PidInUse(CkptError):
     exit_code = ExitCode.BUSY
 
 
+class SectionTimeout(CkptError):
+    """A process of the tree stayed inside a no_checkpoint() section longer than the dump's
+    section timeout: nothing was frozen (a schedule records a skip)."""
+
+    exit_code = ExitCode.BUSY
+
+
 class HookFailed(CkptError):
     exit_code = ExitCode.ERROR
 

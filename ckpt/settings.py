@@ -184,6 +184,9 @@ class Settings:
                                 metadata=_env("CKPT_FEATURE_CACHE", _path))
     # Seconds a scheduled run waits for the previous run of its schedule, then skips.
     schedule_wait: float = field(default=60.0, metadata=_env("CKPT_SCHEDULE_WAIT", _seconds(False, "60")))
+    # Seconds a dump waits for the tree's no_checkpoint() sections to end before it gives up
+    # (ckpt dump --section-timeout wins).
+    section_timeout: float = field(default=60.0, metadata=_env("CKPT_SECTION_TIMEOUT", _seconds(False, "60")))
     # Where root's schedules go, as files ckpt-NAME.
     cron_dir: Path = field(default=Path("/etc/cron.d"), metadata=_env("CKPT_CRON_DIR", _path))
     # Tracebacks of internal errors, as --debug.

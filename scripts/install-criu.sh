@@ -26,12 +26,13 @@ codename=${VERSION_CODENAME:?cannot read VERSION_CODENAME from /etc/os-release}
 
 # Runtime and build dependencies. The build ones are needed even when the distribution's
 # CRIU is used, because pycriu's protobuf modules are generated from the CRIU source tree;
-# libxxhash-dev (xxhash.h) for ckpt's page hashing in C (ckpt/_pagehash.c).
+# libxxhash-dev (xxhash.h) for ckpt's page hashing in C (ckpt/_pagehash.c); socat: the shell
+# examples and tests of `ckpt run`'s CKPT_SOCKET protocol (README, test_agent_socket.py).
 PACKAGES=(
   nftables libnftables1 libprotobuf-c1 libnl-3-200 libnet1 libcap2 libbsd0 libuuid1
   build-essential pkgconf protobuf-compiler protobuf-c-compiler libprotobuf-dev libprotobuf-c-dev
   libnl-3-dev libnet1-dev libcap-dev libbsd-dev uuid-dev libnftables-dev xz-utils dpkg-dev
-  python3 python3-venv python3-dev libxxhash-dev iproute2 procps cron
+  python3 python3-venv python3-dev libxxhash-dev iproute2 procps cron socat
 )
 
 apt_updated=0

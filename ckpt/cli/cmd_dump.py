@@ -23,6 +23,8 @@ Examples:
   ckpt dump 4242 --stop              # checkpoint, then end the tree
 
   ckpt dump 4242 --pre-dump 'kill -USR1 $CKPT_PID; sleep 1'   # let it flush first
+
+  ckpt dump 4242 --section-timeout 5   # wait at most 5 s for no_checkpoint() sections
 """
 
 
@@ -58,6 +60,10 @@ def register(app: typer.Typer) -> None:
         pre_dump: Annotated[Optional[str], typer.Option(
             "--pre-dump", help="Shell command run before the dump (CKPT_PID, CKPT_ID in its environment); "
                                "if it fails, nothing is dumped.")] = None,
+        section_timeout: Annotated[Optional[float], typer.Option(
+            "--section-timeout", metavar="SECONDS", min=0,
+            help="How long to wait for the tree's no_checkpoint() sections to end before giving up "
+                 "(exit 7, nothing frozen) [default: CKPT_SECTION_TIMEOUT, 60].")] = None,
         store: StoreOption = None,
         json_out: JsonOption = False,
         quiet: QuietOption = False,
@@ -67,7 +73,7 @@ def register(app: typer.Typer) -> None:
             result = dump(store_root(store), DumpRequest(
                 pid=pid, name=name, stop=stop, codec=compression, shell_job=shell_job,
                 tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
-                pre_dump_hook=pre_dump, dirty_tracking=dirty_tracking), reporter)
+                pre_dump_hook=pre_dump, dirty_tracking=dirty_tracking, section_timeout=section_timeout), reporter)
         finally:
             reporter.close()
         m = result.manifest

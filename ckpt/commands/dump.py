@@ -8,8 +8,10 @@ the tree is still frozen, so the target is killed only once its checkpoint exist
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from ckpt.settings import StoreLocation
 from ckpt import settings
@@ -48,6 +50,11 @@ class DumpRequest:
     # owes the copy ("schedule NAME", "run NAME"); a pending-copy record is written before the commit.
     copy_to: str | None = None
     copy_origin: str = ""
+    # The checkpoint's id, chosen by whoever asked for it (ckpt.checkpoint(), `CHECKPOINT <id>` on
+    # ckpt run's socket) so that both sides know it before the freeze; None: a new one.
+    checkpoint_id: str | None = None
+    # Seconds to wait for the tree's no_checkpoint() sections (None: CKPT_SECTION_TIMEOUT).
+    section_timeout: float | None = None
 
 
 @dataclass
@@ -91,19 +98,38 @@ def check_request(request: DumpRequest) -> None:
         raise UsageError(f"unknown compression {request.codec!r}", hint=f"use one of {', '.join(CODECS)}")
     if request.name is not None:
         ids.check_name(request.name)
+    if request.checkpoint_id is not None:
+        ids.check_id(request.checkpoint_id)
+    if request.section_timeout is not None and not request.section_timeout >= 0:
+        raise UsageError(f"section timeout {request.section_timeout} is not 0 or more seconds")
 
 
-def dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter = NullReporter()) -> DumpResult:
-    """Checkpoints request.pid into the store at store_root (created if needed)."""
+def dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter = NullReporter(),
+         around_freeze: Callable[[], AbstractContextManager[object]] | None = None) -> DumpResult:
+    """Checkpoints request.pid into the store at store_root (created if needed).
+
+    Before anything is frozen, waits for the tree's no_checkpoint() sections to end (SectionTimeout
+    when one outlasts the section timeout). around_freeze (`ckpt run`'s socket server) is entered
+    once they have, before the pre-flight, and left as soon as CRIU is done."""
+    from ckpt.agent.sections import dump_gate
+
     started = time.monotonic()
     check_request(request)
     procs.require_root()
+    timeout = settings.current().section_timeout if request.section_timeout is None else request.section_timeout
     with dumping(request.pid, settings.current().lock_timeout, lambda holder: reporter.info(
             f"waiting for another dump of PID {request.pid} (ckpt PID {holder}) to finish")):
-        return _dump(store_root, request, reporter, started)
+        with dump_gate(request.pid, timeout, lambda pid: reporter.info(
+                f"waiting for PID {pid} to leave its no_checkpoint() section")) as gate, ExitStack() as window:
+            if around_freeze is not None:
+                window.enter_context(around_freeze())
+            # Sections may start again, and clients connect again, once CRIU has let the tree go.
+            window.callback(gate.release)
+            return _dump(store_root, request, reporter, started, criu_done=window.close)
 
 
-def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, started: float) -> DumpResult:
+def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, started: float,
+          criu_done: Callable[[], None] = lambda: None) -> DumpResult:
     facts = procs.preflight(request.pid)
     # CRIU would dump memory a lazy restore has not filled in yet as missing.
     wait_for_lazy_restores(set(facts.pids), lambda record: reporter.info(
@@ -114,7 +140,7 @@ def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, s
     _report_findings(request, facts, options, reporter)
     tracking = _plan_tracking(store, request, binary, reporter)
     options = replace(options, track_mem=tracking is not None)
-    checkpoint_id = ids.new_id()
+    checkpoint_id = request.checkpoint_id or ids.new_id()
     if request.pre_dump_hook:
         from ckpt.schedule.hooks import run_hook
 
@@ -163,6 +189,8 @@ def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, s
                     raise ProcessNotFound(f"process {request.pid} exited during the dump; nothing was saved") \
                         from None
                 raise
+            finally:
+                criu_done()
             phase("dump.after-criu")
             manifest = committed[0] if committed else _ingest_and_commit(
                 store, staging, request, facts, binary, options, checkpoint_id, started, reporter, tracking,

@@ -4,6 +4,10 @@ What happens is told twice: as messages to the reporter, and as events (plain di
 thing that happened: started, checkpoint, died, restored, exit...) to `on_event`, which
 `ckpt run --json` prints as JSON Lines (docs/json.md).
 
+The command finds CKPT_SOCKET in its environment: the socket of this supervisor's line protocol
+(ckpt/agent/protocol.py), through which it asks for checkpoints (dumped by the supervisor's
+main loop, between its other work), learns their outcome, and holds critical sections.
+
 ckpt makes itself a child subreaper (PR_SET_CHILD_SUBREAPER) so that a restored tree, orphaned
 when CRIU exits, is re-parented to ckpt: ckpt can then wait for it like for the command it
 started, and reaps the PIDs of a dead tree at once so the next restore finds them free.
@@ -14,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -24,7 +29,8 @@ from pathlib import Path
 from typing import Callable
 
 from ckpt.settings import StoreLocation
-from ckpt.errors import CkptError, UsageError
+from ckpt.agent import protocol
+from ckpt.errors import CkptError, SectionTimeout, UsageError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.system import procs
 
@@ -79,6 +85,23 @@ class Supervisor:
         self.restores = 0
         self.checkpoints: list[str] = []
         self.lazy_log_dir: Path | None = None  # the last restore's, while it was lazy
+        # CKPT_SOCKET: requests come from the server's thread through this queue.
+        self.server: protocol.Server | None = None
+        self.requests: queue.Queue[tuple[str, str | None, protocol.Client, str | None, bool]] = queue.Queue()
+        self.results: dict[str, str] = {}  # RESULT's replies, by checkpoint id
+        self.restored_from: str | None = None  # the checkpoint the running tree was restored from
+
+    # ---- protocol.Supervision (called from the server's thread) ----
+    def checkpoint_requested(self, checkpoint_id: str, name: str | None, client: protocol.Client,
+                             error: str | None, result_file: bool) -> None:
+        self.results[checkpoint_id] = "PENDING" if error is None else f"FAILED {error}"
+        self.requests.put((checkpoint_id, name, client, error, result_file))
+
+    def result(self, checkpoint_id: str) -> str:
+        # The supervisor restored the running tree from that checkpoint: whoever asks is the copy.
+        if checkpoint_id == self.restored_from:
+            return f"RESTORED {checkpoint_id}"
+        return self.results.get(checkpoint_id, f"ERROR unknown checkpoint {checkpoint_id}")
 
     def _event(self, kind: str, **fields) -> None:
         self.on_event({"event": kind, "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
@@ -101,13 +124,17 @@ class Supervisor:
 
         output = self.request.output or Store.local_dir(self.store_root) / "logs" / f"run-{self.request.name}.out"
         output.parent.mkdir(parents=True, exist_ok=True)
+        self.server = protocol.Server(protocol.SOCKET_DIR / f"{os.getpid()}.sock", self)
+        self.server.start()
+        env = {**os.environ, protocol.ENV: str(self.server.path)}
         # The command's output goes to a file: a pipe or terminal shared with ckpt would not
         # survive a restore (its other end is outside the checkpointed tree).
         with open(os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
             try:
                 child = subprocess.Popen(self.request.command, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                         start_new_session=True)
+                                         start_new_session=True, env=env)
             except OSError as exc:
+                self.server.close()
                 raise UsageError(f"cannot start {self.request.command[0]}: {exc.strerror}") from None
         self.pid = child.pid
         child.returncode = 0  # we reap it ourselves; keep Popen from trying later
@@ -120,6 +147,13 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._forward)
         self.start()
+        try:
+            return self._supervise()
+        finally:
+            if self.server is not None:
+                self.server.close()
+
+    def _supervise(self) -> int:
         next_dump = time.monotonic() + self.request.every.total_seconds()
         while True:
             status = self._reap_root()
@@ -142,9 +176,15 @@ class Supervisor:
                 next_dump = time.monotonic() + self.request.every.total_seconds()
                 continue
             if time.monotonic() >= next_dump:
-                self._checkpoint()
+                if self._checkpoint() is None:
+                    self._after_checkpoint()
                 next_dump = time.monotonic() + self.request.every.total_seconds()
-            time.sleep(0.05)
+            try:
+                asked = self.requests.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            self._requested_checkpoint(*asked)
+            next_dump = time.monotonic() + self.request.every.total_seconds()
 
     def _exit(self, reason: str, status: str, code: int) -> int:
         self._event("exit", pid=self.pid, reason=reason, status=status, exit_code=code,
@@ -164,31 +204,74 @@ class Supervisor:
             if pid == self.pid:
                 root_status = status
 
-    def _checkpoint(self) -> None:
+    def _requested_checkpoint(self, checkpoint_id: str, name: str | None, client: protocol.Client,
+                              error: str | None, result_file: bool) -> None:
+        """A CHECKPOINT request over CKPT_SOCKET: the dump with the client's id, its outcome for
+        RESULT and in the result file the Python API waits for."""
+        if error is None:
+            self.reporter.info(f"PID {client.pid} asks for checkpoint {checkpoint_id}")
+            error = self._checkpoint(checkpoint_id, name, requested_by=client.pid)
+        self.results[checkpoint_id] = f"CHECKPOINTED {checkpoint_id}" if error is None else \
+            f"FAILED {' '.join(error.split())}"
+        if result_file:
+            self._write_result(client, checkpoint_id, error)
+        if error is None:
+            self._after_checkpoint()
+
+    @staticmethod
+    def _write_result(client: protocol.Client, checkpoint_id: str, error: str | None) -> None:
+        from ckpt.agent.sections import ensure_dir
+        from ckpt.system.files import atomic_write_bytes
+
+        record = {"id": checkpoint_id, "ok": True} if error is None else {"id": checkpoint_id, "ok": False,
+                                                                           "error": error}
+        path = protocol.result_path(client.pid, checkpoint_id)
+        try:
+            ensure_dir(path.parent)  # sticky and world-writable, as the sections' directory
+            atomic_write_bytes(path, json.dumps(record).encode(), mode=0o644, durable=False)
+            os.chown(path, client.uid, -1)  # the client removes it once read
+        except OSError:
+            pass  # RESULT still tells
+
+    def _checkpoint(self, checkpoint_id: str | None = None, name: str | None = None,
+                    requested_by: int | None = None) -> str | None:
+        """One dump of the tree (periodic, or asked for); returns why it failed (None: taken)."""
         from ckpt.commands.dump import DumpRequest, dump
-        from ckpt.commands.forget import forget
-        from ckpt.schedule.retention import Policy
-        from ckpt.store import Store
 
         if self.pid is None:
-            return  # nothing started yet
+            return "nothing was started yet"
         try:
-            result = dump(self.store_root, DumpRequest(pid=self.pid, name=self.request.name,
+            result = dump(self.store_root, DumpRequest(pid=self.pid, name=name or self.request.name,
                                                        pre_dump_hook=self.request.pre_dump_hook,
                                                        copy_to=self.request.copy_to,
-                                                       copy_origin=self._copy_origin))
+                                                       copy_origin=self._copy_origin,
+                                                       checkpoint_id=checkpoint_id),
+                          self.reporter, around_freeze=self.server.paused if self.server else None)
+        except SectionTimeout as exc:
+            # The program asked not to be frozen now: this checkpoint is skipped, not failed.
+            self.reporter.warn(f"checkpoint skipped: {exc.message}")
+            self._event("checkpoint_skipped", pid=self.pid, error=exc.message, requested_by=requested_by)
+            return exc.message
         except CkptError as exc:
             if procs.process_state(self.pid) in (None, "Z"):
-                return  # it died meanwhile: the loop handles that
+                return f"PID {self.pid} died during the dump"  # the loop handles that
             self.reporter.warn(f"checkpoint failed: {exc}")
             self._event("checkpoint_failed", pid=self.pid, error=str(exc))
-            return
+            return str(exc)
         m = result.manifest
         self.checkpoints.append(m.id)
         self.reporter.info(f"checkpoint {m.id}: frozen {m.stats.get('freeze_ms')} ms, "
                            f"{m.bytes_stored} bytes new")
         self._event("checkpoint", id=m.id, pid=self.pid, freeze_ms=m.stats.get("freeze_ms"),
-                    bytes_stored=m.bytes_stored)
+                    bytes_stored=m.bytes_stored, requested_by=requested_by)
+        return None
+
+    def _after_checkpoint(self) -> None:
+        """--copy-to and --keep-last, after a checkpoint (and after its requester was told)."""
+        from ckpt.commands.forget import forget
+        from ckpt.schedule.retention import Policy
+        from ckpt.store import Store
+
         if self.request.copy_to:
             self._copy()  # before retention, which could forget a checkpoint still to copy
         if self.request.keep_last:
@@ -239,7 +322,19 @@ class Supervisor:
         return explained
 
     def _end_old_tree(self, pids: list[int]) -> None:
-        """Kills what is left of the dead tree (children survive their parent) and reaps it."""
+        """Kills what is left of the dead tree (children survive their parent) and reaps it.
+
+        Not only the checkpoint's PIDs: a shell script forks all the time, and a child started
+        since the dump (a `sleep`, a `$(...)`), reparented to us, keeps the dead root's PID in use
+        as its session and group id: CRIU then cannot give that PID back ("Can't fork: File
+        exists"). As the subreaper, every such orphan is a descendant of ours."""
+        import psutil
+
+        try:
+            orphans = [p.pid for p in psutil.Process().children(recursive=True)]
+        except psutil.Error:
+            orphans = []
+        pids = list(dict.fromkeys([*pids, *orphans]))
         for pid in pids:
             if pid != self.pid and procs.process_state(pid) not in (None, "Z"):
                 try:
@@ -267,6 +362,7 @@ class Supervisor:
             return False
         self.restores += 1
         self.pid = result.pid
+        self.restored_from = result.manifest.id
         self.lazy_log_dir = Path(result.lazy["log"]).parent if result.lazy else None
         self.reporter.info(f"restored {result.manifest.id} as PID {self.pid} "
                            f"(restore {self.restores} of {self.request.max_restores})")

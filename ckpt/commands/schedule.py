@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from ckpt import settings
-from ckpt.errors import CkptError, ProcessNotFound, StoreBusy, UsageError
+from ckpt.errors import CkptError, ProcessNotFound, SectionTimeout, StoreBusy, UsageError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.schedule import cron
 from ckpt.schedule.book import Schedule, ScheduleBook, TargetAmbiguous, check_name
@@ -208,6 +208,10 @@ def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait
                 outcome["forgot"] = [r["id"] for r in forgotten["remove"]]
         except ProcessNotFound as exc:
             outcome.update(outcome="target-gone", error=str(exc))
+            raise
+        except SectionTimeout as exc:
+            # The program asked not to be frozen now: not a failure, a skipped run.
+            outcome.update(outcome="skipped", error=exc.message)
             raise
         except CkptError as exc:
             outcome.update(outcome="failed", error=str(exc))

@@ -1,0 +1,97 @@
+"""ckpt run's CKPT_SOCKET from a shell script (socat): a critical section, a checkpoint it asks
+for and learns the id of, and, after kill -9 and the supervisor's restore, the restored copy
+learns it was restored from that checkpoint."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from datetime import datetime, timezone
+
+import pytest
+
+from tests.helpers import FIXTURES, ROOT, ckpt, read_lines, wait_until
+
+pytestmark = pytest.mark.skipif(shutil.which("socat") is None, reason="socat is missing: make setup installs it")
+
+
+def start_run(tmp_path, procs, *args):
+    events = open(tmp_path / "events.jsonl", "wb")
+    log = open(tmp_path / "run.stderr", "wb")
+    supervisor = subprocess.Popen([sys.executable, "-m", "ckpt", "run", "--json", "--output",
+                                   str(tmp_path / "run.out"), *map(str, args)], cwd=ROOT,
+                                  stdin=subprocess.DEVNULL, stdout=events, stderr=log, start_new_session=True)
+    events.close()
+    log.close()
+    procs.popens.append(supervisor)
+    procs.pids.add(supervisor.pid)
+    return supervisor
+
+
+def events(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in read_lines(tmp_path / "events.jsonl")]
+
+
+def words(log) -> dict[str, list[str]]:
+    return {line.split()[0]: line.split()[1:] for line in read_lines(log)}
+
+
+def test_shell_script_sections_and_checkpoints_over_the_socket(procs, tmp_path):
+    log = tmp_path / "agent.log"
+    supervisor = start_run(tmp_path, procs, "--every", "1h", "--name", "shell", "--",
+                           FIXTURES / "socket_agent.sh", log, 3)
+    started = wait_until(lambda: [e for e in events(tmp_path) if e["event"] == "started"], what="start")[0]
+    pid = started["pid"]
+    procs.pids.add(pid)
+
+    # An outside dump during the script's BEGIN/END section waits for its END.
+    wait_until(lambda: "entered" in words(log), what="the section")
+    outside = ckpt("dump", pid, "--json", "--store", tmp_path / "other-store")
+    outside_id = json.loads(outside.stdout)["id"]
+    leaving = float(words(log)["leaving"][0])
+    chosen = datetime.strptime(outside_id[:19] + "000", "%Y%m%d-%H%M%S-%f").replace(tzinfo=timezone.utc)
+    assert chosen.timestamp() + 0.001 >= leaving, (outside_id, leaving)
+    assert f"waiting for PID {pid} to leave its no_checkpoint() section" in outside.stderr
+
+    # The checkpoint it asked for: its id in the reply, then CHECKPOINTED.
+    result = wait_until(lambda: words(log).get("result"), timeout=60, what="the RESULT reply")
+    asked = words(log)["asked"][0]
+    assert result == ["CHECKPOINTED", asked]
+    taken = [e for e in events(tmp_path) if e["event"] == "checkpoint"]
+    assert [(e["id"], e["pid"]) for e in taken] == [(asked, pid)] and taken[0]["requested_by"]
+    assert not [line for line in read_lines(log) if line.startswith("restored")]
+
+    # kill -9: the supervisor restores that checkpoint, whose script asks RESULT again.
+    wait_until(lambda: len(read_lines(log)) >= 6, what="ticks")
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: any(e["event"] == "restored" for e in events(tmp_path)), timeout=60, what="the restore")
+    wait_until(lambda: len([line for line in read_lines(log) if line.startswith("result")]) == 2,
+               timeout=30, what="the restored script's RESULT")
+    restored = [line.split()[1:] for line in read_lines(log) if line.startswith("result")]
+    assert restored == [["CHECKPOINTED", asked], ["RESTORED", asked]]
+    assert [e["id"] for e in events(tmp_path) if e["event"] == "restored"] == [asked]
+    procs.adopt([e for e in events(tmp_path) if e["event"] == "restored"][0]["pid"])
+
+    supervisor.send_signal(signal.SIGTERM)
+    assert supervisor.wait(timeout=15) == 128 + signal.SIGTERM
+    assert not os.path.exists(f"/run/ckpt/run/{supervisor.pid}.sock")
+
+
+def test_protocol_errors_are_answered(procs, tmp_path):
+    """Bad requests get one ERROR line each; the supervisor goes on."""
+    script = tmp_path / "bad.sh"
+    script.write_text("#!/bin/bash\n"
+                      "for r in 'HELLO' 'RESULT nope' 'END nope' 'CHECKPOINT a b c' 'BEGIN x' 'JOURNAL get k'; do\n"
+                      "  printf '%s\\n' \"$r\" | socat -t 5 - \"UNIX-CONNECT:$CKPT_SOCKET\" >> \"$1\"\n"
+                      "done\n"
+                      "ls -l \"$CKPT_SOCKET\" >> \"$1\"\n"
+                      "sleep 600\n")
+    script.chmod(0o755)
+    log = tmp_path / "replies.log"
+    start_run(tmp_path, procs, "--every", "1h", "--", script, log)
+    procs.pids.add(wait_until(lambda: [e for e in events(tmp_path) if e["event"] == "started"])[0]["pid"])
+    lines = wait_until(lambda: len(read_lines(log)) >= 7 and read_lines(log), what="the replies")
+    assert all(line.startswith("ERROR ") for line in lines[:6]), lines
+    assert lines[6].startswith("srw-------")  # owner-only
