@@ -67,11 +67,13 @@ class Journal:
         self._opened: tuple[object, str, StoreJournal] | None = None
 
     def use(self, agent: str | None = None, store: str | Path | None = None) -> Journal:
-        """Names the agent (its checkpoints' name) and, optionally, the store (a directory or
-        an s3:// URL), instead of CKPT_NAME and CKPT_STORE. Returns the journal."""
+        """Names the agent (its checkpoints' name) and/or the store (a directory or an s3://
+        URL), instead of CKPT_NAME and CKPT_STORE; what is not given stays. Returns the journal."""
         if agent is not None:
-            check_agent(agent)
-        self._agent, self._location, self._opened = agent, store, None
+            self._agent = check_agent(agent)
+        if store is not None:
+            self._location = store
+        self._opened = None
         return self
 
     @property
