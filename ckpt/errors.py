@@ -167,6 +167,13 @@ class HookFailed(CkptError):
     exit_code = ExitCode.ERROR
 
 
+class OutcomeUnknown(CkptError):
+    """journal.once() found an intent without an outcome (the action was started before a
+    rollback or a crash) and was given no reconcile function to find out what came of it."""
+
+    exit_code = ExitCode.ERROR
+
+
 def to_record(exc: CkptError) -> dict:
     """The error as JSON, for a forked child to report to its parent (from_record rebuilds it):
     the parent must exit with the child's documented exit code, not a generic one."""

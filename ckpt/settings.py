@@ -189,6 +189,10 @@ class Settings:
     section_timeout: float = field(default=60.0, metadata=_env("CKPT_SECTION_TIMEOUT", _seconds(False, "60")))
     # Where root's schedules go, as files ckpt-NAME.
     cron_dir: Path = field(default=Path("/etc/cron.d"), metadata=_env("CKPT_CRON_DIR", _path))
+    # The agent's name, for ckpt.journal (ckpt/agent/journal.py): the name of its checkpoints,
+    # which its journal is kept and pruned by. Checked when the journal is used, not here: hooks
+    # get CKPT_NAME too, and a ckpt they run must not fail on it.
+    name: str | None = field(default=None, metadata=_env("CKPT_NAME", _text))
     # Tracebacks of internal errors, as --debug.
     debug: bool = field(default=False, metadata=_env("CKPT_DEBUG", _switch))
 

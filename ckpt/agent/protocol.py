@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
+from ckpt.errors import CkptError
+
 ENV = "CKPT_SOCKET"
 SOCKET_DIR = Path("/run/ckpt/run")
 RESULT_DIR = Path("/run/ckpt/agent")  # result files of CHECKPOINT <id>: <pid>-<id>.json
@@ -98,9 +100,16 @@ def result_path(pid: int, checkpoint_id: str) -> Path:
     return RESULT_DIR / f"{pid}-{checkpoint_id}.json"
 
 
-def handle_journal(words: list[str]) -> str:
-    """JOURNAL ... requests (the journal's own verbs, filled in by ckpt/agent/journal.py)."""
-    return "ERROR journal not available"
+def handle_journal(words: list[str], supervision: Supervision) -> str:
+    """JOURNAL-INTENT / JOURNAL-RECORD / JOURNAL-GET (ckpt/agent/journal.py answers them) in
+    the journal of the supervisor's store and --name."""
+    from ckpt.agent.journal import handle_protocol
+
+    try:
+        store = supervision.journal_store()
+    except CkptError as exc:
+        return f"ERROR {exc.message}"
+    return handle_protocol(words, store, supervision.agent_name())
 
 
 # ---- the server side (ckpt run) -------------------------------------------------------------
@@ -121,6 +130,12 @@ class Supervision(Protocol):
 
     def result(self, checkpoint_id: str) -> str:
         """The reply to RESULT <id>."""
+
+    def journal_store(self):
+        """The store the journal requests go to (the supervisor's)."""
+
+    def agent_name(self) -> str | None:
+        """Whose journal: the supervised command's --name."""
 
 
 SO_PEERCRED_FORMAT = struct.Struct("3i")  # pid, uid, gid
@@ -254,9 +269,9 @@ class Server:
         if not words:
             return "ERROR empty request", None
         verb, args = words[0].upper(), words[1:]
-        if verb == "JOURNAL":
+        if verb.startswith("JOURNAL"):
             # The journal's own verb family: ckpt/agent/journal.py answers it.
-            return handle_journal(args), None
+            return handle_journal([verb, *args], self.supervision), None
         handler = {"CHECKPOINT": self._checkpoint, "RESULT": self._result, "BEGIN": self._begin,
                    "END": self._end}.get(verb)
         if handler is None:

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ckpt.settings import StoreLocation
 from ckpt.agent import protocol
@@ -90,6 +90,7 @@ class Supervisor:
         self.requests: queue.Queue[tuple[str, str | None, protocol.Client, str | None, bool]] = queue.Queue()
         self.results: dict[str, str] = {}  # RESULT's replies, by checkpoint id
         self.restored_from: str | None = None  # the checkpoint the running tree was restored from
+        self._journal_store: Any = None  # the Store, opened at the first journal request
 
     # ---- protocol.Supervision (called from the server's thread) ----
     def checkpoint_requested(self, checkpoint_id: str, name: str | None, client: protocol.Client,
@@ -102,6 +103,16 @@ class Supervisor:
         if checkpoint_id == self.restored_from:
             return f"RESTORED {checkpoint_id}"
         return self.results.get(checkpoint_id, f"ERROR unknown checkpoint {checkpoint_id}")
+
+    def journal_store(self):
+        from ckpt.store import Store
+
+        if self._journal_store is None:
+            self._journal_store = Store.open(self.store_root, create=True)
+        return self._journal_store
+
+    def agent_name(self) -> str | None:
+        return self.request.name
 
     def _event(self, kind: str, **fields) -> None:
         self.on_event({"event": kind, "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
@@ -126,7 +137,10 @@ class Supervisor:
         output.parent.mkdir(parents=True, exist_ok=True)
         self.server = protocol.Server(protocol.SOCKET_DIR / f"{os.getpid()}.sock", self)
         self.server.start()
-        env = {**os.environ, protocol.ENV: str(self.server.path)}
+        # CKPT_NAME and CKPT_STORE: a Python agent's ckpt.journal (and checkpoint()) find the
+        # name and the store of its checkpoints.
+        env = {**os.environ, protocol.ENV: str(self.server.path), "CKPT_NAME": self.request.name,
+               "CKPT_STORE": str(self.store_root)}
         # The command's output goes to a file: a pipe or terminal shared with ckpt would not
         # survive a restore (its other end is outside the checkpointed tree).
         with open(os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:

@@ -24,6 +24,7 @@ import xxhash
 
 from ckpt.errors import DamagedBlob, StoreError
 from ckpt.phases import phase
+from ckpt.store import journal
 from ckpt.store.backends import BlobInfo, BlobNotFound
 from ckpt.store.blocks.blockstore import BlockStore
 from ckpt.store.blocks.index import BlockIndex, render_index
@@ -51,11 +52,15 @@ class PrunePlan:
     live_pages: set = field(default_factory=set)
     dead_index_files: list[str] = field(default_factory=list)  # naming no live page
     dead_files_packs: list[str] = field(default_factory=list)  # named only by those
+    # Journal records no remaining checkpoint can need, in batches deleted in order
+    # (ckpt/store/journal.py prunable: intents before their outcomes).
+    journal: list[list[str]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"objects": len(self.objects), "drop_packs": self.drop_packs, "repack": self.repack,
                 "unindexed_packs": [p.rpartition("/")[2] for p in self.unindexed_packs],
                 "rewrite_index": self.rewrite_index,
+                "journal_records": sum(name.endswith(".done.json") for batch in self.journal for name in batch),
                 "bytes_freed": self.bytes_freed, "files_removed": self.files_removed}
 
 
@@ -88,6 +93,7 @@ def prune_plan(store: Store) -> PrunePlan:  # noqa: C901
                          "look unused", hint="dumps of the same processes store their pages again; to reclaim "
                          "the space anyway, remove the damaged file first (their checkpoints stay damaged)")
     plan = PrunePlan()
+    plan.journal = journal.prunable(store.backend, [(m.id, m.name) for m in manifests])
     referenced = {e.hash for m in manifests for e in m.files}
     backend = store.backend
     young = _young(backend)
@@ -147,7 +153,8 @@ def prune_plan(store: Store) -> PrunePlan:  # noqa: C901
         segment_files = list(zip(index.segment_list, index.segment_file, strict=True))
         named_by_others = {seg.pack for seg, name in segment_files if name not in dead}
         plan.dead_files_packs = sorted({seg.pack for seg, name in segment_files if name in dead} - named_by_others)
-    plan.files_removed = len(plan.objects) + len(plan.drop_packs) + len(plan.repack) + len(plan.unindexed_packs)
+    plan.files_removed = len(plan.objects) + len(plan.drop_packs) + len(plan.repack) + len(plan.unindexed_packs) \
+        + sum(len(batch) for batch in plan.journal)
     return plan
 
 
@@ -178,6 +185,8 @@ def _execute(store: Store, plan: PrunePlan) -> None:
     # An index file goes before its packs, as in steps 3-4: no page is ever found in a pack
     # that is gone (each delete is durable when it returns).
     _delete(backend, plan.unindexed_packs + plan.objects)
+    for batch in plan.journal:  # each durable before the next
+        backend.delete(batch)
     if plan.dead_index_files:
         backend.delete([INDEX_PREFIX + name for name in plan.dead_index_files])
         backend.delete([pack_name(pack) for pack in plan.dead_files_packs])

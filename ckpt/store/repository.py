@@ -33,7 +33,8 @@ from ckpt.store.staging import DumpStaging, StagingArea, discard
 from ckpt.system.files import DIR_MODE, FILE_MODE, make_private_dir
 
 FORMAT = 2
-STORE_DIRS = ("checkpoints", "objects", "packs", "index", "logs", "tmp", "holders", "damaged", "schedules", "keys")
+STORE_DIRS = ("checkpoints", "objects", "packs", "index", "logs", "tmp", "holders", "damaged", "schedules", "keys",
+              "journal")
 # The local side of a remote store (under the cache directory): what is local by nature.
 LOCAL_SIDE_DIRS = ("tmp", "logs", "schedules")
 # What an interrupted creation can have left (store.json comes last): a dump finishes it.

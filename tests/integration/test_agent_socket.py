@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,38 @@ def test_protocol_errors_are_answered(procs, tmp_path):
     lines = wait_until(lambda: len(read_lines(log)) >= 7 and read_lines(log), what="the replies")
     assert all(line.startswith("ERROR ") for line in lines[:6]), lines
     assert lines[6].startswith("srw-------")  # owner-only
+
+
+def test_the_journal_over_the_socket_from_a_shell_script(procs, tmp_path):
+    """JOURNAL-INTENT / -RECORD / -GET from a script under `ckpt run --name`: the records land
+    in the supervisor's store, in the journal of that name, and a second intent is told the
+    action was done."""
+    script = tmp_path / "journal.sh"
+    out = tmp_path / "journal.out"
+    script.write_text(f"""#!/bin/bash
+say() {{ printf '%s\\n' "$1" | socat -t 5 - "UNIX-CONNECT:$CKPT_SOCKET"; }}
+{{
+  echo "first $(say 'JOURNAL-INTENT send-mail-7')"
+  echo "record $(say 'JOURNAL-RECORD send-mail-7 sent id=42')"
+  echo "again $(say 'JOURNAL-INTENT send-mail-7')"
+  echo "get $(say 'JOURNAL-GET send-mail-7')"
+  echo "bad $(say 'JOURNAL-RECORD send-mail-8')"
+  echo "env $CKPT_NAME"
+}} > {out}
+sleep 600
+""")
+    script.chmod(0o755)
+    start_run(tmp_path, procs, "--every", "1h", "--name", "mailer", "--", script)
+    wait_until(lambda: len(read_lines(out)) >= 6, timeout=60, what="the script's journal requests")
+    lines = {line.split()[0]: " ".join(line.split()[1:]) for line in read_lines(out)}
+    assert lines["first"] == "OK NEW"
+    assert lines["record"] == "OK DONE sent id=42"
+    assert lines["again"] == "OK DONE sent id=42"
+    assert lines["get"] == "OK DONE sent id=42"
+    assert lines["bad"].startswith("ERROR usage")
+    assert lines["env"] == "mailer"
+    from ckpt.store import Store
+    from ckpt.store.journal import Journal as StoreJournal
+
+    entry = StoreJournal(Store.open(Path(os.environ["CKPT_STORE"])).backend, "mailer").entry("send-mail-7")
+    assert entry is not None and entry.done and entry.outcome == "sent id=42"
