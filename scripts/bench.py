@@ -493,7 +493,11 @@ def free_page_reporting() -> dict:
             params[param.name] = param.read_text().strip()
         except OSError:
             params[param.name] = "?"
-    return {"virtio_balloon": balloons, "page_reporting": params,
+    # Free memory is what a dump's page cache comes from, and what the host may have taken back;
+    # the kernel reclaims page cache only once it runs short.
+    meminfo = {line.split(":")[0]: int(line.split()[1]) // 1024 for line in Path("/proc/meminfo").read_text()
+               .splitlines() if line.split(":")[0] in ("MemTotal", "MemFree", "Cached")}
+    return {"virtio_balloon": balloons, "page_reporting": params, "meminfo_mib": meminfo,
             "reporting": any("REPORTING" in features for features in balloons.values())}
 
 
@@ -722,7 +726,9 @@ def print_cadence(r: dict) -> None:
     print(f"dumps at a cadence, {r['size_mib']} MiB target (dirtymem, 1% of pages rewritten after each dump), "
           f"a first dump then {r['dumps']} every {r['interval_s']:g} s per side, raw CRIU half an interval after "
           f"ckpt on its own identical target; then {r['series']} back to back per side; {r['runs']} restores")
-    print(f"  free page reporting: {'on' if fpr['reporting'] else 'off'} ({balloons})")
+    mem = fpr["meminfo_mib"]
+    print(f"  free page reporting: {'on' if fpr['reporting'] else 'off'} ({balloons}); memory before the "
+          f"targets: {mem.get('MemTotal')} MiB, free {mem.get('MemFree')} MiB, page cache {mem.get('Cached')} MiB")
     if fpr["page_reporting"]:
         print("    page_reporting: " + ", ".join(f"{k}={v}" for k, v in fpr["page_reporting"].items()))
     if r["page_reporting_during"]:
