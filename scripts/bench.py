@@ -14,10 +14,18 @@
                 there, then dumped again after rewriting 1% of its pages (bytes that reached
                 the bucket); its restore from S3 with an empty cache next to raw
                 `criu restore -d` of the same memory from local disk
+  cadence       issue 17's goals: dumps --cadence-interval seconds apart (a first dump, then
+                --cadence-dumps more) of a --cadence-mib target rewriting 1% of its pages, ckpt
+                and raw CRIU on separate identical targets at the same time, half an interval
+                apart, so that neither reuses memory the other freed; then dumps back to back;
+                the freeze from CRIU's own stats-dump on both sides, the phases from its log;
+                first and next dump wall time (raw also with a sync of its images), restores
+                (lazy, --eager, raw `criu restore -d`); the machine's free page reporting
 
 Prints a table of medians and ratios (and every sample) and writes JSON to bench-results/. Run
 as root after `make setup`:  .venv/bin/python scripts/bench.py [--size-mib 2048]
-[--growth-mib 1024] [--runs 3] [--s3-mib 512] [--s3-target-mib 1024] [--only growth|dump|scale|s3]
+[--growth-mib 1024] [--runs 3] [--s3-mib 512] [--s3-target-mib 1024] [--cadence-mib 2048]
+[--cadence-interval 30] [--cadence-dumps 5] [--cadence-series 3] [--only growth|dump|scale|s3|cadence]
 """
 
 from __future__ import annotations
@@ -290,8 +298,9 @@ class DirtyTarget:
         self.proc.wait()
 
 
-def timed_call(action) -> float:
-    settle()
+def timed_call(action, settled: bool = True) -> float:
+    if settled:
+        settle()
     start = time.perf_counter()
     action()
     return time.perf_counter() - start
@@ -456,6 +465,313 @@ def _environment(values: dict[str, str]):
                 os.environ[key] = value
 
 
+# ---- dumps at a cadence ----------------------------------------------------------------------
+
+# virtio-balloon feature bits (virtio spec 5.5.3): free page reporting is what hands freed
+# memory back to the host, and what makes memory freed and allocated again slow to touch.
+BALLOON_FEATURES = {0: "MUST_TELL_HOST", 1: "STATS_VQ", 2: "DEFLATE_ON_OOM", 3: "FREE_PAGE_HINT",
+                    4: "PAGE_POISON", 5: "REPORTING"}
+
+
+def free_page_reporting() -> dict:
+    """The machine's free page reporting: the balloon devices bound to virtio_balloon and their
+    features, and the page_reporting module's parameters (some kernels add counters there,
+    such as reported_kib), so that figures from other machines can be compared."""
+    driver = Path("/sys/bus/virtio/drivers/virtio_balloon")
+    balloons = {}
+    for device in sorted(driver.glob("virtio*")) if driver.is_dir() else []:
+        try:
+            bits = (device / "features").read_text().strip()
+        except OSError:
+            bits = ""
+        # Bits 24 and above belong to the transport (VERSION_1 and the like), not the balloon.
+        balloons[device.name] = [BALLOON_FEATURES.get(bit, f"bit {bit}") for bit in range(min(len(bits), 24))
+                                 if bits[bit] == "1"]
+    params = {}
+    for param in sorted(Path("/sys/module/page_reporting/parameters").glob("*")):
+        try:
+            params[param.name] = param.read_text().strip()
+        except OSError:
+            params[param.name] = "?"
+    # Free memory is what a dump's page cache comes from, and what the host may have taken back;
+    # the kernel reclaims page cache only once it runs short.
+    meminfo = {line.split(":")[0]: int(line.split()[1]) // 1024 for line in Path("/proc/meminfo").read_text()
+               .splitlines() if line.split(":")[0] in ("MemTotal", "MemFree", "Cached")}
+    return {"virtio_balloon": balloons, "page_reporting": params, "meminfo_mib": meminfo,
+            "reporting": any("REPORTING" in features for features in balloons.values())}
+
+
+def criu_stats(directory: Path) -> dict:
+    """CRIU's own stats-dump image (in the images directory of a raw dump, in the store's
+    logs/<id>/ for ckpt): the freeze is freezing_time (seizing the tree) + frozen_time (until
+    CRIU let it run again)."""
+    import pycriu.images
+
+    with open(directory / "stats-dump", "rb") as f:
+        entry = pycriu.images.load(f)["entries"][0]["dump"]
+    freezing, frozen = int(entry.get("freezing_time", 0)) / 1000, int(entry.get("frozen_time", 0)) / 1000
+    return {"freeze_ms": freezing + frozen, "freezing_ms": freezing, "frozen_ms": frozen,
+            "memdump_ms": int(entry.get("memdump_time", 0)) / 1000,
+            "memwrite_ms": int(entry.get("memwrite_time", 0)) / 1000,
+            "pages_written": int(entry.get("pages_written", 0))}
+
+
+def dump_log_phases(log: Path) -> dict:
+    """Seconds from CRIU's start, read from the timestamps of its dump log (level 3 or more):
+    the tree seized, its pages dumped (pagemap generation and the writes into the pages image
+    interleave: CRIU writes whenever its page pipes are full), the last pagemap line and the
+    next line (the pages written), the tree let run again."""
+    marks: dict[str, float] = {}
+    after_pagemap = False
+    for line in log.read_text(errors="replace").splitlines():
+        if not line.startswith("(") or ")" not in line:
+            continue
+        try:
+            at = float(line[1:line.index(")")])
+        except ValueError:
+            continue
+        text = line[line.index(")") + 1:].strip()
+        if after_pagemap and not text.startswith("Pagemap generated"):
+            marks["pages_written"] = at
+            after_pagemap = False
+        if text.startswith("Seized task"):
+            marks.setdefault("seized", at)
+        elif text.startswith("Dumping pages"):
+            marks.setdefault("pages_start", at)
+        elif text.startswith("Pagemap generated"):
+            marks["pagemap_done"] = at
+            after_pagemap = True
+        elif text.startswith("Unfreezing tasks"):
+            marks["unfrozen"] = at
+        marks["end"] = at
+    return marks
+
+
+class CadenceSide:
+    """One side of the cadence: its own target, its own dumps, every sample."""
+
+    def __init__(self, who: str, size_mib: int, work: Path, criu: str, env: dict):
+        self.who, self.work, self.criu, self.env = who, work, criu, env
+        self.target = DirtyTarget(size_mib, work)
+        self.samples: list[dict] = []
+        self.raw_dirs: list[Path] = []
+        self.last_checkpoint: str | None = None
+
+    def dump(self, phase: str, late_s: float = 0.0) -> dict:
+        pid = self.target.proc.pid
+        if self.who == "ckpt":
+            wall, out = timed(CKPT + ["dump", str(pid), "--json", "--name", "cadence"], self.env, settled=False)
+            result = json.loads(out)
+            self.last_checkpoint = result["id"]
+            logs = Path(self.env["CKPT_STORE"]) / "logs" / result["id"]
+            sample = {"wall_s": wall, "reported_freeze_ms": result["freeze_ms"],
+                      "bytes_stored": result["bytes_stored"], **criu_stats(logs),
+                      "log": dump_log_phases(logs / "dump.log")}
+        else:
+            images = self.work / f"cadence-raw-{len(self.raw_dirs)}"
+            images.mkdir()
+            # The network lock ckpt takes for this target (no TCP connections): none; CRIU's log
+            # level ckpt uses (3), so that both logs cost the same and both show the phases.
+            wall, _ = timed([self.criu, "dump", "-t", str(pid), "-D", str(images), "--leave-running", "-o",
+                             "dump.log", "-v3", "--network-lock", "skip"], settled=False)
+            # ckpt's dump is durable when it returns; this is what the same costs raw CRIU. It
+            # also keeps the kernel's write-back of these images out of the other side's dump.
+            sync_s = timed_call(lambda: _fsync_tree(images), settled=False)
+            sample = {"wall_s": wall, "sync_s": sync_s, **criu_stats(images),
+                      "log": dump_log_phases(images / "dump.log")}
+            # Raw CRIU keeps its newest images, as ckpt keeps its checkpoints: the older ones go.
+            self.raw_dirs.append(images)
+            if len(self.raw_dirs) > 1:
+                shutil.rmtree(self.raw_dirs[-2])
+        sample.update(phase=phase, late_s=late_s)
+        self.samples.append(sample)
+        self.target.rewrite_one_percent()
+        return sample
+
+    def of(self, phase: str, key: str) -> list[float]:
+        return [s[key] for s in self.samples if s["phase"] == phase]
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in sorted(directory.iterdir()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def bench_cadence(size_mib: int, interval: float, dumps: int, series: int, runs: int, work: Path,  # noqa: PLR0913
+                  criu: str) -> dict:
+    """Dumps `interval` seconds apart, as a schedule takes them: a first dump, then `dumps`
+    more, 1% of the pages rewritten after each. ckpt and raw CRIU dump separate but identical
+    targets (tests/fixtures/dirtymem.py) that run at the same time; each side keeps its own
+    cadence, raw CRIU's half an interval after ckpt's, so that whatever one side frees has
+    gone back to the host (about 2 s here) long before the other side dumps: neither inherits
+    memory the other freed. Then `series` dumps back to back on each side, one side after
+    the other (RETURN_PAUSE between): from the second on, a dump reuses the memory its own
+    previous dump freed. Then the targets end and the last checkpoints are restored `runs`
+    times, alternately: ckpt's default (lazy) restore, `ckpt restore --eager`, raw
+    `criu restore -d`, each after RETURN_PAUSE."""
+    env = {**os.environ, "CKPT_STORE": str(work / "cadence-store")}
+    reporting_before = free_page_reporting()
+    sides = {"ckpt": CadenceSide("ckpt", size_mib, work, criu, env),
+             "criu": CadenceSide("criu", size_mib, work, criu, env)}
+    load_before = os.getloadavg()
+    try:
+        start = time.monotonic() + 2
+        events = sorted([(start + k * interval, "ckpt", k) for k in range(dumps + 1)]
+                        + [(start + k * interval + interval / 2, "criu", k) for k in range(dumps + 1)])
+        for at, who, k in events:
+            # What other work left dirty is written back before, not during, the dump.
+            if at - time.monotonic() > 1.5:
+                time.sleep(at - time.monotonic() - 1.5)
+                os.sync()
+            late = time.monotonic() - at
+            if late < 0:
+                time.sleep(-late)
+            sample = sides[who].dump("first" if k == 0 else "cadence", max(late, 0.0))
+            print(f"  cadence {who:4} dump {k}: wall {sample['wall_s']:.2f} s, freeze {sample['freeze_ms']:.0f} ms"
+                  + (f" (late {late:.1f} s)" if late > 0.5 else ""), file=sys.stderr)
+        for who in ("ckpt", "criu"):
+            time.sleep(RETURN_PAUSE)
+            settle()
+            for _ in range(series):
+                sides[who].dump("back-to-back")
+    finally:
+        for side in sides.values():
+            side.target.end()
+    load_after = os.getloadavg()
+    reporting_after = free_page_reporting()
+    restores: dict[str, list[float]] = {"ckpt_restore_s": [], "ckpt_restore_all_memory_s": [],
+                                        "ckpt_restore_eager_s": [], "criu_restore_s": []}
+    checkpoint, raw_images = sides["ckpt"].last_checkpoint, sides["criu"].raw_dirs[-1]
+    for run in range(runs):
+        for who in (["ckpt", "criu"] if run % 2 == 0 else ["criu", "ckpt"]):
+            time.sleep(RETURN_PAUSE)
+            if who == "ckpt":
+                elapsed, out = timed(CKPT + ["restore", checkpoint, "--json"], env)
+                restored = json.loads(out)
+                waited = time.perf_counter()
+                if restored["lazy"]:
+                    deadline = time.monotonic() + 300
+                    # (a zombie is done: this machine's init reaps orphans a second or two late)
+                    while state(restored["lazy"]["server_pid"]) not in (None, "Z") and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                restores["ckpt_restore_s"].append(elapsed)
+                restores["ckpt_restore_all_memory_s"].append(elapsed + time.perf_counter() - waited)
+                kill(restored["pid"])
+                time.sleep(RETURN_PAUSE)
+                elapsed, out = timed(CKPT + ["restore", checkpoint, "--eager", "--json"], env)
+                restores["ckpt_restore_eager_s"].append(elapsed)
+                kill(json.loads(out)["pid"])
+            else:
+                elapsed, _ = timed([criu, "restore", "-D", str(raw_images), "-d", "-o", "restore.log"])
+                restores["criu_restore_s"].append(elapsed)
+                kill(sides["criu"].target.proc.pid)
+    ckpt, raw = sides["ckpt"], sides["criu"]
+    med = statistics.median
+    # From the second dump of each back-to-back series on (the first follows a pause).
+    b2b = {who: [s["freeze_ms"] for s in side.samples if s["phase"] == "back-to-back"][1:]
+           for who, side in sides.items()}
+    first_raw_durable = raw.of("first", "wall_s")[0] + raw.of("first", "sync_s")[0]
+    medians = {
+        "ckpt_freeze_ms": med(ckpt.of("cadence", "freeze_ms")), "criu_freeze_ms": med(raw.of("cadence", "freeze_ms")),
+        "ckpt_b2b_freeze_ms": med(b2b["ckpt"]) if b2b["ckpt"] else None,
+        "criu_b2b_freeze_ms": med(b2b["criu"]) if b2b["criu"] else None,
+        "ckpt_first_dump_s": ckpt.of("first", "wall_s")[0], "criu_first_dump_s": raw.of("first", "wall_s")[0],
+        "criu_first_dump_sync_s": first_raw_durable,
+        "ckpt_next_dump_s": med(ckpt.of("cadence", "wall_s")), "criu_next_dump_s": med(raw.of("cadence", "wall_s")),
+        "criu_next_dump_sync_s": med([w + s for w, s in zip(raw.of("cadence", "wall_s"), raw.of("cadence", "sync_s"),
+                                                             strict=True)]),
+        **{k: med(v) for k, v in restores.items()}}
+    m = medians
+    goals = [
+        {"goal": f"1. freeze, dumps every {interval:g}s (median)", "ratio": m["ckpt_freeze_ms"] / m["criu_freeze_ms"],
+         "limit": 0.5},
+        {"goal": "1. freeze, back to back (median)", "limit": 1.0,
+         "ratio": m["ckpt_b2b_freeze_ms"] / m["criu_b2b_freeze_ms"] if b2b["ckpt"] and b2b["criu"] else None},
+        {"goal": "2. first dump wall / raw dump + sync", "ratio": m["ckpt_first_dump_s"] / first_raw_durable,
+         "limit": 1.5},
+        {"goal": "3. restore --eager / raw restore -d", "ratio": m["ckpt_restore_eager_s"] / m["criu_restore_s"],
+         "limit": 2.0},
+        {"goal": "3. lazy restore keeps its lead", "ratio": m["ckpt_restore_s"] / m["criu_restore_s"], "limit": 1.0},
+        {"goal": "4. next dump wall / raw dump (cadence)", "ratio": m["ckpt_next_dump_s"] / m["criu_next_dump_s"],
+         "limit": 1.5}]
+    for goal in goals:
+        goal["met"] = goal["ratio"] is not None and goal["ratio"] <= goal["limit"]
+    reported = {}
+    for key in ("reported_kib", "passes"):
+        try:
+            reported[key] = (int(reporting_after["page_reporting"][key])
+                             - int(reporting_before["page_reporting"][key]))
+        except (KeyError, ValueError):
+            pass
+    return {"size_mib": size_mib, "interval_s": interval, "dumps": dumps, "series": series, "runs": runs,
+            "free_page_reporting": reporting_before, "page_reporting_during": reported,
+            "load_average": {"before": load_before, "after": load_after},
+            "samples": {who: side.samples for who, side in sides.items()}, "restore_samples": restores,
+            "medians": medians, "goals": goals}
+
+
+def print_cadence(r: dict) -> None:
+    fpr = r["free_page_reporting"]
+    balloons = "; ".join(f"{dev}: {', '.join(features) or 'no features'}"
+                         for dev, features in fpr["virtio_balloon"].items()) or "no virtio_balloon device"
+    print(f"dumps at a cadence, {r['size_mib']} MiB target (dirtymem, 1% of pages rewritten after each dump), "
+          f"a first dump then {r['dumps']} every {r['interval_s']:g} s per side, raw CRIU half an interval after "
+          f"ckpt on its own identical target; then {r['series']} back to back per side; {r['runs']} restores")
+    mem = fpr["meminfo_mib"]
+    print(f"  free page reporting: {'on' if fpr['reporting'] else 'off'} ({balloons}); memory before the "
+          f"targets: {mem.get('MemTotal')} MiB, free {mem.get('MemFree')} MiB, page cache {mem.get('Cached')} MiB")
+    if fpr["page_reporting"]:
+        print("    page_reporting: " + ", ".join(f"{k}={v}" for k, v in fpr["page_reporting"].items()))
+    if r["page_reporting_during"]:
+        print("    during the dumps: " + ", ".join(f"{k} +{v}" for k, v in r["page_reporting_during"].items()))
+    load = r["load_average"]
+    print(f"  load average (1 min) {load['before'][0]:.2f} before, {load['after'][0]:.2f} after the dumps")
+    print("  every dump (freeze = CRIU's stats-dump freezing_time + frozen_time; log: seconds from CRIU's start "
+          "to the tree seized / pages dumped and written / tree running):")
+    for who, samples in r["samples"].items():
+        for i, s in enumerate(samples):
+            log = s["log"]
+            pages = log.get("pages_written", 0) - log.get("pages_start", 0)
+            extra = (f", sync {s['sync_s']:.2f} s" if "sync_s" in s
+                     else f", ckpt said {s['reported_freeze_ms']} ms, stored {s['bytes_stored'] / 2**20:.1f} MiB")
+            print(f"    {who:4} {i:2} {s['phase']:12} wall {s['wall_s']:6.2f} s  freeze {s['freeze_ms']:7.0f} ms "
+                  f"(freezing {s['freezing_ms']:.0f}, frozen {s['frozen_ms']:.0f}; memdump {s['memdump_ms']:.0f}, "
+                  f"memwrite {s['memwrite_ms']:.0f})  log: seized {log.get('seized', 0):.2f}, pages "
+                  f"{log.get('pages_start', 0):.2f}-{log.get('pagemap_done', 0):.2f}/{log.get('pages_written', 0):.2f}"
+                  f" ({pages:.2f} s), running {log.get('unfrozen', 0):.2f}{extra}"
+                  + (f", late {s['late_s']:.1f} s" if s["late_s"] > 0.5 else ""))
+    rs = r["restore_samples"]
+    print(f"  restores: lazy (tree runs) {_samples(rs['ckpt_restore_s'])} s, all memory back "
+          f"{_samples(rs['ckpt_restore_all_memory_s'])} s; --eager {_samples(rs['ckpt_restore_eager_s'])} s; "
+          f"raw criu restore -d {_samples(rs['criu_restore_s'])} s")
+    m = r["medians"]
+    print(f"  medians                           {'ckpt':>9} {'raw criu':>9}")
+    rows = [("freeze at the cadence", m["ckpt_freeze_ms"] / 1000, m["criu_freeze_ms"] / 1000),
+            ("freeze back to back", (m["ckpt_b2b_freeze_ms"] or 0) / 1000, (m["criu_b2b_freeze_ms"] or 0) / 1000),
+            ("first dump", m["ckpt_first_dump_s"], m["criu_first_dump_s"]),
+            ("  raw + sync of its images", m["ckpt_first_dump_s"], m["criu_first_dump_sync_s"]),
+            ("next dump at the cadence", m["ckpt_next_dump_s"], m["criu_next_dump_s"]),
+            ("  raw + sync of its images", m["ckpt_next_dump_s"], m["criu_next_dump_sync_s"]),
+            ("restore (lazy, default)", m["ckpt_restore_s"], m["criu_restore_s"]),
+            ("  ... until all memory in", m["ckpt_restore_all_memory_s"], m["criu_restore_s"]),
+            ("restore --eager", m["ckpt_restore_eager_s"], m["criu_restore_s"])]
+    for label, a, b in rows:
+        print(f"    {label:30} {a:8.2f}s {b:8.2f}s")
+    print(f"  issue 17's goals                         {'ratio':>6} {'goal':>7}  met")
+    for g in r["goals"]:
+        ratio = "   n/a" if g["ratio"] is None else f"{g['ratio']:6.2f}"
+        print(f"    {g['goal']:38} {ratio}  <= {g['limit']:<4g} {'yes' if g['met'] else 'NO'}")
+
+
 def _samples(values: list[float], fmt: str = "%.2f") -> str:
     return ", ".join(fmt % v for v in values)
 
@@ -495,9 +811,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--s3-mib", type=int, default=512, help="bytes up and down S3, in MiB")
     parser.add_argument("--s3-target-mib", type=int, default=1024, help="the target dumped into S3 and restored")
-    parser.add_argument("--only", choices=["growth", "dump", "scale", "s3"], action="append")
+    parser.add_argument("--cadence-mib", type=int, default=2048, help="each cadence target, in MiB")
+    parser.add_argument("--cadence-interval", type=float, default=30.0, help="seconds between a side's dumps")
+    parser.add_argument("--cadence-dumps", type=int, default=5, help="dumps at the cadence after the first")
+    parser.add_argument("--cadence-series", type=int, default=3, help="dumps back to back per side")
+    parser.add_argument("--only", choices=["growth", "dump", "scale", "s3", "cadence"], action="append")
     args = parser.parse_args()
-    only = set(args.only or ["growth", "dump", "scale", "s3"])
+    only = set(args.only or ["growth", "dump", "scale", "s3", "cadence"])
     criu = find_criu().path
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir="/var/tmp"))
     results: dict = {}
@@ -532,6 +852,10 @@ def main() -> None:
                   f"freed {s['prune_bytes_freed'] / 2**20:.1f} MiB")
         if "s3" in only:
             print_s3(results.setdefault("s3", bench_s3(work, criu, args.s3_mib, args.s3_target_mib, args.runs)))
+        if "cadence" in only:
+            print_cadence(results.setdefault("cadence", bench_cadence(
+                args.cadence_mib, args.cadence_interval, args.cadence_dumps, args.cadence_series, args.runs, work,
+                criu)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out_dir = ROOT / "bench-results"
