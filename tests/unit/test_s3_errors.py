@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from ckpt.errors import ExitCode, StoreAccessDenied, StoreNotFound, StoreUnreachable, UsageError
+from ckpt.errors import DiskFull, ExitCode, StoreAccessDenied, StoreNotFound, StoreUnreachable, UsageError
 from ckpt.store.backends.s3 import S3Backend
 from tests.conftest import S3_BUCKET
 from tests.s3server import WeedServer
@@ -96,6 +96,8 @@ class FaultyProxy:
         host, port = upstream.removeprefix("http://").split(":")
         self.slow_down = 0
         self.cut = 0
+        self.cut_uploads = 0  # the next PUTs: body read, then the connection dropped unanswered
+        self.refuse_puts: tuple[int, bytes] | None = None  # every PUT answered with this
         self.requests: list[str] = []
         proxy = self
 
@@ -108,6 +110,18 @@ class FaultyProxy:
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 proxy.requests.append(self.command)
+                if self.command == "PUT" and proxy.cut_uploads > 0:
+                    proxy.cut_uploads -= 1
+                    self.close_connection = True
+                    self.connection.shutdown(2)  # a reset mid-upload: no answer at all
+                    return
+                if self.command == "PUT" and proxy.refuse_puts is not None:
+                    status, error = proxy.refuse_puts
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
                 if proxy.slow_down > 0:
                     proxy.slow_down -= 1
                     error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
@@ -191,3 +205,31 @@ def test_a_download_cut_midway_is_asked_again(proxy, s3_url, tmp_path):
         gets = proxy.requests.count("GET")
         assert read() == data
         assert proxy.cut == 0 and proxy.requests.count("GET") - gets == 3 + 2, "3 ranges, 2 asked again"
+
+
+def test_an_upload_cut_midway_is_sent_again(proxy, s3_url):
+    """A connection dropped while a part (or a whole object) is being sent: botocore sends it
+    again, and the blob is whole."""
+    data = os.urandom(12 << 20)
+    backend = S3Backend.from_url(s3_url, part_size=5 << 20)
+    proxy.cut_uploads = 2
+    with backend.writer("packs/ab/cut") as out:
+        out.write(data)
+        out.commit()
+    assert proxy.cut_uploads == 0 and backend.get("packs/ab/cut") == data, proxy.requests
+    proxy.cut_uploads = 1
+    backend.put("objects/ab/small", b"small")
+    assert backend.get("objects/ab/small") == b"small"
+
+
+@pytest.mark.parametrize("status,code", [(403, "QuotaExceeded"), (507, "XMinioStorageFull")])
+def test_a_full_bucket_quota_is_a_full_disk(proxy, s3_url, status, code):
+    """Ceph RGW answers a full quota 403 QuotaExceeded, MinIO 507: both are a full store (exit
+    1, "ckpt prune" in the hint), not refused credentials."""
+    backend = S3Backend.from_url(s3_url, attempts=2)
+    backend.exists("objects/ab/x")  # the bucket check passes first
+    proxy.refuse_puts = (status, f"<Error><Code>{code}</Code><Message>quota</Message></Error>".encode())
+    with pytest.raises(DiskFull) as info:
+        backend.put("objects/ab/full", b"data")
+    assert info.value.exit_code == ExitCode.ERROR and "prune" in (info.value.hint or "")
+    one_line(info.value)

@@ -263,13 +263,14 @@ class S3Backend(Backend):
             code, status = _code(exc)
             message = exc.response.get("Error", {}).get("Message") or ""
             told = f"{code}{': ' + message if message and message != code else ''}"
+            # Before 403: Ceph RGW answers a full quota 403 QuotaExceeded (MinIO: 507).
+            if "Quota" in code or "StorageFull" in code or status == 507:
+                return DiskFull(f"{at} has no room for {where} ({told})",
+                                hint="free space in the bucket (ckpt prune) or raise its quota")
             if code in _DENIED or status == 403:
                 return StoreAccessDenied(f"{at} refused access to {where} ({told})",
                                          hint="check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) "
                                               "and the bucket's permissions")
-            if "Quota" in code or "StorageFull" in code or status == 507:
-                return DiskFull(f"{at} has no room for {where} ({told})",
-                                hint="free space in the bucket (ckpt prune) or raise its quota")
             if code in _THROTTLED or status >= 500:
                 return StoreUnreachable(f"{at} kept answering {told} to {operation} of {where} "
                                         f"after {self.attempts} attempts", hint="try again later")
