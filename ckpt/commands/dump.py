@@ -48,6 +48,9 @@ class DumpRequest:
     # owes the copy ("schedule NAME", "run NAME"); a pending-copy record is written before the commit.
     copy_to: str | None = None
     copy_origin: str = ""
+    # The new checkpoint's ID, chosen by whoever asked (ckpt.checkpoint(): the program knows it
+    # before the freeze); None: a fresh one.
+    checkpoint_id: str | None = None
 
 
 @dataclass
@@ -91,6 +94,8 @@ def check_request(request: DumpRequest) -> None:
         raise UsageError(f"unknown compression {request.codec!r}", hint=f"use one of {', '.join(CODECS)}")
     if request.name is not None:
         ids.check_name(request.name)
+    if request.checkpoint_id is not None:
+        ids.check_new_id(request.checkpoint_id)
 
 
 def dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter = NullReporter()) -> DumpResult:
@@ -114,7 +119,10 @@ def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, s
     _report_findings(request, facts, options, reporter)
     tracking = _plan_tracking(store, request, binary, reporter)
     options = replace(options, track_mem=tracking is not None)
-    checkpoint_id = ids.new_id()
+    checkpoint_id = request.checkpoint_id or ids.new_id()
+    if checkpoint_id in store.checkpoint_ids():
+        raise UsageError(f"a checkpoint with ID {checkpoint_id} exists already",
+                         hint="an ID given with --id must be new: take one from ckpt.store.ids.new_id()")
     if request.pre_dump_hook:
         from ckpt.schedule.hooks import run_hook
 

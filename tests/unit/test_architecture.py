@@ -12,7 +12,7 @@ PACKAGE = ROOT / "ckpt"
 LAYERS = {
     "cli": 5,
     "commands": 4,
-    "dump": 3, "restore": 3, "schedule": 3,
+    "dump": 3, "restore": 3, "schedule": 3, "agent": 3,
     "store": 2, "criu": 2,
     "system": 1,
     # the foundation every layer uses
