@@ -124,10 +124,13 @@ def _run_before(registered: list[tuple[str, Callable[[], object]]]) -> None:
             cancelled = CheckpointCancelled(
                 f"checkpoint cancelled: the before_checkpoint callback {_label(fn)} raised "
                 f"{type(exc).__name__}: {exc}", hint="nothing was frozen or written")
-            # Undo the layers above this one (their before-callbacks ran): their after-callbacks,
-            # in registration order. This layer's own after-callbacks do not run: a callback
-            # that raises undoes its own work, as a constructor that raises does.
-            _run_after(registered[index + 1:], len(registered) - index - 1, cancelled)
+            # Undo the layers registered after this one (their before-callbacks ran): their
+            # after-callbacks, in registration order. This layer's own after-callbacks (those
+            # registered between it and the next before-callback) do not run: a callback that
+            # raises undoes its own work, as a constructor that raises does.
+            above = next((i for i in range(index + 1, len(registered)) if registered[i][0] == "before"),
+                         len(registered))
+            _run_after(registered[above:], len(registered) - above, cancelled)
             raise cancelled from exc
 
 

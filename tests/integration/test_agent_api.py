@@ -145,7 +145,8 @@ def test_callbacks_run_in_order_on_both_sides(procs, tmp_path, agent_dir):
     assert read_lines(calls) == original + ["after A", "after B", "after C"]
 
 
-def test_a_failing_before_callback_cancels_the_checkpoint(procs, tmp_path, agent_dir):
+def test_a_failing_before_callback_cancels_the_checkpoint(procs, tmp_path, agent_dir, isolated_env):
+    ckpt("init", isolated_env)  # an empty store, to find it still empty
     out, calls = tmp_path / "out.txt", tmp_path / "calls.txt"
     target = procs.start(AGENT, out, "--callbacks", calls, "--fail-before", "B")
     [line] = wait_until(lambda: outcomes(out), timeout=60, what="the checkpoint's outcome")
