@@ -186,11 +186,14 @@ def _take(name: str | None, store: str | None) -> CheckpointResult:
     log_file: Path | None = None
     dumper: int | None = None
     if config.socket is not None:
-        from ckpt.agent import protocol
+        from ckpt.agent.protocol import ProtocolError, request_checkpoint
 
         # Returns once the supervisor has the request and the connection is closed: it dumps
         # only then, so no socket to the outside is in the checkpoint.
-        protocol.request_checkpoint(checkpoint_id, name)
+        try:
+            request_checkpoint(checkpoint_id, name, path=str(config.socket))
+        except ProtocolError as exc:
+            raise CheckpointFailed(f"checkpoint failed: {exc}", hint="ckpt run refused or did not answer") from exc
         timeout: float | None = SUPERVISOR_TIMEOUT
     else:
         log_file = results.log_path(config.agent_dir, pid, checkpoint_id)
@@ -261,8 +264,8 @@ def _start_dumper(pid: int, checkpoint_id: str, name: str | None, store: str | N
         argv += ["--store", store]
     try:
         launched = subprocess.run([sys.executable, "-I", "-S", "-c", _LAUNCHER, str(log_file), str(package_parent),
-                                   *argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, cwd="/", timeout=60, check=False)
+                                   *argv], stdin=subprocess.DEVNULL, capture_output=True, cwd="/",
+                                  timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise CheckpointFailed(f"checkpoint failed: could not start ckpt dump ({exc})") from exc
     text = launched.stdout.decode(errors="replace").strip()

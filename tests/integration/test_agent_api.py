@@ -78,7 +78,7 @@ def assert_round_trip(procs, out: Path, agent_dir: Path, *args: str) -> tuple[st
     second = checkpointed(out, 2)[1]
     assert second == (checkpoint_id, True, at), "the restored copy did not see the restored side of its checkpoint"
     wait_until(lambda: len(counts_after(out, 1)) >= 3, what="the restored copy to go on counting")
-    assert counts_after(out, 1)[:3] == [at + 1, at + 2, at + 3], "the restored counter did not go on from the checkpoint"
+    assert counts_after(out, 1)[:3] == [at + 1, at + 2, at + 3], "the restored counter did not go on"
     return checkpoint_id, at, pid
 
 
@@ -108,7 +108,7 @@ def test_eight_busy_threads_and_a_call_from_another_thread(procs, tmp_path, agen
     wait_until(lambda: len([line for line in read_lines(out)[restored_at:] if line.startswith("threads ")]) >= 3,
                what="the restored threads' counts")
     after = thread_counts()[-1]
-    assert len(after) == 8 and all(a > b > 0 for a, b in zip(after, before)), (before, after)
+    assert len(after) == 8 and all(a > b > 0 for a, b in zip(after, before, strict=True)), (before, after)
 
 
 def test_a_child_process_is_checkpointed_with_its_parent(procs, tmp_path, agent_dir):
