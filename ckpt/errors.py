@@ -174,6 +174,26 @@ class OutcomeUnknown(CkptError):
     exit_code = ExitCode.ERROR
 
 
+class CheckpointCancelled(CkptError):
+    """ckpt.checkpoint(): a before_checkpoint callback raised (the exception is the __cause__).
+    Nothing was frozen or written; the after_restore callbacks of the layers whose
+    before-callback had run did run."""
+
+    exit_code = ExitCode.ERROR
+
+
+class CheckpointFailed(CkptError):
+    """ckpt.checkpoint(): the dump failed or its dumper ended without saying. The message is
+    the dump's own error; exit_code is the dumper's (5 for CRIU, 4 for not root...); log_path,
+    when there is one, is the dumper's output (kept on failure)."""
+
+    exit_code = ExitCode.ERROR
+
+    def __init__(self, message: str, *, hint: str | None = None, log_path: str | None = None):
+        super().__init__(message, hint=hint)
+        self.log_path = log_path
+
+
 def to_record(exc: CkptError) -> dict:
     """The error as JSON, for a forked child to report to its parent (from_record rebuilds it):
     the parent must exit with the child's documented exit code, not a generic one."""

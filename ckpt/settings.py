@@ -182,6 +182,13 @@ class Settings:
     # The kernel features CRIU found, until the next boot (tmpfs, as the kernel is).
     feature_cache: Path = field(default=Path("/run/ckpt/criu-features.json"),
                                 metadata=_env("CKPT_FEATURE_CACHE", _path))
+    # ckpt.checkpoint(): where the dump's result (and, on failure, the dumper's output) is left
+    # for the process that asked; tmpfs, as the processes are (docs/design.md, "Checkpoints a
+    # program asks for").
+    agent_dir: Path = field(default=Path("/run/ckpt/agent"), metadata=_env("CKPT_AGENT_DIR", _path))
+    # Set by `ckpt run` for the command it supervises: ckpt.checkpoint() asks the supervisor
+    # over this UNIX socket instead of starting a dump of its own.
+    socket: Path | None = field(default=None, metadata=_env("CKPT_SOCKET", _path))
     # Seconds a scheduled run waits for the previous run of its schedule, then skips.
     schedule_wait: float = field(default=60.0, metadata=_env("CKPT_SCHEDULE_WAIT", _seconds(False, "60")))
     # Seconds a dump waits for the tree's no_checkpoint() sections to end before it gives up

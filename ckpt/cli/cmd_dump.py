@@ -1,10 +1,16 @@
+import os
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from ckpt.cli.options import JsonOption, QuietOption, StoreOption, store_root
 from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr, styled
-from ckpt.commands.dump import DumpRequest, dump
+from ckpt import settings
+from ckpt.agent import results
+from ckpt.commands.dump import DumpRequest, DumpResult, dump
+from ckpt.errors import CkptError, ExitCode, UsageError, to_record
+from ckpt.store import ids
 from ckpt.store.blocks.segments import CODECS
 
 HELP = """Checkpoint the process tree rooted at PID into the store.
@@ -67,15 +73,27 @@ def register(app: typer.Typer) -> None:
         store: StoreOption = None,
         json_out: JsonOption = False,
         quiet: QuietOption = False,
+        # What ckpt.checkpoint() passes to the dumper it starts (docs/design.md, "Checkpoints a
+        # program asks for"); not for people.
+        checkpoint_id: Annotated[Optional[str], typer.Option("--id", hidden=True)] = None,
+        result_file: Annotated[Optional[str], typer.Option("--result-file", hidden=True)] = None,
     ) -> None:
+        answer = _result_file(result_file, checkpoint_id, pid)
         reporter = CliReporter(quiet=quiet)
         try:
             result = dump(store_root(store), DumpRequest(
                 pid=pid, name=name, stop=stop, codec=compression, shell_job=shell_job,
                 tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
-                pre_dump_hook=pre_dump, dirty_tracking=dirty_tracking, section_timeout=section_timeout), reporter)
+                pre_dump_hook=pre_dump, dirty_tracking=dirty_tracking, checkpoint_id=checkpoint_id,
+                section_timeout=section_timeout), reporter)
+        except BaseException as exc:
+            if answer is not None:
+                answer.failed(exc)
+            raise
         finally:
             reporter.close()
+        if answer is not None:
+            answer.succeeded(result)
         m = result.manifest
         if json_out:
             emit_json(result.to_json())
@@ -91,6 +109,44 @@ def register(app: typer.Typer) -> None:
                          + f", frozen {m.stats.get('freeze_ms')} ms, took {m.stats.get('duration_ms')} ms"
                          + (", target ended" if stop else "")))
         print(m.id)
+
+
+class _Answer:
+    """The result file of a dump that ckpt.checkpoint() asked for: written once, at the end,
+    success or failure (the program waits for it), owned by the program's user."""
+
+    def __init__(self, path: Path, checkpoint_id: str, uid: int | None):
+        self.path, self.checkpoint_id, self.uid = path, checkpoint_id, uid
+
+    def succeeded(self, result: DumpResult) -> None:
+        m = result.manifest
+        results.write(self.path, {"id": m.id, "ok": True, "freeze_ms": m.stats.get("freeze_ms"),
+                                  "duration_ms": m.stats.get("duration_ms")}, self.uid)
+
+    def failed(self, exc: BaseException) -> None:
+        if isinstance(exc, CkptError):
+            record = {**to_record(exc), "error": str(exc)}
+        elif isinstance(exc, KeyboardInterrupt):
+            record = {"error": "interrupted", "exit_code": 130}
+        else:
+            record = {"error": f"internal error: {type(exc).__name__}: {exc}", "exit_code": int(ExitCode.INTERNAL)}
+        results.write(self.path, {"id": self.checkpoint_id, "ok": False, **record}, self.uid)
+
+
+def _result_file(result_file: Optional[str], checkpoint_id: Optional[str], pid: int) -> Optional[_Answer]:
+    """--result-file, checked before anything else: it must be <agent dir>/<pid>-<id>.json with
+    this dump's --id (a root dumper writes only there)."""
+    if result_file is None:
+        return None
+    if checkpoint_id is None:
+        raise UsageError("--result-file needs --id", hint="give the ID the result is for")
+    agent_dir = settings.current().agent_dir
+    path = results.check_result_file(Path(result_file), agent_dir, ids.check_id(checkpoint_id))
+    try:
+        uid: Optional[int] = os.stat(f"/proc/{pid}").st_uid  # the user of the program that waits
+    except OSError:
+        uid = None
+    return _Answer(path, checkpoint_id, uid)
 
 
 def _tracking_note(manifest) -> str:

@@ -99,7 +99,7 @@ def check_request(request: DumpRequest) -> None:
     if request.name is not None:
         ids.check_name(request.name)
     if request.checkpoint_id is not None:
-        ids.check_id(request.checkpoint_id)
+        ids.check_new_id(request.checkpoint_id)
     if request.section_timeout is not None and not request.section_timeout >= 0:
         raise UsageError(f"section timeout {request.section_timeout} is not 0 or more seconds")
 
@@ -128,6 +128,16 @@ def dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter = N
             return _dump(store_root, request, reporter, started, criu_done=window.close)
 
 
+def _new_checkpoint_id(store: Store, request: DumpRequest) -> str:
+    """The id the asker chose (ckpt.checkpoint(), CKPT_SOCKET), which must be new, or a fresh one."""
+    if request.checkpoint_id is None:
+        return ids.new_id()
+    if request.checkpoint_id in store.checkpoint_ids():
+        raise UsageError(f"a checkpoint with ID {request.checkpoint_id} exists already",
+                         hint="an ID given with --id must be new: take one from ckpt.store.ids.new_id()")
+    return request.checkpoint_id
+
+
 def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, started: float,
           criu_done: Callable[[], None] = lambda: None) -> DumpResult:
     facts = procs.preflight(request.pid)
@@ -140,7 +150,7 @@ def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, s
     _report_findings(request, facts, options, reporter)
     tracking = _plan_tracking(store, request, binary, reporter)
     options = replace(options, track_mem=tracking is not None)
-    checkpoint_id = request.checkpoint_id or ids.new_id()
+    checkpoint_id = _new_checkpoint_id(store, request)
     if request.pre_dump_hook:
         from ckpt.schedule.hooks import run_hook
 

@@ -28,6 +28,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from ckpt import settings
 from ckpt.settings import StoreLocation
 from ckpt.agent import protocol
 from ckpt.errors import CkptError, SectionTimeout, UsageError
@@ -234,17 +235,16 @@ class Supervisor:
 
     @staticmethod
     def _write_result(client: protocol.Client, checkpoint_id: str, error: str | None) -> None:
-        from ckpt.agent.sections import ensure_dir
-        from ckpt.system.files import atomic_write_bytes
+        from ckpt.agent import results
 
         record = {"id": checkpoint_id, "ok": True} if error is None else {"id": checkpoint_id, "ok": False,
                                                                            "error": error}
-        path = protocol.result_path(client.pid, checkpoint_id)
+        agent_dir = settings.current().agent_dir
         try:
-            ensure_dir(path.parent)  # sticky and world-writable, as the sections' directory
-            atomic_write_bytes(path, json.dumps(record).encode(), mode=0o644, durable=False)
-            os.chown(path, client.uid, -1)  # the client removes it once read
-        except OSError:
+            results.ensure_dir(agent_dir)
+            # Owner-only and the client's: it removes the file once read.
+            results.write(results.result_path(agent_dir, client.pid, checkpoint_id), record, uid=client.uid)
+        except (OSError, CkptError):
             pass  # RESULT still tells
 
     def _checkpoint(self, checkpoint_id: str | None = None, name: str | None = None,

@@ -1,5 +1,21 @@
-"""The checkpoint store (see docs/design.md). Standard library plus hashing/compression only."""
+"""The checkpoint store (see docs/design.md). Standard library plus hashing/compression only.
 
-from ckpt.store.repository import Store, FileEntry, Manifest
+Store, FileEntry and Manifest are imported on first use: ckpt.store.ids (what a program's
+ckpt.checkpoint() needs) must not pay for the repository's imports (~0.2 s)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ckpt.store.repository import FileEntry, Manifest, Store
 
 __all__ = ["Store", "FileEntry", "Manifest"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from ckpt.store import repository
+
+        return getattr(repository, name)
+    raise AttributeError(f"module 'ckpt.store' has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 import re
 import secrets
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from ckpt.errors import InvalidReference
 
@@ -25,6 +25,22 @@ def check_id(text: str) -> str:
     if not is_id(text):
         raise InvalidReference(f"'{text}' is not a checkpoint ID",
                                hint="IDs look like 20261130-230102-123-3fa9c1; see 'ckpt list'")
+    return text
+
+
+# How far from now the time in an ID chosen by its caller (`ckpt dump --id`) may be: IDs sort by
+# creation time, and 'latest' is the last of them.
+NEW_ID_SKEW = timedelta(minutes=10)
+
+
+def check_new_id(text: str, now: datetime | None = None) -> str:
+    """An ID for a checkpoint about to be made, chosen by its caller: well-formed, and made
+    (by new_id) within NEW_ID_SKEW of now, so that it sorts where a checkpoint made now does."""
+    check_id(text)
+    made = datetime.strptime(text[:19], "%Y%m%d-%H%M%S-%f").replace(tzinfo=timezone.utc)
+    if abs((now or datetime.now(timezone.utc)) - made) > NEW_ID_SKEW:
+        raise InvalidReference(f"checkpoint ID {text} was not made just now (its time is {made:%Y-%m-%d %H:%M:%S} UTC)",
+                               hint="give an ID from ckpt.store.ids.new_id(), made just before the dump")
     return text
 
 

@@ -6,15 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def stat_fields(pid: int) -> list[str]:
+def stat_fields(pid: int | str) -> list[str]:
     """The fields of /proc/PID/stat after the command name: [0] is the state, [6] the flags,
-    [19] the start time in clock ticks. Raises OSError when there is no such process."""
+    [19] the start time in clock ticks. Raises OSError when there is no such process. PID
+    "self" is the calling process, whatever PID namespace it is in (its getpid() may name
+    another process in this /proc)."""
     data = Path(f"/proc/{pid}/stat").read_text()
     # comm may contain spaces and parentheses: split after the last ')'.
     return data[data.rindex(")") + 2:].split()
 
 
-def start_ticks(pid: int) -> int:
+def start_ticks(pid: int | str) -> int:
     """When the process started, in clock ticks since boot: with the boot id and the PID, it
     names one incarnation of a process (a PID is reused, the three together are not)."""
     return int(stat_fields(pid)[19])
