@@ -37,6 +37,12 @@ def test_the_namespace_init_does_not_hold_the_store_lock(tmp_path):
             os.close(again)
     finally:
         os.kill(outer, signal.SIGKILL)  # the sleep we started; its init then ends with it
-        wait_until(lambda: not os.path.exists(f"/proc/{outer}") or
-                   open(f"/proc/{outer}/stat").read().split(") ")[1][0] in "ZX", timeout=10,
-                   what="the stand-in tree to end")
+        wait_until(lambda: gone_or_zombie(outer), timeout=10, what="the stand-in tree to end")
+
+
+def gone_or_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] in "ZX"
+    except FileNotFoundError:  # reaped between two looks: gone
+        return True
