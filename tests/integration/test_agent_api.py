@@ -52,11 +52,13 @@ def counts_after(out: Path, line_index: int) -> list[int]:
     return values
 
 
-def kill_and_restore(procs, pid: int, checkpoint_id: str) -> int:
-    """Ends the original tree (as a crash would), restores the checkpoint; the restored root PID."""
+def kill_and_restore(procs, pid: int, checkpoint_id: str, before_restore=lambda: None) -> int:
+    """Ends the original tree (as a crash would), restores the checkpoint; the restored root PID.
+    before_restore() runs once the original is gone."""
     pids = tree_pids(pid)
     procs.kill_tree(pid)
     wait_until(lambda: all(state(p) is None for p in pids), timeout=15, what="the original tree to be gone")
+    before_restore()
     restored = ckpt_json("restore", checkpoint_id)
     procs.adopt(restored["pid"])
     assert restored["id"] == checkpoint_id and restored["pid"] == pid
@@ -119,9 +121,11 @@ def test_a_child_process_is_checkpointed_with_its_parent(procs, tmp_path, agent_
     assert restored is False
     [show] = [c for c in ckpt_json("list") if c["id"] == checkpoint_id]
     assert len(tree_pids(target.pid)) == 2
-    written = len(read_lines(child_out))
-
-    kill_and_restore(procs, target.pid, checkpoint_id)
+    # What the original child wrote, counted once it is gone (it counts on until the kill).
+    written_by_original: list[int] = []
+    kill_and_restore(procs, target.pid, checkpoint_id,
+                     lambda: written_by_original.append(len(read_lines(child_out))))
+    written = written_by_original[0]
     checkpointed(out, 2)
     wait_until(lambda: len(read_lines(child_out)) >= written + 3, what="the restored child to count")
     resumed = [int(v) for v in read_lines(child_out)[written:]]
