@@ -114,6 +114,14 @@ class Processes:
             proc.wait()
 
 
+def echo_server(procs: Processes, tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
+    """tests/fixtures/echo_server.py on a port of the kernel's choice: (server, port, its log)."""
+    log = tmp_path / "server.txt"
+    server = procs.start("echo_server.py", log)
+    port = int(wait_until(lambda: read_lines(log), what="the echo server's port")[0].split()[1])
+    return server, port, log
+
+
 def ckpt(*args: str, check: bool = True, timeout: float = 300, env: dict | None = None
          ) -> subprocess.CompletedProcess:
     """Runs the real CLI (`python -m ckpt`) as a user would."""

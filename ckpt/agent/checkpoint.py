@@ -275,17 +275,6 @@ def _start_dumper(pid: int, checkpoint_id: str, name: str | None, store: str | N
     return int(text)
 
 
-def _alive(pid: int) -> bool:
-    """Whether the dumper still exists (a zombie counts until init reaps it: a late answer only)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _wait(before: tuple[str, int], result_file: Path, dumper: int | None, timeout: float | None,
           log_file: Path | None) -> dict | None:
     """Polls until this is a restored copy (None) or the result file exists (its record).
@@ -303,7 +292,8 @@ def _wait(before: tuple[str, int], result_file: Path, dumper: int | None, timeou
         record = results.read(result_file)
         if record is not None:
             return None if _incarnation() != before else record
-        if dumper is not None and not _alive(dumper):
+        # A zombie dumper counts until init reaps it: its answer is only late.
+        if dumper is not None and not procfs.pid_exists(dumper):
             record = results.read(result_file)  # written just before it ended
             if _incarnation() != before:
                 return None  # restored meanwhile: the dumper is long gone, its result taken

@@ -34,7 +34,6 @@ from ckpt.errors import CkptError
 
 ENV = "CKPT_SOCKET"
 SOCKET_DIR = Path("/run/ckpt/run")
-RESULT_DIR = Path("/run/ckpt/agent")  # result files of CHECKPOINT <id>: <pid>-<id>.json
 MAX_LINE = 4096
 CONNECT_RETRY_S = 120.0  # a dump takes the socket away for its pre-flight and CRIU's work
 REPLY_TIMEOUT_S = 30.0
@@ -48,7 +47,10 @@ class ProtocolError(Exception):
 # ---- the client side ------------------------------------------------------------------------
 
 def socket_path() -> str | None:
-    return os.environ.get(ENV) or None
+    from ckpt import settings
+
+    path = settings.current().socket
+    return str(path) if path is not None else None
 
 
 def request(line: str, path: str | None = None, retry_s: float = CONNECT_RETRY_S) -> str:
@@ -90,14 +92,11 @@ def request(line: str, path: str | None = None, retry_s: float = CONNECT_RETRY_S
 def request_checkpoint(checkpoint_id: str, name: str | None = None, path: str | None = None) -> None:
     """Asks the supervising `ckpt run` to checkpoint this process's tree with that id; returns
     once the request is accepted and the connection closed (the dump follows; its outcome goes
-    to RESULT_DIR/<pid>-<id>.json). Raises ProtocolError when refused."""
+    to the result file <agent dir>/<pid>-<id>.json, ckpt/agent/results.py). Raises ProtocolError
+    when refused."""
     reply = request(f"CHECKPOINT {checkpoint_id}" + (f" {name}" if name else ""), path)
     if reply.split()[:1] != ["OK"]:
         raise ProtocolError(reply.removeprefix("ERROR ").strip() or "refused")
-
-
-def result_path(pid: int, checkpoint_id: str) -> Path:
-    return RESULT_DIR / f"{pid}-{checkpoint_id}.json"
 
 
 def handle_journal(words: list[str], supervision: Supervision) -> str:
@@ -126,7 +125,7 @@ class Supervision(Protocol):
     def checkpoint_requested(self, checkpoint_id: str, name: str | None, client: Client,
                              error: str | None, result_file: bool) -> None:
         """Queue a dump with that id (error: the request failed after its OK); result_file: the
-        client chose the id and waits for RESULT_DIR/<pid>-<id>.json (a shell asks RESULT)."""
+        client chose the id and waits for its result file (results.py; a shell asks RESULT)."""
 
     def result(self, checkpoint_id: str) -> str:
         """The reply to RESULT <id>."""

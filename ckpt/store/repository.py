@@ -331,18 +331,11 @@ class Store:
                 from ckpt.store import keys
 
                 backend = keys.unlock(backend, password_for(str(root)))
-            info = json.loads(backend.get(STORE_META))
+            cls._check_format(backend, str(root))
         except FileExistsError:
             return cls.open_local(root, create=False)  # another dump finished creating it first
         except OSError as exc:
             raise translate_os_error(exc, f"opening the store at {root}") from exc
-        except ValueError as exc:
-            raise StoreError(f"{meta} is not valid JSON: {exc}") from exc
-        if not isinstance(info, dict):
-            raise StoreError(f"{meta} is not a ckpt store description", hint="pass the right --store")
-        if int(info.get("format", 0)) > FORMAT:
-            raise StoreError(f"the store at {root} has format {info['format']}, newer than this ckpt "
-                             f"understands ({FORMAT})", hint="upgrade ckpt")
         if create and not os.access(real, os.W_OK):
             raise PermissionProblem(f"the store at {root} is not writable",
                                     hint="run as its owner (root) or choose another store with --store")

@@ -3,6 +3,7 @@ watcher and `ckpt list` use it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -14,6 +15,19 @@ def stat_fields(pid: int | str) -> list[str]:
     data = Path(f"/proc/{pid}/stat").read_text()
     # comm may contain spaces and parentheses: split after the last ')'.
     return data[data.rindex(")") + 2:].split()
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether a process of that PID exists (a zombie counts until it is reaped), ours or not."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def start_ticks(pid: int | str) -> int:

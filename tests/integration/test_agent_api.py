@@ -117,6 +117,7 @@ def test_a_child_process_is_checkpointed_with_its_parent(procs, tmp_path, agent_
     out, child_out = tmp_path / "out.txt", tmp_path / "child.txt"
     target = procs.start(AGENT, out, "--child", child_out, "--at", "10")
     wait_until(lambda: len(read_lines(child_out)) >= 3, what="the child to count")
+    procs.pids.update(tree_pids(target.pid))  # ended by PID at teardown even if its parent dies first
     [(checkpoint_id, restored, _)] = checkpointed(out)
     assert restored is False
     [show] = [c for c in ckpt_json("list") if c["id"] == checkpoint_id]

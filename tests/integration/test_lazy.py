@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.helpers import ROOT, alive, ckpt, ckpt_json, dumped_file_reader, read_lines, wait_until
+from tests.helpers import ROOT, alive, echo_server, ckpt, ckpt_json, dumped_file_reader, read_lines, wait_until
 
 LAZY_RECORDS = Path("/run/ckpt/lazy")
 
@@ -93,13 +93,7 @@ def test_dump_right_after_a_lazy_restore_holds_every_page(procs, tmp_path):
 
 
 def test_failed_lazy_restore_leaves_no_page_server_and_nothing_staged(procs, tmp_path, isolated_env):
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    log = tmp_path / "server.txt"
-    server = procs.start("echo_server.py", log, port)
-    wait_until(lambda: read_lines(log), what="server")
+    server, port, log = echo_server(procs, tmp_path)
     dumped = ckpt_json("dump", server.pid, "--stop")
     server.wait(timeout=10)
 

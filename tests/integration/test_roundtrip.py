@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (FIXTURES, ROOT, alive, ckpt, ckpt_json, dumped_file_reader, read_lines, state, tree_pids,
-                           wait_until)
+from tests.helpers import (FIXTURES, ROOT, alive, ckpt, ckpt_json, dumped_file_reader, echo_server, read_lines,
+                           state, tree_pids, wait_until)
 
 
 def ints(path: Path) -> list[int]:
@@ -205,13 +205,7 @@ def test_tcp_close_restores_connections_closed_and_the_program_sees_it(procs, tm
 
 
 def test_listening_server_accepts_new_connections(procs, tmp_path):
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    log = tmp_path / "server.txt"
-    server = procs.start("echo_server.py", log, port)
-    wait_until(lambda: read_lines(log), what="server")
+    server, port, log = echo_server(procs, tmp_path)
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(b"before\n")
         assert s.makefile().readline() == "before\n"

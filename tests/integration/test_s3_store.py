@@ -18,7 +18,7 @@ import pytest
 
 from ckpt.phases import PAUSE_AT, PAUSE_FILE
 from tests.conftest import S3_BUCKET
-from tests.helpers import ROOT, alive, ckpt, ckpt_json, read_lines, wait_until
+from tests.helpers import ROOT, alive, echo_server, ckpt, ckpt_json, read_lines, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -92,13 +92,7 @@ def test_a_checkpoint_in_s3_restores_on_another_host_with_an_empty_cache(s3_stor
 
 
 def test_a_server_restored_from_s3_on_another_host_accepts_again(s3_store, procs, tmp_path):
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    log = tmp_path / "server.txt"
-    server = procs.start("echo_server.py", log, port)
-    wait_until(lambda: read_lines(log), what="server")
+    server, port, log = echo_server(procs, tmp_path)
     dumped = ckpt_json("dump", server.pid)
     procs.kill_tree(server.pid)
     restored = on_another_host(["restore", dumped["id"], "--json"], tmp_path / "cache-b", tmp_path / "cache")

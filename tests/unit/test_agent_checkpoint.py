@@ -117,7 +117,7 @@ def wait_with(monkeypatch, tmp_path, incarnations, record=None, dumper_alive=Tru
     """agent._wait with the incarnation read in turn from `incarnations` (the last repeats)."""
     seen = list(incarnations)
     monkeypatch.setattr(agent, "_incarnation", lambda: seen.pop(0) if len(seen) > 1 else seen[0])
-    monkeypatch.setattr(agent, "_alive", lambda pid: dumper_alive)
+    monkeypatch.setattr(agent.procfs, "pid_exists", lambda pid: dumper_alive)
     monkeypatch.setattr(agent, "POLL_SECONDS", 0.001)
     path = tmp_path / "1-20261202-000000-000-abcdef.json"
     if record is not None:

@@ -30,6 +30,7 @@ from ckpt.store.backends.base import (Backend, BlobExists, BlobInfo, BlobNotFoun
                                       RangeReader, check_name)
 from ckpt.system.files import FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir
 from ckpt.system.locks import wait_for_flock
+from ckpt.system.procfs import pid_exists
 
 WRITE_BUFFER = 4 << 20
 # How much of a large blob (a pack) is written before the kernel is asked to start writing it
@@ -240,7 +241,7 @@ class LocalBackend(Backend):
                                   mode=str(record.get("mode", "?")))
             except (OSError, ValueError, TypeError, AttributeError):
                 continue
-            if owner.pid != os.getpid() and _pid_alive(owner.pid):
+            if owner.pid != os.getpid() and pid_exists(owner.pid):
                 holders.append(owner)
         return holders
 
@@ -356,25 +357,13 @@ class _LocalReader(RangeReader):
         super().close()
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale_holders(holders_dir: Path) -> None:
     for path in holders_dir.glob("*.json"):
         try:
             pid = int(path.name.split("-", 1)[0])
         except ValueError:
             continue
-        if not _pid_alive(pid):
+        if not pid_exists(pid):
             path.unlink(missing_ok=True)
 
 
