@@ -367,6 +367,9 @@ class Supervisor:
         try:
             manifest = Store.open(self.store_root, create=False).load(self.checkpoints[-1])
             self._end_old_tree(manifest.all_pids)
+            # Set before CRIU runs: the restored tree may ask RESULT as soon as it runs, before
+            # restore() returns; the old tree is dead by now, so whoever asks is the copy.
+            self.restored_from = manifest.id
             result = restore(self.store_root, RestoreRequest(ref=manifest.id,
                                                              post_restore_hook=self.request.post_restore_hook),
                              self.reporter)

@@ -73,6 +73,18 @@ class Target:
         _, checksum, counter = self._sums()[before].split()
         return checksum, int(counter)
 
+    def answers_or_dies(self) -> bool:
+        """After a kill mid-restore the tree either runs or is being killed by CRIU (seen in state
+        R for a few ms before it is a zombie): asks for a report and tells which came first."""
+        before = len(self._sums())
+        try:
+            os.kill(self.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return False
+        wait_until(lambda: len(self._sums()) > before or not alive(self.pid), timeout=10,
+                   what=f"PID {self.pid} to report or die")
+        return len(self._sums()) > before
+
     def dirty(self) -> None:
         before = sum(line.startswith("dirtied") for line in read_lines(self.out))
         os.kill(self.pid, signal.SIGUSR2)
@@ -275,7 +287,7 @@ def scenario(phase, variant, procs, tmp_path, isolated_env, monkeypatch):
         procs.pids.update(servers)
         wait_until(lambda: not any(alive(p) for p in servers), timeout=30,
                    what=f"page server(s) {servers} to end after ckpt restore was killed")
-        if alive(target.pid):  # restored before the kill: it runs, with its memory
+        if target.answers_or_dies():  # restored before the kill: it runs, with its memory
             target.popen = None
             procs.adopt(target.pid)
             assert target.assert_running()[0] == checksum
