@@ -200,6 +200,9 @@ class Settings:
     # which its journal is kept and pruned by. Checked when the journal is used, not here: hooks
     # get CKPT_NAME too, and a ckpt they run must not fail on it.
     name: str | None = field(default=None, metadata=_env("CKPT_NAME", _text))
+    # Dumps stream their pages out of CRIU into ckpt (ckpt/dump/pagestream.py) rather than
+    # have CRIU write a pages image first; off: the pages image (the path of dirty tracking).
+    page_stream: bool = field(default=True, metadata=_env("CKPT_PAGE_STREAM", _switch))
     # Tracebacks of internal errors, as --debug.
     debug: bool = field(default=False, metadata=_env("CKPT_DEBUG", _switch))
 

@@ -11,7 +11,7 @@ import time
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ckpt.settings import StoreLocation
 from ckpt import settings
@@ -30,6 +30,9 @@ from ckpt.store import Manifest, Store, ids
 from ckpt.store.blocks.blockstore import MERGE_ABOVE
 from ckpt.store.blocks.segments import CODECS
 from ckpt.system import procs
+
+if TYPE_CHECKING:
+    from ckpt.dump import pagestream
 
 
 @dataclass
@@ -138,7 +141,7 @@ def _new_checkpoint_id(store: Store, request: DumpRequest) -> str:
     return request.checkpoint_id
 
 
-def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, started: float,
+def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, started: float,  # noqa: C901, PLR0915
           criu_done: Callable[[], None] = lambda: None) -> DumpResult:
     facts = procs.preflight(request.pid)
     # CRIU would dump memory a lazy restore has not filled in yet as missing.
@@ -167,8 +170,13 @@ def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, s
         marks: dict[str, float] = {}
         newest = store.newest_of(request.pid)
         earlier = unchanged.EarlierCheckpoint(newest, store, staging.root / "earlier") if newest else None
+        stream = _page_stream(store, staging, tracking, earlier)
+        if stream is not None:
+            criu_options.page_stream_fd = stream.start()
 
         def read_ahead() -> None:
+            if stream is not None:
+                stream.criu_started()
             # While CRIU works, from the store alone (the lock above keeps every index file and
             # object in place): the time from the target's resumption to the commit is what
             # is left. Started only once CRIU has its request: loading the index imports numpy,
@@ -177,11 +185,16 @@ def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, s
             if earlier is not None:
                 earlier.start()
 
+        def pages_received() -> None:
+            if stream is not None and not staging.streamed:
+                staging.streamed = stream.finish()
+
         def commit_while_frozen(script: str, _pid: int) -> None:
             marks[script] = time.monotonic()
             if script == "post-dump":
                 phase("dump.frozen")
             if script == "post-dump" and request.stop:
+                pages_received()
                 # CRIU writes its stats only after this point: the freeze so far is measured here.
                 frozen_ms = round((marks["post-dump"] - marks.get("pre-dump", started)) * 1000, 1)
                 committed.append(_ingest_and_commit(store, staging, request, facts, binary, options,
@@ -202,10 +215,13 @@ def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, s
             finally:
                 criu_done()
             phase("dump.after-criu")
+            pages_received()
             manifest = committed[0] if committed else _ingest_and_commit(
                 store, staging, request, facts, binary, options, checkpoint_id, started, reporter, tracking,
                 earlier)
         finally:
+            if stream is not None:
+                stream.abort()  # nothing left to do if it finished
             if earlier is not None:
                 earlier.wait()  # it writes into the staging area
             staging.remove()
@@ -218,6 +234,25 @@ def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, s
                 pass
     _merge_index_files(store, reporter)
     return DumpResult(manifest, log_dir / "dump.log")
+
+
+def _page_stream(store: Store, staging, tracking: TrackingPlan | None,
+                 earlier: unchanged.EarlierCheckpoint | None) -> pagestream.PageStream | None:
+    """The receiver of the pages CRIU streams (ckpt/dump/pagestream.py), or None: a dump with
+    dirty-page tracking has CRIU write pages images (it needs their parent images), and
+    CKPT_PAGE_STREAM=0 asks for that path.
+
+    Everything the receiver compares pages with is read now, before CRIU freezes the tree:
+    the earlier checkpoint's pages by address. With damage recorded in the store every page
+    is kept: a page known only from a damaged segment must be stored again (BlockIndex.held)."""
+    from ckpt.dump.pagestream import PageStream, earlier_pages  # deferred: imports numpy
+
+    if tracking is not None or not settings.current().page_stream:
+        return None
+    known: dict = {}
+    if earlier is not None and not store.blocks.index().has_damage:
+        known = earlier_pages(earlier.read_now())
+    return PageStream(staging.images_dir, staging.root / "streamed", store.blocks.seed, known)
 
 
 def _report_findings(request: DumpRequest, facts: procs.TargetFacts, options: DumpOptions,

@@ -82,6 +82,9 @@ class CriuOptions:
     inherit_fds: list = field(default_factory=list)
     # Resources CRIU is to treat as external (--external), e.g. "unix[123]".
     external: list = field(default_factory=list)
+    # A dump's pages go to this connected socket (CRIU's page-server protocol, ckpt/dump/
+    # pagestream.py) instead of a pages image in images_dir; CRIU inherits it.
+    page_stream_fd: int | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -133,6 +136,8 @@ def _fill_opts(rpc, opts_msg, options: CriuOptions, images_fd: int, work_fd: int
         inherited = opts_msg.inherit_fd.add()
         inherited.key = key
         inherited.fd = fd
+    if options.page_stream_fd is not None:
+        opts_msg.ps.fd = options.page_stream_fd
     for key, value in options.extra.items():
         setattr(opts_msg, key, value)
 
@@ -228,7 +233,8 @@ class CriuClient:
                 # umask 077: CRIU's logs and stats files hold facts about the tree (0644 before);
                 # the restored tasks get their own umask back from the images.
                 proc = subprocess.Popen([self.binary.path, "swrk", str(theirs.fileno())],
-                                        pass_fds=(theirs.fileno(), *(fd for _, fd in options.inherit_fds)),
+                                        pass_fds=(theirs.fileno(), *(fd for _, fd in options.inherit_fds),
+                                                  *([options.page_stream_fd] if options.page_stream_fd else [])),
                                         close_fds=True, umask=0o077,
                                         preexec_fn=_die_with(os.getpid()) if die_with_us else None, **stdio)  # noqa: PLW1509 (see _die_with)
             theirs.close()

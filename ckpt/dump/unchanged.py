@@ -34,11 +34,19 @@ class EarlierCheckpoint:
         self._store, self._scratch = store, scratch  # scratch: a directory for its pagemaps
         self._processes: dict[str, tuple[list, bytes]] = {}  # pagemap name -> (runs, page list)
         self._thread: threading.Thread | None = None
+        self._read_already = False
 
     def start(self) -> None:
-        """Starts reading in a thread (`rows` and `wait` wait for it)."""
+        """Starts reading in a thread (`rows` and `wait` wait for it), unless read_now() did."""
+        if self._read_already:
+            return
         self._thread = threading.Thread(target=self._read, name="ckpt-earlier-read")
         self._thread.start()
+
+    def read_now(self) -> dict[str, tuple[list, bytes]]:
+        """Reads now, in this thread: each pagemap image name's (runs, page list)."""
+        self._read()
+        return self._processes
 
     def wait(self) -> None:
         if self._thread is not None:
@@ -47,6 +55,7 @@ class EarlierCheckpoint:
     def _read(self) -> None:
         from ckpt.criu import images  # deferred: imports pycriu
 
+        self._read_already = True
         files = {entry.name: entry for entry in self.manifest.files}
         for name, entry in files.items():
             if not (name.startswith("pagemap-") and name.endswith(".img")):
@@ -65,7 +74,7 @@ class EarlierCheckpoint:
         same process, and where the new image's pages sat in it (see `_pieces_by_address`)."""
         from ckpt.criu import images  # deferred: imports pycriu
 
-        if self._thread is None:
+        if self._thread is None and not self._read_already:
             self._read()
         self.wait()
         result: dict[str, tuple] = {}

@@ -25,7 +25,7 @@ from ckpt.errors import (CheckpointNotFound, DamagedCheckpoint, PermissionProble
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import ids
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, BlobStream, LocalBackend
-from ckpt.store.blocks.blockstore import BlockStore, IngestStats
+from ckpt.store.blocks.blockstore import BlockStore, IngestStats, StreamedPages
 from ckpt.store.blocks.segments import CODECS, ID_LEN as PAGE_ID_SIZE, PAGE
 from ckpt.store.password import password_for
 from ckpt.store.fsutil import check_safe_ancestors, check_trusted_dir, translate_os_error
@@ -497,8 +497,10 @@ class Store:
             raise StoreError(f"unknown compression '{codec}'", hint=f"use one of: {', '.join(CODECS)}")
         object_codec = "none" if codec == "none" else "zstd"
         files = staging.image_files()
-        page_images = [p for p in files if p.name.startswith("pages-") and p.name.endswith(".img")]
-        other_files = [p for p in files if p not in page_images]
+        pages_files = [p for p in files if p.name.startswith("pages-") and p.name.endswith(".img")]
+        other_files = [p for p in files if p not in pages_files]
+        # Pages images CRIU streamed to ckpt instead of writing them (ckpt/dump/pagestream.py).
+        page_images: list[Path | StreamedPages] = [*pages_files, *staging.streamed.values()]
         entries: list[FileEntry] = []
         added = 0
         superseded: list[str] = []  # damaged copies under another codec's name, deleted last
@@ -507,7 +509,7 @@ class Store:
         with ThreadPoolExecutor(max_workers=1) as pool:
             flushed = pool.submit(lambda: list(map(os.fsync, fds)))
             try:
-                sizes = {p.name: p.stat().st_size for p in page_images}
+                sizes = {p.name: p.size if isinstance(p, StreamedPages) else p.stat().st_size for p in page_images}
                 reporter.step(f"storing {sum(sizes.values()) // 4096} pages")
                 page_lists, block_stats, _ = self.blocks.ingest(
                     page_images, lambda image: codec if codec == "none" or _worth_compressing(image) else "none",

@@ -29,11 +29,15 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import blake3
 
 from ckpt.errors import StoreError
 from ckpt.system.files import owned_private_dir, rename_noreplace
+
+if TYPE_CHECKING:
+    from ckpt.store.blocks.blockstore import StreamedPages
 
 RAM_BASE = Path("/dev/shm")
 LARGE_TREE = 512 << 20
@@ -177,6 +181,9 @@ class DumpStaging:
     def __init__(self, area: StagingArea, checkpoint_id: str):
         fresh = area.new_dir("new")
         self.root = fresh
+        # Pages images streamed by CRIU rather than written into images_dir, by name
+        # (ckpt/dump/pagestream.py): their kept pages live under root.
+        self.streamed: dict[str, StreamedPages] = {}
         self._lock_fd = os.open(fresh, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)

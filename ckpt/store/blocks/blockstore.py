@@ -35,6 +35,8 @@ from ckpt.store.blocks.segments import (CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segm
 from ckpt.system.files import FILE_MODE
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ckpt.store.blocks.index import BlockIndex
 
 SEGMENT_PAGES = 256  # 1 MiB of pages per segment at most
@@ -71,6 +73,24 @@ def _decode(codec: int, data: bytes) -> bytes:
 
         return lz4.block.decompress(data)
     return data
+
+
+@dataclass
+class StreamedPages:
+    """A pages image CRIU streamed to ckpt instead of writing it (ckpt/dump/pagestream.py):
+    the id of each of its pages, and only some of the pages themselves, those of `rows`
+    (ascending), one after another in the file at `path`. The others are known to be in the
+    store: their id is the one their address had in a committed checkpoint of the target."""
+
+    name: str
+    path: Path
+    page_list: bytes
+    rows: np.ndarray
+
+    @property
+    def size(self) -> int:
+        """The size of the pages image it stands for."""
+        return len(self.page_list) // ID_LEN * PAGE
 
 
 @dataclass
@@ -205,6 +225,30 @@ def _batches(runs: list[tuple[int, int]], pages: int) -> list[list[tuple[int, in
     if current:
         batches.append(current)
     return batches
+
+
+def _image_size(image: Path | StreamedPages) -> int:
+    return image.size if isinstance(image, StreamedPages) else image.stat().st_size
+
+
+def _kept_runs(streamed: StreamedPages, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Where runs of rows of a streamed image lie in its file of kept pages. Every page the
+    store lacks was kept (the stream drops only pages a committed checkpoint holds, and a
+    store with damage gets every page); one that was not is refused, not guessed."""
+    import numpy as np
+
+    if not runs:
+        return []
+    starts = np.array([start for start, _ in runs], dtype=np.int64)
+    lasts = np.array([end - 1 for _, end in runs], dtype=np.int64)
+    first_at = np.searchsorted(streamed.rows, starts)
+    last_at = np.searchsorted(streamed.rows, lasts)
+    rows = np.append(streamed.rows, -1)
+    if not (np.array_equal(rows[first_at], starts) and np.array_equal(rows[last_at], lasts)
+            and np.array_equal(last_at - first_at, lasts - starts)):
+        raise DamagedCheckpoint(f"{streamed.name}: a page the store lacks was not kept by the page stream; "
+                                "dump again (CKPT_PAGE_STREAM=0 dumps through a pages image)")
+    return [(int(a), int(a) + end - start) for a, (start, end) in zip(first_at.tolist(), runs, strict=True)]
 
 
 def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
@@ -429,7 +473,7 @@ class BlockStore:
 
     # ---- writing --------------------------------------------------------------------------
 
-    def ingest(self, images: list[Path], codec_for, earlier: dict[str, tuple] | None = None,  # noqa: PLR0915
+    def ingest(self, images: Sequence[Path | StreamedPages], codec_for, earlier: dict[str, tuple] | None = None,  # noqa: PLR0915
                progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, bytes], IngestStats, list[str]]:
         """Stores the new pages of each pages image in one new pack and an index file.
 
@@ -443,7 +487,7 @@ class BlockStore:
         """
         index = self.index()
         stats = IngestStats()
-        total = sum(image.stat().st_size for image in images)
+        total = sum(_image_size(image) for image in images)
         told = _Told(progress, total)
         page_lists: dict[str, bytes] = {}
         seen: set[bytes] = set()
@@ -452,21 +496,30 @@ class BlockStore:
         pack = PackWriter(self.backend)
         try:
             for image in images:
-                size = image.stat().st_size
+                size = _image_size(image)
                 n = size // PAGE
                 if size % PAGE:
                     raise DamagedCheckpoint(f"{image.name} is not a whole number of pages")
+                streamed = image if isinstance(image, StreamedPages) else None
+                path = image.path if isinstance(image, StreamedPages) else image
                 if n == 0:
                     page_lists[image.name] = b""
                     continue
-                codec = codec_for(image)
+                if streamed and not len(streamed.rows):  # nothing kept: nothing may be missing
+                    _kept_runs(streamed, _runs(index.missing(streamed.page_list,
+                                                             (earlier or {}).get(image.name)), SEGMENT_PAGES))
+                    page_lists[image.name] = streamed.page_list
+                    stats.add(IngestStats(pages=n, bytes_dedup=n * PAGE))
+                    told.image_done(size)
+                    continue
+                codec = codec_for(path)
                 # Mapped, not read: the pages are hashed where they lie in the page cache.
-                with open(image, "rb") as f, mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED,
-                                                       prot=mmap.PROT_READ) as mm:
+                with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED,
+                                                      prot=mmap.PROT_READ) as mm:
                     view = memoryview(mm)  # slices of a view copy nothing
                     encoded = None
                     try:
-                        page_list = page_ids(mm, seed)
+                        page_list = streamed.page_list if streamed else page_ids(mm, seed)
                         page_lists[image.name] = page_list
                         self.check_suspect(page_list)  # nothing to do in a store without damage
                         image_stats = IngestStats(pages=n)
@@ -479,7 +532,8 @@ class BlockStore:
                                 seen.add(page_id)
                                 fresh.append(i)
                         runs = _runs(fresh, SEGMENT_PAGES)
-                        encoded = _encoded_segments(view, runs, codec, encoders)
+                        at = _kept_runs(streamed, runs) if streamed else runs  # where each run lies in the file
+                        encoded = _encoded_segments(view, at, codec, encoders)
                         for (run_start, end), segment in zip(runs, encoded, strict=True):
                             pack.add(page_list[run_start * ID_LEN:end * ID_LEN], *segment)
                             told.at(end * PAGE)

@@ -1,0 +1,316 @@
+"""A dump's pages streamed out of CRIU into ckpt while the tree is frozen.
+
+Why: in VMs that hand free memory back to their host (virtio-balloon free page reporting),
+CRIU writing a 2 GiB pages image into the page cache faults in memory the host took back,
+about 8 us per 4 KiB page: most of a dump's freeze (README, Performance). CRIU can send the
+pages over a socket instead, with its page-server protocol (the RPC's `ps.fd`: a connected
+socket CRIU inherits). ckpt reads them into one buffer faulted in before the freeze, names
+each page by its id as it comes, and keeps only the pages whose id is not the one their
+address had in the target's newest checkpoint: for a target that rewrote 1% of its memory,
+1% of it is written anywhere while the tree is frozen. The kept pages go to a staging file of
+their own; after the freeze the ingest stores them as it stores a pages image
+(BlockStore.ingest, StreamedPages), and the pagemap images CRIU would have written are
+written here. The store's format does not change.
+
+The protocol (CRIU's criu/page-xfer.c), commands of 32 bytes {u32 cmd, u64 nr_pages,
+u64 vaddr, u64 dst_id}, cmd = flags << 16 | command:
+- OPEN2: a new pagemap, dst_id = id << 8 | type (1: a process, pagemap-<pid>.img; 2: shared
+  memory, pagemap-shmem-<id>.img). Answered with one byte, 0: no parent, every page is sent.
+- ADD_F: a pagemap entry; with PE_PRESENT its nr_pages pages follow. ADD and HOLE are older
+  CRIUs' ADD_F with PE_PRESENT and with PE_PARENT.
+- CLOSE, FORCE_CLOSE: the end, answered with an int32 0 once everything is received. CRIU
+  sends it before it lets the tree run again (and before its post-dump notification).
+Anything else, or a socket closed early, fails the receiver: it closes its end, CRIU's dump
+fails, and CRIU lets the tree run as it does after any failure.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ckpt.criu.images import PE_PARENT, PE_PRESENT, write_pagemap
+from ckpt.errors import CkptError
+from ckpt.store.blocks.blockstore import StreamedPages, page_ids
+from ckpt.store.blocks.segments import ID_LEN, PAGE
+
+COMMAND = struct.Struct("<I4xQQQ")
+PS_IOV_ADD, PS_IOV_HOLE, PS_IOV_OPEN, PS_IOV_OPEN2, PS_IOV_ADD_F = 1, 2, 3, 4, 6
+PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE = 0x1023, 0x1024
+TYPE_PROCESS, TYPE_SHMEM = 1, 2
+BATCH_PAGES = 8192  # 32 MiB: hashed at once; faulted in before the freeze
+SOCKET_BUFFER = 8 << 20  # CRIU splices ahead while a batch is hashed
+
+
+class PageStreamFailed(CkptError):
+    """The pages CRIU streamed could not be received (CRIU's dump fails with it)."""
+
+
+@dataclass
+class EarlierPages:
+    """The pages a process's image held in an earlier checkpoint, by address: runs sorted by
+    address (start, end, first row) and the page list as pairs of uint64 (an id is equal if
+    both halves are)."""
+
+    starts: np.ndarray
+    ends: np.ndarray
+    rows: np.ndarray
+    ids: np.ndarray
+
+    @classmethod
+    def from_runs(cls, held: list[tuple[int, int]], page_list: bytes) -> EarlierPages | None:
+        if sum(n for _, n in held) != len(page_list) // ID_LEN:
+            return None  # a page list that does not fit its pagemap: not worth trusting
+        runs, row = [], 0
+        for vaddr, n in held:
+            runs.append((vaddr, vaddr + n * PAGE, row))
+            row += n
+        runs.sort()
+        table = np.array(runs, dtype=np.uint64).reshape(-1, 3)
+        return cls(table[:, 0].copy(), table[:, 1].copy(), table[:, 2].astype(np.int64),
+                   np.frombuffer(page_list, dtype=np.uint64))
+
+    def unchanged(self, vaddr: int, ids: np.ndarray, same: np.ndarray) -> None:
+        """Marks in `same` the pages from vaddr on (ids: their ids as uint64 pairs) whose id is
+        the one their address had."""
+        count = len(same)
+        end = vaddr + count * PAGE
+        k = max(int(np.searchsorted(self.starts, vaddr, side="right")) - 1, 0)
+        while k < len(self.starts) and int(self.starts[k]) < end:
+            low, high = max(vaddr, int(self.starts[k])), min(end, int(self.ends[k]))
+            if low < high:
+                at, count_here = (low - vaddr) // PAGE, (high - low) // PAGE
+                then = int(self.rows[k]) + (low - int(self.starts[k])) // PAGE
+                equal = ids[2 * at:2 * (at + count_here)] == self.ids[2 * then:2 * (then + count_here)]
+                same[at:at + count_here] = equal[0::2] & equal[1::2]
+            k += 1
+
+
+@dataclass
+class _Image:
+    """One pagemap being received."""
+
+    pagemap_name: str
+    pages_id: int
+    earlier: EarlierPages | None
+    kept_path: Path
+    runs: list[tuple[int, int, int]] = field(default_factory=list)  # pagemap entries (vaddr, nr_pages, flags)
+    page_list: bytearray = field(default_factory=bytearray)
+    kept_rows: list[np.ndarray] = field(default_factory=list)
+    kept_fd: int = -1
+
+    @property
+    def pages(self) -> int:
+        return len(self.page_list) // ID_LEN
+
+
+class PageStream:
+    """The receiving end: start() before CRIU (it gives CRIU's descriptor), criu_started()
+    once CRIU runs, finish() once it has returned."""
+
+    def __init__(self, images_dir: Path, kept_dir: Path, seed: int, earlier: dict[str, EarlierPages]):
+        self.images_dir, self.kept_dir, self.seed = images_dir, kept_dir, seed
+        self.earlier = earlier  # by pagemap image name
+        self.images: list[_Image] = []
+        self.received_pages = 0
+        self.kept_pages = 0
+        self._error: BaseException | None = None
+        self._ours: socket.socket | None = None
+        self._theirs: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        # Faulted in now, before the freeze: touching fresh memory is what the stream avoids.
+        self._buffer = mmap.mmap(-1, BATCH_PAGES * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                                 | getattr(mmap, "MAP_POPULATE", 0))
+        self._buffer[0:len(self._buffer):PAGE] = b"\0" * BATCH_PAGES
+
+    def start(self) -> int:
+        """Starts receiving; returns the descriptor to give CRIU (RPC ps.fd)."""
+        self._ours, self._theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for sock in (self._ours, self._theirs):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+            except OSError:
+                pass  # the kernel's limits: only slower
+        self.kept_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._receive, name="ckpt-page-stream", daemon=True)
+        self._thread.start()
+        return self._theirs.fileno()
+
+    def criu_started(self) -> None:
+        """CRIU holds its end now: ours is closed, so that the stream ends if CRIU dies."""
+        if self._theirs is not None:
+            self._theirs.close()
+            self._theirs = None
+
+    def finish(self) -> dict[str, StreamedPages]:
+        """Waits for the receiver; writes the pagemap images; returns the streamed pages
+        images by name. Raises PageStreamFailed if the stream did not end as CRIU ends it."""
+        self.criu_started()
+        if self._thread is not None:
+            self._thread.join()
+        self._close()
+        if self._error is not None:
+            raise PageStreamFailed(f"receiving the pages from CRIU failed: {self._error}") from self._error
+        streamed = {}
+        for image in self.images:
+            write_pagemap(self.images_dir / image.pagemap_name, image.pages_id, image.runs)
+            rows = np.concatenate(image.kept_rows) if image.kept_rows else np.zeros(0, dtype=np.int64)
+            name = f"pages-{image.pages_id}.img"
+            streamed[name] = StreamedPages(name, image.kept_path, bytes(image.page_list), rows)
+        return streamed
+
+    def abort(self) -> None:
+        """Ends the receiver whatever its state (the dump failed elsewhere)."""
+        if self._ours is not None:
+            try:
+                self._ours.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.criu_started()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._close()
+
+    def _close(self) -> None:
+        for image in self.images:
+            if image.kept_fd >= 0:
+                os.close(image.kept_fd)
+                image.kept_fd = -1
+        if self._ours is not None:
+            self._ours.close()
+            self._ours = None
+
+    # ---- the receiving thread ----
+
+    def _receive(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by finish()
+            self._error = exc
+            if self._ours is not None:
+                try:  # CRIU's next write fails: its dump fails and the tree runs on
+                    self._ours.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _recv_exactly(self, view: memoryview) -> None:
+        assert self._ours is not None
+        got = 0
+        while got < len(view):
+            n = self._ours.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+            if n == 0:
+                raise PageStreamFailed("CRIU closed the stream midway")
+            got += n
+
+    def _serve(self) -> None:
+        assert self._ours is not None
+        header = bytearray(COMMAND.size)
+        buffer = memoryview(self._buffer)
+        image: _Image | None = None
+        batch: list[tuple[int, int, int]] = []  # (vaddr, pages, row in the buffer)
+        used = 0
+        while True:
+            self._recv_exactly(memoryview(header))
+            cmd, nr_pages, vaddr, dst_id = COMMAND.unpack(header)
+            command, flags = cmd & 0xFFFF, cmd >> 16
+            if command in (PS_IOV_ADD, PS_IOV_HOLE):
+                command, flags = PS_IOV_ADD_F, PE_PRESENT if command == PS_IOV_ADD else PE_PARENT
+            if command == PS_IOV_OPEN2:
+                if image is not None:
+                    used = self._store_batch(image, batch, used)
+                image = self._open(dst_id)
+                self._ours.sendall(b"\0")
+            elif command == PS_IOV_ADD_F:
+                if image is None:
+                    raise PageStreamFailed("CRIU sent pages before opening a pagemap")
+                image.runs.append((vaddr, nr_pages, flags))
+                if not flags & PE_PRESENT or flags & PE_PARENT:
+                    continue
+                done = 0
+                while done < nr_pages:
+                    if used == BATCH_PAGES:
+                        used = self._store_batch(image, batch, used)
+                    count = min(nr_pages - done, BATCH_PAGES - used)
+                    self._recv_exactly(buffer[used * PAGE:(used + count) * PAGE])
+                    batch.append((vaddr + done * PAGE, count, used))
+                    used += count
+                    done += count
+            elif command in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
+                if image is not None:
+                    self._store_batch(image, batch, used)
+                self._ours.sendall(struct.pack("<i", 0))
+                return
+            else:
+                raise PageStreamFailed(f"CRIU sent an unknown page-server command {command}")
+
+    def _open(self, dst_id: int) -> _Image:
+        kind, number = dst_id & 0xFF, dst_id >> 8
+        if kind == TYPE_PROCESS:
+            name = f"pagemap-{number}.img"
+        elif kind == TYPE_SHMEM:
+            name = f"pagemap-shmem-{number}.img"
+        else:
+            raise PageStreamFailed(f"CRIU opened a pagemap of unknown type {kind}")
+        if any(image.pagemap_name == name for image in self.images):
+            raise PageStreamFailed(f"CRIU opened {name} twice")
+        pages_id = len(self.images) + 1
+        image = _Image(name, pages_id, self.earlier.get(name), self.kept_dir / f"pages-{pages_id}.kept")
+        image.kept_fd = os.open(image.kept_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        self.images.append(image)
+        return image
+
+    def _store_batch(self, image: _Image, batch: list[tuple[int, int, int]], used: int) -> int:
+        """Names the pages in the buffer, keeps those not known unchanged; returns 0 (the
+        buffer is free again)."""
+        if not used:
+            return 0
+        data = memoryview(self._buffer)[:used * PAGE]
+        ids_bytes = page_ids(data, self.seed)
+        first_row = image.pages
+        image.page_list += ids_bytes
+        keep = np.ones(used, dtype=bool)
+        if image.earlier is not None:
+            ids = np.frombuffer(ids_bytes, dtype=np.uint64)
+            same = np.zeros(used, dtype=bool)
+            for vaddr, count, at in batch:
+                image.earlier.unchanged(vaddr, ids[2 * at:2 * (at + count)], same[at:at + count])
+            keep = ~same
+        rows = np.flatnonzero(keep)
+        if len(rows):
+            # Runs of consecutive kept pages, each one write.
+            breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+            for run in np.split(rows, breaks):
+                start, end = int(run[0]), int(run[-1]) + 1
+                _write_all(image.kept_fd, data[start * PAGE:end * PAGE])
+            image.kept_rows.append(rows.astype(np.int64) + first_row)
+        self.received_pages += used
+        self.kept_pages += len(rows)
+        data.release()
+        batch.clear()
+        return 0
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def earlier_pages(processes: dict[str, tuple[list, bytes]]) -> dict[str, EarlierPages]:
+    """EarlierPages by pagemap image name, from EarlierCheckpoint's (runs, page list)."""
+    from ckpt.criu.images import held_runs
+
+    result = {}
+    for name, (runs, page_list) in processes.items():
+        pages = EarlierPages.from_runs(held_runs(runs), page_list)
+        if pages is not None:
+            result[name] = pages
+    return result
