@@ -145,6 +145,13 @@ class CriuFailed(CkptError):
         self.log_lines = log_lines or []
 
 
+class PageStreamFailed(CkptError):
+    """ckpt could not receive the pages CRIU streamed to it (ckpt/dump/pagestream.py): CRIU's
+    dump fails with it, and the tree runs on."""
+
+    exit_code = ExitCode.CRIU
+
+
 class HostMismatch(CkptError):
     """A restore would fail on this host: files the tree had open or mapped are missing or
     differ, CRIU is older, the architecture differs. Raised before CRIU runs, naming them all."""

@@ -26,6 +26,7 @@ PAUSE_S = 120.0
 PHASES = {
     # dump (plain and --stop)
     "dump.staged": "pre-flight done, staging directory created, CRIU not started",
+    "dump.streaming": "receiving the pages CRIU streams: the tree is frozen, CRIU waits for ckpt",
     "dump.frozen": "CRIU's post-dump notification: the tree is dumped and still frozen",
     "dump.ingest": "storing the pages: the new pack is partly written (--stop: the tree is frozen)",
     "dump.before-commit": "pack, index and objects durable; the manifest not written yet",

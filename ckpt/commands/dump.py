@@ -208,6 +208,9 @@ def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, s
             try:
                 CriuClient(binary).dump(criu_options, on_notify=commit_while_frozen, on_started=read_ahead)
             except CkptError:
+                failure = stream.failure() if stream is not None else None
+                if failure is not None:  # CRIU failed because ckpt stopped receiving
+                    raise failure from None
                 if procs.process_state(request.pid) is None:
                     raise ProcessNotFound(f"process {request.pid} exited during the dump; nothing was saved") \
                         from None

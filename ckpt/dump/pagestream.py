@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from ckpt.criu.images import PE_PARENT, PE_PRESENT, write_pagemap
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, PageStreamFailed
+from ckpt.phases import phase
 from ckpt.store.blocks.blockstore import StreamedPages, page_ids
 from ckpt.store.blocks.segments import ID_LEN, PAGE
 
@@ -49,8 +50,8 @@ BATCH_PAGES = 8192  # 32 MiB: hashed at once; faulted in before the freeze
 SOCKET_BUFFER = 8 << 20  # CRIU splices ahead while a batch is hashed
 
 
-class PageStreamFailed(CkptError):
-    """The pages CRIU streamed could not be received (CRIU's dump fails with it)."""
+class _StreamCut(Exception):
+    """CRIU's end closed before the stream's end: CRIU failed (or died), and says why."""
 
 
 @dataclass
@@ -157,8 +158,11 @@ class PageStream:
         if self._thread is not None:
             self._thread.join()
         self._close()
-        if self._error is not None:
-            raise PageStreamFailed(f"receiving the pages from CRIU failed: {self._error}") from self._error
+        failure = self.failure()
+        if failure is not None:
+            raise failure
+        if self._error is not None:  # cut, though CRIU said it succeeded
+            raise PageStreamFailed(f"receiving the pages CRIU streamed failed: {self._error}")
         streamed = {}
         for image in self.images:
             write_pagemap(self.images_dir / image.pagemap_name, image.pages_id, image.runs)
@@ -166,6 +170,21 @@ class PageStream:
             name = f"pages-{image.pages_id}.img"
             streamed[name] = StreamedPages(name, image.kept_path, bytes(image.page_list), rows)
         return streamed
+
+    def failure(self) -> CkptError | None:
+        """Why the receiver stopped early, if it did (then CRIU's own error is only its echo)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=5)
+        error = self._error
+        if error is None or isinstance(error, _StreamCut):
+            return None  # CRIU ended first: its error is the one that explains
+        if isinstance(error, CkptError):
+            return error
+        if isinstance(error, OSError) and error.filename is not None:
+            from ckpt.store.fsutil import translate_os_error
+
+            return translate_os_error(error, "keeping the pages CRIU streamed")
+        return PageStreamFailed(f"receiving the pages CRIU streamed failed: {error}")
 
     def abort(self) -> None:
         """Ends the receiver whatever its state (the dump failed elsewhere)."""
@@ -207,7 +226,7 @@ class PageStream:
         while got < len(view):
             n = self._ours.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
             if n == 0:
-                raise PageStreamFailed("CRIU closed the stream midway")
+                raise _StreamCut("CRIU closed the stream midway")
             got += n
 
     def _serve(self) -> None:
@@ -289,10 +308,15 @@ class PageStream:
             breaks = np.flatnonzero(np.diff(rows) != 1) + 1
             for run in np.split(rows, breaks):
                 start, end = int(run[0]), int(run[-1]) + 1
-                _write_all(image.kept_fd, data[start * PAGE:end * PAGE])
+                try:
+                    _write_all(image.kept_fd, data[start * PAGE:end * PAGE])
+                except OSError as exc:
+                    exc.filename = str(image.kept_path)
+                    raise
             image.kept_rows.append(rows.astype(np.int64) + first_row)
         self.received_pages += used
         self.kept_pages += len(rows)
+        phase("dump.streaming")
         data.release()
         batch.clear()
         return 0
