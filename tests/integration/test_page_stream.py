@@ -42,10 +42,16 @@ def start_tree(procs, tmp_path):
 
 
 def stop(pids: list[int]) -> None:
-    """SIGSTOP, and wait until each is stopped (the signal takes effect asynchronously)."""
+    """SIGSTOP, and wait until each is stopped (the signal takes effect asynchronously). Each
+    is kept on one CPU: CRIU's parasite runs in the process, and the kernel writes the CPU it
+    ran on into the process's rseq area (a page of libc's thread data differed between two
+    dumps of a stopped process, 1 and 0 at offsets 1184 and 1188, through either path). Then
+    one dump, after which the CPU written is that one CPU."""
     for pid in pids:
+        os.sched_setaffinity(pid, {min(os.sched_getaffinity(0))})
         os.kill(pid, signal.SIGSTOP)
     wait_until(lambda: all(state(pid) == "T" for pid in pids), what="the tree to stop")
+    ckpt_json("dump", pids[0], env={"CKPT_PAGE_STREAM": "0"})
 
 
 def pages_images(checkpoint_id: str) -> dict[str, str]:

@@ -211,6 +211,16 @@ def _encoded_segments(view: memoryview, runs: list[tuple[int, int]], codec: str,
             yield from pending.popleft().result()
 
 
+def _checksummed(view: memoryview, runs: list[tuple[int, int]]):
+    """(stored length, "none", checksum) of each run of pages, stored as they are."""
+    for start, end in runs:
+        raw = view[start * PAGE:end * PAGE]
+        try:
+            yield len(raw), "none", xxhash.xxh3_128_digest(raw)
+        finally:
+            raw.release()
+
+
 def _batches(runs: list[tuple[int, int]], pages: int) -> list[list[tuple[int, int]]]:
     """Consecutive runs grouped until a group holds at least `pages` pages."""
     batches: list[list[tuple[int, int]]] = []
@@ -281,46 +291,77 @@ class PackWriter:
         self._committed = False
         self.written: list[str] = []
         self.index_data = b""  # the index file, once committed
+        # Files that become packs as they are (adopt): (pack, file), and those stored so far.
+        self._adopted: list[tuple[str, Path]] = []
+        self._adopted_stored: list[str] = []
 
     def add(self, ids: bytes, stored: bytes, codec: str, checksum: bytes) -> None:
         """Appends one segment: stored (its bytes, encoded with codec), holding the pages of ids."""
         if self._out is None:
             self._out = self.backend.writer(pack_name(self.pack))
         self._out.write(stored)
-        pages = len(ids) // ID_LEN
-        number = len(self.segments)
-        self.segments.append(Segment(self.pack, self.offset, len(stored), pages, CODECS[codec], checksum))
-        self._ids.append(ids)
-        self._numbers.extend([number] * pages)
-        self._positions.extend(range(pages))
+        self._segment(Segment(self.pack, self.offset, len(stored), len(ids) // ID_LEN, CODECS[codec], checksum), ids)
         self.offset += len(stored)
 
+    def adopt(self, path: Path) -> str:
+        """A file that becomes a pack as it is, at commit (the local backend renames it: its
+        bytes are not copied); returns the pack's id, for add_adopted."""
+        pack = secrets.token_hex(16)
+        self._adopted.append((pack, path))
+        return pack
+
+    def add_adopted(self, pack: str, offset: int, ids: bytes, checksum: bytes) -> None:
+        """One segment of an adopted file: the pages of ids, stored as they are from offset."""
+        self._segment(Segment(pack, offset, len(ids) // ID_LEN * PAGE, len(ids) // ID_LEN, CODECS["none"], checksum),
+                      ids)
+
+    def _segment(self, segment: Segment, ids: bytes) -> None:
+        number = len(self.segments)
+        self.segments.append(segment)
+        self._ids.append(ids)
+        self._numbers.extend([number] * segment.pages)
+        self._positions.extend(range(segment.pages))
+
     def commit(self) -> list[str]:
-        """Pack, then index file, each durable when written; returns their blob names (none if
+        """Packs, then index file, each durable when written; returns their blob names (none if
         no segment was added)."""
-        if self._out is None:
+        if not self.segments:
+            self.abort()  # adopted files whose pages were all known: nothing to keep
             return []
-        self._out.commit()
-        self._committed = True
+        packs = []
+        if self._out is not None:
+            self._out.commit()
+            self._committed = True
+            packs.append(pack_name(self.pack))
+        used = {segment.pack for segment in self.segments}
+        for pack, path in self._adopted:
+            if pack in used:
+                self.backend.put_file(pack_name(pack), path)
+                self._adopted_stored.append(pack_name(pack))
+        packs += self._adopted_stored
         data = _blockindex().render_index(self.segments, b"".join(self._ids), self._numbers, self._positions)
         name = INDEX_PREFIX + blake3.blake3(data).hexdigest()
         self.backend.put(name, data)
-        self.written = [pack_name(self.pack), name]
+        self.written = [*packs, name]
         self.index_data = data
         return self.written
 
     def abort(self) -> None:
-        """Drops the pack unless its index file was written (then it is the store's: a
-        concurrent dump may already name its pages, and prune reclaims what nobody names)."""
-        if self.written or self._out is None:
+        """Drops the packs unless their index file was written (then they are the store's: a
+        concurrent dump may already name their pages, and prune reclaims what nobody names)."""
+        if self.written:
             return
-        if not self._committed:
-            self._out.abort()
-            return
-        try:
-            self.backend.delete([pack_name(self.pack)])
-        except OSError:
-            pass  # the next prune reclaims it
+        drop = list(self._adopted_stored)
+        if self._out is not None:
+            if not self._committed:
+                self._out.abort()
+            else:
+                drop.append(pack_name(self.pack))
+        if drop:
+            try:
+                self.backend.delete(drop)
+            except OSError:
+                pass  # the next prune reclaims them
 
 
 class BlockStore:
@@ -533,13 +574,20 @@ class BlockStore:
                                 fresh.append(i)
                         runs = _runs(fresh, SEGMENT_PAGES)
                         at = _kept_runs(streamed, runs) if streamed else runs  # where each run lies in the file
-                        encoded = _encoded_segments(view, at, codec, encoders)
-                        for (run_start, end), segment in zip(runs, encoded, strict=True):
-                            pack.add(page_list[run_start * ID_LEN:end * ID_LEN], *segment)
+                        # Stored as they are: a streamed image's file of kept pages becomes a
+                        # pack itself (renamed into the store: its pages are not copied again).
+                        adopted = pack.adopt(path) if streamed and codec == "none" and runs else None
+                        encoded = _checksummed(view, at) if adopted else _encoded_segments(view, at, codec, encoders)
+                        for (run_start, end), (file_start, _), segment in zip(runs, at, encoded, strict=True):
+                            ids = page_list[run_start * ID_LEN:end * ID_LEN]
+                            if adopted:
+                                pack.add_adopted(adopted, file_start * PAGE, ids, segment[2])
+                            else:
+                                pack.add(ids, *segment)
                             told.at(end * PAGE)
                             phase("dump.ingest")
                             image_stats.new_pages += end - run_start
-                            image_stats.bytes_new += len(segment[0])
+                            image_stats.bytes_new += segment[0] if adopted else len(segment[0])
                         image_stats.bytes_dedup = (n - image_stats.new_pages) * PAGE
                         stats.add(image_stats)
                         told.image_done(size)
