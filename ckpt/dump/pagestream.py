@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 import socket
 import struct
 import threading
@@ -126,10 +127,19 @@ class PageStream:
         self._ours: socket.socket | None = None
         self._theirs: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        # Faulted in now, before the freeze: touching fresh memory is what the stream avoids.
-        self._buffer = mmap.mmap(-1, BATCH_PAGES * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-                                 | getattr(mmap, "MAP_POPULATE", 0))
-        self._buffer[0:len(self._buffer):PAGE] = b"\0" * BATCH_PAGES
+        # Two buffers: one fills from the socket while the pages of the other are named and
+        # written (_store), so the freeze is the slower of the two, not their sum. Faulted in
+        # now, before the freeze: touching fresh memory is what the stream avoids.
+        self._buffers = []
+        for _ in range(2):
+            buffer = mmap.mmap(-1, BATCH_PAGES * PAGE,
+                               flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+            buffer[0:len(buffer):PAGE] = b"\0" * BATCH_PAGES
+            self._buffers.append(buffer)
+        self._free = [threading.Semaphore(1), threading.Semaphore(1)]
+        self._batches: queue.Queue = queue.Queue()
+        self._storer: threading.Thread | None = None
+        self._store_error: BaseException | None = None
 
     def start(self) -> int:
         """Starts receiving; returns the descriptor to give CRIU (RPC ps.fd)."""
@@ -142,6 +152,8 @@ class PageStream:
                 pass  # the kernel's limits: only slower
         self.kept_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._receive, name="ckpt-page-stream", daemon=True)
+        self._storer = threading.Thread(target=self._store_batches, name="ckpt-page-store", daemon=True)
+        self._storer.start()
         self._thread.start()
         return self._theirs.fileno()
 
@@ -213,12 +225,34 @@ class PageStream:
         try:
             self._serve()
         except BaseException as exc:  # noqa: BLE001 - re-raised by finish()
-            self._error = exc
-            if self._ours is not None:
-                try:  # CRIU's next write fails: its dump fails and the tree runs on
-                    self._ours.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            self._error = self._store_error or exc
+            self._cut_criu_off()
+        finally:
+            self._batches.put(None)  # the storer ends once it has stored what came before
+            if self._storer is not None:
+                self._storer.join()
+            if self._error is None and self._store_error is not None:
+                self._error = self._store_error
+
+    def _cut_criu_off(self) -> None:
+        if self._ours is not None:
+            try:  # CRIU's next write fails: its dump fails and the tree runs on
+                self._ours.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _store_batches(self) -> None:
+        """The storing thread: each batch handed over, in order; frees its buffer after."""
+        while (item := self._batches.get()) is not None:
+            image, batch, used, slot = item
+            try:
+                if self._store_error is None:
+                    self._store(image, batch, used, slot)
+            except BaseException as exc:  # noqa: BLE001 - said by the receiver, then finish()
+                self._store_error = exc
+                self._cut_criu_off()
+            finally:
+                self._free[slot].release()
 
     def _recv_exactly(self, view: memoryview) -> None:
         assert self._ours is not None
@@ -229,13 +263,29 @@ class PageStream:
                 raise _StreamCut("CRIU closed the stream midway")
             got += n
 
-    def _serve(self) -> None:
+    def _serve(self) -> None:  # noqa: C901 - one branch per command, as CRIU's page_server_serve
         assert self._ours is not None
         header = bytearray(COMMAND.size)
-        buffer = memoryview(self._buffer)
+        slot = 0
+        self._free[slot].acquire()
+        buffer = memoryview(self._buffers[slot])
         image: _Image | None = None
         batch: list[tuple[int, int, int]] = []  # (vaddr, pages, row in the buffer)
         used = 0
+
+        def hand_over() -> None:
+            """The filled buffer to the storer; the other one, once free, fills next."""
+            nonlocal slot, buffer, batch, used
+            if not used:
+                return
+            self._batches.put((image, batch, used, slot))
+            slot ^= 1
+            self._free[slot].acquire()
+            if self._store_error is not None:
+                raise self._store_error
+            buffer = memoryview(self._buffers[slot])
+            batch, used = [], 0
+
         while True:
             self._recv_exactly(memoryview(header))
             cmd, nr_pages, vaddr, dst_id = COMMAND.unpack(header)
@@ -243,8 +293,7 @@ class PageStream:
             if command in (PS_IOV_ADD, PS_IOV_HOLE):
                 command, flags = PS_IOV_ADD_F, PE_PRESENT if command == PS_IOV_ADD else PE_PARENT
             if command == PS_IOV_OPEN2:
-                if image is not None:
-                    used = self._store_batch(image, batch, used)
+                hand_over()
                 image = self._open(dst_id)
                 self._ours.sendall(b"\0")
             elif command == PS_IOV_ADD_F:
@@ -256,15 +305,19 @@ class PageStream:
                 done = 0
                 while done < nr_pages:
                     if used == BATCH_PAGES:
-                        used = self._store_batch(image, batch, used)
+                        hand_over()
                     count = min(nr_pages - done, BATCH_PAGES - used)
                     self._recv_exactly(buffer[used * PAGE:(used + count) * PAGE])
                     batch.append((vaddr + done * PAGE, count, used))
                     used += count
                     done += count
             elif command in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
-                if image is not None:
-                    self._store_batch(image, batch, used)
+                if used:
+                    self._batches.put((image, batch, used, slot))
+                else:
+                    self._free[slot].release()
+                # Every page is in ckpt's buffers: CRIU may let the tree run while the last
+                # batch is stored (a failure there fails finish(): nothing is committed).
                 self._ours.sendall(struct.pack("<i", 0))
                 return
             else:
@@ -286,12 +339,9 @@ class PageStream:
         self.images.append(image)
         return image
 
-    def _store_batch(self, image: _Image, batch: list[tuple[int, int, int]], used: int) -> int:
-        """Names the pages in the buffer, keeps those not known unchanged; returns 0 (the
-        buffer is free again)."""
-        if not used:
-            return 0
-        data = memoryview(self._buffer)[:used * PAGE]
+    def _store(self, image: _Image, batch: list[tuple[int, int, int]], used: int, slot: int) -> None:
+        """Names the pages in a buffer, keeps those not known unchanged."""
+        data = memoryview(self._buffers[slot])[:used * PAGE]
         ids_bytes = page_ids(data, self.seed)
         first_row = image.pages
         image.page_list += ids_bytes
@@ -318,8 +368,6 @@ class PageStream:
         self.kept_pages += len(rows)
         phase("dump.streaming")
         data.release()
-        batch.clear()
-        return 0
 
 
 def _write_all(fd: int, data: memoryview) -> None:

@@ -133,12 +133,28 @@ def test_a_full_disk_while_keeping_pages_is_said_as_such(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(pagestream.os, "write", full)
+    # Mid-stream: the first batch fails while CRIU still sends; CRIU is cut off.
     stream = PageStream(tmp_path, tmp_path / "kept", SEED, {})
     criu = Criu(stream)
     criu.open(1)
-    criu.add(VADDR, pages(2))
-    criu.sock.sendall(COMMAND.pack(FORCE_CLOSE, 0, 0, 0))  # the pages are stored now, and fail
     criu.sock.settimeout(10)
-    assert criu.sock.recv(4) == b""  # no answer: CRIU's dump fails
+    with pytest.raises(OSError):  # (a reset, or a closed socket, as CRIU sees it)
+        criu.add(VADDR, pages(3 * BATCH_PAGES))
+        criu.close()
+        assert criu.sock.recv(4) == b""
+        raise OSError("cut off")
     assert isinstance(stream.failure(), DiskFull)
+    with pytest.raises(DiskFull, match="no space left"):
+        stream.finish()
     np.testing.assert_equal(stream.kept_pages, 0)
+
+    # The last batch is stored while CRIU gets its answer (and lets the tree run): whether the
+    # failure comes before the answer (CRIU is cut off) or after, finish() fails, so that
+    # nothing is committed.
+    stream = PageStream(tmp_path, tmp_path / "kept2", SEED, {})
+    criu = Criu(stream)
+    criu.open(1)
+    criu.add(VADDR, pages(2))
+    assert criu.close() in (struct.pack("<i", 0), b"")
+    with pytest.raises(DiskFull):
+        stream.finish()
