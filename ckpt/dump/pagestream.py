@@ -107,10 +107,7 @@ class _Image:
     page_list: bytearray = field(default_factory=bytearray)
     kept_rows: list[np.ndarray] = field(default_factory=list)
     kept_fd: int = -1
-
-    @property
-    def pages(self) -> int:
-        return len(self.page_list) // ID_LEN
+    received: int = 0  # pages
 
 
 class PageStream:
@@ -178,6 +175,9 @@ class PageStream:
         streamed = {}
         for image in self.images:
             write_pagemap(self.images_dir / image.pagemap_name, image.pages_id, image.runs)
+            if image.earlier is None and image.received:  # every page kept, none named yet
+                with open(image.kept_path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as kept:
+                    image.page_list = bytearray(page_ids(kept, self.seed))
             rows = np.concatenate(image.kept_rows) if image.kept_rows else np.zeros(0, dtype=np.int64)
             name = f"pages-{image.pages_id}.img"
             streamed[name] = StreamedPages(name, image.kept_path, bytes(image.page_list), rows)
@@ -340,13 +340,16 @@ class PageStream:
         return image
 
     def _store(self, image: _Image, batch: list[tuple[int, int, int]], used: int, slot: int) -> None:
-        """Names the pages in a buffer, keeps those not known unchanged."""
+        """Names the pages in a buffer, keeps those not known unchanged. With nothing to
+        compare them with, every page is kept and named after the freeze (finish): on two
+        cores, hashing while CRIU and the receiver run only slowed the freeze down."""
         data = memoryview(self._buffers[slot])[:used * PAGE]
-        ids_bytes = page_ids(data, self.seed)
-        first_row = image.pages
-        image.page_list += ids_bytes
+        first_row = image.received
+        image.received += used
         keep = np.ones(used, dtype=bool)
         if image.earlier is not None:
+            ids_bytes = page_ids(data, self.seed)
+            image.page_list += ids_bytes
             ids = np.frombuffer(ids_bytes, dtype=np.uint64)
             same = np.zeros(used, dtype=bool)
             for vaddr, count, at in batch:

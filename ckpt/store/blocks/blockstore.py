@@ -238,12 +238,20 @@ def _first_seen(rows, page_list: bytes, seen: list) -> list[int]:
     if not len(rows):
         return []
     halves = np.frombuffer(page_list, dtype=np.uint64).reshape(-1, 2)[rows]
-    order = np.lexsort((halves[:, 1], halves[:, 0]))  # stable: equal ids stay in row order
-    by_id = halves[order]
-    repeat = np.zeros(len(rows), dtype=bool)
-    repeat[1:] = (by_id[1:, 0] == by_id[:-1, 0]) & (by_id[1:, 1] == by_id[:-1, 1])
-    keep = np.sort(order[~repeat])
-    rows, halves = rows[keep], halves[keep]
+    # Sorted by the first half of the ids (one uint64 key: a tenth of the time of sorting by
+    # whole ids); only rows sharing a first half, repeated pages mostly, are sorted by both.
+    order = np.argsort(halves[:, 0], kind="stable")
+    first = halves[order, 0]
+    shared = np.zeros(len(rows), dtype=bool)
+    shared[1:] = first[1:] == first[:-1]
+    shared[:-1] |= shared[1:]
+    if shared.any():
+        group = order[shared]  # rows (positions in `rows`) whose first half another row has
+        by_id = group[np.lexsort((halves[group, 1], halves[group, 0]))]  # stable: row order kept
+        repeat = (halves[by_id[1:], 0] == halves[by_id[:-1], 0]) & (halves[by_id[1:], 1] == halves[by_id[:-1], 1])
+        drop = np.zeros(len(rows), dtype=bool)
+        drop[by_id[1:][repeat]] = True
+        rows, halves = rows[~drop], halves[~drop]
     if seen:
         earlier = np.concatenate(seen)
         earlier = earlier[np.argsort(earlier[:, 0], kind="stable")]
