@@ -106,6 +106,12 @@ def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Report
                 work_dir = log_dir / f"lazy-{stamp}-{os.getpid()}"
                 make_private_dir(work_dir)
                 extra["lazy_pages"] = True
+            else:
+                # CRIU punches each 128 MiB of the staged pages image out once it has read it
+                # into the tree: that page cache is free again, and the tree's next pages take
+                # it while it is still backed, instead of memory the VM gave back to its host
+                # (README, "Performance"). The staged image is ours, and deleted after anyway.
+                extra["auto_dedup"] = True
             criu_options = options.to_criu_restore(images_dir, work_dir, f"restore-{stamp}-{os.getpid()}.log",
                                                    inherit_stdio=has_tty, inherit_fds=inherit, extra=extra)
             if output:
