@@ -281,6 +281,15 @@ def _batches(runs: list[tuple[int, int]], pages: int) -> list[list[tuple[int, in
     return batches
 
 
+def _segments_under(locations: list[int], holes: Sequence[tuple[int, int]]) -> list[int]:
+    """The segments holding the pages of the holes, each once (sorted searches: a set built
+    page by page cost a lazy restore of 2 GiB 0.6 s before the tree ran)."""
+    import numpy as np
+
+    located = np.asarray(locations, dtype=np.int64)
+    return np.unique(np.concatenate([segment_key(located[first:first + count]) for first, count in holes])).tolist()
+
+
 def _image_size(image: Path | StreamedPages) -> int:
     return image.size if isinstance(image, StreamedPages) else image.stat().st_size
 
@@ -721,14 +730,12 @@ class BlockStore:
         try:
             # Under the holes, each segment is checked once (no run needs working out: most of a
             # large tree's memory is there).
-            hole_keys: set[int] = set()
-            for first, count in holes:
-                hole_keys.update(segment_key(location) for location in locations[first:first + count])
             # check_holes=False (a store in S3): reading every segment up front would download
             # the whole image before the tree runs; the page server checks each segment as it
             # first serves it, and damage met there ends the tree (a failed lazy restore).
-            for key in sorted(hole_keys) if check_holes else ():
-                reader.check(key, 0, 1)
+            if holes and check_holes:
+                for key in _segments_under(locations, holes):
+                    reader.check(key, 0, 1)
             for begin, end in written:
                 if out_fd is not None and holes:
                     os.lseek(out_fd, begin * PAGE, os.SEEK_SET)
