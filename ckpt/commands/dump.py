@@ -242,18 +242,21 @@ def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, s
 def _page_stream(store: Store, staging, tracking: TrackingPlan | None,
                  earlier: unchanged.EarlierCheckpoint | None) -> pagestream.PageStream | None:
     """The receiver of the pages CRIU streams (ckpt/dump/pagestream.py), or None: a dump with
-    dirty-page tracking has CRIU write pages images (it needs their parent images), and
-    CKPT_PAGE_STREAM=0 asks for that path.
+    dirty-page tracking has CRIU write pages images (it needs their parent images), as does
+    the first dump of a target (nothing to compare its pages with), and CKPT_PAGE_STREAM=0
+    asks for that path.
 
     Everything the receiver compares pages with is read now, before CRIU freezes the tree:
     the earlier checkpoint's pages by address. With damage recorded in the store every page
     is kept: a page known only from a damaged segment must be stored again (BlockIndex.held)."""
     from ckpt.dump.pagestream import PageStream, earlier_pages  # deferred: imports numpy
 
-    if tracking is not None or not settings.current().page_stream:
+    if tracking is not None or earlier is None or not settings.current().page_stream:
+        # A first dump keeps every page: streamed, they would be copied twice more while the
+        # tree is frozen than CRIU's own pages image (which then becomes the pack as it is).
         return None
     known: dict = {}
-    if earlier is not None and not store.blocks.index().has_damage:
+    if not store.blocks.index().has_damage:
         known = earlier_pages(earlier.read_now())
     return PageStream(staging.images_dir, staging.root / "streamed", store.blocks.seed, known)
 
@@ -403,7 +406,9 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
         def before_commit(manifest: Manifest) -> None:
             pending.add(store.root, manifest.id, request.copy_to or "", request.copy_origin)
     return ingest_and_commit(store, staging, record, request.codec, reporter, completion,
-                             earlier=earlier.pieces(image_dir) if earlier else None, before_commit=before_commit)
+                             # (a streamed dump knows its unchanged pages already: see BlockStore.ingest)
+                             earlier=earlier.pieces(image_dir) if earlier and not staging.streamed else None,
+                             before_commit=before_commit)
 
 
 CRIU_GHOST_LIMIT = 1 << 20  # CRIU saves deleted files up to this size unless told otherwise

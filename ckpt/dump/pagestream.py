@@ -79,20 +79,21 @@ class EarlierPages:
         return cls(table[:, 0].copy(), table[:, 1].copy(), table[:, 2].astype(np.int64),
                    np.frombuffer(page_list, dtype=np.uint64))
 
-    def unchanged(self, vaddr: int, ids: np.ndarray, same: np.ndarray) -> None:
-        """Marks in `same` the pages from vaddr on (ids: their ids as uint64 pairs) whose id is
-        the one their address had."""
-        count = len(same)
-        end = vaddr + count * PAGE
-        k = max(int(np.searchsorted(self.starts, vaddr, side="right")) - 1, 0)
-        while k < len(self.starts) and int(self.starts[k]) < end:
-            low, high = max(vaddr, int(self.starts[k])), min(end, int(self.ends[k]))
-            if low < high:
-                at, count_here = (low - vaddr) // PAGE, (high - low) // PAGE
-                then = int(self.rows[k]) + (low - int(self.starts[k])) // PAGE
-                equal = ids[2 * at:2 * (at + count_here)] == self.ids[2 * then:2 * (then + count_here)]
-                same[at:at + count_here] = equal[0::2] & equal[1::2]
-            k += 1
+    def unchanged(self, addresses: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """For pages at `addresses` (uint64) with `ids` (rows of two uint64 halves), whether
+        each one's id is the one its address had. Whole arrays at once: a batch can hold
+        thousands of pagemap entries (a sparse heap: one per page)."""
+        same = np.zeros(len(addresses), dtype=bool)
+        if not len(self.starts) or not len(addresses):
+            return same
+        k = np.searchsorted(self.starts, addresses, side="right").astype(np.int64) - 1
+        inside = k >= 0
+        k[~inside] = 0
+        inside &= addresses < self.ends[k]
+        rows = self.rows[k] + ((addresses - self.starts[k]) // PAGE).astype(np.int64)
+        rows[~inside] = 0
+        then = self.ids.reshape(-1, 2)[rows]
+        return inside & (then[:, 0] == ids[:, 0]) & (then[:, 1] == ids[:, 1])
 
 
 @dataclass
@@ -350,11 +351,12 @@ class PageStream:
         if image.earlier is not None:
             ids_bytes = page_ids(data, self.seed)
             image.page_list += ids_bytes
-            ids = np.frombuffer(ids_bytes, dtype=np.uint64)
-            same = np.zeros(used, dtype=bool)
-            for vaddr, count, at in batch:
-                image.earlier.unchanged(vaddr, ids[2 * at:2 * (at + count)], same[at:at + count])
-            keep = ~same
+            # The address of each page of the batch: its entry's, plus its place in the entry.
+            firsts = np.array([vaddr for vaddr, _, _ in batch], dtype=np.uint64)
+            counts = np.array([count for _, count, _ in batch], dtype=np.int64)
+            places = np.arange(used, dtype=np.int64) - np.repeat(np.array([at for _, _, at in batch]), counts)
+            addresses = np.repeat(firsts, counts) + places.astype(np.uint64) * np.uint64(PAGE)
+            keep = ~image.earlier.unchanged(addresses, np.frombuffer(ids_bytes, dtype=np.uint64).reshape(-1, 2))
         rows = np.flatnonzero(keep)
         if len(rows):
             # Runs of consecutive kept pages, each one write.

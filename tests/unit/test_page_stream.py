@@ -158,3 +158,23 @@ def test_a_full_disk_while_keeping_pages_is_said_as_such(tmp_path, monkeypatch):
     assert criu.close() in (struct.pack("<i", 0), b"")
     with pytest.raises(DiskFull):
         stream.finish()
+
+
+def test_pagemaps_are_written_byte_for_byte_as_pycriu_writes_them(tmp_path):
+    import io
+    import random
+
+    from pycriu import images
+
+    from ckpt.criu.images import write_pagemap
+
+    rng = random.Random(3)
+    runs = [(rng.randrange(0, 1 << 47, PAGE), rng.randint(1, 1 << 20), rng.choice([1, 2, 4, 6]))
+            for _ in range(500)]
+    expected = io.BytesIO()
+    images.dump({"magic": "PAGEMAP", "entries": [{"pages_id": 300}] + [
+        {"vaddr": vaddr, "compat_nr_pages": 0, "flags": flags, "nr_pages": nr_pages}
+        for vaddr, nr_pages, flags in runs]}, expected)
+    write_pagemap(tmp_path / "pagemap-1.img", 300, runs)
+    assert (tmp_path / "pagemap-1.img").read_bytes() == expected.getvalue()
+    assert read_pagemap(tmp_path / "pagemap-1.img") == (300, runs)

@@ -133,7 +133,7 @@ def test_damaged_or_truncated_pack_is_refused_whatever_the_codec(store, codec, d
     data = os.urandom(PAGE * 300) if codec == "none" else bytes(PAGE * 150) + os.urandom(PAGE * 150)
     m = fake_dump(store, {"pages-1.img": data}, codec=codec)
     assert store.materialize(m).joinpath("pages-1.img").read_bytes() == data
-    (pack,) = list((store.root / "packs").glob("*/*"))
+    (pack,) = list((store.root / "packs").glob("*/*"))  # half compresses: not adopted as it is
     if damage == "flip":
         flip_byte(pack, pack.stat().st_size - PAGE)
     else:
@@ -541,3 +541,19 @@ def test_an_unchanged_layout_is_one_stretch():
     runs = [(0x10000, 4, 4), (0x80000, 6, 4), (0x7F0000000000, 100, 4)]
     assert _pieces_by_address(runs, runs, 110).tolist() == [[0, 0, 110]]
     assert _pieces_by_address(runs, [], 0).tolist() == []  # nothing held earlier
+
+
+def test_an_image_of_pages_that_do_not_compress_becomes_the_pack_as_it_is(store):
+    """CRIU's pages image is renamed into packs/ (its pages are not copied a second time);
+    one that mostly compresses is stored through the dump's own pack as before."""
+    data = os.urandom(PAGE * 1000)
+    m = fake_dump(store, {"pages-1.img": data, "pages-2.img": bytes(PAGE * 100) + os.urandom(PAGE * 100)})
+    packs = sorted((store.root / "packs").glob("*/*"), key=lambda p: p.stat().st_size)
+    assert len(packs) == 2 and packs[-1].read_bytes() == data  # the image itself
+    assert packs[0].stat().st_size < 120 * PAGE  # the zeros compressed, the rest as is
+    assert store.verify(m) == []
+    dest = store.materialize(m)
+    assert (dest / "pages-1.img").read_bytes() == data
+    # Pages repeated within the image are named once; the copies are bytes no segment names.
+    again = fake_dump(store, {"pages-1.img": data[:PAGE * 500] * 2})
+    assert again.bytes_stored < PAGE * 10

@@ -212,6 +212,7 @@ def _encoded_segments(view: memoryview, runs: list[tuple[int, int]], codec: str,
 
 
 PROBE = 16 << 10  # of a segment, compressed to tell whether the rest would compress
+ADOPT_AT_LEAST = 0.75  # of a file's bytes in segments stored as they are, for it to become a pack
 
 
 def _incompressible(view: memoryview, runs: list[tuple[int, int]]) -> list[bool]:
@@ -583,6 +584,8 @@ class BlockStore:
         written (pack, index file), durable when this returns. progress(done, total) hears, in
         bytes of the images, how far it got (every 16 MiB or so: a store in S3 takes a while).
         """
+        import numpy as np  # (loaded by the index already)
+
         index = self.index()
         stats = IngestStats()
         total = sum(_image_size(image) for image in images)
@@ -603,9 +606,7 @@ class BlockStore:
                 if n == 0:
                     page_lists[image.name] = b""
                     continue
-                if streamed and not len(streamed.rows):  # nothing kept: nothing may be missing
-                    _kept_runs(streamed, _runs(index.missing(streamed.page_list,
-                                                             (earlier or {}).get(image.name)), SEGMENT_PAGES))
+                if streamed and not len(streamed.rows):  # nothing kept: the stream knew every page
                     page_lists[image.name] = streamed.page_list
                     stats.add(IngestStats(pages=n, bytes_dedup=n * PAGE))
                     told.image_done(size)
@@ -623,16 +624,27 @@ class BlockStore:
                         image_stats = IngestStats(pages=n)
                         # Most pages are known: find the new ones in one search, then store
                         # them as runs of consecutive pages (a page repeated in this dump once).
-                        fresh = _first_seen(index.missing(page_list, (earlier or {}).get(image.name)),
-                                            page_list, seen)
+                        candidates: Sequence[int]
+                        if streamed:  # only the kept pages can be new (the others were known)
+                            kept = np.frombuffer(page_list, dtype="V16")[streamed.rows].tobytes()
+                            candidates = streamed.rows[index.missing(kept)].tolist()
+                        else:
+                            candidates = index.missing(page_list, (earlier or {}).get(image.name))
+                        fresh = _first_seen(candidates, page_list, seen)
                         runs = _runs(fresh, SEGMENT_PAGES)
                         at = _kept_runs(streamed, runs) if streamed else runs  # where each run lies in the file
-                        # Stored as they are: the segments of a streamed image that do not
-                        # compress stay where they lie in its file of kept pages, which becomes
-                        # a pack itself (renamed into a local store: not copied again).
+                        # Stored as they are: segments that do not compress stay where they
+                        # lie in the file (CRIU's pages image, or a streamed image's kept
+                        # pages), which becomes a pack itself (renamed into a local store: the
+                        # pages are not copied again).
                         as_is = [False] * len(runs)
-                        if streamed and runs:
+                        if runs:
                             as_is = [True] * len(runs) if codec == "none" else _incompressible(view, at)
+                            # Only a file mostly made of such segments: the rest of it would be
+                            # dead bytes in the store until a prune repacked it (a quarter).
+                            named = sum(end - start for (start, end), keep in zip(at, as_is, strict=True) if keep)
+                            if named * PAGE < ADOPT_AT_LEAST * len(view):
+                                as_is = [False] * len(runs)
                         adopted = pack.adopt(path) if any(as_is) else None
                         encoded = _encoded_segments(view, [r for r, keep in zip(at, as_is, strict=True) if not keep],
                                                     codec, encoders)
