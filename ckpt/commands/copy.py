@@ -205,7 +205,7 @@ class _Copier:
             if written:
                 result.bytes_sent += pack.offset + len(pack.index_data)
                 # The destination's index learns the new file without reading every file again.
-                self.dest.blocks.index().add_file(written[1][len(INDEX_PREFIX):], pack.index_data)
+                self.dest.blocks.index().add_file(written[-1][len(INDEX_PREFIX):], pack.index_data)
         except BaseException:
             pack.abort()
             raise

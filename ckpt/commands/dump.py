@@ -170,9 +170,7 @@ def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, s
         marks: dict[str, float] = {}
         newest = store.newest_of(request.pid)
         earlier = unchanged.EarlierCheckpoint(newest, store, staging.root / "earlier") if newest else None
-        stream = _page_stream(store, staging, tracking, earlier)
-        if stream is not None:
-            criu_options.page_stream_fd = stream.start()
+        stream: pagestream.PageStream | None = None  # (made in the try below: its failures clean up)
 
         def read_ahead() -> None:
             if stream is not None:
@@ -203,6 +201,9 @@ def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, s
                 reporter.step("checkpoint committed; CRIU ends the target")
 
         try:
+            stream = _page_stream(store, staging, tracking, earlier)
+            if stream is not None:
+                criu_options.page_stream_fd = stream.start()
             reporter.step(f"dumping PID {request.pid} ({facts.command}) with CRIU {binary.version_text}")
             phase("dump.staged")
             try:
@@ -249,12 +250,12 @@ def _page_stream(store: Store, staging, tracking: TrackingPlan | None,
     Everything the receiver compares pages with is read now, before CRIU freezes the tree:
     the earlier checkpoint's pages by address. With damage recorded in the store every page
     is kept: a page known only from a damaged segment must be stored again (BlockIndex.held)."""
-    from ckpt.dump.pagestream import PageStream, earlier_pages  # deferred: imports numpy
-
     if tracking is not None or earlier is None or not settings.current().page_stream:
         # A first dump keeps every page: streamed, they would be copied twice more while the
         # tree is frozen than CRIU's own pages image (which then becomes the pack as it is).
         return None
+    from ckpt.dump.pagestream import PageStream, earlier_pages  # deferred: imports numpy
+
     known: dict = {}
     if not store.blocks.index().has_damage:
         known = earlier_pages(earlier.read_now())

@@ -25,7 +25,7 @@ from ckpt.store import Manifest, Store
 from ckpt.store.blocks.blockstore import PAGE
 from ckpt.store.staging import discard
 from ckpt.system import procs
-from ckpt.system.files import make_private_dir
+from ckpt.system.files import can_punch_holes, make_private_dir
 
 
 @dataclass
@@ -69,7 +69,7 @@ class RestoreResult:
                 "tcp_connections": self.tcp_connections, "host_warnings": self.host_warnings}
 
 
-def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:  # noqa: PLR0915
+def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:  # noqa: C901, PLR0915
     """Restores the checkpoint request.ref names from the store at store_root."""
     started = time.monotonic()
     procs.require_root()
@@ -111,7 +111,8 @@ def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Report
                 # into the tree: that page cache is free again, and the tree's next pages take
                 # it while it is still backed, instead of memory the VM gave back to its host
                 # (README, "Performance"). The staged image is ours, and deleted after anyway.
-                extra["auto_dedup"] = True
+                if can_punch_holes(images_dir):
+                    extra["auto_dedup"] = True
             criu_options = options.to_criu_restore(images_dir, work_dir, f"restore-{stamp}-{os.getpid()}.log",
                                                    inherit_stdio=has_tty, inherit_fds=inherit, extra=extra)
             if output:

@@ -49,6 +49,7 @@ PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE = 0x1023, 0x1024
 TYPE_PROCESS, TYPE_SHMEM = 1, 2
 BATCH_PAGES = 8192  # 32 MiB: hashed at once; faulted in before the freeze
 SOCKET_BUFFER = 8 << 20  # CRIU splices ahead while a batch is hashed
+RECEIVE_TIMEOUT = 300.0  # seconds without a byte from CRIU before the stream is given up
 
 
 class _StreamCut(Exception):
@@ -148,6 +149,11 @@ class PageStream:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
             except OSError:
                 pass  # the kernel's limits: only slower
+        # Not forever: were CRIU's stream to get out of step (a splice failing midway through
+        # an entry's pages, then its closing command read as pages), CRIU would wait for an
+        # answer and ckpt for pages, the tree frozen. CRIU's pauses between commands (seizing
+        # the tree, dumping its other state) are far shorter.
+        self._ours.settimeout(RECEIVE_TIMEOUT)
         self.kept_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._receive, name="ckpt-page-stream", daemon=True)
         self._storer = threading.Thread(target=self._store_batches, name="ckpt-page-store", daemon=True)
@@ -175,10 +181,15 @@ class PageStream:
             raise PageStreamFailed(f"receiving the pages CRIU streamed failed: {self._error}")
         streamed = {}
         for image in self.images:
-            write_pagemap(self.images_dir / image.pagemap_name, image.pages_id, image.runs)
-            if image.earlier is None and image.received:  # every page kept, none named yet
-                with open(image.kept_path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as kept:
-                    image.page_list = bytearray(page_ids(kept, self.seed))
+            try:
+                write_pagemap(self.images_dir / image.pagemap_name, image.pages_id, image.runs)
+                if image.earlier is None and image.received:  # every page kept, none named yet
+                    with open(image.kept_path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as kept:
+                        image.page_list = bytearray(page_ids(kept, self.seed))
+            except OSError as exc:
+                from ckpt.store.fsutil import translate_os_error
+
+                raise translate_os_error(exc, "writing the streamed images") from None
             rows = np.concatenate(image.kept_rows) if image.kept_rows else np.zeros(0, dtype=np.int64)
             name = f"pages-{image.pages_id}.img"
             streamed[name] = StreamedPages(name, image.kept_path, bytes(image.page_list), rows)
@@ -189,10 +200,12 @@ class PageStream:
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=5)
         error = self._error
-        if error is None or isinstance(error, _StreamCut):
+        if error is None or isinstance(error, (_StreamCut, BrokenPipeError, ConnectionResetError)):
             return None  # CRIU ended first: its error is the one that explains
         if isinstance(error, CkptError):
             return error
+        if isinstance(error, TimeoutError):
+            return PageStreamFailed(f"CRIU sent no pages for {RECEIVE_TIMEOUT:.0f} s; gave the dump up")
         if isinstance(error, OSError) and error.filename is not None:
             from ckpt.store.fsutil import translate_os_error
 
@@ -212,6 +225,8 @@ class PageStream:
         self._close()
 
     def _close(self) -> None:
+        if self._storer is not None and self._storer.is_alive():
+            return  # still writing (a slow disk): its files close with the process
         for image in self.images:
             if image.kept_fd >= 0:
                 os.close(image.kept_fd)

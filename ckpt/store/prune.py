@@ -124,9 +124,11 @@ def prune_plan(store: Store) -> PrunePlan:  # noqa: C901
         if key in live_keys:
             live_bytes[seg.pack] = live_bytes.get(seg.pack, 0) + seg.length
     stored = {info.name: info for info in backend.list(PACKS_PREFIX)}
-    for pack, total in pack_bytes.items():
+    for pack, named in pack_bytes.items():
         live = live_bytes.get(pack, 0)
         size = stored[pack_name(pack)].size if pack_name(pack) in stored else 0
+        # A file adopted as a pack (a pages image) holds bytes no segment names: dead too.
+        total = max(named, size)
         if live == 0:
             plan.drop_packs.append(pack)
             plan.bytes_freed += size

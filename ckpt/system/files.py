@@ -100,3 +100,28 @@ def owned_private_dir(path: Path) -> bool:
     except OSError:
         return False
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def can_punch_holes(directory: Path) -> bool:
+    """Whether files in directory can have holes punched in them (FALLOC_FL_PUNCH_HOLE): not
+    on every filesystem (NFSv3, FUSE, vfat), and CRIU fails a restore whose auto-dedup it
+    cannot do. Tried on a scratch file."""
+    import tempfile
+
+    fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    try:
+        fd, path = tempfile.mkstemp(dir=directory, prefix=".punch-")
+    except OSError:
+        return False
+    try:
+        os.write(fd, bytes(8192))
+        return fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, 0, 4096) == 0
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)

@@ -258,8 +258,12 @@ def _first_seen(rows, page_list: bytes, seen: list) -> list[int]:
         earlier = earlier[np.argsort(earlier[:, 0], kind="stable")]
         low = np.searchsorted(earlier[:, 0], halves[:, 0], side="left")
         high = np.searchsorted(earlier[:, 0], halves[:, 0], side="right")
+        # A first half seen once (nearly always): compare the second halves all at once;
+        # seen several times (ids alike in their first 8 bytes): one by one.
+        once = high - low == 1
         known = np.zeros(len(rows), dtype=bool)
-        for k in np.flatnonzero(high > low).tolist():  # a first half seen: compare whole ids
+        known[once] = earlier[low[once], 1] == halves[once, 1]
+        for k in np.flatnonzero(high - low > 1).tolist():
             known[k] = bool(np.any(earlier[low[k]:high[k], 1] == halves[k, 1]))
         rows, halves = rows[~known], halves[~known]
     seen.append(halves)
