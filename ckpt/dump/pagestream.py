@@ -69,13 +69,11 @@ class EarlierPages:
 
     @classmethod
     def from_runs(cls, held: list[tuple[int, int]], page_list: bytes) -> EarlierPages | None:
-        if sum(n for _, n in held) != len(page_list) // ID_LEN:
-            return None  # a page list that does not fit its pagemap: not worth trusting
-        runs, row = [], 0
-        for vaddr, n in held:
-            runs.append((vaddr, vaddr + n * PAGE, row))
-            row += n
-        runs.sort()
+        from ckpt.dump.unchanged import runs_by_address
+
+        runs = runs_by_address(held, len(page_list) // ID_LEN)
+        if runs is None:
+            return None
         table = np.array(runs, dtype=np.uint64).reshape(-1, 3)
         return cls(table[:, 0].copy(), table[:, 1].copy(), table[:, 2].astype(np.int64),
                    np.frombuffer(page_list, dtype=np.uint64))

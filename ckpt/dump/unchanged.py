@@ -93,6 +93,20 @@ class EarlierCheckpoint:
         return result
 
 
+def runs_by_address(held: list[tuple[int, int]], pages: int) -> list[tuple[int, int, int]] | None:
+    """The held runs of an image whose page list has `pages` pages, as (start, end, first
+    row) sorted by address; None if they do not account for the page list (not worth
+    trusting). Rows follow the runs in pagemap order, which CRIU writes by address."""
+    if sum(n for _, n in held) != pages:
+        return None
+    by_address, row = [], 0
+    for vaddr, n in held:
+        by_address.append((vaddr, vaddr + n * PAGE, row))
+        row += n
+    by_address.sort()
+    return by_address
+
+
 def _pieces_by_address(runs, earlier_runs, earlier_pages: int):
     """Where the pages the runs hold sat in the earlier image: an array of (row, earlier row,
     count), one per stretch of consecutive rows whose addresses the earlier image held at
@@ -104,15 +118,10 @@ def _pieces_by_address(runs, earlier_runs, earlier_pages: int):
     both page lists in order (BlockIndex.missing)."""
     import numpy as np
 
-    held, earlier = held_runs(runs), held_runs(earlier_runs)
-    if sum(n for _, n in earlier) != earlier_pages:
-        return None  # a page list that does not fit its pagemap: not worth trusting
-    # The earlier runs by address (CRIU writes them in address order), with their first row.
-    by_address, row = [], 0
-    for vaddr, n in earlier:
-        by_address.append((vaddr, vaddr + n * PAGE, row))
-        row += n
-    by_address.sort()
+    held = held_runs(runs)
+    by_address = runs_by_address(held_runs(earlier_runs), earlier_pages)
+    if by_address is None:
+        return None
     starts = [start for start, _, _ in by_address]
     pieces: list[list[int]] = []
     row = 0
