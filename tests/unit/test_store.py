@@ -557,3 +557,22 @@ def test_an_image_of_pages_that_do_not_compress_becomes_the_pack_as_it_is(store)
     # Pages repeated within the image are named once; the copies are bytes no segment names.
     again = fake_dump(store, {"pages-1.img": data[:PAGE * 500] * 2})
     assert again.bytes_stored < PAGE * 10
+
+
+def test_prune_counts_the_bytes_of_an_adopted_image_no_segment_names(store):
+    """A pages image that became a pack as it is holds pages the dump did not store from it
+    (here a quarter of it repeats its own pages): those bytes are dead, and prune repacks a
+    pack a quarter of whose bytes is dead, as for any other pack."""
+    from ckpt.store.prune import prune_plan
+
+    unique = [os.urandom(PAGE) for _ in range(750)]
+    image = b"".join(unique + unique[:250])
+    m = fake_dump(store, {"pages-1.img": image})
+    (pack,) = list((store.root / "packs").glob("*/*"))
+    assert pack.stat().st_size == len(image)  # CRIU's image itself
+    with store.lock(exclusive=True):
+        assert prune_plan(store).repack == [pack.name]
+        collect_garbage(store)
+    (repacked,) = list((store.root / "packs").glob("*/*"))
+    assert repacked.stat().st_size == 750 * PAGE
+    assert (store.materialize(m) / "pages-1.img").read_bytes() == image
