@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -218,30 +219,63 @@ def test_the_cap_evicts_the_least_recently_used(remote, cache_root):
 
 
 def test_the_cap_holds_across_stores_and_processes(remote, cache_root, s3_url):
-    """Two processes (of two stores) filling one cache at once: each copy counted once, the
-    total within the cap, nothing failing when the other evicts what it was about to touch."""
+    """Four processes (of four stores) filling one cache at once, evicting over and over: each
+    copy counted once (a copy installed while another process's eviction counted the copies
+    was once lost from the total: CI, session 10), the total within the cap, nothing failing
+    when another evicts what one was about to touch."""
     script = """
 import os, sys
 from pathlib import Path
 from ckpt.store.backends.cache import CachingBackend
 from ckpt.store.backends.s3 import S3Backend
-cache = CachingBackend(S3Backend.from_url(sys.argv[1]), Path(sys.argv[2]), sys.argv[1], 4 << 20)
-for k in range(30):
+cache = CachingBackend(S3Backend.from_url(sys.argv[1]), Path(sys.argv[2]), sys.argv[1], 2 << 20)
+for k in range(60):
     name = f"packs/{k:02x}/{k:02x}{sys.argv[3]}"
-    data = os.urandom(300_000)
+    data = os.urandom(150_000)
     cache.put(name, data)
     assert cache.get(name) == data
 print("done", flush=True)
 """
     writers = [subprocess.Popen([sys.executable, "-c", script, f"{s3_url}-{tag}", str(cache_root), tag],
-                                cwd=REPO, stdout=subprocess.PIPE, text=True) for tag in ("x", "y")]
-    assert [w.communicate(timeout=120)[0].strip() for w in writers] == ["done", "done"]
+                                cwd=REPO, stdout=subprocess.PIPE, text=True) for tag in ("w", "x", "y", "z")]
+    assert [w.communicate(timeout=120)[0].strip() for w in writers] == ["done"] * 4
     copies = [p for p in cache_root.rglob("*") if p.is_file() and "blobs" in p.parts]
     total = sum(p.stat().st_size for p in copies)
-    assert 0 < total <= 4 * MiB
+    assert 0 < total <= 2 * MiB
     # (which store's copies remain depends on which process wrote last: the other's are older)
-    assert len([d for d in cache_root.iterdir() if (d / "blobs").is_dir()]) == 2, "each store has its own directory"
+    assert len([d for d in cache_root.iterdir() if (d / "blobs").is_dir()]) == 4, "each store has its own directory"
     assert cached(remote, cache_root).usage() == total
+
+
+def test_a_copy_installed_while_eviction_counts_is_counted(remote, cache_root):
+    """The interleaving behind the CI failure above, made certain: another writer (another
+    process: its own open file, so flock excludes it as it would another process) installs a
+    copy right after eviction has counted the copies. It must wait for eviction to record its
+    total, then add its own; before the fix eviction's total overwrote the copy's count."""
+    evicting = cached(remote, cache_root, max_bytes=2 * MiB)
+    other = CachingBackend(remote, cache_root, "s3://test/other", 2 * MiB)
+    for k in range(3):
+        evicting.put(f"packs/a{k}/a{k}00", os.urandom(MiB))  # the third passes the cap: evicts
+    installed = threading.Event()
+    counted = evicting._scan
+
+    def scan_then_let_the_other_install(sweep):
+        found = counted(sweep)
+        writer = threading.Thread(target=lambda: (other.put("packs/bb/bb00", os.urandom(MiB // 4)), installed.set()))
+        writer.start()
+        installed.wait(1.0)  # with the fix it waits on the lock until eviction is done
+        scans.append(writer)
+        return found
+
+    scans: list[threading.Thread] = []
+    evicting._scan = scan_then_let_the_other_install
+    evicting.evict()
+    evicting._scan = counted
+    for writer in scans:
+        writer.join(30)
+    assert installed.is_set()
+    copies = sum(p.stat().st_size for p in cache_root.rglob("*") if p.is_file() and "blobs" in p.parts)
+    assert copies == evicting.usage() == other.usage()
 
 
 def test_a_damaged_copy_of_an_index_file_or_object_is_never_served(remote, cache_root, tmp_path):

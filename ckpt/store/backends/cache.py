@@ -24,9 +24,9 @@ import secrets
 import shutil
 import threading
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import blake3
 
@@ -401,15 +401,14 @@ class CachingBackend(Backend):
                 size = os.fstat(fd).st_size
             finally:
                 os.close(fd)
-            try:
-                replaced = os.stat(path).st_size
-            except FileNotFoundError:
-                replaced = 0
-            os.rename(tmp, path)
+            with self._usage_locked() as usage:
+                replaced = _size_or_zero(path)
+                os.rename(tmp, path)
+                total = usage.add(size - replaced)
         except OSError:
             tmp.unlink(missing_ok=True)
             return False
-        self._account(size - replaced)
+        self._evict_above_cap(total)
         return True
 
     def _drop(self, name: str) -> None:
@@ -420,13 +419,12 @@ class CachingBackend(Backend):
             self._checked.discard(name)
             self._drops[name] = self._drops.get(name, 0) + 1
         try:
-            size = os.stat(path).st_size
-            path.unlink()
-        except FileNotFoundError:
-            return
+            with self._usage_locked() as usage:
+                size = os.stat(path).st_size
+                path.unlink()
+                usage.add(-size)
         except OSError:
-            return
-        self._account(-size)
+            path.unlink(missing_ok=True)  # never serve it again, counted or not (eviction recounts)
 
     def _drop_count(self, name: str) -> int:
         with self._lock:
@@ -471,39 +469,22 @@ class CachingBackend(Backend):
 
     # ---- the cap ---------------------------------------------------------------------------
 
-    def _account(self, delta: int) -> None:
-        """Adds delta to the recorded size of the cache (<root>/usage, shared by every process,
-        updated under flock); evicts when it passes the cap."""
-        if delta == 0:
-            return
-        try:
-            total = self._update_usage(lambda known: None if known is None else max(0, known + delta))
-        except OSError:
-            return
+    # Every change to the set of copies (a rename into place, an unlink) is made under the
+    # lock of <root>/usage together with the change to the recorded total: eviction counts the
+    # copies afresh under that lock, so a copy installed by another process while eviction
+    # scanned can be neither missed nor counted twice.
+
+    def _usage_locked(self) -> AbstractContextManager[_Usage]:
+        return _Usage.locked(self.cache_root / USAGE_FILE, lambda: sum(size for _, size, _ in self._scan(sweep=False)))
+
+    def _evict_above_cap(self, total: int) -> None:
         if total > self.max_bytes:
             self.evict()
 
-    def _update_usage(self, change: Callable[[int | None], int | None]) -> int:
-        fd = os.open(self.cache_root / USAGE_FILE, os.O_RDWR | os.O_CREAT, FILE_MODE)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                known: int | None = int(os.pread(fd, 32, 0).decode() or "x")
-            except ValueError:
-                known = None  # new, or garbled: counted afresh
-            total = change(known)
-            if total is None:
-                total = sum(size for _, size, _ in self._scan(sweep=False))
-            data = f"{total}\n".encode()
-            os.pwrite(fd, data, 0)
-            os.ftruncate(fd, len(data))
-            return total
-        finally:
-            os.close(fd)
-
     def usage(self) -> int:
         """What the cached copies of every store under the cache root take, as recorded."""
-        return self._update_usage(lambda known: known)
+        with self._usage_locked() as usage:
+            return usage.add(0)
 
     def evict(self) -> None:
         """Removes the least recently used copies (of any store under the cache root) until
@@ -518,20 +499,23 @@ class CachingBackend(Backend):
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return
-            copies = sorted(self._scan(sweep=True))
-            total = sum(size for _, size, _ in copies)
-            goal = int(self.max_bytes * LOW_WATER) if total > self.max_bytes else total
-            for _, size, path in copies:
-                if total <= goal:
-                    break
-                try:
-                    path.unlink()
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    continue
-                total -= size
-            self._update_usage(lambda known: total)
+            with self._usage_locked() as usage:
+                copies = sorted(self._scan(sweep=True))
+                total = sum(size for _, size, _ in copies)
+                goal = int(self.max_bytes * LOW_WATER) if total > self.max_bytes else total
+                for _, size, path in copies:
+                    if total <= goal:
+                        break
+                    try:
+                        path.unlink()
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        continue
+                    total -= size
+                usage.set(total)
+        except OSError:
+            return
         finally:
             os.close(fd)
 
@@ -602,13 +586,15 @@ class _TeeWriter(BlobWriter):
         if self._copy is None:
             return
         try:
-            replaced = _size_or_zero(self._cache._path(self._name))
-            self._copy.commit()  # fsync, rename, fsync the directory
+            with self._cache._usage_locked() as usage:
+                replaced = _size_or_zero(self._cache._path(self._name))
+                self._copy.commit()  # fsync, rename, fsync the directory
+                total = usage.add(self.written - replaced)
         except OSError:
             self._copy = None
             return
         self._copy = None
-        self._cache._account(self.written - replaced)
+        self._cache._evict_above_cap(total)
 
     def abort(self) -> None:
         self._out.abort()
@@ -625,6 +611,37 @@ def _size_or_zero(path: Path) -> int:
         return os.stat(path).st_size
     except OSError:
         return 0
+
+
+class _Usage:
+    """The recorded total of the cache's copies (<root>/usage, shared by every process), held
+    under its flock; a total missing or garbled is counted afresh."""
+
+    def __init__(self, fd: int, count: Callable[[], int]):
+        self._fd, self._count = fd, count
+
+    @classmethod
+    @contextmanager
+    def locked(cls, path: Path, count: Callable[[], int]) -> Iterator[_Usage]:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield cls(fd, count)
+        finally:
+            os.close(fd)
+
+    def add(self, delta: int) -> int:
+        try:
+            known = int(os.pread(self._fd, 32, 0).decode() or "x")
+        except ValueError:
+            return self.set(self._count())
+        return self.set(max(0, known + delta)) if delta else known
+
+    def set(self, total: int) -> int:
+        data = f"{total}\n".encode()
+        os.pwrite(self._fd, data, 0)
+        os.ftruncate(self._fd, len(data))
+        return total
 
 
 class _Assembly:
