@@ -114,6 +114,11 @@ class RangeReader:
         a `with` block) before close()."""
         return memoryview(self._backend.get(name, offset, length))
 
+    def mapped(self, name: str) -> bool:
+        """Whether read() gives a view of a local mapping of the blob: reading a range again
+        costs nothing, and copy_to() copies without passing the bytes through Python."""
+        return False
+
     def copy_to(self, name: str, offset: int, length: int, fd: int) -> int:
         """Writes length bytes from offset to the file descriptor; returns how many there
         were (fewer where the blob ends)."""

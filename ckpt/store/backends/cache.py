@@ -749,6 +749,10 @@ class _CachingReader(RangeReader):
         self._assemble(name, offset, view)
         return view
 
+    def mapped(self, name: str) -> bool:
+        local = self._from_cache(name)
+        return local is not None and local.mapped(name)
+
     def copy_to(self, name: str, offset: int, length: int, fd: int) -> int:
         local = self._from_cache(name)
         if local is not None:

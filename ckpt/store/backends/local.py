@@ -337,6 +337,9 @@ class _LocalReader(RangeReader):
             mm = self._maps[name] = mmap.mmap(self._fd(name), size, prot=mmap.PROT_READ)
         return memoryview(mm)[offset:end]
 
+    def mapped(self, name: str) -> bool:
+        return True
+
     def copy_to(self, name: str, offset: int, length: int, fd: int) -> int:
         source = self._fd(name)
         copied = 0
