@@ -27,13 +27,26 @@ def alive(pid: int) -> bool:
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
+            _log_wait(what, time.monotonic() - started, timeout)
             return value
         time.sleep(interval)
+    _log_wait(what, time.monotonic() - started, timeout)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _log_wait(what: str, waited: float, timeout: float) -> None:
+    """With CKPT_TEST_WAIT_LOG set, records how much of its bound each wait used: a wait that
+    takes a large share of it on a quiet machine is the next flaky test on a loaded one."""
+    log = os.environ.get("CKPT_TEST_WAIT_LOG")
+    if log:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        with open(log, "a") as out:
+            out.write(json.dumps({"test": test, "what": what, "waited": round(waited, 3), "timeout": timeout}) + "\n")
 
 
 def read_lines(path: Path) -> list[str]:

@@ -54,7 +54,8 @@ def sums(path: Path) -> list[tuple[str, int]]:
 def report(pid: int, path: Path) -> tuple[str, int]:
     before = len(sums(path))
     os.kill(pid, signal.SIGUSR1)
-    wait_until(lambda: len(sums(path)) > before, timeout=20, what="bigmem's report")
+    # (a tree restored lazily from S3 faults all its memory in to sum it: seconds, more under load)
+    wait_until(lambda: len(sums(path)) > before, timeout=60, what="bigmem's report")
     return sums(path)[-1]
 
 
