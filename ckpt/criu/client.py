@@ -190,6 +190,13 @@ def explain_failure(action: str, log_path: Path, images_dir: Path | None = None)
                                          r"Can't restore TCP|repair", text):
         hint = ("the tree's TCP connections cannot be re-established here (another machine, or its address "
                 "is gone): restore with --tcp-close, and the program sees them fail")
+    elif action == "dump" and re.search(r"Can't dump a pid namespace without the process init|"
+                                        r"Can't dump nested time namespace", text):
+        # A tree restored with --new-pidns: CRIU dumps a PID namespace only from its init, and
+        # that init's tree then has the time namespace CRIU's restore made, which it cannot dump.
+        hint = ("the tree runs in a PID namespace of its own (as a tree restored with --new-pidns does), "
+                "which CRIU cannot dump: restore it without --new-pidns (end what holds its PIDs first) to "
+                "checkpoint it again")
     elif re.search(r"Can't dump ghost file", text):
         hint = ("a deleted file the tree holds grew past the size ckpt allowed for while CRIU worked: dump "
                 "again")

@@ -245,6 +245,12 @@ def test_restore_into_new_pid_namespace_while_original_runs(procs, tmp_path):
     after = ints(out)[n:]
     # It goes on from the checkpoint (taken after 5 counts), not from 1, one step at a time.
     assert after == list(range(after[0], after[0] + len(after))) and 5 < after[0] <= max(ints(out)[:n]) + 1
+    # CRIU cannot dump it again (nor its init): the error says why and what to do, and it runs on.
+    for pid in (restored["pid"], init):
+        refused = ckpt("dump", pid, check=False)
+        assert refused.returncode == 5 and "restore it without --new-pidns" in refused.stderr, refused.stderr
+    n = len(ints(out))
+    wait_until(lambda: len(ints(out)) >= n + 2, what="restored copy to count on")
 
 
 def test_shell_pipeline_in_an_outside_session(procs, tmp_path):

@@ -52,3 +52,15 @@ def test_a_truncated_image_is_a_typed_error_and_unreadable_stats_are_left_out(tm
     (tmp_path / "pstree.img").write_bytes(b"\x01\x02")
     with pytest.raises(ImageUnreadable, match="pstree.img is truncated or unreadable"):
         images.process_tree(tmp_path)
+
+
+@pytest.mark.parametrize("line", [
+    "Error (criu/namespaces.c:1117): Can't dump a pid namespace without the process init",
+    "Error (criu/namespaces.c:460): Can't dump nested time namespace for 25977",
+])
+def test_a_tree_restored_into_its_own_pid_namespace_says_why_it_cannot_be_dumped(tmp_path, line):
+    """The two errors CRIU 4.2 gives for a tree restored with --new-pidns (dumping a process of
+    it, or its ckpt-pidns-init), as seen by hand: a bare "Dumping FAILED" said nothing."""
+    error = failure(tmp_path, "dump", line, "Error (criu/cr-dump.c:1975): Dumping FAILED.")
+    assert isinstance(error, CriuFailed)
+    assert "--new-pidns" in error.hint and "restore it without" in error.hint
