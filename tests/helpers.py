@@ -12,6 +12,8 @@ from pathlib import Path
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).parent.parent
+# Read at import: every test's environment is cleared of CKPT_* settings (conftest.isolated_env).
+WAIT_LOG = os.environ.get("CKPT_TEST_WAIT_LOG")
 
 
 def state(pid: int) -> str | None:
@@ -42,7 +44,7 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: s
 def _log_wait(what: str, waited: float, timeout: float) -> None:
     """With CKPT_TEST_WAIT_LOG set, records how much of its bound each wait used: a wait that
     takes a large share of it on a quiet machine is the next flaky test on a loaded one."""
-    log = os.environ.get("CKPT_TEST_WAIT_LOG")
+    log = WAIT_LOG
     if log:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
         with open(log, "a") as out:
