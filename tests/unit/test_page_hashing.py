@@ -158,18 +158,19 @@ def test_a_page_that_does_not_match_its_id_is_named(tmp_path, monkeypatch):
     image.write_bytes(data)
     store = BlockStore(LocalBackend(tmp_path / "blocks"))
     page_lists, _, _ = store.ingest([image], lambda _: "none")
-    real_pages = blocks._SegmentReader.pages
+    real_view = blocks._SegmentReader.view
 
     def swapped_page(self, key, within, count):
-        chunk = bytearray(real_pages(self, key, within, count))
+        with real_view(self, key, within, count) as pages:
+            chunk = bytearray(pages)
         if within <= 7 < within + count:
             k = 7 - within
             chunk[k * PAGE:(k + 1) * PAGE] = data[8 * PAGE:9 * PAGE]
-        return bytes(chunk)
+        return memoryview(bytes(chunk))
 
-    monkeypatch.setattr(blocks._SegmentReader, "pages", swapped_page)
+    monkeypatch.setattr(blocks._SegmentReader, "view", swapped_page)
     with pytest.raises(blocks.DamagedCheckpoint, match="page 7 does not match its id"):
         store.write_image(image.name, page_lists[image.name], None, check_ids=True)
-    monkeypatch.setattr(blocks._SegmentReader, "pages", real_pages)
+    monkeypatch.setattr(blocks._SegmentReader, "view", real_view)
     store.write_image(image.name, page_lists[image.name], tmp_path / "out.img", check_ids=True)
     assert (tmp_path / "out.img").read_bytes() == data
