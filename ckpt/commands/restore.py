@@ -31,7 +31,7 @@ from ckpt.system.files import can_punch_holes, make_private_dir
 @dataclass
 class RestoreRequest:
     ref: str
-    pid_wait_s: float = 5.0
+    pid_wait_s: float = 10.0
     new_pidns: bool = False
     post_restore_hook: str | None = None
     # Where the tree's pipes and sockets to programs outside it now write: a file, "-" for ckpt's own

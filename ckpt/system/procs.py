@@ -14,6 +14,8 @@ from ckpt.system.procfs import stat_fields
 from ckpt.system.textutil import printable
 
 PF_KTHREAD = 0x00200000
+PF_EXITING = 0x00000004
+SIGKILL_BIT = 1 << (9 - 1)  # of the pending-signal masks in /proc/PID/status
 
 
 @dataclass
@@ -398,16 +400,32 @@ def pid_holder(pid: int) -> str | None:
     return f"'{what}' (PID {tgid}{'' if tgid == pid else f', thread {pid}'})"
 
 
-def wait_for_pids_free(pids: list[int], timeout: float = 5.0, live_grace: float = 1.0) -> None:
-    """Waits while PIDs are held by zombies or exiting processes (parents here reap late);
-    raises PidInUse naming the holder if one is still taken by a live process after
-    live_grace seconds, or by anything after timeout seconds."""
+def is_exiting(pid: int) -> bool:
+    """Whether a process (or thread) that still shows as running is on its way out: it has
+    begun to exit (PF_EXITING), or a SIGKILL is pending for it. A process killed with kill -9
+    keeps its PID for as long as it takes to tear down (a large address space, a CRIU dump
+    letting go of it, a loaded machine): a second or more."""
+    try:
+        if int(stat_fields(pid)[6]) & PF_EXITING:
+            return True
+        with open(f"/proc/{pid}/status") as f:
+            pending = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (OSError, ValueError, IndexError):
+        return True  # gone meanwhile
+    return any(mask & SIGKILL_BIT for mask in pending)
+
+
+def wait_for_pids_free(pids: list[int], timeout: float = 10.0, live_grace: float = 1.0) -> None:
+    """Waits while PIDs are held by zombies or exiting processes (parents here reap late; a
+    process killed with kill -9 takes a while to go); raises PidInUse naming the holder if one
+    is still taken by a live process after live_grace seconds, or by anything after timeout
+    seconds."""
     started = time.monotonic()
     while True:
         taken = [p for p in pids if process_state(p) is not None]
         if not taken:
             return
-        live = [p for p in taken if process_state(p) not in ("Z", "X")]
+        live = [p for p in taken if process_state(p) not in (None, "Z", "X") and not is_exiting(p)]
         waited = time.monotonic() - started
         if waited >= timeout or (live and waited >= live_grace):
             pid = (live or taken)[0]
