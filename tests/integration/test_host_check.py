@@ -149,7 +149,7 @@ def test_a_server_restored_elsewhere_has_its_connections_closed_and_listens_agai
                    what="the restored server to see its connection closed")
     else:
         n = len(read_lines(out))
-        wait_until(lambda: len(read_lines(out)) >= n + 10, what="the client's traffic after the restore")
+        wait_until(lambda: len(read_lines(out)) >= n + 10, timeout=30, what="the client's traffic after the restore")
         assert {line.split()[1] for line in read_lines(out) if line != "EOF"} == {client_port}
         assert f"closed {client_port}" not in read_lines(log)
     assert echo(port, "after") == "after", "the restored listening socket does not accept"

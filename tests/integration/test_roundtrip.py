@@ -289,7 +289,7 @@ def test_server_with_a_live_client_connection_keeps_serving_it(procs, tmp_path):
     n = len(read_lines(out))
     restored = ckpt_json("restore", dumped["id"])
     procs.adopt(restored["pid"])
-    wait_until(lambda: len(read_lines(out)) >= n + 10, what="client traffic through the restored server")
+    wait_until(lambda: len(read_lines(out)) >= n + 10, timeout=30, what="client traffic through the restored server")
     lines = read_lines(out)
     assert "EOF" not in lines and alive(client.pid)
     assert [int(x.split()[0]) for x in lines] == list(range(1, len(lines) + 1))

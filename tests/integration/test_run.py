@@ -39,7 +39,7 @@ def test_killed_command_carries_on_from_the_last_checkpoint(procs, tmp_path):
                            sys.executable, FIXTURES / "counter.py", out, 0.05)
     pid = child_pid(tmp_path)
     procs.pids.add(pid)
-    wait_until(lambda: sum("checkpoint " in e for e in events(tmp_path)) >= 3, what="three checkpoints")
+    wait_until(lambda: sum("checkpoint " in e for e in events(tmp_path)) >= 3, timeout=30, what="three checkpoints")
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: any("killed by signal 9" in e for e in events(tmp_path)), what="the death to be seen")
     written = ints(out)  # the killed counter has written its last value by now
