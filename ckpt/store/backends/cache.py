@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import builtins
+import contextlib
 import errno
 import fcntl
 import os
@@ -424,7 +425,8 @@ class CachingBackend(Backend):
                 path.unlink()
                 usage.add(-size)
         except OSError:
-            path.unlink(missing_ok=True)  # never serve it again, counted or not (eviction recounts)
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)  # never serve it again, counted or not (eviction recounts)
 
     def _drop_count(self, name: str) -> int:
         with self._lock:
