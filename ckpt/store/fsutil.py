@@ -27,10 +27,12 @@ def _owner_name(uid: int) -> str:
         return f"uid {uid}"
 
 
-def check_trusted_dir(path: Path, what: str, follow: bool = False) -> None:
+def check_trusted_dir(path: Path, what: str, follow: bool = False, elsewhere: str | None = None) -> None:
     """Refuses a directory that another user owns or others may write: whoever can write a
     store can plant a checkpoint that its owner restores (code run as that user, as root for
-    root's store). follow=False also refuses a symbolic link."""
+    root's store). follow=False also refuses a symbolic link. elsewhere: how to choose another
+    directory, for one the user chose that is not a store (the cache root: "choose another
+    CKPT_CACHE")."""
     st = os.stat(path) if follow else os.lstat(path)
     me = os.geteuid()
     if stat.S_ISLNK(st.st_mode):
@@ -41,11 +43,13 @@ def check_trusted_dir(path: Path, what: str, follow: bool = False) -> None:
     if st.st_uid != me:
         raise PermissionProblem(f"{what} {path} belongs to {_owner_name(st.st_uid)}, not to {_owner_name(me)} who "
                                 "runs ckpt: its owner could plant a checkpoint that you restore",
-                                hint=f"chown -R {_owner_name(me)} {path}, or choose another store with --store")
+                                hint=f"chown -R {_owner_name(me)} {path}, or "
+                                     f"{elsewhere or 'choose another store with --store'}")
     if st.st_mode & 0o022:
         raise PermissionProblem(f"{what} {path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): they "
                                 "could plant a checkpoint that you restore",
-                                hint=f"chmod go-w {path} (ckpt makes its directories 0700)")
+                                hint=f"chmod 700 {path}, or {elsewhere}" if elsewhere
+                                else f"chmod go-w {path} (ckpt makes its directories 0700)")
 
 
 def check_safe_ancestors(path: Path) -> None:

@@ -214,7 +214,13 @@ class Store:
         root = store_cache_dir(base / "stores", url)  # the cache's blobs/ go beside tmp/ and logs/
         try:
             check_safe_ancestors(base)
-            for directory in (base, base / "stores", root, *(root / sub for sub in LOCAL_SIDE_DIRS)):
+            # The cache root may be a directory the user chose (CKPT_CACHE): made 0700 when
+            # missing, only checked when it exists (never chmod'ed: a 0777 one is refused, as a
+            # store others can write is). What is below it is ckpt's own, and made 0700.
+            if not os.path.isdir(base):
+                make_private_dir(base)
+            check_trusted_dir(base, "the cache directory", follow=True, elsewhere="choose another CKPT_CACHE")
+            for directory in (base / "stores", root, *(root / sub for sub in LOCAL_SIDE_DIRS)):
                 make_private_dir(directory)
                 check_trusted_dir(directory, "the cache directory")
             marker = root / "url"

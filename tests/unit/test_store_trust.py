@@ -101,6 +101,25 @@ def test_a_store_others_can_write_is_refused(tmp_path, mode):
     assert proc.returncode == 4 and "chmod go-w" in proc.stderr and proc.stderr.count("\n") == 1
 
 
+def test_an_existing_cache_root_others_can_write_is_refused_not_chmoded(tmp_path, monkeypatch):
+    """Issue 23: a CKPT_CACHE of mode 0777 was silently made 0700 (by the local side of a remote
+    store); it is refused with the fix instead, and one that ckpt makes is 0700."""
+    chosen = tmp_path / "chosen"
+    chosen.mkdir()
+    os.chmod(chosen, 0o777)
+    monkeypatch.setenv("CKPT_CACHE", str(chosen))
+    with pytest.raises(PermissionProblem, match="writable by others") as info:
+        Store.local_side("s3://bucket/prefix")
+    assert f"chmod 700 {chosen}, or choose another CKPT_CACHE" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert os.lstat(chosen).st_mode & 0o7777 == 0o777, "an existing cache root is only checked"
+    assert os.listdir(chosen) == []
+    made = tmp_path / "a" / "cache"
+    monkeypatch.setenv("CKPT_CACHE", str(made))
+    local = Store.local_side("s3://bucket/prefix")
+    assert local.is_dir() and os.lstat(made).st_mode & 0o7777 == 0o700
+
+
 def test_a_store_directory_replaced_by_a_link_is_refused(tmp_path):
     root = tmp_path / "store"
     Store.open(root, create=True)
