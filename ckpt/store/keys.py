@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from ckpt.errors import KeyNotFound, StoreError, UsageError, WrongPassword
 from ckpt.store.backends.base import Backend, BlobExists, BlobNotFound
-from ckpt.store.backends.encrypted import KEY_LEN, EncryptedBackend
+from ckpt.store.backends.encrypted import KEY_LEN, MAGIC, EncryptedBackend
 
 KEYS_PREFIX = "keys/"
 # scrypt's cost: N=2^15, r=8, p=1 takes 0.13 s and 32 MiB here (N=2^16: 0.26 s). Every
@@ -95,6 +95,23 @@ def _user() -> str:
 def is_encrypted(inner: Backend) -> bool:
     """Whether the store on this (raw) backend is encrypted: it has key files."""
     return bool(inner.list(KEYS_PREFIX))
+
+
+def check_keys_not_lost(inner: Backend) -> None:
+    """Refuses a store on this (raw) backend that was encrypted but has lost every key file:
+    its store.json, always written through the encryption layer, is then an encrypted blob
+    (it starts with the magic of one). Without this check such a store reads as one that is
+    not encrypted."""
+    if is_encrypted(inner):
+        return
+    try:
+        head = bytes(inner.get("store.json", 0, len(MAGIC)))
+    except BlobNotFound:
+        return
+    if head == MAGIC:
+        raise StoreError(f"the store is encrypted but its key files are missing (none in {_where(inner)}): "
+                         "nothing in it can be read without one",
+                         hint=f"put its key files back into {_where(inner)} from a copy")
 
 
 def initialize(inner: Backend, password: bytes, params: KdfParams = KdfParams()) -> tuple[EncryptedBackend, str]:
@@ -165,6 +182,7 @@ def unlock(inner: Backend, password: bytes) -> EncryptedBackend:
     _check_password(password)
     ids = _key_ids(inner)
     if not ids:
+        check_keys_not_lost(inner)
         raise StoreError(f"the store is not encrypted (no key files in {_where(inner)})",
                          hint="open it without a password, or check the store's location")
     unreadable = []

@@ -189,6 +189,7 @@ class Store:
         remote = S3Backend.from_url(url, lock_ttl=settings.current().lock_ttl)
         if not keys.is_encrypted(remote):
             if remote.exists(STORE_META):
+                keys.check_keys_not_lost(remote)
                 raise StoreError(f"the store at {url} is not encrypted; ckpt keeps remote stores encrypted only",
                                  hint="copy its checkpoints into a store made by `ckpt init` (ckpt copy)")
             raise CheckpointNotFound(f"no ckpt store at {url}",

@@ -199,6 +199,30 @@ def test_bad_remote_stores_get_one_line_and_their_exit_code(s3_env, s3_url, tmp_
         assert "Traceback" not in result.stderr
 
 
+def test_a_store_whose_only_key_file_was_deleted_says_so_not_unencrypted(s3_store, s3_server):
+    """Issue 23: with its one key file deleted, an encrypted store was called "not encrypted";
+    its store.json (an encrypted blob) tells it from a store that is not encrypted."""
+    from ckpt.errors import StoreError
+    from ckpt.store import keys
+    from ckpt.store.backends.s3 import S3Backend
+
+    client = s3_server.client()
+    key_files = [key for key in bucket_objects(s3_server, s3_store) if "/keys/" in key]
+    assert len(key_files) == 1
+    client.delete_object(Bucket=S3_BUCKET, Key=key_files[0])
+    proc = ckpt("list", check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "key files are missing" in proc.stderr and "not encrypted" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    with pytest.raises(StoreError, match="key files are missing"):
+        keys.unlock(S3Backend.from_url(s3_store), PASSWORD.encode())
+    # A store.json in plain text, without key files: a store that is not encrypted.
+    prefix = s3_store[len(f"s3://{S3_BUCKET}/"):]
+    client.put_object(Bucket=S3_BUCKET, Key=f"{prefix}/store.json", Body=b'{"format": 2}')
+    plain = ckpt("list", check=False)
+    assert plain.returncode == 1 and "is not encrypted" in plain.stderr, plain.stderr
+
+
 def test_a_schedule_on_an_s3_store_runs_from_crons_bare_environment(s3_url, procs, tmp_path, monkeypatch):
     """cron runs the line with only the variables of the cron file: they must find the server,
     the credentials (a file, never in the world-readable cron file) and the password (a file)."""
