@@ -18,7 +18,8 @@ def translate_os_error(exc: OSError, what: str) -> StoreError | PermissionProble
     return StoreError(f"store I/O error while {what}: {exc.strerror} ({exc.filename})")
 
 
-def _owner_name(uid: int) -> str:
+def owner_name(uid: int) -> str:
+    """The user name of uid, for messages ("uid N" when it has none)."""
     try:
         import pwd
 
@@ -41,9 +42,9 @@ def check_trusted_dir(path: Path, what: str, follow: bool = False, elsewhere: st
     if not stat.S_ISDIR(st.st_mode):
         raise PermissionProblem(f"{what} {path} is not a directory", hint="move it away")
     if st.st_uid != me:
-        raise PermissionProblem(f"{what} {path} belongs to {_owner_name(st.st_uid)}, not to {_owner_name(me)} who "
+        raise PermissionProblem(f"{what} {path} belongs to {owner_name(st.st_uid)}, not to {owner_name(me)} who "
                                 "runs ckpt: its owner could plant a checkpoint that you restore",
-                                hint=f"chown -R {_owner_name(me)} {path}, or "
+                                hint=f"chown -R {owner_name(me)} {path}, or "
                                      f"{elsewhere or 'choose another store with --store'}")
     if st.st_mode & 0o022:
         raise PermissionProblem(f"{what} {path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): they "
@@ -63,7 +64,7 @@ def check_safe_ancestors(path: Path) -> None:
             continue  # made by ckpt itself (0700) when it creates the store
         if st.st_uid not in (0, me):
             raise PermissionProblem(f"the store {path} is inside {ancestor}, which belongs to "
-                                    f"{_owner_name(st.st_uid)}: they could replace the store with their own",
+                                    f"{owner_name(st.st_uid)}: they could replace the store with their own",
                                     hint="choose a store in a directory of yours or root's with --store")
         if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
             raise PermissionProblem(f"the store {path} is inside {ancestor}, which others may write "

@@ -13,6 +13,7 @@ from typing import Callable
 
 from ckpt import settings
 from ckpt.errors import PasswordNeeded, UsageError
+from ckpt.store.fsutil import owner_name
 
 # Set by the CLI when stdin is a terminal: asks for a password (twice when confirm).
 prompt: Callable[[str, bool], str] | None = None
@@ -35,8 +36,9 @@ def password_for(location: str, confirm: bool = False) -> bytes:
 
 
 def read_password_file(path: str | os.PathLike) -> bytes:
-    """The first line of the file, without its line break. A file others may read is refused:
-    whoever reads it can read every checkpoint."""
+    """The first line of the file, without its line break. A file others may read, or that
+    belongs to another user, is refused: whoever reads it can read every checkpoint, and the
+    file's owner can read it or change the password to one they know."""
     try:
         with open(path, "rb") as f:
             info = os.fstat(f.fileno())
@@ -46,6 +48,11 @@ def read_password_file(path: str | os.PathLike) -> bytes:
                          hint="give a readable file with --password-file or CKPT_PASSWORD_FILE") from None
     if not stat.S_ISREG(info.st_mode):
         raise UsageError(f"the password file {path} is not a regular file", hint="give a file holding the password")
+    me = os.geteuid()
+    if info.st_uid != me:
+        raise UsageError(f"the password file {path} belongs to {owner_name(info.st_uid)}, not to {owner_name(me)} "
+                         "who runs ckpt: its owner can read the password",
+                         hint=f"chown {owner_name(me)} {path}, or give a file of yours")
     if info.st_mode & 0o077:
         raise UsageError(f"the password file {path} can be read by others (mode {stat.S_IMODE(info.st_mode):o})",
                          hint=f"chmod 600 {path}")
