@@ -9,6 +9,7 @@ anything: a connection held across a freeze would be a socket to outside the tre
     CHECKPOINT [ID] [NAME]  -> OK <id>          the dump starts once the client has closed
     RESULT <id>             -> CHECKPOINTED <id> | RESTORED <id> | FAILED <reason> | PENDING
     BEGIN [PID]             -> SECTION <token> | BUSY      (BUSY: a dump is under way, ask again)
+                               PID: of the supervised tree, or the connecting process (default)
     END <token>             -> OK
     JOURNAL ...             -> handle_journal()
     anything else           -> ERROR <reason>
@@ -135,6 +136,9 @@ class Supervision(Protocol):
 
     def agent_name(self) -> str | None:
         """Whose journal: the supervised command's --name."""
+
+    def supervised_pid(self) -> int | None:
+        """The root PID of the supervised tree (None before it starts): BEGIN names its PIDs."""
 
 
 SO_PEERCRED_FORMAT = struct.Struct("3i")  # pid, uid, gid
@@ -300,16 +304,26 @@ class Server:
         return self.supervision.result(args[0]), None
 
     def _begin(self, args: list[str], client: Client) -> tuple[str, None]:
-        from ckpt.agent.sections import try_enter
+        from ckpt.agent.sections import tree_of, try_enter
 
         # A shell's section belongs to the shell ($$), not to the socat that connected and is
         # gone a moment later (a marker of a gone process counts for nothing).
         if len(args) > 1 or (args and not args[0].isdigit()):
             return "ERROR BEGIN takes an optional PID", None
-        owner = int(args[0]) if args else client.pid
-        if not os.path.isdir(f"/proc/{owner}"):
-            return f"ERROR no process {owner}", None
-        marker = try_enter(owner, owner, uid=client.uid)
+        pid = int(args[0]) if args else client.pid
+        if not os.path.isdir(f"/proc/{pid}"):
+            return f"ERROR no process {pid}", None
+        # Only the supervised tree's dumps may be held off, not those of any process on the host.
+        root = self.supervision.supervised_pid()
+        if pid != client.pid and (root is None or pid not in tree_of(root)):
+            return (f"ERROR PID {pid} is not in the supervised tree (root PID {root}): BEGIN takes a PID of "
+                    "that tree, or none for the connecting process"), None
+        # The supervisor owns the section: once it is gone (even by SIGKILL, which leaves the
+        # marker behind), the section is void.
+        try:
+            marker = try_enter(pid, pid, uid=client.uid, owner=os.getpid())
+        except ProcessLookupError:
+            return f"ERROR no process {pid}", None
         if marker is None:
             return "BUSY", None
         self.markers[marker.name] = marker

@@ -5,7 +5,9 @@ The two sides meet in SECTIONS_DIR (/run/ckpt/sections, mode 1777 like /tmp), th
 only, so that no descriptor is held across a freeze:
 
 - a thread entering its outermost section creates a marker `<pid>.<tid>.<random>` holding the
-  process's start time (a restored or reused PID has another), then looks for a flag
+  process's start time (a restored or reused PID has another), the boot id, and the section's
+  owner (PID and start time): the process itself, or for `ckpt run`'s BEGIN the supervisor
+  that holds the section on a client's behalf; then it looks for a flag
   `dumping.<P>` for its own PID and every ancestor's; if one exists (and its dumper lives), it
   removes its marker, sleeps 10 ms and tries again. Leaving the outermost section removes the
   marker; nested sections only count in memory, per thread.
@@ -14,8 +16,11 @@ only, so that no descriptor is held across a freeze:
   `ckpt dump --section-timeout`), then freezes; the flag goes once CRIU is done.
 
 Either the thread sees the flag or the dumper sees the marker (both write, then read: Dekker's
-argument), so no thread is inside a section at the freeze. Markers of a process that died in a
-section (its PID gone, or now another process's) and flags of a dumper that died are ignored.
+argument), so no thread is inside a section at the freeze. A marker is void, and ignored (and
+removed by the next dumper that sees it), when its process or its owner is gone: the PID gone
+or now another process's (another start time), or written on another boot. A supervisor killed
+with SIGKILL cannot remove the markers of its BEGINs: their owner ends them. Flags of a dumper
+that died are ignored.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ RETRY_S = 0.01
 # a dumper's flag lasts from before its pre-flight to the end of CRIU's work, seconds at most;
 # one that stays longer is stuck, and a program must not hang on it forever.
 ENTER_WAIT_S = 600.0
+# A marker is written right after it is created; one still empty after this long lost its
+# writer between the two (killed), and counts for nothing.
+EMPTY_MARKER_S = 5.0
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -43,6 +51,15 @@ def _start_ticks(pid: int) -> int | None:
         return int(data[data.rindex(")") + 2:].split()[19])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _boot_id() -> str:
+    # Read at each use, not cached: a process restored on another boot carries the old one in
+    # its memory.
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _parent(pid: int) -> int | None:
@@ -115,10 +132,22 @@ def dump_under_way(pid: int | None = None, directory: Path = SECTIONS_DIR) -> bo
     return False
 
 
-def create_marker(pid: int, tid: int, directory: Path = SECTIONS_DIR, uid: int | None = None) -> Path:
-    """A marker of a section of thread tid of process pid (its content: pid's start time)."""
+def create_marker(pid: int, tid: int, directory: Path = SECTIONS_DIR, uid: int | None = None,
+                  owner: int | None = None) -> Path:
+    """A marker of a section of thread tid of process pid. Its content: pid's start time, the
+    boot id, and the owner's PID and start time (owner: the process whose end ends the section;
+    by default pid itself). Raises ProcessLookupError when another owner, or its pid, is gone."""
     ensure_dir(directory)
     ticks = _start_ticks(pid)
+    if owner is None or owner == pid:
+        # A start time this process cannot read (another PID namespace's /proc) makes an
+        # empty marker, as one being written: its PID means nothing to a dumper there anyway.
+        content = "" if ticks is None else f"{ticks} {_boot_id() or '-'} {pid} {ticks}"
+    else:
+        owner_ticks = _start_ticks(owner)
+        if ticks is None or owner_ticks is None:
+            raise ProcessLookupError(f"no process {pid if ticks is None else owner}")
+        content = f"{ticks} {_boot_id() or '-'} {owner} {owner_ticks}"
     while True:
         path = directory / f"{pid}.{tid}.{secrets.token_hex(4)}"
         try:
@@ -126,7 +155,7 @@ def create_marker(pid: int, tid: int, directory: Path = SECTIONS_DIR, uid: int |
         except FileExistsError:
             continue
         try:
-            os.write(fd, f"{ticks if ticks is not None else ''}\n".encode())
+            os.write(fd, f"{content}\n".encode())
             if uid is not None:
                 os.fchown(fd, uid, -1)
         finally:
@@ -134,10 +163,11 @@ def create_marker(pid: int, tid: int, directory: Path = SECTIONS_DIR, uid: int |
         return path
 
 
-def try_enter(pid: int, tid: int, directory: Path = SECTIONS_DIR, uid: int | None = None) -> Path | None:
+def try_enter(pid: int, tid: int, directory: Path = SECTIONS_DIR, uid: int | None = None,
+              owner: int | None = None) -> Path | None:
     """One attempt at entering a section: the marker, or None if a dump of the process is under
     way (the marker is then removed again)."""
-    marker = create_marker(pid, tid, directory, uid)
+    marker = create_marker(pid, tid, directory, uid, owner)
     # The marker exists before the flags are read: a dumper that created its flag after this
     # read finds the marker and waits.
     if dump_under_way(pid, directory):
@@ -179,28 +209,38 @@ def no_checkpoint(directory: Path = SECTIONS_DIR) -> Iterator[None]:
 
 # ---- the dumper's side ----------------------------------------------------------------------
 
-def _marker_is_live(path: Path, pid: int) -> bool:
-    """A marker counts while its process is the one that made it (same start time), and was made
-    by that process's user (or root, for `ckpt run`'s BEGIN on a client's behalf)."""
+def _marker_is_live(path: Path, pid: int) -> bool | None:
+    """Whether a marker counts: True while its process is the one that made it (same start time,
+    same boot) and its owner too, and it was made by that process's user (or root, for `ckpt
+    run`'s BEGIN on a client's behalf); None while it is being written (empty, and new); False
+    when it is void for good."""
     try:
         st = path.lstat()
-        owner = os.stat(f"/proc/{pid}").st_uid
-        text = path.read_text().strip()
+        owner_uid = os.stat(f"/proc/{pid}").st_uid
+        text = path.read_text().split()
     except OSError:
         return False
-    if st.st_uid not in (owner, 0):
+    if st.st_uid not in (owner_uid, 0):
         return False
     if not text:
-        return True  # being written
+        return None if time.time() - st.st_mtime < EMPTY_MARKER_S else False
     try:
-        return _start_ticks(pid) == int(text)
+        ticks = int(text[0])
+        boot = text[1] if len(text) > 1 else None
+        owner, owner_ticks = (int(text[2]), int(text[3])) if len(text) > 3 else (pid, ticks)
     except ValueError:
         return False
+    if _start_ticks(pid) != ticks:
+        return False
+    if boot not in (None, "-") and boot != _boot_id():
+        return False
+    return owner == pid or _start_ticks(owner) == owner_ticks
 
 
 def open_sections(tree_pids: set[int], directory: Path = SECTIONS_DIR) -> list[int]:
-    """The PIDs of the tree with a live marker (each once, in marker order); removes the markers
-    of processes that are gone, the tree's or not (nobody else cleans them up)."""
+    """The PIDs of the tree with a live marker (each once, in marker order); removes the void
+    markers (their process or their owner gone: kill -9 of a program in its section, or of the
+    `ckpt run` that held a BEGIN), the tree's or not: nobody else cleans them up."""
     try:
         names = sorted(os.listdir(directory))
     except OSError:
@@ -213,15 +253,17 @@ def open_sections(tree_pids: set[int], directory: Path = SECTIONS_DIR) -> list[i
             pid = int(name.split(".", 1)[0])
         except ValueError:
             continue
-        path = directory / name
-        if pid not in tree_pids or pid in found:
-            if pid not in tree_pids and _start_ticks(pid) is None:
-                path.unlink(missing_ok=True)  # its process died inside the section (kill -9)
+        if pid in found:
             continue
-        if _marker_is_live(path, pid):
-            found.append(pid)
-        elif _start_ticks(pid) is None:
-            path.unlink(missing_ok=True)
+        path = directory / name
+        live = _marker_is_live(path, pid)
+        if live is False:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass  # not ours to remove (a dumper that is not root): it counts for nothing anyway
+        elif pid in tree_pids:
+            found.append(pid)  # live, or being written: its writer reads the flag next
     return found
 
 

@@ -115,6 +115,9 @@ class Supervisor:
     def agent_name(self) -> str | None:
         return self.request.name
 
+    def supervised_pid(self) -> int | None:
+        return self.pid
+
     def _event(self, kind: str, **fields) -> None:
         self.on_event({"event": kind, "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
                        **fields})

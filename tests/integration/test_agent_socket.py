@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FIXTURES, ROOT, ckpt, read_lines, wait_until
+from tests.helpers import FIXTURES, ROOT, alive, ckpt, read_lines, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("socat") is None, reason="socat is missing: make setup installs it")
 
@@ -131,3 +131,73 @@ sleep 600
 
     entry = StoreJournal(Store.open(Path(os.environ["CKPT_STORE"])).backend, "mailer").entry("send-mail-7")
     assert entry is not None and entry.done and entry.outcome == "sent id=42"
+
+
+SAY = "say() { printf '%s\\n' \"$1\" | socat -t 5 - \"UNIX-CONNECT:$CKPT_SOCKET\"; }\n"
+
+
+def markers_of(pid: int) -> list[str]:
+    return [p.name for p in Path("/run/ckpt/sections").glob(f"{pid}.*")]
+
+
+def test_begin_of_a_pid_outside_the_supervised_tree_is_refused(procs, tmp_path):
+    """BEGIN holds off the dumps of the supervised tree only: a PID outside it (PID 1, any
+    other process on the host) gets one ERROR line and no section, and its dumps go on; a PID
+    of the tree, and the connecting process, still get their sections."""
+    foreign = procs.start_program(["sleep", "600"], "foreign")
+    replies = tmp_path / "replies"
+    replies.mkdir()
+    script = tmp_path / "begin.sh"
+    script.write_text("#!/bin/bash\n" + SAY +
+                      "say 'BEGIN 1' > \"$1/init\"\n"
+                      "say \"BEGIN $2\" > \"$1/foreign\"\n"
+                      "say \"BEGIN $$\" > \"$1/own\"\n"
+                      "say 'BEGIN' > \"$1/connecting\"\n"
+                      "touch \"$1/done\"\n"
+                      "sleep 600\n")
+    script.chmod(0o755)
+    init_markers = markers_of(1)  # none, unless something on this host holds one
+    supervisor = start_run(tmp_path, procs, "--every", "1h", "--", script, replies, foreign.pid)
+    pid = wait_until(lambda: [e for e in events(tmp_path) if e["event"] == "started"], what="start")[0]["pid"]
+    procs.pids.add(pid)
+    wait_until((replies / "done").exists, timeout=30, what="the replies")
+
+    for name, refused in (("init", 1), ("foreign", foreign.pid)):
+        reply = (replies / name).read_text()
+        assert reply == f"ERROR PID {refused} is not in the supervised tree (root PID {pid}): BEGIN takes a PID " \
+                        "of that tree, or none for the connecting process\n", (name, reply)
+    assert markers_of(1) == init_markers and markers_of(foreign.pid) == []
+    own = (replies / "own").read_text()
+    assert own.startswith("SECTION ") and markers_of(pid) == [own.split()[1]]
+    assert (replies / "connecting").read_text().startswith("SECTION ")
+    # What the issue saw: every dump of the foreign process failed with exit 7.
+    proc = ckpt("dump", foreign.pid, "--section-timeout", "1", "--store", tmp_path / "foreign-store", check=False)
+    assert proc.returncode == 0, proc.stderr
+
+    supervisor.send_signal(signal.SIGTERM)  # its sections end with it
+    assert supervisor.wait(timeout=15) == 128 + signal.SIGTERM
+    assert markers_of(pid) == []
+
+
+def test_a_section_of_a_killed_supervisor_does_not_block_a_dump(procs, tmp_path):
+    """kill -9 of `ckpt run` leaves the markers of its BEGINs behind; the supervisor owned them,
+    so they are void: a later dump of the process that held the section is not held off (and
+    removes them)."""
+    script = tmp_path / "held.sh"
+    script.write_text("#!/bin/bash\n" + SAY + "say \"BEGIN $$\" > \"$1.tmp\" && mv \"$1.tmp\" \"$1\"\nexec sleep 600\n")
+    script.chmod(0o755)
+    reply = tmp_path / "begin.reply"
+    supervisor = start_run(tmp_path, procs, "--every", "1h", "--", script, reply)
+    pid = wait_until(lambda: [e for e in events(tmp_path) if e["event"] == "started"], what="start")[0]["pid"]
+    procs.pids.add(pid)
+    token = wait_until(lambda: read_lines(reply), timeout=30, what="the BEGIN reply")[0]
+    assert token.startswith("SECTION "), token
+    supervisor.send_signal(signal.SIGKILL)
+    supervisor.wait(timeout=10)
+    Path(f"/run/ckpt/run/{supervisor.pid}.sock").unlink(missing_ok=True)  # SIGKILL leaves it behind
+    assert Path("/run/ckpt/sections", token.split()[1]).exists() and alive(pid)
+
+    proc = ckpt("dump", pid, "--section-timeout", "1", "--json", check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "no_checkpoint() section" not in proc.stderr
+    assert markers_of(pid) == []
