@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ckpt import settings as settings_module
-from ckpt.agent import results
+from ckpt.agent import arguments, results
 from ckpt.errors import CheckpointCancelled, CheckpointFailed, CkptError, ExitCode
 from ckpt.store import ids
 from ckpt.system import procfs
@@ -96,7 +96,11 @@ def checkpoint(name: str | None = None, store: str | Path | None = None) -> Chec
 
     Any thread may call it; the others keep running until the freeze. It blocks for the
     start-up of `ckpt dump` (~0.3 s) and the dump: from asyncio, call it in a thread
-    (`await asyncio.to_thread(ckpt.checkpoint)`), not on the event loop."""
+    (`await asyncio.to_thread(ckpt.checkpoint)`), not on the event loop.
+
+    Raises TypeError when name is not a str (or None), or store not a str or path (or None)."""
+    name = arguments.optional_str(name, "ckpt.checkpoint(): name")
+    store = arguments.optional_store(store, "ckpt.checkpoint(): store")
     if name is not None:
         ids.check_name(name)
     location = str(settings_module.store_from_flag(store)) if store is not None else None

@@ -36,6 +36,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from ckpt import settings
+from ckpt.agent import arguments
 from ckpt.errors import CkptError, OutcomeUnknown, UsageError
 from ckpt.store import Store
 from ckpt.store.journal import Entry, Journal as StoreJournal, check_agent
@@ -62,13 +63,16 @@ class Journal:
     value but None."""
 
     def __init__(self, agent: str | None = None, store: str | Path | None = None):
-        self._agent = agent
-        self._location = store
+        self._agent = arguments.optional_str(agent, "Journal(): agent")
+        self._location = arguments.optional_store(store, "Journal(): store")
         self._opened: tuple[object, str, StoreJournal] | None = None
 
     def use(self, agent: str | None = None, store: str | Path | None = None) -> Journal:
         """Names the agent (its checkpoints' name) and/or the store (a directory or an s3://
-        URL), instead of CKPT_NAME and CKPT_STORE; what is not given stays. Returns the journal."""
+        URL), instead of CKPT_NAME and CKPT_STORE; what is not given stays. Returns the journal.
+        Raises TypeError for an agent that is not a str, or a store not a str or path."""
+        agent = arguments.optional_str(agent, "journal.use(): agent")
+        store = arguments.optional_store(store, "journal.use(): store")
         if agent is not None:
             self._agent = check_agent(agent)
         if store is not None:
