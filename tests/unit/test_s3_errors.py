@@ -14,6 +14,7 @@ import pytest
 from ckpt.errors import DiskFull, ExitCode, StoreAccessDenied, StoreNotFound, StoreUnreachable, UsageError
 from ckpt.store.backends.s3 import S3Backend
 from tests.conftest import S3_BUCKET
+from tests.helpers import ROOT
 from tests.s3server import WeedServer
 
 
@@ -233,3 +234,19 @@ def test_a_full_bucket_quota_is_a_full_disk(proxy, s3_url, status, code):
         backend.put("objects/ab/full", b"data")
     assert info.value.exit_code == ExitCode.ERROR and "prune" in (info.value.hint or "")
     one_line(info.value)
+
+
+def test_a_full_bucket_answered_500_internal_error_is_exit_9_as_the_readme_says(proxy, s3_url):
+    """Issue 23: a server that reports a full bucket as 500 InternalError cannot be told from
+    one failing for a while: exit 9 (try again later), not the 1 of a quota error. The README's
+    table of exit codes says so."""
+    backend = S3Backend.from_url(s3_url, attempts=2)
+    backend.exists("objects/ab/x")
+    proxy.refuse_puts = (500, b"<Error><Code>InternalError</Code><Message>disk full</Message></Error>")
+    with pytest.raises(StoreUnreachable, match="InternalError") as info:
+        backend.put("objects/ab/full", b"data")
+    assert info.value.exit_code == ExitCode.UNREACHABLE == 9
+    one_line(info.value)
+    readme = (ROOT / "README.md").read_text().splitlines()
+    row = next(line for line in readme if line.startswith("| 9 |"))
+    assert "full bucket" in row and "500 InternalError" in row, row
