@@ -1,7 +1,7 @@
 import typer
 
 from ckpt.cli.options import DryRunOption, JsonOption, QuietOption, StoreOption, open_store
-from ckpt.cli.output import emit_json, human_bytes, stderr
+from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr
 from ckpt.commands.prune import prune
 
 HELP = """Reclaim the space of data no checkpoint references any more.
@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
     @app.command("prune", help=HELP)
     def prune_command(store: StoreOption = None, dry_run: DryRunOption = False, json_out: JsonOption = False,
                       quiet: QuietOption = False) -> None:
-        result = prune(open_store(store, create=False), dry_run=dry_run)
+        result = prune(open_store(store, create=False), dry_run=dry_run, reporter=CliReporter(quiet=quiet))
         if json_out:
             emit_json(result)
             return

@@ -3,7 +3,7 @@ from typing import Annotated
 import typer
 
 from ckpt.cli.options import DryRunOption, JsonOption, QuietOption, StoreOption, open_store
-from ckpt.cli.output import emit_json, human_bytes, stderr
+from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr
 from ckpt.commands.rm import remove
 
 HELP = """Remove checkpoints and reclaim the space no remaining checkpoint uses.
@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOption = False,
         quiet: QuietOption = False,
     ) -> None:
-        result = remove(open_store(store, create=False), refs, dry_run=dry_run)
+        result = remove(open_store(store, create=False), refs, dry_run=dry_run, reporter=CliReporter(quiet=quiet))
         if json_out:
             emit_json(result)
             return

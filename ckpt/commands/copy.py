@@ -25,6 +25,7 @@ import blake3
 import zstandard
 
 from ckpt import settings
+from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.errors import CheckpointNotFound, CkptError, DamagedCheckpoint, StoreError, UsageError
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
@@ -130,6 +131,7 @@ def _copy(source: Store, dest: Store, checkpoint_ids: list[str], reporter: Repor
             except (DamagedCheckpoint, CheckpointNotFound) as exc:
                 reporter.warn(f"{checkpoint_id} not copied: {exc}")
                 report.results.append(CopyResult(checkpoint_id, "failed", error=str(exc)))
+    tell_copies_read_again(source, reporter)
     return report
 
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import time
 
+from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.phases import phase
+from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Store
 from ckpt.store.prune import execute_prune, sweep_and_plan
 
 
-def prune(store: Store, dry_run: bool = False) -> dict:
+def prune(store: Store, dry_run: bool = False, reporter: Reporter = NullReporter()) -> dict:
     started = time.monotonic()
     with store.lock(exclusive=True):
         plan = sweep_and_plan(store)
         if not dry_run:
             phase("prune.planned")
             execute_prune(store, plan)
+    tell_copies_read_again(store, reporter)
     return {**plan.to_json(), "dry_run": dry_run, "duration_ms": round((time.monotonic() - started) * 1000, 1)}

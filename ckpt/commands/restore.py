@@ -16,6 +16,7 @@ from ckpt.criu.binary import find_criu
 from ckpt.criu.client import CriuClient
 from ckpt.dump.dump_options import DumpOptions
 from ckpt.errors import HookFailed, UsageError
+from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore import hostcheck
@@ -84,6 +85,7 @@ def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Report
         images_dir: Path | None
         images_dir, lazy, plan, host = _lay_out_images(store, manifest, request, binary, reporter)
         phase("restore.materialized")
+        tell_copies_read_again(store, reporter)
         inherit: list[tuple[str, int]] = []
         server = None
         try:

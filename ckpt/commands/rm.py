@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.phases import phase
+from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Store
 from ckpt.store.prune import collect_garbage
 
 
-def remove(store: Store, refs: list[str], dry_run: bool = False) -> dict:
+def remove(store: Store, refs: list[str], dry_run: bool = False, reporter: Reporter = NullReporter()) -> dict:
     """Resolves every reference first (all or nothing), then removes the manifests and collects garbage."""
     with store.lock(exclusive=True):
         checkpoint_ids = []
@@ -20,4 +22,5 @@ def remove(store: Store, refs: list[str], dry_run: bool = False) -> dict:
         store.remove(checkpoint_ids)
         phase("rm.removed")
         objects, freed = collect_garbage(store)
+    tell_copies_read_again(store, reporter)
     return {"removed": checkpoint_ids, "dry_run": False, "objects_removed": objects, "bytes_freed": freed}

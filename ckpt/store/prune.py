@@ -20,12 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import blake3
-import xxhash
 
-from ckpt.errors import DamagedBlob, StoreError
+from ckpt.errors import DamagedCheckpoint, StoreError
 from ckpt.phases import phase
 from ckpt.store import journal
-from ckpt.store.backends import BlobInfo, BlobNotFound
+from ckpt.store.backends import BlobInfo
 from ckpt.store.blocks.blockstore import BlockStore
 from ckpt.store.blocks.index import BlockIndex, render_index
 from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, Segment, pack_name, segment_key, split_location
@@ -194,14 +193,13 @@ def _execute(store: Store, plan: PrunePlan) -> None:
         backend.delete([pack_name(pack) for pack in plan.dead_files_packs])
     if plan.rewrite_index:
         try:
-            new_index, segments = _write_new_index(blocks, index, plan, set(plan.repack))
-            repacked = plan.repack
+            new_index, segments, kept = _write_new_index(blocks, index, plan, set(plan.repack))
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not plan.repack:
                 raise
             # No room for the copies: drop what is dead, leave the packs to repack as they are.
-            new_index, segments = _write_new_index(blocks, index, plan, set())
-            repacked = []
+            new_index, segments, kept = _write_new_index(blocks, index, plan, set())
+        repacked = [pack for pack in plan.repack if pack not in kept]
         backend.delete([INDEX_PREFIX + name for name in old_index_files if name != new_index])
         _delete(backend, [pack_name(pack) for pack in plan.drop_packs + repacked])
         blocks.drop_stale_markers({(s.pack, s.offset) for s in segments})
@@ -218,51 +216,54 @@ def _delete(backend, names: list[str]) -> None:
 
 
 def _write_new_index(blocks: BlockStore, index: BlockIndex, plan: PrunePlan, repack: set[str]
-                     ) -> tuple[str, list[Segment]]:
+                     ) -> tuple[str, list[Segment], set[str]]:
     """Steps 1 and 2: copies the live segments of the packs in `repack` into a new pack, then
-    writes one index file naming every live page. Returns its name ("" if nothing is live)
-    and its segments. On failure the new pack is removed: no index names it yet, and on a
-    full disk it would hold the space step 0 freed."""
+    writes one index file naming every live page. Returns its name ("" if nothing is live),
+    its segments, and the packs of `repack` to keep as they are. On failure the new pack is
+    removed: no index names it yet, and on a full disk it would hold the space step 0 freed.
+
+    Every segment copied is checked against its checksum first (a damaged copy in a remote
+    store's cache is read again from the store itself). A segment whose bytes in the store
+    are damaged (or gone) is never copied: it stays where it is, recorded as damaged, and so
+    does its pack, so that nothing damaged is ever written and no original is deleted
+    unless every byte copied out of it was verified."""
     backend = blocks.backend
     new_pack = secrets.token_hex(16)
     segments: list[Segment] = []
     seg_no: dict = {}
+    kept: set[str] = set()
     out = None
     offset = 0
+    reader = blocks.page_reader()
     try:
         for key in plan.live_segments:
             seg = index.segment_list[key]
             if seg.pack in repack:
-                if out is None:
-                    out = backend.writer(pack_name(new_pack))
                 try:
-                    data = backend.get(pack_name(seg.pack), seg.offset, seg.length)
-                except (BlobNotFound, DamagedBlob):  # DamagedBlob: an encrypted store's, failing authentication
-                    data = b""
-                # Checked on the way: a segment of a pack with recorded damage is trusted at
-                # its new place only if it is intact; one cut short is padded to its length,
-                # so that the segments after it stay where the new index says they are.
-                intact = len(data) == seg.length and xxhash.xxh3_128_digest(data) == seg.checksum
-                out.write(data + bytes(seg.length - len(data)))  # as stored: no re-encoding
-                phase("prune.repacking")
-                seg = Segment(new_pack, offset, seg.length, seg.pages, seg.codec, seg.checksum)
-                offset += seg.length
-                if key in index.damaged or not intact:  # the only copy of a live page: still damaged
-                    blocks.record_damage(seg)
+                    data = reader.stored(key)  # as stored: no re-encoding
+                except DamagedCheckpoint:
+                    kept.add(seg.pack)
+                else:
+                    if out is None:
+                        out = backend.writer(pack_name(new_pack))
+                    out.write(data)
+                    phase("prune.repacking")
+                    seg = Segment(new_pack, offset, seg.length, seg.pages, seg.codec, seg.checksum)
+                    offset += seg.length
             seg_no[key] = len(segments)
             segments.append(seg)
         if out is not None:
             out.commit()
         phase("prune.before-index")
         if not segments:
-            return "", segments
+            return "", segments, kept
         live = [page for page in plan.live_pages if page in index.pages]
         data = render_index(segments, b"".join(live), [seg_no[segment_key(index.pages[page])] for page in live],
                             [split_location(index.pages[page])[1] for page in live])
         name = blake3.blake3(data).hexdigest()
         backend.put(INDEX_PREFIX + name, data)
         phase("prune.index-written")
-        return name, segments
+        return name, segments, kept
     except BaseException:
         if out is not None:
             out.abort()
@@ -271,3 +272,5 @@ def _write_new_index(blocks: BlockStore, index: BlockIndex, plan: PrunePlan, rep
         except OSError:
             pass  # the next prune reclaims it (no index names it)
         raise
+    finally:
+        reader.close()

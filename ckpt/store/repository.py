@@ -244,6 +244,11 @@ class Store:
             return remote
         return CachingBackend(remote, current.cache / "stores", url, cap)
 
+    def copies_read_again(self) -> list[str]:
+        """The blobs whose copy in the local cache failed its check during this command and
+        were read again from the store itself (which was intact)."""
+        return self.backend.copies_read_again()
+
     def uncached(self) -> Store:
         """The same store read past the local cache: what `verify` checks is the remote copy."""
         from ckpt.store.backends.cache import CachingBackend

@@ -311,3 +311,99 @@ def test_copy_to_s3_survives_the_server_going_away_mid_upload(procs, tmp_path, m
         assert report(pid, out)[0] == expected
     finally:
         server.stop()
+
+
+def rot_cached_packs(cache: Path) -> int:
+    """Flips a byte every 64 KiB of every pack copied in the cache (bit rot on this host's
+    disk); returns how many copies it damaged."""
+    copies = [path for path in cache.rglob("*") if path.is_file() and not path.name.startswith(".")
+              and "packs" in path.relative_to(cache).parts]
+    for path in copies:
+        data = bytearray(path.read_bytes())
+        for at in range(0, len(data), 64 << 10):
+            data[at] ^= 0xFF
+        path.write_bytes(bytes(data))
+    return len(copies)
+
+
+# Holds 24 MiB of random data; SIGUSR2 rewrites its first half (whole segments of its first
+# checkpoint's pack go dead once that checkpoint is removed: prune repacks the pack), SIGUSR1
+# reports its checksum.
+HALF_REWRITER = """
+import hashlib, os, signal, sys, time
+out, data = sys.argv[1], bytearray(os.urandom(24 << 20))
+def write(line):
+    with open(out, "a") as f:
+        f.write(line + "\\n")
+def rewrite(*_):
+    data[:12 << 20] = os.urandom(12 << 20)
+    write("rewrote")
+signal.signal(signal.SIGUSR1, lambda *_: write("sum " + hashlib.blake2b(data).hexdigest()))
+signal.signal(signal.SIGUSR2, rewrite)
+write("ready")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_damaged_cache_copies_never_reach_the_bucket_nor_fail_a_command(s3_store, s3_server, procs, tmp_path,
+                                                                        monkeypatch):
+    """Issue 23, 1-2: with every cached pack rotten, rm, forget --prune and prune (rm repacks
+    the first checkpoint's pack: copies its live segments out, then deletes it) write nothing
+    damaged and delete no intact original: the bucket verifies clean from an empty cache and
+    the checkpoints left restore whole. restore and copy succeed at the first attempt and
+    say why."""
+    monkeypatch.setenv("CKPT_LOCK_TTL", "1")  # prune's safety margin for young blobs: 2 s
+    cache, out = tmp_path / "cache", tmp_path / "mem.txt"
+    mem = procs.start_program([sys.executable, "-c", HALF_REWRITER, str(out)], "half-rewriter")
+    wait_until(lambda: "ready" in read_lines(out), timeout=30, what="the half rewriter")
+
+    def count(what: str) -> int:
+        return sum(line.startswith(what) for line in read_lines(out))
+
+    def checksum(pid: int) -> str:
+        before = count("sum")
+        os.kill(pid, signal.SIGUSR1)
+        wait_until(lambda: count("sum") > before, timeout=60, what="a checksum")
+        return [line.split()[1] for line in read_lines(out) if line.startswith("sum")][-1]
+
+    ids, sums = [], []
+    for round_ in range(4):
+        if round_:
+            os.kill(mem.pid, signal.SIGUSR2)
+            wait_until(lambda round_=round_: count("rewrote") == round_, timeout=30, what="a rewrite")
+        sums.append(checksum(mem.pid))
+        ids.append(ckpt_json("dump", mem.pid, "--name", "rot")["id"])
+    procs.kill_tree(mem.pid)
+    time.sleep(2.5)  # past the safety margin
+
+    def packs() -> set[str]:
+        return {key for key in bucket_objects(s3_server, s3_store) if "/packs/" in key}
+
+    before = packs()
+    assert rot_cached_packs(cache) >= 1
+    removed = ckpt("rm", ids[0])
+    assert "fetched again from the store" in removed.stderr, removed.stderr
+    after = packs()
+    assert before - after and after - before, "rm repacked nothing: the test lost its point"
+    rot_cached_packs(cache)
+    time.sleep(2.5)
+    assert ckpt("forget", "--name", "rot", "--keep-last", "2", "--prune").returncode == 0
+    rot_cached_packs(cache)
+    assert ckpt("prune").returncode == 0
+    assert [c["id"] for c in ckpt_json("list")] == ids[2:]
+
+    verified = ckpt("verify", "--all", check=False, env={"CKPT_CACHE": str(tmp_path / "fresh-cache")})
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert not [key for key in bucket_objects(s3_server, s3_store) if "/damaged/" in key]
+
+    assert rot_cached_packs(cache) >= 1
+    restored = ckpt("restore", ids[2], "--eager", "--json")
+    assert "fetched again from the store" in restored.stderr, restored.stderr
+    procs.adopt(json.loads(restored.stdout)["pid"])
+    assert checksum(json.loads(restored.stdout)["pid"]) == sums[2]
+
+    rot_cached_packs(cache)
+    copied = ckpt("copy", ids[3], "--to", str(tmp_path / "backup"))
+    assert "fetched again from the store" in copied.stderr, copied.stderr
+    assert ckpt("verify", "--all", "--store", str(tmp_path / "backup")).returncode == 0

@@ -119,6 +119,13 @@ class RangeReader:
         costs nothing, and copy_to() copies without passing the bytes through Python."""
         return False
 
+    def read_again(self, name: str) -> bool:
+        """Called when bytes read from the blob failed their check: drops any local copy the
+        session read them from (the cache of a remote store), so that its next reads come
+        from the store itself. Whether there was one: only then can reading again tell damage
+        in the copy from damage in the store. This default reads the store itself: False."""
+        return False
+
     def copy_to(self, name: str, offset: int, length: int, fd: int) -> int:
         """Writes length bytes from offset to the file descriptor; returns how many there
         were (fewer where the blob ends)."""
@@ -236,6 +243,17 @@ class Backend(abc.ABC):
 
     def reader(self) -> RangeReader:
         return RangeReader(self)
+
+    def drop_copy(self, name: str) -> bool:
+        """Drops a local copy of the blob kept in front of the store (a cache) whose bytes
+        failed their check, so that the next reads come from the store itself; whether there
+        was one. The store's own blob is never touched. This default keeps no copies."""
+        return False
+
+    def copies_read_again(self) -> builtins.list[str]:
+        """The blobs whose local copy this backend dropped as damaged and read again from the
+        store, for the command to tell the user (the store itself was intact)."""
+        return []
 
     def where(self, name: str) -> str:
         """Where the blob lives, for messages (a path, a URL)."""

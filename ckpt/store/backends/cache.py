@@ -143,6 +143,7 @@ class CachingBackend(Backend):
         self._checked: set[str] = set()  # names whose cached copy this process checked
         self._drops: dict[str, int] = {}  # names whose cached copy this process dropped, and how often
         self._sizes: dict[str, int] = {}  # sizes of blobs read in ranges (immutable: asked once)
+        self._read_again: set[str] = set()  # names whose copy failed a reader's check (drop_copy)
         self._prepare()
         self._local = LocalBackend(self.directory)
 
@@ -256,6 +257,24 @@ class CachingBackend(Backend):
 
     def reader(self) -> RangeReader:
         return _CachingReader(self)
+
+    def drop_copy(self, name: str) -> bool:
+        if not _cached(name) or self.max_bytes == 0:
+            return False
+        try:
+            present = os.path.lexists(self._path(name))
+        except ValueError:
+            return False
+        if not present:
+            return False
+        self._drop(name)
+        with self._lock:
+            self._read_again.add(name)
+        return True
+
+    def copies_read_again(self) -> builtins.list[str]:
+        with self._lock:
+            return sorted(self._read_again)
 
     # ---- deleting and locking: the remote store's -----------------------------------------
 
@@ -765,6 +784,15 @@ class _CachingReader(RangeReader):
                 data = data[os.write(fd, data):]
             self._assemble(name, offset, view)
             return len(view)
+
+    def read_again(self, name: str) -> bool:
+        """The copy this session read (or the one in the cache) is dropped; the next read
+        downloads the blob afresh (whole if small, else range by range). A range being put
+        together from the remote store's bytes is kept: those did not come from a copy."""
+        held = self._local.pop(name, None)
+        if held is not None:
+            held[0].close()
+        return self._cache.drop_copy(name) or held is not None
 
     def _assemble(self, name: str, offset: int, view: memoryview) -> None:
         if name in self._remote_only or not _cached(name) or not len(view):

@@ -806,6 +806,10 @@ class PageReader:
     def __init__(self, reader: _SegmentReader):
         self.reader = reader
 
+    def stored(self, key: int) -> bytes:
+        """Segment key's bytes as stored, checked (see _SegmentReader.stored)."""
+        return self.reader.stored(key)
+
     def read(self, locations: Sequence[int]) -> bytes:
         """The pages at these locations, one after the other (runs within a segment are read at once)."""
         parts = []
@@ -871,25 +875,52 @@ class _SegmentReader:
         return DamagedCheckpoint(message)
 
     def _stored(self, seg: Segment) -> memoryview:
-        """The segment's stored bytes (locally, a view of the mapped pack: no copy)."""
+        """The segment's stored bytes (locally, a view of the mapped pack: no copy); raises
+        DamagedCheckpoint, not recorded yet (see _checked_stored)."""
         try:
             size = self.ranges.size(pack_name(seg.pack))
         except BlobNotFound:
-            raise self._damaged(seg, f"pack {seg.pack} is missing from the store") from None
+            raise DamagedCheckpoint(f"pack {seg.pack} is missing from the store") from None
         if size == 0:
-            raise self._damaged(seg, f"pack {seg.pack} is empty")
+            raise DamagedCheckpoint(f"pack {seg.pack} is empty")
         if seg.offset + seg.length > size:
-            raise self._damaged(seg, f"pack {seg.pack} is damaged at offset {seg.offset} (truncated)")
+            raise DamagedCheckpoint(f"pack {seg.pack} is damaged at offset {seg.offset} (truncated)")
         try:
             return self.ranges.read(pack_name(seg.pack), seg.offset, seg.length)
         except DamagedBlob as exc:  # an encrypted store: the chunk holding it fails authentication
-            raise self._damaged(seg, f"pack {seg.pack} is damaged at offset {seg.offset} ({exc.message})") from None
+            raise DamagedCheckpoint(f"pack {seg.pack} is damaged at offset {seg.offset} ({exc.message})") from None
 
-    def _check(self, key: int, seg: Segment, stored) -> None:
+    def _checked_stored(self, key: int, seg: Segment) -> memoryview:
+        """The segment's stored bytes, checked against its checksum (once per session). Bytes
+        that fail and came from a local copy of the pack (the cache of a remote store, whose
+        disk may rot) are read again from the store itself within the same command: only
+        damage in the store is recorded (a marker every host sees) and raised."""
+        try:
+            return self._stored_and_checked(key, seg)
+        except DamagedCheckpoint:
+            if not self.ranges.read_again(pack_name(seg.pack)):
+                self.blocks.record_damage(seg)
+                raise
+        try:
+            return self._stored_and_checked(key, seg)
+        except DamagedCheckpoint:
+            self.blocks.record_damage(seg)
+            raise
+
+    def _stored_and_checked(self, key: int, seg: Segment) -> memoryview:
+        stored = self._stored(seg)
         if key not in self.checked:
             if xxhash.xxh3_128_digest(stored) != seg.checksum:
-                raise self._damaged(seg, f"pack {seg.pack} is damaged at offset {seg.offset}")
+                stored.release()
+                raise DamagedCheckpoint(f"pack {seg.pack} is damaged at offset {seg.offset}")
             self.checked.add(key)
+        return stored
+
+    def stored(self, key: int) -> bytes:
+        """The segment's bytes as stored (encoded), checked against its checksum: what a
+        prune copies into a new pack. DamagedCheckpoint (recorded) if the store's are damaged."""
+        with self._checked_stored(key, self.index.segment_list[key]) as stored:
+            return bytes(stored)
 
     def _segment(self, key: int, within: int, count: int) -> Segment:
         seg = self.index.segment_list[key]
@@ -904,14 +935,10 @@ class _SegmentReader:
         if held is not None:
             self.held.move_to_end(key)
             return held
-        stored = self._stored(seg)
+        stored = self._checked_stored(key, seg)
         try:
-            self._check(key, seg, stored)
             if seg.codec != CODECS["none"]:
                 held = memoryview(_decode(seg.codec, bytes(stored)))
-        except DamagedCheckpoint:
-            stored.release()
-            raise
         except Exception as exc:  # any decoder error means the same: damaged data
             stored.release()
             raise self._damaged(seg, f"pack {seg.pack}: segment at {seg.offset} cannot be decoded ({exc})") from exc
@@ -940,13 +967,8 @@ class _SegmentReader:
     def check(self, key: int, within: int, count: int) -> None:
         """Checks the segment's checksum without decoding or copying it."""
         seg = self._segment(key, within, count)
-        if key in self.checked:
-            return
-        stored = self._stored(seg)
-        try:
-            self._check(key, seg, stored)
-        finally:
-            stored.release()
+        if key not in self.checked:
+            self._checked_stored(key, seg).release()
 
     def copy(self, key: int, within: int, count: int, out_fd: int) -> None:
         seg = self._segment(key, within, count)
