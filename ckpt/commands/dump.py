@@ -264,8 +264,8 @@ def _page_stream(store: Store, staging, tracking: TrackingPlan | None,
 
 def _report_findings(request: DumpRequest, facts: procs.TargetFacts, options: DumpOptions,
                      reporter: Reporter) -> None:
-    """Says which CRIU options were detected, what the tree shares with the outside, and which
-    deleted files go into the checkpoint."""
+    """Says which CRIU options were detected, what the tree shares with the outside, which
+    deleted files go into the checkpoint, and which logs will keep a restore from working."""
     detected = [k for k in DumpOptions.DETECTED if getattr(options, k) and getattr(request, k) is None]
     if detected:
         reporter.info("detected: " + ", ".join(f"--{k.replace('_', '-')}" for k in detected))
@@ -276,6 +276,10 @@ def _report_findings(request: DumpRequest, facts: procs.TargetFacts, options: Du
             held = f"fd {deleted['fd']}" if deleted["fd"] is not None else "mapped"
             reporter.info(f"PID {deleted['pid']} holds a deleted file, {deleted['path']} ({held}, "
                           f"{deleted['size'] / (1 << 20):.1f} MiB): its content is saved in the checkpoint")
+    for log in facts.logs_read_back:
+        reporter.warn(f"PID {log['pid']} writes a log, {log['path']} (fd {log['fd']}), that the tree also reads "
+                      f"({log['how']}): once it grows, a restore of this checkpoint is refused (only a file the "
+                      "tree just writes to may grow: opened write-only, as by '>' or '>>')")
 
 
 def _lay_out_parent(store: Store, staging, tracking: TrackingPlan | None, checkpoint_id: str,

@@ -179,6 +179,7 @@ def _lay_out_images(store: Store, manifest: Manifest, request: RestoreRequest, b
             reporter.step("checking this host against the checkpoint")
             reports.append(hostcheck.check(manifest, binary, directory))
             hostcheck.require_match(manifest, reports[0])
+            hostcheck.let_written_files_grow(directory, reports[0])
 
     def checked(directory: Path) -> hostcheck.HostReport:
         try:

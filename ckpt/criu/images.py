@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +141,13 @@ class OpenedFile:
     # An ELF file's build id as CRIU recorded it: uint32 words copied from bytes in the dumping
     # host's order (same architecture as this one, or the restore is refused anyway), zero-padded.
     build_id: bytes | None
+    id: int = 0  # the reg-file's id in files.img
+    flags: int = os.O_RDONLY  # the open flags (a mapping's are O_RDONLY: CRIU sets them when it maps)
+    offset: int = 0  # the file position at the dump, where a restored descriptor goes on
+
+    @property
+    def write_only(self) -> bool:
+        return self.flags & os.O_ACCMODE == os.O_WRONLY
 
 
 def opened_files(image_dir: Path) -> list[OpenedFile]:
@@ -158,17 +166,71 @@ def opened_files(image_dir: Path) -> list[OpenedFile]:
     # A terminal's path is recorded as a reg-file too (the TTY entry's regf_id), but CRIU does not
     # reopen it by that path: a pty comes back as a new pair, a --shell-job terminal is the restorer's.
     skipped |= {int(e["tty"]["regf_id"]) for e in entries if "regf_id" in e.get("tty", {})}
+    from pycriu.images import pb2dict  # deferred: importing pycriu costs ~0.1 s
+
     found = []
     for entry in entries:
         reg = entry.get("reg")
         if reg is None or int(reg.get("id", entry.get("id", 0))) in skipped or reg.get("ext"):
             continue
         words = reg.get("build_id") or []
+        flags = reg.get("flags", 0)  # pycriu writes them as "O_WRONLY | O_APPEND | 0x..."
         found.append(OpenedFile(
             path=str(reg["name"]), mode=int(reg["mode"]) if "mode" in reg else None,
             size=int(reg["size"]) if "size" in reg else None,
-            build_id=struct.pack(f"={len(words)}I", *(int(w) for w in words)) if words else None))
+            build_id=struct.pack(f"={len(words)}I", *(int(w) for w in words)) if words else None,
+            id=int(reg.get("id", entry.get("id", 0))),
+            flags=pb2dict.unmap_flags(flags, pb2dict.rfile_flags_map) if isinstance(flags, str) else int(flags),
+            offset=_number(reg.get("pos", 0))))
     return found
+
+
+def drop_size_checks(image_dir: Path, ids: set[int]) -> None:
+    """Rewrites the staged files.img (atomically: the staged file may be a hard link to a
+    stored object) without the recorded size of the reg-files with those ids, so that CRIU
+    reopens them whatever their size (criu/files-reg.c, validate_file: it compares only a
+    recorded size, and has no option to skip that). Every other message is kept byte for byte."""
+    from pycriu.images import magic, pb  # deferred: importing pycriu costs ~0.1 s
+
+    path = image_dir / "files.img"
+    try:
+        head, messages = _split(path.read_bytes(), path.name, "FILES", magic)
+    except ValueError as exc:
+        raise ImageUnreadable(f"CRIU's image {exc}") from exc
+    entry = pb.file_entry()
+    parts = [head]
+    for message in messages:
+        entry.Clear()
+        entry.ParseFromString(message)
+        kept = message
+        if entry.HasField("reg") and entry.reg.id in ids and entry.reg.HasField("size"):
+            entry.reg.ClearField("size")
+            kept = entry.SerializeToString()
+        parts.append(struct.pack("<i", len(kept)) + kept)
+    atomic_write_bytes(path, b"".join(parts), durable=False)  # a staged image: a crash discards it anyway
+
+
+def _split(data: bytes, name: str, kind: str, magic) -> tuple[bytes, list[bytes]]:
+    """An image's magics (a common/service magic, then that of `kind`, pycriu's name) and its
+    size-prefixed messages, as pycriu's image reader reads them. Raises ValueError."""
+    try:
+        (found,) = struct.unpack_from("<i", data, 0)
+        pos = 4
+        if found in (magic.by_name["IMG_COMMON"], magic.by_name["IMG_SERVICE"]):
+            (found,) = struct.unpack_from("<i", data, pos)
+            pos += 4
+        if found != magic.by_name[kind]:
+            raise ValueError(f"{name} is not a {kind.lower()} image")
+        head, messages = data[:pos], []
+        while pos < len(data):
+            (size,) = struct.unpack_from("<i", data, pos)
+            if size < 0 or pos + 4 + size > len(data):
+                raise ValueError(f"{name} is truncated")
+            messages.append(data[pos + 4:pos + 4 + size])
+            pos += 4 + size
+    except struct.error as exc:
+        raise ValueError(f"{name} is truncated") from exc
+    return head, messages
 
 
 # pagemap entry flags (CRIU's images/pagemap.proto): the one copy ckpt uses
@@ -207,24 +269,7 @@ def read_pagemap(path: Path) -> tuple[int, list[tuple[int, int, int]]]:
     a common/service magic), then size-prefixed messages, a head and then the entries."""
     from pycriu.images import magic, pb  # deferred: importing pycriu costs ~0.1 s
 
-    data = path.read_bytes()
-    try:
-        (found,) = struct.unpack_from("<i", data, 0)
-        pos = 4
-        if found in (magic.by_name["IMG_COMMON"], magic.by_name["IMG_SERVICE"]):
-            (found,) = struct.unpack_from("<i", data, pos)
-            pos += 4
-        if found != magic.by_name["PAGEMAP"]:
-            raise ValueError(f"{path.name} is not a pagemap image")
-        messages = []
-        while pos < len(data):
-            (size,) = struct.unpack_from("<i", data, pos)
-            if size < 0 or pos + 4 + size > len(data):
-                raise ValueError(f"{path.name} is truncated")
-            messages.append(data[pos + 4:pos + 4 + size])
-            pos += 4 + size
-    except struct.error as exc:
-        raise ValueError(f"{path.name} is truncated") from exc
+    _, messages = _split(path.read_bytes(), path.name, "PAGEMAP", magic)
     if not messages:
         raise ValueError(f"{path.name} has no pagemap head")
     head = pb.pagemap_head()

@@ -3,7 +3,11 @@
 CRIU itself refuses, midway through a restore and one file at a time, a file the tree had open
 or mapped that is missing or differs in size, mode or ELF build id (criu/files-reg.c,
 validate_file); a restore on another machine meets several at once (another libc, another
-python). ckpt makes the same checks on the images first and names them all in one error.
+python). ckpt makes the same checks on the images first and names them all in one error, but
+for one: a file the tree only writes to (a log) may have grown since the dump, since the
+restored process writes on at its own offset, as it would have. CRIU compares every recorded
+size exactly and has no option against it, so the staged images are told not to record those
+sizes (let_written_files_grow).
 What else must match: the CRIU here must be at least as new (in major.minor) as the one that
 dumped (CRIU reads older images, not newer ones), and the machine architecture the same (images
 hold registers). The kernel is only compared: an older one is a warning, since CRIU restores
@@ -39,6 +43,9 @@ class HostReport:
     # What each mismatch is about, for what to do: "files", "criu", "arch" or "socket".
     kinds: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # worth saying, not refused
+    # The reg-files (ids in files.img) whose size CRIU must not compare: the tree only writes
+    # to them, and they are as large here as at the dump or larger.
+    sizes_unchecked: set[int] = field(default_factory=set)
 
     def add(self, kind: str, message: str) -> None:
         self.kinds.append(kind)
@@ -87,16 +94,54 @@ def compare_datagram_peers(manifest: Manifest, report: HostReport) -> None:
 def compare_files(files: list[OpenedFile], tree_pids: set[int], report: HostReport) -> None:
     """Each file against the one at its path here, as CRIU will compare them: there at all,
     then its mode, its size (where CRIU recorded one) and its ELF build id (where CRIU recorded
-    one and finds one now)."""
+    one and finds one now). Where the tree only writes to a file (every descriptor of it
+    write-only, none mapping it: a log), a larger size is no mismatch: see _written_files."""
+    written_only = {f.path for f in files} - {f.path for f in files if not f.write_only}
     seen: set[tuple] = set()
     for opened in files:
         key = (opened.path, opened.mode, opened.size, opened.build_id)
         if key in seen or _made_by_the_restore(opened.path, tree_pids):
             continue
         seen.add(key)
-        problem = _file_problem(opened)
+        problem = _file_problem(opened, may_grow=opened.path in written_only)
         if problem and problem not in report.mismatches:
             report.add("files", problem)
+    _written_files([f for f in files if f.path in written_only and f.size is not None], report)
+
+
+def _written_files(files: list[OpenedFile], report: HostReport) -> None:
+    """The files the tree only writes to whose size CRIU recorded (opened without O_APPEND, as
+    by `> app.log`), as large here as at the dump or larger: CRIU is not to compare their size.
+    The restored process writes on at its offset at the dump: where the file grew since (the
+    lost process wrote on), that overwrites what it wrote, once said in a warning."""
+    by_path: dict[str, list[OpenedFile]] = {}
+    for opened in files:
+        by_path.setdefault(opened.path, []).append(opened)
+    for path, held in by_path.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # a mismatch already
+        recorded = max(f.size or 0 for f in held)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < recorded:
+            continue  # a mismatch already: the restored process would write past the end
+        report.sizes_unchecked.update(f.id for f in held)
+        offsets = sorted({f.offset for f in held if not f.flags & os.O_APPEND and f.offset < st.st_size})
+        if st.st_size > recorded and offsets:
+            at = ", ".join(map(str, offsets))
+            report.warnings.append(f"{path} grew from {recorded} to {st.st_size} bytes after the checkpoint; "
+                                   "the tree only writes to it, so it is restored, and the restored process writes "
+                                   f"on at its offset then ({at}), overwriting what was written there after the "
+                                   "checkpoint")
+
+
+def let_written_files_grow(image_dir: Path, report: HostReport) -> None:
+    """Tells CRIU, in the staged images, not to compare the sizes the check let pass (see
+    _written_files): it would refuse a grown log ("File ... has bad size")."""
+    if report.sizes_unchecked and not report.mismatches:
+        from ckpt.criu.images import drop_size_checks  # deferred: imports pycriu
+
+        drop_size_checks(image_dir, report.sizes_unchecked)
 
 
 def _made_by_the_restore(path: str, tree_pids: set[int]) -> bool:
@@ -105,7 +150,7 @@ def _made_by_the_restore(path: str, tree_pids: set[int]) -> bool:
     return len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and int(parts[2]) in tree_pids
 
 
-def _file_problem(opened: OpenedFile) -> str | None:
+def _file_problem(opened: OpenedFile, may_grow: bool = False) -> str | None:
     path = opened.path
     try:
         st = os.stat(path)
@@ -115,7 +160,7 @@ def _file_problem(opened: OpenedFile) -> str | None:
         return f"{path} is missing (a directory on its path is a file here)"
     except OSError as exc:
         return f"{path} cannot be examined here ({exc.strerror})"
-    return _mode_problem(opened, st) or _content_problem(opened, st)
+    return _mode_problem(opened, st) or _content_problem(opened, st, may_grow)
 
 
 def _mode_problem(opened: OpenedFile, st: os.stat_result) -> str | None:
@@ -127,10 +172,10 @@ def _mode_problem(opened: OpenedFile, st: os.stat_result) -> str | None:
            f"{stat.S_IMODE(opened.mode):04o}"
 
 
-def _content_problem(opened: OpenedFile, st: os.stat_result) -> str | None:
+def _content_problem(opened: OpenedFile, st: os.stat_result, may_grow: bool) -> str | None:
     if opened.size is None:
         return None
-    if st.st_size != opened.size:
+    if st.st_size < opened.size or (st.st_size > opened.size and not may_grow):
         return f"on this host {opened.path} has size {st.st_size}, the checkpoint's had {opened.size}"
     if opened.build_id:
         here = elf_build_id(opened.path)

@@ -38,6 +38,8 @@ class TargetFacts:
     external_datagram_sockets: list[dict] = field(default_factory=list)
     # Regular files the tree holds open or mapped that were deleted: see deleted_files.
     deleted_files: list[dict] = field(default_factory=list)
+    # Logs the tree also reads, which a restore refuses once they grow: see logs_read_back.
+    logs_read_back: list[dict] = field(default_factory=list)
 
 
 def require_root() -> None:
@@ -133,7 +135,7 @@ def preflight(pid: int) -> TargetFacts:
                        external_pipes=external_pipes(tree_pids),
                        external_sockets=external_stream_sockets(tree_pids),
                        external_datagram_sockets=external_datagram_sockets(tree_pids),
-                       deleted_files=deleted_files(tree_pids))
+                       deleted_files=deleted_files(tree_pids), logs_read_back=logs_read_back(tree_pids))
 
 
 def tracer_of(pid: int) -> int:
@@ -215,6 +217,65 @@ def external_pipes(tree_pids: list[int]) -> list[dict]:
     peers = _holders(outside, set(tree_pids), lambda pid: [inode for _, inode in _fd_inodes(pid, "pipe")])
     return [{"pid": pid, "fd": fd, "inode": inode, "end": "write" if write else "read", "peer": peers.get(inode)}
             for pid, fd, inode, write in sorted(held) if inode in outside]
+
+
+def logs_read_back(tree_pids: list[int]) -> list[dict]:
+    """Logs the tree also reads: regular files it writes as a log (with O_APPEND, or as its
+    stdout or stderr) that it also holds open for reading (O_RDWR, or another descriptor) or
+    maps. A restore lets a file the tree only writes to have grown since the dump (the restored
+    process writes on at its offset), not one it reads (ckpt/restore/hostcheck.py): once such a
+    log grows, a restore of the checkpoint is refused. Each file once: {"pid", "fd", "path",
+    "how" (how the tree reads it)}."""
+    logs: dict[tuple[int, int], dict] = {}
+    readers: dict[tuple[int, int], str] = {}
+    mapped: dict[str, int] = {}
+    for pid in tree_pids:
+        for fd, path, key, flags in _regular_fds(pid):
+            access = flags & O_ACCMODE
+            if access != os.O_RDONLY and (flags & os.O_APPEND or fd in (1, 2)):
+                logs.setdefault(key, {"pid": pid, "fd": fd, "path": path})
+            if access == os.O_RDWR:
+                readers.setdefault(key, f"PID {pid} opened it for reading and writing, fd {fd}")
+            elif access == os.O_RDONLY:
+                readers.setdefault(key, f"PID {pid} holds it open read-only, fd {fd}")
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith("/"):
+                        mapped.setdefault(fields[5].rstrip("\n"), pid)
+        except OSError:
+            continue
+    found = []
+    for key, log in logs.items():
+        how = readers.get(key) or (f"PID {mapped[log['path']]} maps it" if log["path"] in mapped else None)
+        if how:
+            found.append({**log, "how": how})
+    return sorted(found, key=lambda f: (f["pid"], f["fd"]))
+
+
+def _regular_fds(pid: int) -> list[tuple[int, str, tuple[int, int], int]]:
+    """(fd, path, (device, inode), open flags) of every regular file the process holds open by
+    a path that exists (deleted files: see deleted_files)."""
+    result: list[tuple[int, str, tuple[int, int], int]] = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return result
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if not link.startswith("/") or link.endswith(" (deleted)"):
+                continue
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+        except (OSError, StopIteration, ValueError):
+            continue
+        result.append((int(fd), link, (st.st_dev, st.st_ino), flags))
+    return result
 
 
 # Deleted "files" that are not files CRIU saves as such: shared anonymous memory, System V

@@ -1,5 +1,6 @@
 """Restoring where the checkpoint's files differ, and on another host (a UTS namespace with
-another host name): checked before CRIU runs, and TCP connections closed there by default."""
+another host name): checked before CRIU runs, and TCP connections closed there by default. A
+log the tree only writes to may have grown: it restores."""
 
 import ctypes
 import ctypes.util
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckpt.criu.elf import build_id
-from tests.helpers import ROOT, alive, ckpt, ckpt_json, read_lines, state, wait_until
+from tests.helpers import FIXTURES, ROOT, alive, ckpt, ckpt_json, read_lines, state, wait_until
 
 OTHER_HOST = "ckpt-other-host"
 
@@ -154,3 +155,84 @@ def test_a_server_restored_elsewhere_has_its_connections_closed_and_listens_agai
         assert f"closed {client_port}" not in read_lines(log)
     assert echo(port, "after") == "after", "the restored listening socket does not accept"
     assert alive(restored["pid"])
+
+
+def start_logging(procs, tmp_path: Path, redirect: str, *read: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """log_writer.py started as a service by hand, `app.py REDIRECT app.log 2>&1` (the shell
+    execs it: the tree is the one process), once it has logged 5 lines: (it, the log, the mark
+    that makes its lines "new")."""
+    log, mark = tmp_path / "app.log", tmp_path / "restored"
+    target = procs.start_program(["sh", "-c", f'exec "$0" "$@" {redirect} "{log}" 2>&1', sys.executable,
+                                  FIXTURES / "log_writer.py", mark, *read], "app")
+    wait_until(lambda: len(read_lines(log)) >= 5, what="the service to log")
+    return target, log, mark
+
+
+def dump_then_log_on(procs, target: subprocess.Popen, log: Path) -> tuple[dict, str, bytes]:
+    """Dumps the service (left running), lets it log 10 lines more, kills it (kill -9): (the
+    dump's JSON, its messages, the log as the killed process left it)."""
+    run = ckpt("dump", target.pid, "--json")
+    at_dump = len(read_lines(log))
+    wait_until(lambda: len(read_lines(log)) >= at_dump + 10, what="the service to log after the dump")
+    procs.kill_tree(target.pid)
+    return json.loads(run.stdout), run.stderr, log.read_bytes()
+
+
+@pytest.mark.parametrize("redirect", [">", ">>"])
+def test_a_log_grown_after_the_dump_restores_and_is_written_on(procs, tmp_path, redirect):
+    """The usual crash: a service logging with `> app.log 2>&1` (O_WRONLY, O_TRUNC) or `>>`
+    (O_APPEND), dumped, logging on, killed. The restore takes the grown log; the restored
+    process counts on from the checkpoint and writes where it would have: with `>` at its own
+    offset, over what the lost process wrote after the dump (a warning says so, and `ckpt check`
+    says the same), with `>>` after the end."""
+    target, log, mark = start_logging(procs, tmp_path, redirect)
+    dumped, dump_messages, lost = dump_then_log_on(procs, target, log)
+    assert "a restore" not in dump_messages, dump_messages  # nothing to warn of at the dump
+    mark.touch()
+
+    checked = subprocess.run([sys.executable, "-m", "ckpt", "check", dumped["id"], "--json"], capture_output=True,
+                             text=True, cwd=ROOT, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    notes = [c["detail"] for c in json.loads(checked.stdout)["checks"] if str(log) in c["detail"]]
+    run = ckpt("restore", dumped["id"], "--json", check=False)
+    assert run.returncode == 0, run.stderr
+    procs.adopt(json.loads(run.stdout)["pid"])
+    assert "Traceback" not in run.stderr
+    wait_until(lambda: log.read_bytes().count(b" new\n") >= 5, what="the restored service to log")
+
+    content = log.read_bytes()
+    start = content.rfind(b"\n", 0, content.index(b" new\n")) + 1  # the restored process's first line
+    lines = content[start:].decode().splitlines()
+    first = int(lines[0].split()[0])
+    written = [line for line in lines if line.endswith(" new")]
+    assert written == [f"{n} new" for n in range(first, first + len(written))], lines  # one after the other
+    assert content[:start] == lost[:start]  # nothing before it touched
+    assert first <= len(lost.splitlines()), "the restored process did not count on from the checkpoint"
+    if redirect == ">":
+        # At its offset at the dump, which its count then was: over the lines logged since.
+        assert start == len(b"".join(lost.splitlines(keepends=True)[:first - 1]))
+        assert start < len(lost)
+        warned = [line for line in run.stderr.splitlines() if line.startswith("Warning:") and str(log) in line]
+        assert len(warned) == 1 and "overwrit" in warned[0], run.stderr
+        assert len(notes) == 1 and "overwrit" in notes[0], notes
+    else:
+        assert start == len(lost)  # appended
+        assert str(log) not in run.stderr and not notes, run.stderr + str(notes)
+
+
+@pytest.mark.parametrize("redirect, reads_it", [("1<>", False), (">", True)], ids=["read-write", "read-back"])
+def test_a_grown_log_the_tree_also_reads_is_refused_and_the_dump_says_so(procs, tmp_path, redirect, reads_it):
+    """A log opened for reading and writing (`1<> app.log`, O_RDWR), or written and also held
+    open read-only: what the tree reads changed, so the restore refuses it (exit code 10), and
+    the dump warned of that up front."""
+    log = tmp_path / "app.log"
+    log.touch()
+    target, log, mark = start_logging(procs, tmp_path, redirect, *([log] if reads_it else []))
+    dumped, dump_messages, lost = dump_then_log_on(procs, target, log)
+    warned = [line for line in dump_messages.splitlines() if line.startswith("Warning:") and str(log) in line]
+    assert len(warned) == 1 and "a restore" in warned[0], dump_messages
+
+    refused = ckpt("restore", dumped["id"], check=False)
+    assert refused.returncode == 10, refused.stderr
+    assert f"on this host {log} has size {len(lost)}, the checkpoint's had" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -12,7 +12,7 @@ import pytest
 
 from ckpt.criu.binary import CriuBinary
 from ckpt.criu.elf import build_id, build_id_of
-from ckpt.criu.images import OpenedFile
+from ckpt.criu.images import OpenedFile, drop_size_checks, opened_files
 from ckpt.errors import ExitCode, HostMismatch
 from ckpt.restore import hostcheck
 from ckpt.store import Manifest
@@ -115,6 +115,91 @@ def test_what_criu_does_not_check_is_not_a_mismatch(tmp_path):
     hostcheck.compare_files([opened(log, size=None), opened(log, build_id=b"\x01\x02\x03\x04"), proc_of_tree],
                             {4242}, report)
     assert report.mismatches == []
+
+
+WRITTEN, APPENDED = os.O_WRONLY, os.O_WRONLY | os.O_APPEND
+
+
+def test_a_grown_file_the_tree_only_writes_to_is_no_mismatch_and_criu_is_told_not_to_compare_it(tmp_path):
+    """A log opened `> app.log` (write-only, CRIU records its size) and `>> app.log` (CRIU
+    records none): grown, it restores; the restored process writes on at its offset, over what
+    was written since, which one warning says. Not grown, nothing is said but CRIU still is told
+    (the log may grow before CRIU opens it)."""
+    log, quiet = tmp_path / "app.log", tmp_path / "quiet.log"
+    log.write_text("x" * 100)
+    quiet.write_text("y" * 10)
+    files = [opened(log, id=5, flags=WRITTEN, offset=100), opened(log, id=6, flags=WRITTEN, offset=100),
+             opened(log, id=7, flags=APPENDED, size=None, offset=100), opened(quiet, id=8, flags=WRITTEN, offset=10)]
+    log.write_text("x" * 160)
+    report = report_of(manifest())
+    hostcheck.compare_files(files, set(), report)
+    assert report.mismatches == []
+    assert report.sizes_unchecked == {5, 6, 8}
+    assert report.warnings == [f"{log} grew from 100 to 160 bytes after the checkpoint; the tree only writes to it, "
+                               "so it is restored, and the restored process writes on at its offset then (100), "
+                               "overwriting what was written there after the checkpoint"]
+
+
+@pytest.mark.parametrize("also", [
+    {"flags": os.O_RDONLY},  # read back through another descriptor, or mapped (CRIU records it so)
+    {"flags": os.O_RDWR},
+], ids=["read-only", "read-write"])
+def test_a_grown_file_the_tree_reads_is_a_mismatch(tmp_path, also):
+    log = tmp_path / "app.log"
+    log.write_text("x" * 100)
+    files = [opened(log, id=5, flags=WRITTEN, offset=100), opened(log, id=6, **also)]
+    log.write_text("x" * 160)
+    report = report_of(manifest())
+    hostcheck.compare_files(files, set(), report)
+    assert report.mismatches == [f"on this host {log} has size 160, the checkpoint's had 100"]
+    assert not report.sizes_unchecked and not report.warnings
+
+
+def reg_file(id_: int, name: str, flags: str, size: int | None) -> dict:
+    reg = {"id": id_, "flags": flags, "pos": 100, "name": name, "mode": 0o100644,
+           "fown": {"uid": 0, "euid": 0, "signum": 0, "pid_type": 0, "pid": 0}}
+    return {"type": "REG", "id": id_, "reg": reg if size is None else {**reg, "size": size}}
+
+
+def test_criu_is_told_not_to_compare_a_size_in_the_staged_images_only(tmp_path):
+    """files.img is rewritten without the sizes named, and replaced, not written through: the
+    staged file may be a hard link to the stored object."""
+    from pycriu import images
+
+    entries = [reg_file(5, "/srv/app.log", "O_WRONLY | O_LARGEFILE", 100),
+               reg_file(6, "/srv/data.db", "O_RDWR | O_LARGEFILE", 4096),
+               reg_file(7, "/srv/more.log", "O_WRONLY | O_APPEND | O_LARGEFILE", None)]
+    stored = tmp_path / "object"
+    with open(stored, "wb") as f:
+        images.dump({"magic": "FILES", "entries": entries}, f)
+    staged = tmp_path / "images"
+    staged.mkdir()
+    os.link(stored, staged / "files.img")
+    before = stored.read_bytes()
+
+    found = opened_files(staged)
+    assert [(f.id, f.flags & os.O_ACCMODE, bool(f.flags & os.O_APPEND), f.offset, f.size) for f in found] == [
+        (5, os.O_WRONLY, False, 100, 100), (6, os.O_RDWR, False, 100, 4096), (7, os.O_WRONLY, True, 100, None)]
+    drop_size_checks(staged, {5})
+    assert [f.size for f in opened_files(staged)] == [None, 4096, None]
+    assert stored.read_bytes() == before
+    with open(stored, "rb") as f, open(staged / "files.img", "rb") as g:
+        original, rewritten = images.load(f)["entries"], images.load(g)["entries"]
+    original[0]["reg"].pop("size")
+    assert rewritten == original
+
+
+def test_a_written_file_that_shrank_is_a_mismatch(tmp_path):
+    """Truncated (by logrotate's copytruncate, say): the restored process would write past
+    the end, leaving a hole; refused as before."""
+    log = tmp_path / "app.log"
+    log.write_text("x" * 100)
+    files = [opened(log, id=5, flags=WRITTEN, offset=100)]
+    log.write_text("")
+    report = report_of(manifest())
+    hostcheck.compare_files(files, set(), report)
+    assert report.mismatches == [f"on this host {log} has size 0, the checkpoint's had 100"]
+    assert not report.sizes_unchecked
 
 
 def test_the_same_file_held_twice_is_named_once(tmp_path):
