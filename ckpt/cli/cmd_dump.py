@@ -10,7 +10,7 @@ from ckpt import settings
 from ckpt.agent import results
 from ckpt.commands.dump import DumpRequest, DumpResult, dump
 from ckpt.errors import CkptError, ExitCode, UsageError, to_record
-from ckpt.store import ids
+from ckpt.store import Origin, ids
 from ckpt.store.blocks.segments import CODECS
 
 HELP = """Checkpoint the process tree rooted at PID into the store.
@@ -85,7 +85,9 @@ def register(app: typer.Typer) -> None:
                 pid=pid, name=name, stop=stop, codec=compression, shell_job=shell_job,
                 tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
                 pre_dump_hook=pre_dump, dirty_tracking=dirty_tracking, checkpoint_id=checkpoint_id,
-                section_timeout=section_timeout), reporter)
+                section_timeout=section_timeout,
+                # --result-file: the dumper that ckpt.checkpoint() started, not a person
+                origin=Origin("api" if answer is not None else "dump")), reporter)
         except BaseException as exc:
             if answer is not None:
                 answer.failed(exc)

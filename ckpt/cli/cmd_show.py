@@ -8,6 +8,7 @@ from ckpt.cli.options import JsonOption, StoreOption, open_store
 from ckpt.cli.output import emit_json, human_bytes, stderr, stdout, styled
 from ckpt.commands.show import inspect
 from ckpt.restore.lazywatch import describe
+from ckpt.store import Origin
 
 HELP = """Show what a checkpoint holds: process tree, threads, memory, open files and sockets.
 
@@ -46,6 +47,8 @@ def register(app: typer.Typer) -> None:
         stats = data.get("stats", {})
         stdout.print(f"checkpoint {data['id']}" + (f" ({data['name']})" if data.get("name") else ""))
         stdout.print(f"  created {data['created']} on {data['host']} with CRIU {data['criu'].get('version')}")
+        origin = Origin.from_json(data.get("origin"))
+        stdout.print(f"  made by {origin.describe() if origin else 'an older ckpt, which did not record by what'}")
         stdout.print(f"  images {human_bytes(data['bytes_total'])}, stored {human_bytes(data['bytes_stored'])}, "
                      f"frozen {stats.get('freeze_ms')} ms")
         opts = [k for k, v in data["criu"].get("options", {}).items() if v is True]

@@ -26,7 +26,7 @@ from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, StoreBusy
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore.lazy import wait_for_lazy_restores
-from ckpt.store import Manifest, Store, ids
+from ckpt.store import Manifest, Origin, Store, ids
 from ckpt.store.blocks.blockstore import MERGE_ABOVE
 from ckpt.store.blocks.segments import CODECS
 from ckpt.system import procs
@@ -53,6 +53,9 @@ class DumpRequest:
     # owes the copy ("schedule NAME", "run NAME"); a pending-copy record is written before the commit.
     copy_to: str | None = None
     copy_origin: str = ""
+    # Who asks for the checkpoint, recorded in its manifest: the retention of a schedule or of
+    # `ckpt run` forgets only the checkpoints of its own origin.
+    origin: Origin = Origin("dump")
     # The checkpoint's id, chosen by whoever asked for it (ckpt.checkpoint(), `CHECKPOINT <id>` on
     # ckpt run's socket) so that both sides know it before the freeze; None: a new one.
     checkpoint_id: str | None = None
@@ -399,7 +402,7 @@ def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs
         criu_facts["external_datagram_sockets"] = facts.external_datagram_sockets
     record = DumpRecord(
         checkpoint_id=checkpoint_id, pid=request.pid, command=facts.command, processes=processes,
-        started=started, name=request.name, criu=criu_facts,
+        started=started, name=request.name, origin=request.origin, criu=criu_facts,
         criu_stats={"freeze_ms": stats.get("frozen_ms", frozen_ms), "pages_written": stats.get("pages_written"),
                     "pages_scanned": stats.get("pages_scanned")},
         tracking={"target": tracking.target.key, "parent": tracking.parent.id if tracking.parent else None}

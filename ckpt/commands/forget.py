@@ -6,8 +6,9 @@ from datetime import datetime, timezone
 
 from ckpt.errors import UsageError
 from ckpt.phases import phase
-from ckpt.schedule.retention import Item, Policy, apply_policy, emptied_groups
-from ckpt.store import Manifest, Store
+from ckpt.reporting import NullReporter, Reporter
+from ckpt.schedule.retention import Decision, Item, Policy, apply_policy, emptied_groups
+from ckpt.store import Manifest, Origin, Store
 from ckpt.store.prune import collect_garbage
 
 
@@ -16,16 +17,22 @@ def group_of(manifest: Manifest) -> str:
     return manifest.name or f"command: {manifest.command}"
 
 
-def forget(store: Store, policy: Policy, name: str | None = None, prune: bool = False, dry_run: bool = False,
-           allow_remove_all: bool = False, now: datetime | None = None) -> dict:
-    """Plans with the policy, refuses to empty a group unless allowed, then removes."""
+def forget(store: Store, policy: Policy, name: str | None = None, prune: bool = False,  # noqa: PLR0913
+           dry_run: bool = False, allow_remove_all: bool = False, now: datetime | None = None,
+           origin: Origin | None = None, reporter: Reporter = NullReporter()) -> dict:
+    """Plans with the policy, refuses to empty a group unless allowed, then removes.
+
+    origin: only the checkpoints that origin made are judged (the retention of a schedule or of
+    `ckpt run`); the others, and those of no recorded origin, are not even seen. What was
+    removed is told to the reporter, a line per group."""
     if policy.empty():
         raise UsageError("no retention rule given",
                          hint="give at least one of --keep-last, --keep-within, --keep-hourly, --keep-daily, "
                               "--keep-weekly")
     now = now or datetime.now(timezone.utc)
     with store.lock(exclusive=True):
-        manifests = [m for m in store.manifests() if name is None or m.name == name]
+        manifests = [m for m in store.manifests() if (name is None or m.name == name)
+                     and (origin is None or m.origin == origin)]
         decisions = apply_policy([Item(m.id, group_of(m), m.created_at) for m in manifests], policy, now)
         emptied = emptied_groups(decisions)
         if emptied and not allow_remove_all:
@@ -38,6 +45,7 @@ def forget(store: Store, policy: Policy, name: str | None = None, prune: bool = 
             store.remove(to_remove, on_removed=lambda _id: phase("forget.removing"))
             if prune:
                 objects, freed = collect_garbage(store)
+    _report(decisions, policy, dry_run, reporter)
     return {
         "policy": policy.to_json(),
         "dry_run": dry_run,
@@ -47,3 +55,18 @@ def forget(store: Store, policy: Policy, name: str | None = None, prune: bool = 
         "objects_removed": objects,
         "bytes_freed": freed,
     }
+
+
+SHOWN_IDS = 5
+
+
+def _report(decisions: list[Decision], policy: Policy, dry_run: bool, reporter: Reporter) -> None:
+    """'forgot 2 checkpoints of 'agent' (keep-last 3): ID, ID': nothing is removed unsaid."""
+    removed: dict[str, list[str]] = {}
+    for d in decisions:
+        if not d.keep:
+            removed.setdefault(d.group, []).append(d.id)
+    for group, gone in removed.items():
+        shown = ", ".join(gone[:SHOWN_IDS]) + (f" and {len(gone) - SHOWN_IDS} more" if len(gone) > SHOWN_IDS else "")
+        reporter.info(f"{'would forget' if dry_run else 'forgot'} {len(gone)} checkpoint{'s' * (len(gone) != 1)} "
+                      f"of '{group}' ({policy.flags()}): {shown}")

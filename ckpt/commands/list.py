@@ -19,7 +19,8 @@ def list_checkpoints(store: Store, name: str | None = None, reporter: Reporter =
         for failure in records:
             reporter.warn(f"{describe(failure)} ({failure.get('time', '?')})")
     return [{
-        "id": m.id, "name": m.name, "created": m.created, "pid": m.pid, "command": m.command,
+        "id": m.id, "name": m.name, "origin": m.origin.to_json() if m.origin else None,
+        "created": m.created, "pid": m.pid, "command": m.command,
         "processes": len(m.processes), "bytes_total": m.bytes_total, "bytes_stored": m.bytes_stored,
         "lazy_restore_failures": len(lost[m.id]),
     } for m in manifests]

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ckpt import settings
 from ckpt.settings import StoreLocation
@@ -34,6 +34,9 @@ from ckpt.agent import protocol
 from ckpt.errors import CkptError, SectionTimeout, UsageError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.system import procs
+
+if TYPE_CHECKING:
+    from ckpt.store import Origin
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -262,7 +265,7 @@ class Supervisor:
                                                        pre_dump_hook=self.request.pre_dump_hook,
                                                        copy_to=self.request.copy_to,
                                                        copy_origin=self._copy_origin,
-                                                       checkpoint_id=checkpoint_id),
+                                                       checkpoint_id=checkpoint_id, origin=self._origin),
                           self.reporter, around_freeze=self.server.paused if self.server else None)
         except SectionTimeout as exc:
             # The program asked not to be frozen now: this checkpoint is skipped, not failed.
@@ -293,15 +296,28 @@ class Supervisor:
             self._copy()  # before retention, which could forget a checkpoint still to copy
         if self.request.keep_last:
             try:
-                forget(Store.open(self.store_root), Policy(keep_last=self.request.keep_last),
-                       name=self.request.name, prune=True)
+                # Only the checkpoints runs of this name made (those the program asked for over
+                # CKPT_SOCKET included): not one dumped by hand or by a schedule of the same name.
+                forgotten = forget(Store.open(self.store_root), Policy(keep_last=self.request.keep_last),
+                                   name=self.request.name, prune=True, origin=self._origin, reporter=self.reporter)
             except CkptError as exc:
                 self.reporter.warn(f"retention failed: {exc}")
                 self._event("retention_failed", error=str(exc))
+                return
+            if forgotten["remove"]:
+                self._event("forgot", ids=[r["id"] for r in forgotten["remove"]], keep_last=self.request.keep_last)
 
     @property
     def _copy_origin(self) -> str:
         return f"run {self.request.name}"
+
+    @property
+    def _origin(self) -> Origin:
+        from ckpt.store import Origin
+
+        # The run's name, not this supervisor: a later `ckpt run` of that name carries the
+        # series on (its journal, its pending copies, its output file are the name's too).
+        return Origin("run", self.request.name)
 
     def _copy(self) -> None:
         """Copies this checkpoint, and those earlier copies failed to, to --copy-to. A failed

@@ -174,10 +174,11 @@ def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait
     """What cron runs: one dump of the target plus the schedule's retention. Records the outcome."""
     from ckpt.commands.dump import DumpRequest, dump
     from ckpt.commands.forget import forget
-    from ckpt.store import Store
+    from ckpt.store import Origin, Store
 
     schedule = book.load(name)
     origin = f"schedule {name}"
+    made_by = Origin("schedule", name)
     wait_s = settings.current().schedule_wait if wait_s is None else wait_s
     started = datetime.now(timezone.utc)
     outcome: dict[str, object] = {"time": started.isoformat(timespec="seconds"), "outcome": None}
@@ -196,15 +197,18 @@ def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait
             pid = resolve_target(schedule.target)
             outcome["pid"] = pid
             result = dump(book.store_root, DumpRequest(pid=pid, name=name, pre_dump_hook=schedule.pre_dump,
-                                                       copy_to=schedule.copy_to, copy_origin=origin), reporter)
+                                                       copy_to=schedule.copy_to, copy_origin=origin,
+                                                       origin=made_by), reporter)
             outcome.update(outcome="ok", id=result.manifest.id, bytes_stored=result.manifest.bytes_stored,
                            freeze_ms=result.manifest.stats.get("freeze_ms"))
             # Copied before retention runs, which could forget an older checkpoint still to copy.
             copied = True
             _copy_pending(book.store_root, origin, outcome, reporter)
             if schedule.retention:
+                # Only what this schedule made: a checkpoint of the same name dumped by hand, by
+                # `ckpt run` or before origins were recorded is not the schedule's to forget.
                 forgotten = forget(Store.open(book.store_root), schedule.policy, name=name, prune=True,
-                                   allow_remove_all=False)
+                                   allow_remove_all=False, origin=made_by, reporter=reporter)
                 outcome["forgot"] = [r["id"] for r in forgotten["remove"]]
         except ProcessNotFound as exc:
             outcome.update(outcome="target-gone", error=str(exc))

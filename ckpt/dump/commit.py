@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
-from ckpt.store import Manifest, Store
+from ckpt.store import Manifest, Origin, Store
 from ckpt.store.blocks.segments import PAGE
 from ckpt.store.staging import DumpStaging
 from ckpt.system import procfs
@@ -29,6 +29,7 @@ class DumpRecord:
     processes: list[dict]
     started: float  # time.monotonic() when the dump began: the manifest's duration_ms
     name: str | None = None
+    origin: Origin | None = None  # who asked for it (None only in tests: as in an old manifest)
     criu: dict = field(default_factory=dict)  # the manifest's "criu" facts: version, options, tty, pipes...
     # From CRIU's stats-dump image: freeze_ms, pages_written, pages_scanned (None where unknown).
     criu_stats: dict = field(default_factory=dict)
@@ -51,6 +52,7 @@ def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, co
     manifest = Manifest(
         id=record.checkpoint_id,
         name=record.name,
+        origin=record.origin,
         created=datetime.now(timezone.utc).isoformat(),
         host=socket.gethostname(),
         system=procfs.host_facts(),

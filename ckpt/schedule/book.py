@@ -102,8 +102,9 @@ class ScheduleBook:
     # ---- cron entries ------------------------------------------------------------------------
 
     def cron_command(self, name: str) -> str:
-        # Absolute paths only: cron's PATH is bare and its working directory is $HOME.
-        return (f"{sys.executable} -m ckpt schedule run {name} --store {self.store_root} --quiet "
+        # Absolute paths only: cron's PATH is bare and its working directory is $HOME. Not
+        # --quiet: the log is where a run says what it did, the checkpoints it forgot included.
+        return (f"{sys.executable} -m ckpt schedule run {name} --store {self.store_root} "
                 f">> {self.log_path(name)} 2>&1")
 
     @staticmethod

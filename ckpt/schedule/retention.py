@@ -55,6 +55,13 @@ class Policy:
                 parts.append(f"{label} {n}")
         return ", ".join(parts) or "keep everything"
 
+    def flags(self) -> str:
+        """The policy as the flags that give it: 'keep-last 3, keep-within 2d'."""
+        parts = [f"keep-{rule} {n}" for rule, n in (
+            ("last", self.keep_last), ("within", format_duration(self.keep_within) if self.keep_within else 0),
+            ("hourly", self.keep_hourly), ("daily", self.keep_daily), ("weekly", self.keep_weekly)) if n]
+        return ", ".join(parts) or "keep everything"
+
     def to_json(self) -> dict:
         return {"keep_last": self.keep_last,
                 "keep_within": format_duration(self.keep_within) if self.keep_within else None,

@@ -1,6 +1,6 @@
 """The checkpoint store (see docs/design.md). Standard library plus hashing/compression only.
 
-Store, FileEntry and Manifest are imported on first use: ckpt.store.ids (what a program's
+Store, FileEntry, Manifest and Origin are imported on first use: ckpt.store.ids (what a program's
 ckpt.checkpoint() needs) must not pay for the repository's imports (~0.2 s)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ckpt.store.repository import FileEntry, Manifest, Store
+    from ckpt.store.repository import FileEntry, Manifest, Origin, Store
 
-__all__ = ["Store", "FileEntry", "Manifest"]
+__all__ = ["Store", "FileEntry", "Manifest", "Origin"]
 
 
 def __getattr__(name: str) -> Any:

@@ -67,6 +67,39 @@ class FileEntry:
     kind: str = "file"
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Who made a checkpoint (docs/design.md, "Origins"): `ckpt dump` by hand ("dump"), a
+    program's ckpt.checkpoint() through a detached dumper ("api"), schedule NAME ("schedule"),
+    or `ckpt run --name NAME` ("run"). The retention of a schedule or a run touches only its own."""
+
+    kind: str
+    name: str | None = None
+
+    @classmethod
+    def from_json(cls, data: object) -> Origin | None:
+        """None for a manifest without one (taken before origins were recorded) or with one
+        that cannot be read: either is nobody's, never forgotten by a schedule or a run."""
+        if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
+            return None
+        name = data.get("name")
+        return cls(data["kind"], name if isinstance(name, str) else None)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "name": self.name}
+
+    def describe(self) -> str:
+        if self.kind == "dump":
+            return "ckpt dump (by hand)"
+        if self.kind == "api":
+            return "ckpt.checkpoint() of the program"
+        if self.kind == "schedule":
+            return f"schedule '{self.name}'"
+        if self.kind == "run":
+            return f"ckpt run --name {self.name}"
+        return f"{self.kind} {self.name or ''}".strip()  # a kind a newer ckpt wrote
+
+
 @dataclass
 class Manifest:
     id: str
@@ -76,6 +109,8 @@ class Manifest:
     processes: list[dict]
     files: list[FileEntry]
     name: str | None = None
+    # Who made it; None in checkpoints taken before it was recorded.
+    origin: Origin | None = None
     host: str = ""
     # The system it was taken on: machine_id, kernel, arch (ckpt.system.procfs.host_facts);
     # empty in checkpoints taken before it was recorded.
@@ -101,6 +136,7 @@ class Manifest:
         # Positional, not **kwargs per entry: `ckpt list` reads a thousand manifests of ~20 files.
         kwargs["files"] = [FileEntry(f["name"], f["size"], f["hash"], f["codec"], f["stored_size"],
                                      f.get("kind", "file")) for f in data["files"]]
+        kwargs["origin"] = Origin.from_json(data.get("origin"))
         return cls(**kwargs)
 
     @property

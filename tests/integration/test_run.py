@@ -1,12 +1,14 @@
 """`ckpt run`: a supervised command that dies is restored from its newest checkpoint."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import FIXTURES, ROOT, ckpt_json, read_lines, state, wait_until
+from tests.helpers import FIXTURES, ROOT, ckpt, ckpt_json, read_lines, state, wait_until
+from tests.jsonshape import assert_shape
 
 
 def start_run(tmp_path, procs, *args):
@@ -85,3 +87,43 @@ def test_failure_before_any_checkpoint_is_handed_on(procs, tmp_path):
     supervisor = start_run(tmp_path, procs, "--every", "1m", "--", sys.executable, "-c", "import sys; sys.exit(3)")
     assert supervisor.wait(timeout=30) == 3
     assert any("nothing to restore" in e for e in events(tmp_path))
+
+
+def test_run_forgets_only_the_checkpoints_it_made(procs, tmp_path):
+    """Issue 24: `ckpt run --keep-last` forgot, silently, a checkpoint dumped by hand under its name."""
+    hand_out = tmp_path / "hand.txt"
+    target = procs.start("counter.py", hand_out)
+    wait_until(lambda: len(ints(hand_out)) >= 3, what="the counter dumped by hand to count")
+    hand = ckpt("dump", target.pid, "--name", "keepme").stdout.strip()
+
+    out = tmp_path / "count.txt"
+    supervisor = start_run(tmp_path, procs, "--every", "1s", "--keep-last", "1", "--name", "keepme", "--",
+                           sys.executable, FIXTURES / "counter.py", out, 0.05)
+    procs.pids.add(child_pid(tmp_path))
+    wait_until(lambda: sum(e.startswith("ckpt: checkpoint ") for e in events(tmp_path)) >= 3, timeout=30,
+               what="three checkpoints")
+    supervisor.send_signal(signal.SIGTERM)
+    assert supervisor.wait(timeout=30) == 128 + signal.SIGTERM
+    taken = [e.split()[2].rstrip(":") for e in events(tmp_path) if e.startswith("ckpt: checkpoint ")]
+
+    listed = ckpt_json("list")
+    assert hand in [c["id"] for c in listed], "the checkpoint dumped by hand is still there"
+    assert_shape(listed, "list")
+    assert [(c["id"], c["origin"]) for c in listed] == [
+        (hand, {"kind": "dump", "name": None}), (taken[-1], {"kind": "run", "name": "keepme"})]
+    forgot = re.compile(r"^ckpt: forgot 1 checkpoint of 'keepme' \(keep-last 1\): [0-9a-f-]{26}$")
+    said = [e.split()[-1] for e in events(tmp_path) if forgot.match(e)]
+    assert said == taken[:-1], "each checkpoint of the run but the last forgotten, and said so"
+    shown = ckpt_json("show", hand)
+    assert_shape(shown, "show")
+    assert shown["origin"] == {"kind": "dump", "name": None}
+    assert "made by ckpt dump (by hand)" in ckpt("show", hand).stdout
+    assert "made by ckpt run --name keepme" in ckpt("show", taken[-1]).stdout
+
+    # and the hand-made checkpoint still restores
+    procs.kill_tree(target.pid)
+    written = ints(hand_out)
+    procs.adopt(int(ckpt("restore", hand).stdout.strip()))
+    wait_until(lambda: len(ints(hand_out)) >= len(written) + 5, what="the restored counter")
+    after = ints(hand_out)[len(written):]
+    assert 3 <= after[0] <= written[-1] and after == list(range(after[0], after[0] + len(after)))

@@ -1,6 +1,7 @@
 """Schedules: cron entries, what `schedule run` records, retention, and a real cron daemon."""
 
 import fcntl
+import json
 import os
 import secrets
 import shutil
@@ -11,7 +12,8 @@ import pytest
 
 from ckpt.errors import CkptError
 from ckpt.schedule.book import Schedule, ScheduleBook
-from tests.helpers import ckpt, ckpt_json, state, wait_until
+from tests.helpers import ckpt, ckpt_json, read_lines, state, wait_until
+from tests.jsonshape import assert_shape
 
 
 @pytest.fixture
@@ -198,3 +200,42 @@ def test_a_crontab_that_cannot_be_read_is_not_replaced(users_crontab, tmp_path):
     with pytest.raises(CkptError, match="cannot read your crontab: crontab: cannot open your crontab"):
         book.install_cron(Schedule(name="agent", target={"pid": 1}, cron="@daily"))
     assert _crontab_of_nobody() == FOREIGN
+
+
+def test_schedule_retention_forgets_only_what_the_schedule_made(procs, tmp_path, cron_dir, isolated_env):
+    """Issue 24: a schedule's retention forgot every checkpoint of its name, those dumped by hand too."""
+    out = tmp_path / "c.txt"
+    target = procs.start("counter.py", out)
+    wait_until(lambda: len(read_lines(out)) >= 3, what="the counter to count")
+    hand = ckpt("dump", target.pid, "--name", "keepme").stdout.strip()
+    old = ckpt("dump", target.pid, "--name", "keepme").stdout.strip()
+    # As an older ckpt wrote it, by hand or by one of its schedules (docs/design.md, "Origins"):
+    # no origin, so nobody's.
+    manifest = isolated_env / "checkpoints" / f"{old}.json"
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k != "origin"}))
+
+    ckpt("schedule", "add", "keepme", "--pid", target.pid, "--every", "1m", "--keep-last", "1")
+    # what cron runs (its entry appends stdout and stderr to the schedule's log)
+    runs = [ckpt("schedule", "run", "keepme") for _ in range(3)]
+    taken = [r.stdout.strip() for r in runs]
+
+    listed = ckpt_json("list")
+    assert [c["id"] for c in listed] == [hand, old, taken[-1]], "only the schedule's own were forgotten"
+    assert_shape(listed, "list")
+    assert [c["origin"] for c in listed] == [{"kind": "dump", "name": None}, None,
+                                             {"kind": "schedule", "name": "keepme"}]
+    assert ckpt_json("schedule", "list")[0]["last"]["forgot"] == [taken[1]]
+    assert f"forgot 1 checkpoint of 'keepme' (keep-last 1): {taken[0]}" in runs[1].stderr
+    assert "forgot" not in runs[0].stderr
+    entry = (cron_dir / "ckpt-keepme").read_text()
+    assert f"schedule run keepme --store {isolated_env} >> " in entry, "not --quiet: the log tells what was forgotten"
+    assert "made by schedule 'keepme'" in ckpt("show", taken[-1]).stdout
+    assert "made by an older ckpt" in ckpt("show", old).stdout
+
+    # and the hand-made checkpoint still restores
+    procs.kill_tree(target.pid)
+    written = [int(x) for x in read_lines(out)]
+    procs.adopt(int(ckpt("restore", hand).stdout.strip()))
+    wait_until(lambda: len(read_lines(out)) >= len(written) + 5, what="the restored counter")
+    after = [int(x) for x in read_lines(out)][len(written):]
+    assert 3 <= after[0] <= written[-1] and after == list(range(after[0], after[0] + len(after)))

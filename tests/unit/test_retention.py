@@ -72,3 +72,14 @@ def test_negative_counts_are_refused(rule):
         Policy(**{rule: -1})
     with pytest.raises(UsageError):
         Policy.from_json({rule: -1})
+
+
+@pytest.mark.parametrize("policy,flags", [
+    (Policy(keep_last=3), "keep-last 3"),
+    (Policy(keep_within=timedelta(days=2), keep_daily=7), "keep-within 2d, keep-daily 7"),
+    (Policy(keep_last=1, keep_hourly=24, keep_weekly=4), "keep-last 1, keep-hourly 24, keep-weekly 4"),
+    (Policy(), "keep everything"),
+])
+def test_policy_as_the_flags_that_give_it(policy, flags):
+    # What a schedule's or a run's retention says it applied: forgot 2 checkpoints of 'a' (keep-last 3)
+    assert policy.flags() == flags
