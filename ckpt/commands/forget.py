@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.errors import UsageError
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
@@ -45,6 +46,7 @@ def forget(store: Store, policy: Policy, name: str | None = None, prune: bool = 
             store.remove(to_remove, on_removed=lambda _id: phase("forget.removing"))
             if prune:
                 objects, freed = collect_garbage(store)
+                tell_copies_read_again(store, reporter)
     _report(decisions, policy, dry_run, reporter)
     return {
         "policy": policy.to_json(),

@@ -192,14 +192,16 @@ def _execute(store: Store, plan: PrunePlan) -> None:
         backend.delete([INDEX_PREFIX + name for name in plan.dead_index_files])
         backend.delete([pack_name(pack) for pack in plan.dead_files_packs])
     if plan.rewrite_index:
+        repack = set(plan.repack)
         try:
-            new_index, segments, kept = _write_new_index(blocks, index, plan, set(plan.repack))
+            new_index, segments, kept = _write_new_index(blocks, index, plan, repack)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not plan.repack:
                 raise
             # No room for the copies: drop what is dead, leave the packs to repack as they are.
-            new_index, segments, kept = _write_new_index(blocks, index, plan, set())
-        repacked = [pack for pack in plan.repack if pack not in kept]
+            repack = set()
+            new_index, segments, kept = _write_new_index(blocks, index, plan, repack)
+        repacked = [pack for pack in plan.repack if pack in repack and pack not in kept]
         backend.delete([INDEX_PREFIX + name for name in old_index_files if name != new_index])
         _delete(backend, [pack_name(pack) for pack in plan.drop_packs + repacked])
         blocks.drop_stale_markers({(s.pack, s.offset) for s in segments})

@@ -353,9 +353,10 @@ def test_a_swapped_object_is_damaged_and_healed_by_the_next_dump(encrypted_store
     assert store.verify(m) == []
 
 
-def test_prune_copies_a_live_tampered_segment_as_damaged(encrypted_store):
-    """Repacking reads a segment whose chunk fails authentication: it is copied as damaged
-    (padded, its record moved along), as a segment failing its checksum is."""
+def test_prune_never_copies_a_live_tampered_segment_and_keeps_its_pack(encrypted_store):
+    """Repacking reads a segment whose chunk fails authentication: nothing damaged is written
+    into the store, so it stays where it is (recorded as damaged) and its pack is not deleted,
+    as for a segment failing its checksum."""
     store = encrypted_store
     pages = [os.urandom(PAGE) for _ in range(300)]  # segments of 256 and 44 pages
     whole = fake_dump(store, {"pages-1.img": b"".join(pages)}, codec="none")
@@ -365,8 +366,9 @@ def test_prune_copies_a_live_tampered_segment_as_damaged(encrypted_store):
     assert store.verify(tail)
     store.remove([whole.id])
     collect_garbage(store)
-    assert not pack.exists()
+    assert pack.exists(), "the pack holding the only copy of a live segment was deleted"
+    assert [p for p in (store.root / "packs").rglob("*") if p.is_file()] == [pack], "something was repacked"
     (marker,) = store.blocks.damage_markers()
-    assert store.verify(tail), "still damaged at its new place"
+    assert store.verify(tail), "still damaged where it was"
     fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
     assert store.verify(tail) == [], "healed by a dump of the same pages"

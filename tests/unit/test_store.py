@@ -367,7 +367,9 @@ def test_prune_without_room_to_repack_still_drops_what_is_dead(store, monkeypatc
     assert (store.materialize(tail) / "pages-1.img").read_bytes() == b"".join(pages[256:])
 
 
-def test_a_repacked_damaged_segment_keeps_its_record(store):
+def test_a_damaged_segment_is_never_repacked_and_keeps_its_pack(store):
+    """Nothing damaged is written into a store and no pack is deleted unless every byte copied
+    out of it was verified: the live damaged segment stays where it is, with its record."""
     pages = [os.urandom(PAGE) for _ in range(300)]  # segments of 256 and 44 pages
     whole = fake_dump(store, {"pages-1.img": b"".join(pages)}, codec="none")
     tail = fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
@@ -375,11 +377,11 @@ def test_a_repacked_damaged_segment_keeps_its_record(store):
     flip_byte(pack, 280 * PAGE)
     assert store.verify(tail)
     store.remove([whole.id])
-    collect_garbage(store)  # the 256-page segment is dead: the damaged one is copied to a new pack
-    assert not pack.exists()
+    collect_garbage(store)  # the 256-page segment is dead, the damaged one live: the pack stays
+    assert list((store.root / "packs").glob("*/*")) == [pack]
     (marker,) = store.blocks.damage_markers()
-    assert marker[0] != pack.name
-    assert store.verify(tail), "still damaged at its new place"
+    assert marker == (pack.name, 256 * PAGE)
+    assert store.verify(tail), "still damaged where it was"
     fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
     assert store.verify(tail) == [], "healed by a dump of the same pages"
 
