@@ -7,7 +7,8 @@ killing it at, and tests/integration/test_kill_phases.py kills it at every name 
 
 TEST ONLY, not a setting: with CKPT_TEST_PAUSE_AT=NAME in its environment, ckpt announces
 reaching phase NAME by creating the file CKPT_TEST_PAUSE_FILE (O_EXCL, holding "NAME PID")
-and then sleeps there, up to PAUSE_S, waiting to be killed. Without the variable phase()
+and then sleeps there, up to PAUSE_S, waiting to be killed, or to go on once the test deletes
+that file (to change the world at that moment: stop a server). Without the variable phase()
 does nothing (the environment is read once). These variables are deliberately left out of
 ckpt's settings and the README's table.
 """
@@ -64,11 +65,12 @@ def phase(name: str) -> None:
     if _wanted is None or name != _wanted or _paused:
         return
     _paused = True
-    fd = os.open(os.environ[PAUSE_FILE], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    announced = os.environ[PAUSE_FILE]
+    fd = os.open(announced, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, f"{name} {os.getpid()}\n".encode())
     finally:
         os.close(fd)
     deadline = time.monotonic() + PAUSE_S
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
+    while time.monotonic() < deadline and os.path.exists(announced):
+        time.sleep(0.05)

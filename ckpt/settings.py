@@ -166,6 +166,9 @@ class Settings:
     # Seconds a lock object of a store in S3 stays live without being refreshed (its holder
     # refreshes it every fifth of that); prune keeps unreferenced blobs younger than twice it.
     lock_ttl: float = field(default=300.0, metadata=_env("CKPT_LOCK_TTL", _seconds(True, "300")))
+    # Seconds an S3 store's server may take to answer one request, its retries included (more
+    # for a large body: backends/s3.py MIN_BODY_RATE); past it the command ends with exit 9.
+    s3_timeout: float = field(default=60.0, metadata=_env("CKPT_S3_TIMEOUT", _seconds(True, "60")))
     # Where images are staged: auto = disk (the store's tmp/), or ram (/dev/shm); see
     # Store.staging_base for why disk is the default.
     staging: str = field(default="auto", metadata=_env("CKPT_STAGING", _choice(STAGING_CHOICES, "ram")))

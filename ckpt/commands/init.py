@@ -40,7 +40,7 @@ def init(location: settings.StoreLocation, encrypt: bool = False) -> InitResult:
         from ckpt.store.backends.s3 import S3Backend
 
         url = str(location)
-        remote = S3Backend.from_url(url)
+        remote = S3Backend.from_url(url, timeout=settings.current().s3_timeout)
         existing = [info.name for info in remote.list("")][:1]
         if existing:
             what = "a ckpt store" if existing[0] in (STORE_META,) or existing[0].startswith("keys/") else "objects"

@@ -222,7 +222,8 @@ class Store:
         from ckpt.store import keys
         from ckpt.store.backends.s3 import S3Backend
 
-        remote = S3Backend.from_url(url, lock_ttl=settings.current().lock_ttl)
+        current = settings.current()
+        remote = S3Backend.from_url(url, lock_ttl=current.lock_ttl, timeout=current.s3_timeout)
         if not keys.is_encrypted(remote):
             if remote.exists(STORE_META):
                 keys.check_keys_not_lost(remote)

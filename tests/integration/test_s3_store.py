@@ -407,3 +407,120 @@ def test_damaged_cache_copies_never_reach_the_bucket_nor_fail_a_command(s3_store
     copied = ckpt("copy", ids[3], "--to", str(tmp_path / "backup"))
     assert "fetched again from the store" in copied.stderr, copied.stderr
     assert ckpt("verify", "--all", "--store", str(tmp_path / "backup")).returncode == 0
+
+
+S3_TIMEOUT = 2  # CKPT_S3_TIMEOUT of the hung-server tests: each request's budget
+WITHIN = 30  # what a command facing a hung server may take in all (a few budgets, and the rest)
+
+
+class Hung:
+    """The S3 server SIGSTOPped (a frozen VM, a black-holed network: connections are accepted
+    by the kernel, nothing answers), and let go again by SIGCONT whatever happens."""
+
+    def __init__(self, server):
+        self.pid = server.process.pid
+
+    def __enter__(self):
+        os.kill(self.pid, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc):
+        os.kill(self.pid, signal.SIGCONT)
+
+
+def paused_ckpt(args: list, tmp_path: Path, at: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """`ckpt ARGS` started to pause at phase `at` (ckpt/phases.py); it goes on once the
+    returned file is deleted."""
+    pause = tmp_path / f"paused-{at}"
+    pause.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {}), PAUSE_AT: at, PAUSE_FILE: str(pause)})
+    wait_until(lambda: pause.exists() or proc.poll() is not None, timeout=120, what=f"phase {at}")
+    assert proc.poll() is None, proc.communicate()
+    return proc, pause
+
+
+def ended_unreachable(proc: subprocess.Popen, started: float) -> str:
+    """Waits for a command facing the hung server: exit 9 and one line, within WITHIN s."""
+    _, stderr = proc.communicate(timeout=WITHIN + 30)
+    took = time.monotonic() - started
+    assert proc.returncode == 9, stderr
+    assert "did not answer" in stderr and "CKPT_S3_TIMEOUT" in stderr and "Traceback" not in stderr, stderr
+    assert took < WITHIN, f"took {took:.0f} s"
+    return stderr
+
+
+def test_a_hung_server_ends_each_command_within_its_budget(s3_store, s3_server, procs, tmp_path, monkeypatch):
+    """Issue 23, 3: the S3 server SIGSTOPped before list and prune, and in the middle of a dump
+    (storing its pages), a copy (packing) and an eager restore: each ends with exit 9 within
+    its budget, the target running, nothing half-visible; each succeeds once the server goes on."""
+    monkeypatch.setenv("CKPT_S3_TIMEOUT", str(S3_TIMEOUT))
+    out = tmp_path / "big.txt"
+    big = procs.start("bigmem.py", out, 32)
+    wait_until(lambda: sums(out), timeout=30, what="bigmem")
+    first = ckpt_json("dump", big.pid, "--name", "big")["id"]
+
+    for args in (["list"], ["prune"]):
+        with Hung(s3_server):
+            ended_unreachable(subprocess.Popen([sys.executable, "-m", "ckpt", *args], cwd=ROOT, text=True,
+                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE), time.monotonic())
+        assert ckpt(*args).returncode == 0
+
+    dump, pause = paused_ckpt(["dump", big.pid, "--name", "big"], tmp_path, "dump.ingest")
+    with Hung(s3_server):
+        started = time.monotonic()
+        pause.unlink()
+        ended_unreachable(dump, started)
+        assert alive(big.pid) and open(f"/proc/{big.pid}/stat").read().split()[2] not in "Tt"
+    assert [c["id"] for c in ckpt_json("list")] == [first], "a half-written checkpoint is visible"
+    expected = report(big.pid, out)[0]
+    second = ckpt_json("dump", big.pid, "--name", "big")["id"]
+
+    backup = tmp_path / "backup"
+    copy, pause = paused_ckpt(["copy", first, second, "--to", backup], tmp_path, "copy.packing",
+                              env={"CKPT_CACHE": str(tmp_path / "empty-cache")})
+    with Hung(s3_server):
+        started = time.monotonic()
+        pause.unlink()
+        ended_unreachable(copy, started)
+    assert not backup.exists() or ckpt_json("list", "--store", backup) == []
+    ckpt("copy", first, second, "--to", backup)
+
+    procs.kill_tree(big.pid)
+    with Hung(s3_server):
+        ended_unreachable(subprocess.Popen([sys.executable, "-m", "ckpt", "restore", second, "--eager"], cwd=ROOT,
+                                           text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           env={**os.environ, "CKPT_CACHE": str(tmp_path / "empty-cache-2")}),
+                          time.monotonic())
+        assert not alive(big.pid), "a tree was restored"
+    restored = ckpt_json("restore", second, "--eager", env={"CKPT_CACHE": str(tmp_path / "empty-cache-2")})
+    procs.adopt(restored["pid"])
+    assert report(restored["pid"], out)[0] == expected
+
+
+def test_a_lazy_restore_facing_a_hung_server_ends_the_tree_and_says_so(s3_store, s3_server, procs, tmp_path,
+                                                                       monkeypatch):
+    """Issue 23, 3: the tree restored lazily on another host (an empty cache: every page from
+    the bucket) while the server hangs waits for its pages; once the page server's budget is
+    spent the tree is killed (never run on memory not filled in) and the failure recorded."""
+    monkeypatch.setenv("CKPT_S3_TIMEOUT", str(S3_TIMEOUT))
+    out = tmp_path / "big.txt"
+    big = procs.start("bigmem.py", out, 96)
+    wait_until(lambda: sums(out), timeout=30, what="bigmem")
+    dumped = ckpt_json("dump", big.pid)["id"]
+    procs.kill_tree(big.pid)
+    cache = {"CKPT_CACHE": str(tmp_path / "empty-cache")}
+    restore, pause = paused_ckpt(["restore", dumped, "--lazy", "--json"], tmp_path, "restore.before-criu", env=cache)
+    with Hung(s3_server):
+        pause.unlink()
+        stdout, stderr = restore.communicate(timeout=WITHIN + 30)
+        assert restore.returncode == 0, stderr  # the tree runs, waiting for its pages
+        pid = json.loads(stdout)["pid"]
+        procs.adopt(pid)
+        wait_until(lambda: not alive(pid), timeout=WITHIN, what="the tree to be ended")
+    listed = ckpt("list", "--json", env=cache)
+    assert [row["lazy_restore_failures"] for row in json.loads(listed.stdout)] == [1], listed.stdout
+    restored = ckpt_json("restore", dumped, "--eager")
+    procs.adopt(restored["pid"])
+    assert report(restored["pid"], out)[0] == sums(out)[0][0]

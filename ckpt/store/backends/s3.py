@@ -11,10 +11,13 @@ Writes are single PUTs up to MULTIPART_FROM, multipart uploads above (parts uplo
 parallel as they are written, visible only when the upload is completed). put_if_absent is
 PutObject with If-None-Match: * (412: BlobExists). The lock is a set of lock objects under
 locks/ that their holders refresh (see "Storage backends" in docs/design.md for the protocol).
-Transient failures (503 SlowDown, 500, resets, timeouts) are retried by botocore's "standard"
-retry mode with backoff, and a GET cut mid-body is asked again; the rest end
-in the typed errors of ckpt/errors.py (StoreUnreachable, StoreAccessDenied, StoreNotFound,
-DiskFull, StoreError).
+Every request has a budget (`timeout`, CKPT_S3_TIMEOUT, 60 s by default; longer for a large
+body, at MIN_BODY_RATE): transient failures (503 SlowDown, 500, resets, timeouts) are retried
+with backoff within it, and a GET cut mid-body is asked again within it; past it the command
+ends with StoreUnreachable (exit 9), and a server that let a request time out is not asked
+again by this process (a hung server, SIGSTOPped or black-holed, would otherwise make every
+clean-up request wait its own budget too). The rest end in the typed errors of
+ckpt/errors.py (StoreUnreachable, StoreAccessDenied, StoreNotFound, DiskFull, StoreError).
 """
 
 from __future__ import annotations
@@ -36,15 +39,15 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import boto3
 import urllib3.exceptions
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, ConnectionClosedError
 from botocore.exceptions import ConnectionError as BotoConnectionError
-from botocore.exceptions import (HTTPClientError, IncompleteReadError, NoCredentialsError, PartialCredentialsError,
-                                 ProfileNotFound, ReadTimeoutError, ResponseStreamingError)
+from botocore.exceptions import (ConnectTimeoutError, HTTPClientError, IncompleteReadError, NoCredentialsError,
+                                 PartialCredentialsError, ProfileNotFound, ReadTimeoutError, ResponseStreamingError)
 
 from ckpt.errors import (CkptError, DiskFull, StoreAccessDenied, StoreBusy, StoreError, StoreNotFound,
                          StoreUnreachable, UsageError)
@@ -62,12 +65,17 @@ PARTS_PER_SIZE = 2000
 # alone) instead of one PUT.
 MULTIPART_FROM = 32 << 20
 CONCURRENCY = 4
-# botocore's "standard" mode retries throttling (503 SlowDown: backoff from 1 s, doubling, at
-# most 20 s) and transient errors (5xx, resets, timeouts: backoff from 50 ms). 6 attempts: a
-# server that is down fails in about a second; throttling is waited out for up to ~30 s.
+# Requests are retried here, not by botocore (whose retries know no overall deadline):
+# throttling (503 SlowDown: backoff from 1 s, doubling, at most 20 s) and transient errors
+# (5xx, resets, timeouts: backoff from 50 ms), at most MAX_ATTEMPTS times and only while the
+# request's budget lasts. A server that is down fails in about a second; throttling is
+# waited out for up to ~30 s (within the default budget).
 MAX_ATTEMPTS = 6
-CONNECT_TIMEOUT = 10
-READ_TIMEOUT = 60
+DEFAULT_TIMEOUT = 60.0
+CONNECT_TIMEOUT = 10.0  # at most; a third of the budget when that is less
+# A request's budget grows by its body's size at this rate (a PUT is answered only once the
+# server stored the whole body): a 16 MiB part gets 16 s more.
+MIN_BODY_RATE = 1 << 20
 # A GET whose body is cut (a reset after the headers, which botocore does not retry) is asked
 # again, this many times.
 STREAM_RETRIES = 5
@@ -91,6 +99,9 @@ _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Expir
            "TokenRefreshRequired", "AllAccessDisabled", "InvalidSecurity", "403"}
 _STREAM_ERRORS = (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError,
                   urllib3.exceptions.HTTPError, ConnectionError)
+# Failures of a request worth another attempt, and those that mean the server did not answer.
+_TIMEOUTS = (ReadTimeoutError, ConnectTimeoutError)
+_TRANSIENT = (BotoConnectionError, HTTPClientError, ResponseStreamingError, IncompleteReadError)
 
 
 class _PreconditionFailed(Exception):
@@ -126,7 +137,8 @@ class S3Backend(Backend):
     staleness and exhausted retries quickly)."""
 
     def __init__(self, bucket: str, prefix: str = "", *, part_size: int = PART_SIZE, page_size: int = LIST_PAGE,
-                 lock_ttl: float = LOCK_TTL, concurrency: int = CONCURRENCY, attempts: int = MAX_ATTEMPTS):
+                 lock_ttl: float = LOCK_TTL, concurrency: int = CONCURRENCY, attempts: int = MAX_ATTEMPTS,
+                 timeout: float = DEFAULT_TIMEOUT):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self._root = f"{self.prefix}/" if self.prefix else ""
@@ -135,6 +147,10 @@ class S3Backend(Backend):
         self.lock_ttl = lock_ttl
         self.concurrency = concurrency
         self.attempts = attempts
+        self.timeout = timeout
+        # Set once a request went unanswered for its whole budget: every later request of this
+        # process fails at once with the same error.
+        self._unanswered: StoreUnreachable | None = None
         self._connect()
         self.endpoint = self._client.meta.endpoint_url
 
@@ -144,8 +160,9 @@ class S3Backend(Backend):
         self._pid = os.getpid()
         config = Config(
             request_checksum_calculation="when_required", response_checksum_validation="when_required",
-            retries={"mode": "standard", "max_attempts": self.attempts},
-            connect_timeout=CONNECT_TIMEOUT, read_timeout=READ_TIMEOUT,
+            retries={"mode": "standard", "total_max_attempts": 1},  # retried by _call, within a budget
+            # Half the budget without a byte from the server ends an attempt: two fit in it.
+            connect_timeout=min(CONNECT_TIMEOUT, max(1.0, self.timeout / 3)), read_timeout=max(1.0, self.timeout / 2),
             max_pool_connections=2 * self.concurrency + 2)
         try:
             # The default session: AWS_PROFILE, AWS_ENDPOINT_URL(_S3), AWS_ACCESS_KEY_ID, ~/.aws/config.
@@ -213,43 +230,93 @@ class S3Backend(Backend):
             if self._checked:
                 return
             try:
-                self._client.head_bucket(Bucket=self.bucket)
-            except ClientError as exc:
-                code, status = _code(exc)
-                if status == 404 or code == "NoSuchBucket":
-                    raise self._no_bucket() from None
-                raise self._typed(exc, "HeadBucket", self.url()) from None
-            except BotoCoreError as exc:
-                raise self._typed(exc, "HeadBucket", self.url()) from None
+                self._call("HeadBucket", "", None, {})
+            except BlobNotFound:
+                raise self._no_bucket() from None
             self._checked = True
 
     def _no_bucket(self) -> StoreNotFound:
         return StoreNotFound(f"there is no bucket {self.bucket!r} at {self.endpoint}",
                              hint=f"create it (e.g. `aws s3 mb s3://{self.bucket}`) or correct the store's URL")
 
-    def _request(self, operation: str, what: str, **kwargs) -> dict:
-        """One S3 request (botocore retries the transient failures); its failures as typed
-        errors. what names the blob (or prefix) for messages."""
+    def _request(self, operation: str, what: str, deadline: float | None = None, **kwargs: Any) -> dict:
+        """One S3 request, retried within its budget (see _call); what names the blob (or
+        prefix) for messages; deadline (time.monotonic()) overrides the budget."""
         self._after_fork()
         self._ready()
-        method = getattr(self._client, _snake(operation))
-        try:
-            return method(Bucket=self.bucket, **kwargs)
-        except ClientError as exc:
-            code, status = _code(exc)
-            if code in ("NoSuchKey", "NoSuchUpload") or (status == 404 and code in ("404", "NotFound")):
-                raise BlobNotFound(errno.ENOENT, "no such blob", self.where(what)) from None
-            if status == 412:
-                raise _PreconditionFailed() from None
-            if status == 416:
-                raise _RangeNotSatisfiable() from None
-            if code == "NoSuchBucket":
-                raise self._no_bucket() from None
-            raise self._typed(exc, operation, self.where(what)) from None
-        except BotoCoreError as exc:
-            raise self._typed(exc, operation, self.where(what)) from None
+        return self._call(operation, what, deadline, kwargs)
 
-    def _typed(self, exc: Exception, operation: str, where: str) -> CkptError:
+    def _call(self, operation: str, what: str, deadline: float | None, kwargs: dict) -> dict:
+        """The request, its transient failures retried with backoff until the deadline (by
+        default now + the budget for its body); its failures as typed errors."""
+        if self._unanswered is not None:
+            raise self._unanswered
+        method = getattr(self._client, _snake(operation))
+        body: Any = kwargs.get("Body")
+        rewind = body.tell() if hasattr(body, "seek") else None
+        if deadline is None:
+            deadline = time.monotonic() + self._budget(body)
+        attempt = 0
+        while True:
+            attempt += 1
+            if rewind is not None:
+                body.seek(rewind)
+            try:
+                return method(Bucket=self.bucket, **kwargs) if operation != "HeadBucket" else method(Bucket=self.bucket)
+            except ClientError as exc:
+                code, status = _code(exc)
+                if code in ("NoSuchKey", "NoSuchUpload") or (status == 404 and code in ("404", "NotFound")):
+                    raise BlobNotFound(errno.ENOENT, "no such blob", self.where(what)) from None
+                if status == 412:
+                    raise _PreconditionFailed() from None
+                if status == 416:
+                    raise _RangeNotSatisfiable() from None
+                if code == "NoSuchBucket":
+                    raise self._no_bucket() from None
+                transient = code in _THROTTLED or status >= 500
+                if transient and self._pause_before_retry(attempt, deadline, throttled=code in _THROTTLED):
+                    continue
+                raise self._typed(exc, operation, self.where(what), attempt) from None
+            except BotoCoreError as exc:
+                if isinstance(exc, _TRANSIENT) and self._pause_before_retry(attempt, deadline, throttled=False):
+                    continue
+                if isinstance(exc, _TIMEOUTS):
+                    raise self._not_answering(operation, what) from None
+                raise self._typed(exc, operation, self.where(what), attempt) from None
+
+    def _budget(self, body) -> float:
+        size = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else 0
+        if hasattr(body, "fileno"):
+            try:
+                size = os.fstat(body.fileno()).st_size
+            except (OSError, ValueError):
+                size = 0
+        return self.timeout + size / MIN_BODY_RATE
+
+    def _pause_before_retry(self, attempt: int, deadline: float, throttled: bool) -> bool:
+        """Sleeps before the next attempt and returns True, or False if no attempt is left or
+        the pause would reach the deadline."""
+        if attempt >= self.attempts:
+            return False
+        pause = min(20.0, 2.0 ** (attempt - 1)) if throttled else min(2.0, 0.05 * 2 ** attempt)
+        pause *= random.uniform(0.5, 1)
+        if time.monotonic() + pause >= deadline:
+            return False
+        time.sleep(pause)
+        return True
+
+    def _not_answering(self, operation: str, what: str) -> StoreUnreachable:
+        """A request went unanswered for its whole budget: the error, remembered so that no
+        later request of this process waits for the same server again."""
+        error = StoreUnreachable(
+            f"the S3 server at {self.endpoint} did not answer {operation} of {self.where(what)} within "
+            f"{self.timeout:g} s; nothing was committed",
+            hint="check that it runs and can be reached, then run the command again (CKPT_S3_TIMEOUT sets how "
+                 "many seconds ckpt waits for it)")
+        self._unanswered = error
+        return error
+
+    def _typed(self, exc: Exception, operation: str, where: str, attempts: int = 1) -> CkptError:
         """The typed error for a failure botocore did not (or no longer) retry: one line with the fix."""
         at = f"the S3 server at {self.endpoint}"
         if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
@@ -273,7 +340,8 @@ class S3Backend(Backend):
                                               "and the bucket's permissions")
             if code in _THROTTLED or status >= 500:
                 return StoreUnreachable(f"{at} kept answering {told} to {operation} of {where} "
-                                        f"after {self.attempts} attempts", hint="try again later")
+                                        f"after {attempts} attempt{'s' if attempts > 1 else ''}",
+                                        hint="try again later")
             return StoreError(f"{at} refused {operation} of {where} ({told})")
         return StoreError(f"{operation} of {where} on {at} failed: {exc}")
 
@@ -339,12 +407,13 @@ class S3Backend(Backend):
         pieces: builtins.list[bytes] = []
         position, failures = start, 0
         total = None
+        deadline = time.monotonic() + self.timeout  # the request and the reading of its body
         while position <= end:
             kwargs = {"Key": key, "Range": f"bytes={position}-{end}"}
             if etag:
                 kwargs["IfMatch"] = etag
             try:
-                response = self._request("GetObject", name, **kwargs)
+                response = self._request("GetObject", name, deadline, **kwargs)
             except _RangeNotSatisfiable:
                 if position == start:
                     return [], None, None
@@ -369,10 +438,13 @@ class S3Backend(Backend):
                 break
             except _STREAM_ERRORS as exc:
                 failures += 1
-                if failures > STREAM_RETRIES:
+                pause = min(2.0, 0.05 * 2 ** failures) * random.random()
+                if time.monotonic() + pause >= deadline and isinstance(exc, (ReadTimeoutError, TimeoutError)):
+                    raise self._not_answering("GetObject", name) from None
+                if failures > STREAM_RETRIES or time.monotonic() + pause >= deadline:
                     raise self._typed(exc if isinstance(exc, BotoCoreError) else ConnectionClosedError(
                         endpoint_url=self.endpoint), "GetObject", self.where(name)) from None
-                time.sleep(min(2.0, 0.05 * 2 ** failures) * random.random())
+                time.sleep(pause)
             finally:
                 body.close()
         return pieces, total, etag
@@ -441,7 +513,7 @@ class S3Backend(Backend):
         """The blobs under prefix, and the server's time of the last answer (by its Date)."""
         found, token, now = [], None, None
         while True:
-            kwargs = {"Prefix": self._root + prefix, "MaxKeys": self.page_size}
+            kwargs: dict[str, Any] = {"Prefix": self._root + prefix, "MaxKeys": self.page_size}
             if token:
                 kwargs["ContinuationToken"] = token
             page = self._request("ListObjectsV2", prefix or "/", **kwargs)
@@ -457,7 +529,7 @@ class S3Backend(Backend):
     def _list_uploads(self, prefix: str) -> builtins.list[BlobInfo]:
         found, key_marker, id_marker = [], None, None
         while True:
-            kwargs = {"Prefix": self._root + prefix, "MaxUploads": self.page_size}
+            kwargs: dict[str, Any] = {"Prefix": self._root + prefix, "MaxUploads": self.page_size}
             if key_marker:
                 kwargs["KeyMarker"] = key_marker
                 if id_marker:
@@ -624,11 +696,14 @@ class _HeldLock:
     def still_held(self) -> bool:
         """Checked right before a commit point (a manifest, prune's deletions): the lock object
         is still ours and was refreshed well within its TTL, so no other locker can have taken
-        it for stale. One HEAD request."""
+        it for stale. One HEAD request; a server that does not answer it is the command's
+        failure (StoreUnreachable, exit 9), not a lost lock."""
         if self.lost.is_set() or time.monotonic() - self.refreshed > self._backend.lock_ttl * 0.8:
             return False
         try:
             return self._backend.exists(self._name)
+        except StoreUnreachable:
+            raise
         except CkptError:
             return False
 
