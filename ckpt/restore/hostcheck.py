@@ -9,9 +9,14 @@ restored process writes on at its own offset, as it would have. CRIU compares ev
 size exactly and has no option against it, so the staged images are told not to record those
 sizes (let_written_files_grow).
 What else must match: the CRIU here must be at least as new (in major.minor) as the one that
-dumped (CRIU reads older images, not newer ones), and the machine architecture the same (images
-hold registers). The kernel is only compared: an older one is a warning, since CRIU restores
-across kernels and fails by itself on the rare feature that is missing.
+dumped (CRIU reads older images, not newer ones), the machine architecture the same (images
+hold registers), and the CPU must have every instruction-set extension the dumping one had
+(procfs.cpu_instruction_flags): glibc picks its string functions by the CPU a process starts
+on, so a tree started on an AVX-512 host and restored on one without dies of SIGILL at its
+next memset, after a restore CRIU reports as a success (CRIU's own cpuinfo check is off by
+default and compares more than instructions). The kernel is only compared: an older one is a
+warning, since CRIU restores across kernels and fails by itself on the rare feature that is
+missing.
 """
 
 from __future__ import annotations
@@ -76,6 +81,12 @@ def compare_system(manifest: Manifest, binary: CriuBinary, report: HostReport) -
     arch = manifest.system.get("arch")
     if arch and arch != facts["arch"]:
         report.add("arch", f"this machine is {facts['arch']}, the checkpoint's was {arch}")
+    missing = sorted(set(manifest.system.get("cpu_flags") or ()) - set(facts["cpu_flags"]))
+    if missing and (not arch or arch == facts["arch"]):
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        report.add("cpu", f"this CPU lacks instructions the checkpoint's had ({shown}): code the tree chose "
+                          "when it started (glibc's memcpy and memset, numpy, a JIT) may use them, and the "
+                          "restored tree would die of SIGILL")
     kernel = manifest.system.get("kernel")
     if kernel and _version(facts["kernel"]) < _version(kernel):
         report.warnings.append(f"the checkpoint was taken on Linux {kernel}, this is {facts['kernel']}: an older "
@@ -215,6 +226,9 @@ def fix_for(kind: str, manifest: Manifest, report: HostReport) -> str:
         return f"install CRIU {manifest.criu.get('version')} or newer ('make setup')"
     if kind == "arch":
         return "restore on a machine of the checkpoint's architecture"
+    if kind == "cpu":
+        return "restore on a host whose CPU has these instructions (a cloud instance of the same family), " \
+               "or start the program afresh here"
     return "start the program that receives the datagrams (for /dev/log: a syslog daemon or journald)"
 
 

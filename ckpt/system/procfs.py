@@ -54,10 +54,41 @@ def machine_id() -> str:
     return ""
 
 
+# x86 cpuinfo flags naming instructions user code may use (glibc, numpy, a JIT pick their code
+# by them when the process starts, and a restored process keeps that choice): only these are
+# compared, not facts like "hypervisor" or "constant_tsc" that differ between hosts harmlessly.
+X86_INSTRUCTION_FLAGS = frozenset({
+    "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "sse4a", "popcnt", "avx", "avx2", "fma", "fma4", "f16c", "bmi1",
+    "bmi2", "adx", "abm", "aes", "pclmulqdq", "sha_ni", "vaes", "vpclmulqdq", "gfni", "movbe", "rdrand", "rdseed",
+    "xsave", "xsavec", "xsaveopt", "clflushopt", "clwb", "avx_vnni", "avx_vnni_int8", "avx_ifma", "avx_ne_convert",
+    "movdiri", "movdir64b", "serialize", "cx16", "lahf_lm", "lzcnt",
+})
+
+
+def cpu_instruction_flags() -> list[str]:
+    """The instruction-set extensions of this machine's CPU: on x86 the cpuinfo flags that name
+    instructions (X86_INSTRUCTION_FLAGS, and every avx512* and amx*), on arm64 its Features
+    (all name instructions); empty where /proc/cpuinfo says neither."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "flags":
+            return sorted(flag for flag in value.split()
+                          if flag in X86_INSTRUCTION_FLAGS or flag.startswith(("avx512", "amx")))
+        if key == "Features":
+            return sorted(value.split())
+    return []
+
+
 def host_facts() -> dict:
     """What a checkpoint records of the system it was taken on (the manifest's `system`), for a
     restore to tell another host and what must match there (docs/design.md, "Manifest")."""
     import os
 
     uname = os.uname()
-    return {"machine_id": machine_id(), "kernel": uname.release, "arch": uname.machine}
+    return {"machine_id": machine_id(), "kernel": uname.release, "arch": uname.machine,
+            "cpu_flags": cpu_instruction_flags()}

@@ -51,6 +51,8 @@ def test_restore_names_every_file_that_differs_here_and_runs_no_criu(procs, tmp_
     target = procs.start("file_holder.py", out, library, data, gone)
     wait_until(lambda: counted(out) >= 5, what="the holder to count")
     dumped = ckpt_json("dump", target.pid)
+    from ckpt.system.procfs import cpu_instruction_flags
+    assert ckpt_json("show", dumped["id"])["system"]["cpu_flags"] == cpu_instruction_flags() != []
 
     with data.open("a") as f:
         f.write("more")  # 1000 -> 1004 bytes

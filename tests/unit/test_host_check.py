@@ -226,6 +226,37 @@ def test_an_older_criu_and_another_architecture_are_mismatches_an_older_kernel_a
     assert same.mismatches == [] and same.warnings == []
 
 
+def test_a_cpu_lacking_an_instruction_set_the_checkpoints_had_is_a_mismatch():
+    """A tree started on a CPU with AVX-512 uses glibc's AVX-512 memset: restored on one without,
+    it dies of SIGILL after a restore CRIU calls a success (the compat fixture did, here)."""
+    facts = procfs.host_facts()
+    assert "sse2" in facts["cpu_flags"] or os.uname().machine != "x86_64"
+    m = manifest(system={**facts, "cpu_flags": [*facts["cpu_flags"], "avx512_never_made", "amx_never_made"]})
+    report = report_of(m)
+    hostcheck.compare_system(m, criu("4.2.1"), report)
+    assert report.kinds == ["cpu"]
+    assert "lacks instructions the checkpoint's had (amx_never_made, avx512_never_made)" in report.mismatches[0]
+    with pytest.raises(HostMismatch) as raised:
+        hostcheck.require_match(m, report)
+    assert raised.value.exit_code == ExitCode.HOST_MISMATCH and "whose CPU has these" in raised.value.hint
+
+    fewer = manifest(system={**facts, "cpu_flags": facts["cpu_flags"][:3]})  # a CPU with less: fine here
+    same = report_of(fewer)
+    hostcheck.compare_system(fewer, criu("4.2.1"), same)
+    assert same.mismatches == []
+
+
+def test_the_cpu_flags_recorded_name_instructions_only(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 hypervisor avx2 constant_tsc avx512f amx_tile bmi2\n"
+                       "processor\t: 1\nflags\t\t: fpu\n")
+    real_path = procfs.Path
+    monkeypatch.setattr(procfs, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
+    assert procfs.cpu_instruction_flags() == ["amx_tile", "avx2", "avx512f", "bmi2", "sse2"]
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd aes sve\n")
+    assert procfs.cpu_instruction_flags() == ["aes", "asimd", "fp", "sve"]
+
+
 def test_an_old_manifest_without_system_facts_compares_what_it_has():
     m = manifest(system={})
     report = report_of(m)
