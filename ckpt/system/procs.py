@@ -167,22 +167,25 @@ def _refuse_traced(pids: list[int]) -> None:
 O_ACCMODE = 0o3
 
 
-def _fd_inodes(pid: int, kind: str) -> list[tuple[int, int]]:
-    """(fd, inode) of every descriptor of the process that is a `kind` ("pipe", "socket")."""
-    prefix = f"{kind}:["
-    result: list[tuple[int, int]] = []
+def _fd_links(pid: int) -> list[tuple[int, str]]:
+    """(fd, what /proc/PID/fd/FD links to) of every descriptor of the process still open."""
+    result: list[tuple[int, str]] = []
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return result
     for fd in fds:
         try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            result.append((int(fd), os.readlink(f"/proc/{pid}/fd/{fd}")))
         except OSError:
-            continue
-        if link.startswith(prefix):
-            result.append((int(fd), int(link[len(prefix):-1])))
+            continue  # closed meanwhile
     return result
+
+
+def _fd_inodes(pid: int, kind: str) -> list[tuple[int, int]]:
+    """(fd, inode) of every descriptor of the process that is a `kind` ("pipe", "socket")."""
+    prefix = f"{kind}:["
+    return [(fd, int(link[len(prefix):-1])) for fd, link in _fd_links(pid) if link.startswith(prefix)]
 
 
 def _pipe_fds(pid: int) -> list[tuple[int, int, bool]]:
@@ -258,15 +261,10 @@ def _regular_fds(pid: int) -> list[tuple[int, str, tuple[int, int], int]]:
     """(fd, path, (device, inode), open flags) of every regular file the process holds open by
     a path that exists (deleted files: see deleted_files)."""
     result: list[tuple[int, str, tuple[int, int], int]] = []
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return result
-    for fd in fds:
+    for fd, link in _fd_links(pid):
+        if not link.startswith("/") or link.endswith(" (deleted)"):
+            continue
         try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if not link.startswith("/") or link.endswith(" (deleted)"):
-                continue
             st = os.stat(f"/proc/{pid}/fd/{fd}")
             if not stat.S_ISREG(st.st_mode):
                 continue
