@@ -8,13 +8,14 @@ from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Store
-from ckpt.store.prune import execute_prune, sweep_and_plan
+from ckpt.store.prune import execute_prune, prune_plan, sweep_and_plan
 
 
 def prune(store: Store, dry_run: bool = False, reporter: Reporter = NullReporter()) -> dict:
     started = time.monotonic()
     with store.lock(exclusive=True):
-        plan = sweep_and_plan(store)
+        # A dry run changes nothing, not even the staging directories dead commands left.
+        plan = prune_plan(store) if dry_run else sweep_and_plan(store)
         if not dry_run:
             phase("prune.planned")
             execute_prune(store, plan)

@@ -578,3 +578,18 @@ def test_prune_counts_the_bytes_of_an_adopted_image_no_segment_names(store):
     (repacked,) = list((store.root / "packs").glob("*/*"))
     assert repacked.stat().st_size == 750 * PAGE
     assert (store.materialize(m) / "pages-1.img").read_bytes() == image
+
+
+def test_prune_dry_run_changes_nothing_not_even_staging_leftovers(store):
+    """A restore directory of a restore that is gone: prune removes it, a dry run does not."""
+    from ckpt.commands.prune import prune
+
+    fake_dump(store, {"pages-1.img": os.urandom(PAGE * 4)}, codec="none")
+    store.tmp_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    leftover = store.tmp_dir / "restore-leftover"
+    leftover.mkdir(mode=0o700)
+    (leftover / "pages-1.img").write_bytes(b"x")
+    assert prune(store, dry_run=True)["dry_run"] is True
+    assert leftover.is_dir(), "a dry run removed a staging leftover"
+    prune(store)
+    assert not leftover.exists()
