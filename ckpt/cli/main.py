@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import getpass
 import os
 import sys
 import traceback
+from typing import Any, Callable
 
 import typer
 from typer._click.exceptions import NoArgsIsHelpError, UsageError as ClickUsageError
@@ -15,7 +17,7 @@ from typer.exceptions import Abort, Exit, TyperException
 from ckpt import __version__, settings
 from ckpt.cli import (cmd_check, cmd_copy, cmd_diff, cmd_dump, cmd_forget, cmd_init, cmd_key, cmd_list, cmd_prune,
                       cmd_restore, cmd_rm, cmd_run, cmd_schedule, cmd_show, cmd_verify)
-from ckpt.cli.options import PasswordFileOption, use_password_file
+from ckpt.cli.options import DebugOption, PasswordFileOption, use_password_file
 from ckpt.errors import DISK_FULL_HINT, CkptError, CriuFailed, DiskFull, ExitCode, UsageError
 from ckpt.store import password
 
@@ -28,7 +30,7 @@ app = typer.Typer(
          "  ckpt list                       # what is in the store\n\n"
          "  ckpt restore agent              # restore the newest checkpoint named 'agent'",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # ckpt --install-completion (README, "Shell completion")
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -45,7 +47,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def root(
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
+    debug: DebugOption = False,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print ckpt's version and exit."),
     password_file: PasswordFileOption = None,
@@ -66,6 +68,45 @@ for module in (cmd_init, cmd_check, cmd_dump, cmd_restore, cmd_list, cmd_show, c
     module.register(app)
 
 
+# The root's options that every command takes too, before or after its name: the password
+# error says "pass --password-file", and people type it after the command.
+GLOBAL_OPTIONS: dict[str, Callable[[Any], None]] = {
+    "debug": lambda value: _debug.update(on=True) if value else None,
+    "password_file": use_password_file,
+}
+
+
+def command() -> Any:
+    """The click command that main() runs: typer's, with GLOBAL_OPTIONS on every subcommand."""
+    root_command = typer.main.get_command(app)
+    shared = [p for p in root_command.params if p.name in GLOBAL_OPTIONS]
+
+    def add_to(cmd: Any) -> None:
+        for sub in getattr(cmd, "commands", {}).values():
+            taken = {p.name for p in sub.params} | {o for p in sub.params for o in p.opts}
+            for param in shared:
+                if param.name in taken or set(param.opts) & taken:
+                    continue  # a command with an option of its own of that name (schedule add, init)
+                sub.params.append(_applied_at_parse(param, GLOBAL_OPTIONS[str(param.name)]))
+            add_to(sub)
+
+    add_to(root_command)
+    return root_command
+
+
+def _applied_at_parse(param: Any, apply: Callable[[Any], None]) -> Any:
+    clone = copy.copy(param)
+    clone.expose_value = False
+
+    # Called after the root's callback has made the settings (click invokes a group before it
+    # parses its subcommand's options).
+    def callback(_ctx: Any, _param: Any, value: Any) -> None:
+        apply(value)
+
+    clone.callback = callback
+    return clone
+
+
 def _ask_password(what: str, confirm: bool) -> str:
     text = getpass.getpass(f"{what}: ")
     if confirm and getpass.getpass("again: ") != text:
@@ -79,7 +120,7 @@ def _error(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        result = app(args=argv, prog_name="ckpt", standalone_mode=False)
+        result = command().main(args=argv, prog_name="ckpt", standalone_mode=False)
         code = result if isinstance(result, int) and not isinstance(result, bool) else 0
     except CriuFailed as exc:
         _error(str(exc) if not exc.log_path or exc.log_path in str(exc) else f"{exc} (full log: {exc.log_path})")

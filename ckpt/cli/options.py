@@ -24,6 +24,8 @@ PasswordFileOption = Annotated[Optional[str], typer.Option(
     "--password-file", metavar="FILE",
     help="The encrypted store's password: the first line of FILE (mode 600) [env var: CKPT_PASSWORD_FILE; "
          "or CKPT_PASSWORD].")]
+# --debug and --password-file are the root's options; ckpt.cli.main gives every command them too.
+DebugOption = Annotated[bool, typer.Option("--debug", help="Show tracebacks of internal errors.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
 DryRunOption = Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would be done, change nothing.")]

@@ -108,3 +108,38 @@ def test_passwords_of_an_encrypted_store_are_added_changed_and_removed(capsys, t
     assert code != 0 and "Traceback" not in err  # never the last key, never the one in use
     code, out, err = run(capsys, "key", "list", "--store", str(tmp_path / "plain-none"))
     assert code == 3
+
+
+def test_global_options_work_after_the_subcommand_too(capsys, tmp_path, monkeypatch):
+    """The password error tells users to pass --password-file: it must work where they type it."""
+    store = tmp_path / "sealed"
+    pw = tmp_path / "pw"
+    pw.write_text("secret\n")
+    pw.chmod(0o600)
+    monkeypatch.setenv("CKPT_PASSWORD", "secret")
+    assert run(capsys, "init", str(store), "--encrypt")[0] == 0
+    monkeypatch.delenv("CKPT_PASSWORD")
+    monkeypatch.setenv("CKPT_STORE", str(store))
+    code, out, err = run(capsys, "list", "--json")
+    assert code == 4 and "--password-file" in err
+    for argv in (["--password-file", str(pw), "list", "--json"], ["list", "--json", "--password-file", str(pw)],
+                 ["list", f"--password-file={pw}", "--json"]):
+        code, out, err = run(capsys, *argv)
+        assert code == 0 and json.loads(out) == [], (argv, err)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("ckpt.cli.cmd_list.list_checkpoints", broken)
+    monkeypatch.setenv("CKPT_PASSWORD", "secret")
+    for argv in (["--debug", "list"], ["list", "--debug"]):
+        code, out, err = run(capsys, *argv)
+        assert code == 70 and "Traceback" in err and "RuntimeError: boom" in err, argv
+    code, out, err = run(capsys, "list")
+    assert code == 70 and "Traceback" not in err
+
+
+def test_shell_completion_is_on(capsys):
+    code, out, err = run(capsys, "--show-completion", "bash")
+    assert code == 0, err
+    assert "_CKPT_COMPLETE" in out and "complete " in out, out
