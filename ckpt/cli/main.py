@@ -91,7 +91,18 @@ def command() -> Any:
             add_to(sub)
 
     add_to(root_command)
+    _keep_examples_whole(root_command)
     return root_command
+
+
+def _keep_examples_whole(cmd: Any) -> None:
+    """Marks each example paragraph of every help text for click not to rewrap: rewrapped to
+    the terminal, an example broke inside a flag ('--keep-' / 'daily 7') and could not be copied."""
+    if cmd.help:
+        cmd.help = "\n\n".join(f"\b\n{paragraph}" if paragraph.lstrip(" ").startswith("ckpt ") else paragraph
+                                for paragraph in cmd.help.split("\n\n"))
+    for sub in getattr(cmd, "commands", {}).values():
+        _keep_examples_whole(sub)
 
 
 def _applied_at_parse(param: Any, apply: Callable[[Any], None]) -> Any:

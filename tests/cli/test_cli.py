@@ -143,3 +143,34 @@ def test_shell_completion_is_on(capsys):
     code, out, err = run(capsys, "--show-completion", "bash")
     assert code == 0, err
     assert "_CKPT_COMPLETE" in out and "complete " in out, out
+
+
+def help_texts():
+    """(command path, its HELP string) for every command and group."""
+    from ckpt.cli.main import command
+
+    def walk(cmd, path):
+        yield " ".join(path), cmd.help or ""
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from walk(sub, [*path, name])
+
+    return list(walk(command(), []))
+
+
+def example_lines(text):
+    lines = text.split("Examples:", 1)[1].splitlines() if "Examples:" in text else []
+    return [line.strip() for line in lines if line.strip().startswith("ckpt")]
+
+
+@pytest.mark.parametrize("columns", ["60", "80"])
+def test_examples_in_help_are_never_broken(capsys, monkeypatch, columns):
+    """A flag split over two lines ('--keep-' / 'daily 7') cannot be copied."""
+    monkeypatch.setenv("COLUMNS", columns)
+    texts = help_texts()
+    assert sum(len(example_lines(text)) for _, text in texts) > 40
+    for path, text in texts:
+        code, out, err = run(capsys, *path.split(), "--help")
+        assert code == 0, err
+        shown = {line.strip() for line in out.splitlines()}
+        for example in example_lines(text):
+            assert example in shown, f"'ckpt {path} --help' at {columns} columns breaks: {example}\n{out}"
