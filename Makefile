@@ -7,9 +7,14 @@ CRIU_LIB_FILE := $(VENV)/.criu-lib
 
 .PHONY: setup test lint unit integration vm-test demo bench clean
 
+MAN_DIR ?= /usr/local/share/man/man1
+
 setup: $(VENV)/.installed
 	@# The page hashing extension is built in place (ckpt/): rebuilt if it went missing.
 	@$(PY) -c 'import ckpt._pagehash' 2>/dev/null || $(PY) -m pip install -q --no-deps -e .
+	@# ckpt(1), generated from the CLI itself (ckpt/cli/manpage.py): `man ckpt`.
+	@$(PY) -m ckpt.cli.manpage > $(VENV)/ckpt.1.new && install -D -m 644 $(VENV)/ckpt.1.new $(MAN_DIR)/ckpt.1 \
+		&& rm -f $(VENV)/ckpt.1.new
 
 # The system part (CRIU, nftables, build tools) is checked on every run: it is quick when done.
 $(CRIU_LIB_FILE): FORCE
