@@ -31,12 +31,15 @@ def register(app: typer.Typer) -> None:
         if not rows:
             stderr.print("no checkpoints in the store yet: create one with 'ckpt dump PID'")
             return
-        print_table(
+        # On a terminal too narrow for all: PROCS, then PID, then CREATED (the ID holds the time, in UTC).
+        left_out = print_table(
             ["ID", "NAME", "CREATED", "PID", "COMMAND", "PROCS", "SIZE", "STORED"],
             [[r["id"], r["name"] or "",
               datetime.fromisoformat(r["created"]).astimezone().strftime("%Y-%m-%d %H:%M:%S"),
               str(r["pid"]), r["command"], str(r["processes"]), human_bytes(r["bytes_total"]),
               human_bytes(r["bytes_stored"])] for r in rows],
-            widest={4: 60})
+            shrink=4, optional=(5, 3, 2))
         stderr.print(f"{len(rows)} checkpoint(s); the store holds {human_bytes(st.total_bytes())} in all "
-                     f"(STORED: what each checkpoint added when it was taken)")
+                     f"(STORED: what each checkpoint added when it was taken)"
+                     + (f"; {', '.join(left_out)} left out to fit the terminal ('ckpt list | cat' has all)"
+                        if left_out else ""))

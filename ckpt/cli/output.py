@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from typing import Literal
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from ckpt.system.textutil import printable
+from ckpt.system.textutil import human_bytes, printable
+
+__all__ = ["human_bytes"]  # sizes for people, one convention (binary units) in the core and here
+
+# NO_COLOR (no-color.org): rich then drops colours but still sends dim and bold; no styling at all.
+_COLOR_SYSTEM: Literal["auto"] | None = None if os.environ.get("NO_COLOR") else "auto"
 
 # No markup: what ckpt prints carries commands, paths and arguments of other programs, and a
 # "[/]" in one of them must print as it is, not be read as markup (or fail). Styles are set
 # explicitly with styled().
-stderr = Console(stderr=True, highlight=False, markup=False, soft_wrap=not sys.stderr.isatty())
+stderr = Console(stderr=True, highlight=False, markup=False, soft_wrap=not sys.stderr.isatty(),
+                 color_system=_COLOR_SYSTEM)
 # Piped output is not cut at 80 columns: scripts and pagers get whole lines.
-stdout = Console(highlight=False, markup=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+stdout = Console(highlight=False, markup=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200,
+                 color_system=_COLOR_SYSTEM)
 
 
 def styled(label: str, style: str, rest: str = "") -> Text:
@@ -35,15 +44,10 @@ def emit_json_line(data) -> None:
     sys.stdout.flush()
 
 
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
+def progress_columns() -> tuple:
+    """The progress bar: what, bar, done/total in binary units (as human_bytes), time left."""
+    return (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+            TimeRemainingColumn())
 
 
 class CliReporter:
@@ -70,8 +74,7 @@ class CliReporter:
             return
         if self._progress is None or self._what != what:
             self._close_bar()
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                      TimeRemainingColumn(), console=stderr, transient=True)
+            self._progress = Progress(*progress_columns(), console=stderr, transient=True)
             self._progress.start()
             self._task = self._progress.add_task(what, total=total)
             self._what = what
@@ -91,14 +94,40 @@ class CliReporter:
         self._close_bar()
 
 
-def print_table(headers: list[str], rows: list[list[str]], widest: dict[int, int] | None = None) -> None:
+def terminal_width() -> int | None:
+    """The width of the terminal stdout is, None when it is a pipe or a file."""
+    return stdout.size.width if stdout.is_terminal else None
+
+
+def print_table(headers: list[str], rows: list[list[str]], widest: dict[int, int] | None = None,
+                shrink: int | None = None, optional: tuple[int, ...] = ()) -> list[str]:
     """A plain aligned table on stdout. Rich's tables take seconds for a thousand rows; this is
-    data for people and for `grep`/`awk`, so plain text serves both."""
-    widest = widest or {}
+    data for people and for `grep`/`awk`, so plain text serves both.
+
+    On a terminal each line fits its width: column `shrink` is shortened (with an ellipsis) down
+    to SHRUNK_MIN characters, and when that is not enough the `optional` columns are left out, in
+    that order. Piped, lines are whole. Returns the headers of the columns left out."""
+    widest = dict(widest or {})
     rows = [[printable(c) for c in row] for row in rows]  # one line per row, whatever a command holds
-    cells = [[c if len(c) <= widest.get(i, 10**6) else c[:widest[i] - 1] + "…" for i, c in enumerate(row)]
+    shown = list(range(len(headers)))
+    width = terminal_width()
+    if shrink is not None and width is not None:
+        natural = {i: max([len(headers[i])] + [len(r[i]) for r in rows]) for i in shown}
+        for column in (None, *optional):
+            if column is not None:
+                shown.remove(column)
+            others = sum(natural[i] + 2 for i in shown if i != shrink)
+            if others + min(natural[shrink], SHRUNK_MIN) <= width:
+                break
+        widest[shrink] = max(width - others, min(natural[shrink], SHRUNK_MIN), len(headers[shrink]))
+    cells = [[row[i] if len(row[i]) <= widest.get(i, 10**6) else row[i][:widest[i] - 1] + "…" for i in shown]
              for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    titles = [headers[i] for i in shown]
+    widths = [max([len(h)] + [len(r[n]) for r in cells]) for n, h in enumerate(titles)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(titles, widths, strict=True)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     sys.stdout.write("\n".join(lines) + "\n")
+    return [h for i, h in enumerate(headers) if i not in shown]
+
+
+SHRUNK_MIN = 20  # the least of a shortened column that still tells one command from another

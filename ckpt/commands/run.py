@@ -34,6 +34,7 @@ from ckpt.agent import protocol
 from ckpt.errors import CkptError, SectionTimeout, UsageError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.system import procs
+from ckpt.system.textutil import human_bytes
 
 if TYPE_CHECKING:
     from ckpt.store import Origin
@@ -281,7 +282,7 @@ class Supervisor:
         m = result.manifest
         self.checkpoints.append(m.id)
         self.reporter.info(f"checkpoint {m.id}: frozen {m.stats.get('freeze_ms')} ms, "
-                           f"{m.bytes_stored} bytes new")
+                           f"{human_bytes(m.bytes_stored)} new")
         self._event("checkpoint", id=m.id, pid=self.pid, freeze_ms=m.stats.get("freeze_ms"),
                     bytes_stored=m.bytes_stored, requested_by=requested_by)
         return None
@@ -336,7 +337,7 @@ class Supervisor:
                                    f"checkpoint): {o['error']}")
                 self._event("copy_failed", id=o["id"], to=o["to"], error=o["error"])
             elif o["status"] in ("copied", "present"):
-                self.reporter.info(f"copied {o['id']} to {o['to']}: {o['bytes_sent']} bytes sent")
+                self.reporter.info(f"copied {o['id']} to {o['to']}: {human_bytes(o['bytes_sent'])} sent")
                 self._event("copied", id=o["id"], to=o["to"], bytes_sent=o["bytes_sent"])
 
     def _explain_lazy_failure(self) -> str | None:
