@@ -172,3 +172,13 @@ def dumped_file_reader(procs, tmp_path: Path, lines: int, records: int) -> tuple
     dumped = ckpt_json("dump", target.pid, "--stop")
     target.wait(timeout=10)
     return data, out, dumped
+
+
+def manifest_only_checkpoint(store, name: str | None, when, command: str = "agent") -> str:
+    """A checkpoint with a manifest and no images: enough for list, names and references (no CRIU)."""
+    from ckpt.store import Manifest, ids
+
+    checkpoint_id = ids.new_id(when)
+    store.commit(Manifest(id=checkpoint_id, created=when.isoformat(), pid=1234, command=command, processes=[],
+                          files=[], name=name))
+    return checkpoint_id

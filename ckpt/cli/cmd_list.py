@@ -4,7 +4,7 @@ import typer
 
 from ckpt.cli.options import JsonOption, NameFilterOption, StoreOption, open_store
 from ckpt.cli.output import CliReporter, emit_json, human_bytes, print_table, stderr
-from ckpt.commands.list import list_checkpoints
+from ckpt.commands.list import absent_name, list_checkpoints
 
 HELP = """List the checkpoints in the store, oldest first.
 
@@ -29,7 +29,8 @@ def register(app: typer.Typer) -> None:
             emit_json(rows)
             return
         if not rows:
-            stderr.print("no checkpoints in the store yet: create one with 'ckpt dump PID'")
+            stderr.print(absent_name(st, name) if name else
+                         "no checkpoints in the store yet: create one with 'ckpt dump PID'")
             return
         # On a terminal too narrow for all: PROCS, then PID, then CREATED (the ID holds the time, in UTC).
         left_out = print_table(

@@ -3,21 +3,24 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, StoreOption, count_flag, output_file_flag, store_root
-from ckpt.cli.output import CliReporter, emit_json_line
+from ckpt.cli.options import JsonOption, StoreOption, count_flag, duration_flag, output_file_flag, store_root
+from ckpt.cli.output import CliReporter, emit_json_line, outlive_readers
 from ckpt.commands.run import RunRequest, Supervisor, default_name
 from ckpt.commands.schedule import destination_spec
 from ckpt.schedule.retention import parse_duration
-from ckpt.store import Store, ids
+from ckpt.store import ids
 
 HELP = """Run COMMAND, checkpoint it periodically, and restore it when it dies.
 
-When the command is killed by a signal or exits non-zero, the newest checkpoint is restored
-and supervision goes on, up to --max-restores times; a clean exit ends supervision with the
-command's status. SIGINT and SIGTERM are forwarded to it. Its output goes to --output (a
-terminal or pipe shared with ckpt could not be restored). Events are told on stderr; with
---json, also on stdout as one JSON object per line (started, checkpoint, died, restored,
-exit...; see docs/json.md).
+The first checkpoint is taken --first-after the start, then one every --every. When the
+command is killed by a signal or exits non-zero, the newest checkpoint is restored and
+supervision goes on, up to --max-restores times; a tree that dies within a minute of its restore
+is restored again only after a pause (1 s, 2 s, 4 s... up to 60 s). A clean exit ends
+supervision with the command's status. SIGINT and SIGTERM are forwarded to it. Its output goes
+to a file, one per run (a terminal or pipe shared with ckpt could not be restored). Events are
+told on stderr and in ckpt's log beside that file; with --json, also on stdout as one JSON
+object per line (started, checkpoint, died, restored, exit...; see docs/json.md). ckpt goes on
+supervising when the reader of its stdout or stderr goes away (`| head`) and on a hang-up.
 
 Examples:
 
@@ -33,7 +36,8 @@ Examples:
 KeepLastOption = Annotated[int, count_flag("--keep-last", "Checkpoints to keep (0: all).")]
 MaxRestoresOption = Annotated[int, count_flag("--max-restores", "Restores before giving up.")]
 OutputOption = Annotated[Optional[str], output_file_flag(
-    "File for the command's output [default: <store>/logs/run-NAME.out].", created_parent=True)]
+    "File the command's output is appended to [default: a new <store>/logs/run-NAME/output-TIME.log "
+    "each run].", created_parent=True)]
 
 
 def register(app: typer.Typer) -> None:
@@ -41,6 +45,8 @@ def register(app: typer.Typer) -> None:
     def run_command(
         command: Annotated[list[str], typer.Argument(help="The command and its arguments (after --).")],
         every: Annotated[str, typer.Option("--every", help="Checkpoint period: 30s, 5m, 1h.")] = "5m",
+        first_after: Annotated[str, duration_flag(
+            "--first-after", "The first checkpoint, this long after the start (or after --every if sooner).")] = "3s",
         name: Annotated[Optional[str], typer.Option("--name", help="Checkpoint name [default: the program's].")] = None,
         keep_last: KeepLastOption = 3,
         max_restores: MaxRestoresOption = 3,
@@ -58,12 +64,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         root = store_root(store)
         run_name = ids.check_name(name or default_name(command))
-        request = RunRequest(command=command, every=parse_duration(every), name=run_name, keep_last=keep_last,
-                             max_restores=max_restores,
-                             output=(Path(output) if output else Store.local_dir(root) / "logs" /
-                                     f"run-{run_name}.out").absolute(),
+        request = RunRequest(command=command, every=parse_duration(every), first_after=parse_duration(first_after),
+                             name=run_name, keep_last=keep_last, max_restores=max_restores,
+                             output=Path(output).absolute() if output else None,
                              pre_dump_hook=pre_dump, post_restore_hook=post_restore,
                              copy_to=destination_spec(copy_to, root) if copy_to else None)
+        outlive_readers()  # a supervisor that died with its reader would leave the command unsupervised
         reporter = CliReporter()
         try:
             code = Supervisor(root, request, reporter, on_event=emit_json_line if json_out else None).run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -18,14 +19,46 @@ __all__ = ["human_bytes"]  # sizes for people, one convention (binary units) in 
 # NO_COLOR (no-color.org): rich then drops colours but still sends dim and bold; no styling at all.
 _COLOR_SYSTEM: Literal["auto"] | None = None if os.environ.get("NO_COLOR") else "auto"
 
+
+class _Console(Console):
+    """rich's Console, but with outlive_reader set (`ckpt run`, by outlive_readers()) a reader
+    that goes away does not end the program: rich's default ends it (SystemExit), after moving
+    /dev/null onto stdout even when the broken stream is stderr."""
+
+    outlive_reader = False
+
+    def on_broken_pipe(self) -> None:
+        if not self.outlive_reader:
+            super().on_broken_pipe()
+            return
+        self.quiet = True
+        _to_devnull(self.file)
+        raise BrokenPipeError(errno.EPIPE, "the reader of ckpt's output is gone")
+
+
+def _to_devnull(stream) -> None:
+    """/dev/null in place of a stream whose reader is gone: what is still buffered, what ckpt's
+    children (hooks, CRIU) and the exit handler write there, is dropped instead of failing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, stream.fileno())
+    os.close(devnull)
+
+
+def outlive_readers() -> None:
+    """For a command that must go on when the reader of its stdout or stderr exits (`ckpt run
+    ... 2>&1 | head -1`): a write there raises BrokenPipeError once (the core's LogReporter and
+    event stream drop that reader) and the stream is /dev/null from then on."""
+    stderr.outlive_reader = stdout.outlive_reader = True
+
+
 # No markup: what ckpt prints carries commands, paths and arguments of other programs, and a
 # "[/]" in one of them must print as it is, not be read as markup (or fail). Styles are set
 # explicitly with styled().
-stderr = Console(stderr=True, highlight=False, markup=False, soft_wrap=not sys.stderr.isatty(),
-                 color_system=_COLOR_SYSTEM)
+stderr = _Console(stderr=True, highlight=False, markup=False, soft_wrap=not sys.stderr.isatty(),
+                  color_system=_COLOR_SYSTEM)
 # Piped output is not cut at 80 columns: scripts and pagers get whole lines.
-stdout = Console(highlight=False, markup=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200,
-                 color_system=_COLOR_SYSTEM)
+stdout = _Console(highlight=False, markup=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200,
+                  color_system=_COLOR_SYSTEM)
 
 
 def styled(label: str, style: str, rest: str = "") -> Text:
@@ -40,8 +73,13 @@ def emit_json(data) -> None:
 def emit_json_line(data) -> None:
     """One object on one line (JSON Lines), flushed at once: for a stream of events that a
     program reads while the command still runs."""
-    sys.stdout.write(json.dumps(data, separators=(",", ":")) + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(json.dumps(data, separators=(",", ":")) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        if stdout.outlive_reader:
+            _to_devnull(sys.stdout)
+        raise
 
 
 def progress_columns() -> tuple:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore.lazywatch import describe, failures
 from ckpt.store import Store
+from ckpt.store.repository import did_you_mean
 
 
 def list_checkpoints(store: Store, name: str | None = None, reporter: Reporter = NullReporter()) -> list[dict]:
@@ -24,3 +25,17 @@ def list_checkpoints(store: Store, name: str | None = None, reporter: Reporter =
         "processes": len(m.processes), "bytes_total": m.bytes_total, "bytes_stored": m.bytes_stored,
         "lazy_restore_failures": len(lost[m.id]),
     } for m in manifests]
+
+
+def absent_name(store: Store, name: str, shown: int = 10) -> str:
+    """Why `ckpt list --name NAME` found nothing, in words: what the store holds instead (its
+    checkpoints, their names, those NAME may be a typo of)."""
+    manifests = store.manifests()
+    if not manifests:
+        return "no checkpoints in the store yet: create one with 'ckpt dump PID'"
+    names = sorted({m.name for m in manifests if m.name})
+    listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+    hint = did_you_mean(name, names)
+    return (f"no checkpoint named '{name}' (the store holds {len(manifests)}; "
+            + (f"names: {listed}" if names else "none has a name") + ")"
+            + (f"; {hint}" if hint.startswith("did you mean") else ""))

@@ -8,6 +8,16 @@ The command finds CKPT_SOCKET in its environment: the socket of this supervisor'
 (ckpt/agent/protocol.py), through which it asks for checkpoints (dumped by the supervisor's
 main loop, between its other work), learns their outcome, and holds critical sections.
 
+The first checkpoint is taken --first-after the start (a few seconds: a crash in the first
+minutes must be recoverable too), then every --every. A tree that dies soon after each restore
+is restored after growing pauses (RestoreBackoff), up to --max-restores.
+
+ckpt outlives its own stdout and stderr: every message also goes to its log, next to the
+command's output, and a reporter or event stream that fails (the reader of a pipe gone) is
+dropped, said in that log, while supervision goes on. A hang-up (SIGHUP: the terminal closed)
+is ignored for the same reason: the command runs in a session of its own and would go on
+unsupervised.
+
 ckpt makes itself a child subreaper (PR_SET_CHILD_SUBREAPER) so that a restored tree, orphaned
 when CRIU exits, is re-parented to ckpt: ckpt can then wait for it like for the command it
 started, and reaps the PIDs of a dead tree at once so the next restore finds them free.
@@ -32,7 +42,7 @@ from ckpt import settings
 from ckpt.settings import StoreLocation
 from ckpt.agent import protocol
 from ckpt.errors import CkptError, SectionTimeout, UsageError
-from ckpt.reporting import NullReporter, Reporter
+from ckpt.reporting import LogReporter, NullReporter, Reporter
 from ckpt.system import procs
 from ckpt.system.textutil import human_bytes
 
@@ -53,6 +63,28 @@ class RunRequest:
     pre_dump_hook: str | None = None
     post_restore_hook: str | None = None
     copy_to: str | None = None  # a store each checkpoint is copied to right after its dump
+    first_after: timedelta = timedelta(seconds=3)  # the first checkpoint, this long after the start
+
+
+@dataclass
+class RestoreBackoff:
+    """The pause before a restore: none after a tree that ran for a while (or the command as
+    started), then `first`, doubled for each restored tree in a row that died within
+    `stable_after` of its restore, up to `cap`. A program that dies right after each restore is
+    not restored in a tight loop (three times in 1.5 s, and given up on)."""
+    first: float = 1.0
+    cap: float = 60.0
+    stable_after: float = 60.0
+    quick_deaths: int = 0  # restored trees in a row that died within stable_after
+
+    def pause(self, ran_after_restore: float | None) -> float:
+        """Seconds to wait before the next restore of a tree that died `ran_after_restore`
+        seconds after its restore (None: it was the command as started, never restored)."""
+        if ran_after_restore is None or ran_after_restore >= self.stable_after:
+            self.quick_deaths = 0
+            return 0.0
+        self.quick_deaths += 1
+        return min(self.cap, self.first * 2 ** (self.quick_deaths - 1))
 
 
 def default_name(command: list[str]) -> str:
@@ -76,8 +108,9 @@ class Supervisor:
                  on_event: Callable[[dict], None] | None = None):
         if not request.command:
             raise UsageError("no command to run", hint="ckpt run [OPTIONS] -- COMMAND [ARGS...]")
-        if request.every.total_seconds() < 1:
-            raise UsageError("--every must be at least 1s")
+        for flag, duration in (("--every", request.every), ("--first-after", request.first_after)):
+            if duration.total_seconds() < 1:
+                raise UsageError(f"{flag} must be at least 1s")
         for flag, count in (("--keep-last", request.keep_last), ("--max-restores", request.max_restores)):
             if count < 0:
                 raise UsageError(f"{flag} {count} is negative", hint="give 0 or more")
@@ -96,6 +129,10 @@ class Supervisor:
         self.results: dict[str, str] = {}  # RESULT's replies, by checkpoint id
         self.restored_from: str | None = None  # the checkpoint the running tree was restored from
         self._journal_store: Any = None  # the Store, opened at the first journal request
+        self.backoff = RestoreBackoff()
+        self.restored_at: float | None = None  # monotonic time of the last restore (None: none yet)
+        self.root_reaped = False  # self.pid died and was reaped: its number may be anyone's now
+        self.log: Any = None  # ckpt's own log file, open from start() to the end of run()
 
     # ---- protocol.Supervision (called from the server's thread) ----
     def checkpoint_requested(self, checkpoint_id: str, name: str | None, client: protocol.Client,
@@ -123,12 +160,16 @@ class Supervisor:
         return self.pid
 
     def _event(self, kind: str, **fields) -> None:
-        self.on_event({"event": kind, "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-                       **fields})
+        try:
+            self.on_event({"event": kind, "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+                           **fields})
+        except OSError as exc:  # the reader of --json's stdout went away: supervision goes on
+            self.on_event = lambda _event: None
+            self.reporter.warn(f"events can no longer be printed ({exc.strerror or exc}); supervision goes on")
 
     def _forward(self, signum, _frame) -> None:
         self.stopping_signal = signum
-        if self.pid:
+        if self.pid and not self.root_reaped:
             try:
                 os.kill(self.pid, signum)
             except ProcessLookupError:
@@ -141,8 +182,15 @@ class Supervisor:
             raise CkptError("cannot become a child subreaper (prctl failed)")
         from ckpt.store import Store
 
-        output = self.request.output or Store.local_dir(self.store_root) / "logs" / f"run-{self.request.name}.out"
+        # One output file and one log per run: a later run of the name starts its own.
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-%f")[:-3]
+        run_dir = Store.local_dir(self.store_root) / "logs" / f"run-{self.request.name}"
+        output = self.request.output or run_dir / f"output-{stamp}.log"
         output.parent.mkdir(parents=True, exist_ok=True)
+        log_path = run_dir / f"ckpt-{stamp}.log"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a", encoding="utf-8")
+        self.reporter = LogReporter(self.reporter, self.log)
         self.server = protocol.Server(protocol.SOCKET_DIR / f"{os.getpid()}.sock", self)
         self.server.start()
         # CKPT_NAME and CKPT_STORE: a Python agent's ckpt.journal (and checkpoint()) find the
@@ -152,6 +200,7 @@ class Supervisor:
         # The command's output goes to a file: a pipe or terminal shared with ckpt would not
         # survive a restore (its other end is outside the checkpointed tree).
         with open(os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
+            earlier = os.fstat(out.fileno()).st_size  # --output FILE is appended to, as it is
             try:
                 child = subprocess.Popen(self.request.command, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                          start_new_session=True, env=env)
@@ -160,26 +209,34 @@ class Supervisor:
                 raise UsageError(f"cannot start {self.request.command[0]}: {exc.strerror}") from None
         self.pid = child.pid
         child.returncode = 0  # we reap it ourselves; keep Popen from trying later
-        self.reporter.info(f"started PID {self.pid}: {' '.join(self.request.command)} (output: {output})")
-        self._event("started", pid=self.pid, command=list(self.request.command), output=str(output))
+        appended = f", after the {human_bytes(earlier)} it held" if earlier else ""
+        self.reporter.info(f"started PID {self.pid}: {' '.join(self.request.command)} (output: {output}{appended}; "
+                           f"ckpt's log: {log_path})")
+        self._event("started", pid=self.pid, command=list(self.request.command), output=str(output),
+                    log=str(log_path))
         return self.pid
 
     def run(self) -> int:
         """Supervises until a clean exit, a forwarded signal, or the restore limit; returns the exit code."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._forward)
-        self.start()
+        # Not SIG_IGN: an ignored signal stays ignored across exec, in the command and its hooks.
+        signal.signal(signal.SIGHUP, lambda _signum, _frame: None)
         try:
+            self.start()
             return self._supervise()
         finally:
             if self.server is not None:
                 self.server.close()
+            if self.log is not None:
+                self.log.close()
 
     def _supervise(self) -> int:
-        next_dump = time.monotonic() + self.request.every.total_seconds()
+        next_dump = time.monotonic() + min(self.request.first_after, self.request.every).total_seconds()
         while True:
             status = self._reap_root()
             if status is not None:
+                self.root_reaped = True
                 text, code, clean = describe_status(status)
                 if clean or self.stopping_signal is not None:
                     self.reporter.info(f"PID {self.pid} {text}; supervision ends")
@@ -193,6 +250,8 @@ class Supervisor:
                 if self.restores >= self.request.max_restores:
                     self.reporter.warn(f"restore limit ({self.request.max_restores}) reached; giving up")
                     return self._exit("restore_limit", text, code)
+                if not self._pause_before_restore():
+                    return self._exit("stopped", text, code)
                 if not self._restore():
                     return self._exit("restore_failed", text, code)
                 next_dump = time.monotonic() + self.request.every.total_seconds()
@@ -207,6 +266,25 @@ class Supervisor:
                 continue
             self._requested_checkpoint(*asked)
             next_dump = time.monotonic() + self.request.every.total_seconds()
+
+    def _pause_before_restore(self) -> bool:
+        """Waits as RestoreBackoff says, reaping what is left of the dead tree; False when a
+        SIGINT or SIGTERM came meanwhile (there is no tree to forward it to: supervision ends)."""
+        ran = None if self.restored_at is None else time.monotonic() - self.restored_at
+        pause = self.backoff.pause(ran)
+        if pause:
+            self.reporter.warn(f"PID {self.pid} died {ran:.1f} s after restore {self.restores}: waiting {pause:g} s "
+                               f"before restore {self.restores + 1} of {self.request.max_restores}")
+            self._event("restore_delayed", pid=self.pid, ran_s=round(ran or 0.0, 3), delay_s=pause,
+                        restores=self.restores, max_restores=self.request.max_restores)
+        deadline = time.monotonic() + pause
+        while self.stopping_signal is None and time.monotonic() < deadline:
+            self._reap_root()
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        if self.stopping_signal is not None:
+            self.reporter.info(f"stopped by signal {self.stopping_signal} before restoring; supervision ends")
+            return False
+        return True
 
     def _exit(self, reason: str, status: str, code: int) -> int:
         self._event("exit", pid=self.pid, reason=reason, status=status, exit_code=code,
@@ -399,6 +477,8 @@ class Supervisor:
             return False
         self.restores += 1
         self.pid = result.pid
+        self.root_reaped = False
+        self.restored_at = time.monotonic()
         self.restored_from = result.manifest.id
         self.lazy_log_dir = Path(result.lazy["log"]).parent if result.lazy else None
         self.reporter.info(f"restored {result.manifest.id} as PID {self.pid} "

@@ -7,6 +7,7 @@ is a path here: the staging and restore directories CRIU works in, and CRIU's lo
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import shutil
@@ -175,6 +176,17 @@ def hash_file(path: Path) -> str:
     if path.stat().st_size:
         hasher.update_mmap(path)
     return hasher.hexdigest()
+
+
+def did_you_mean(ref: str, names: Sequence[str], checkpoint_ids: Sequence[str] = ()) -> str:
+    """The hint of a reference that names no checkpoint: the names, then the IDs, that look like
+    it (a typo), and where to see them all."""
+    close = difflib.get_close_matches(ref, names, n=3, cutoff=0.6)
+    # IDs share their date and time with their neighbours: only one a character or two away.
+    close += difflib.get_close_matches(ref, checkpoint_ids, n=1, cutoff=0.9)
+    if not close:
+        return "see 'ckpt list'"
+    return f"did you mean {' or '.join(repr(c) for c in close)}? (see 'ckpt list')"
 
 
 class Store:
@@ -454,7 +466,7 @@ class Store:
         all_ids = self.checkpoint_ids()
         if kind == "id":
             if ref not in all_ids:
-                raise CheckpointNotFound(f"no checkpoint with ID {ref}", hint="see 'ckpt list'")
+                raise CheckpointNotFound(f"no checkpoint with ID {ref}", hint=did_you_mean(ref, [], all_ids))
             return ref
         if kind == "latest":
             if not all_ids:
@@ -467,9 +479,11 @@ class Store:
             if len(matches) > 1:
                 raise CheckpointNotFound(f"'{ref}' matches {len(matches)} checkpoints",
                                          hint="give more of the ID")
-        named = [m.id for m in self.manifests() if m.name == ref]
+        manifests = self.manifests()
+        named = [m.id for m in manifests if m.name == ref]
         if not named:
-            raise CheckpointNotFound(f"no checkpoint with ID or name '{ref}'", hint="see 'ckpt list'")
+            names = list(dict.fromkeys(m.name for m in manifests if m.name))
+            raise CheckpointNotFound(f"no checkpoint with ID or name '{ref}'", hint=did_you_mean(ref, names, all_ids))
         return named[-1]
 
     def commit(self, manifest: Manifest) -> None:

@@ -3,11 +3,12 @@
 import json
 import subprocess
 import sys
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from ckpt.cli.main import app, main
-from tests.helpers import ROOT
+from tests.helpers import ROOT, manifest_only_checkpoint
 
 COMMANDS = ["init", "check", "dump", "restore", "list", "show", "diff", "rm", "verify", "forget", "prune", "copy",
             "run"]
@@ -174,3 +175,35 @@ def test_examples_in_help_are_never_broken(capsys, monkeypatch, columns):
         shown = {line.strip() for line in out.splitlines()}
         for example in example_lines(text):
             assert example in shown, f"'ckpt {path} --help' at {columns} columns breaks: {example}\n{out}"
+
+
+def test_list_of_a_name_the_store_lacks_says_what_it_holds(capsys, isolated_env):
+    from ckpt.store import Store
+
+    store = Store.open_local(isolated_env, create=True)
+    now = datetime.now(timezone.utc)
+    for n, name in enumerate(["agent"] * 3 + ["web", None]):
+        manifest_only_checkpoint(store, name, now - timedelta(minutes=n))
+    code, out, err = run(capsys, "list", "--name", "nothere")
+    assert code == 0 and out == ""
+    assert err.strip() == "no checkpoint named 'nothere' (the store holds 5; names: agent, web)", err
+    code, out, err = run(capsys, "list", "--name", "agnet")
+    assert "did you mean 'agent'?" in err, err
+    assert json.loads(run(capsys, "list", "--name", "nothere", "--json")[1]) == []
+
+
+def test_a_mistyped_checkpoint_gets_a_did_you_mean(capsys, isolated_env):
+    from ckpt.store import Store
+
+    store = Store.open_local(isolated_env, create=True)
+    now = datetime.now(timezone.utc)
+    manifest_only_checkpoint(store, "nightly-report", now - timedelta(minutes=2))
+    newest = manifest_only_checkpoint(store, "agent", now)
+    code, out, err = run(capsys, "show", "nightly-reprot")
+    assert code == 3 and err.startswith("Error: no checkpoint with ID or name 'nightly-reprot'"), err
+    assert "did you mean 'nightly-report'?" in err and err.count("\n") == 1, err
+    typo = newest[:-1] + ("0" if newest[-1] != "0" else "1")
+    code, out, err = run(capsys, "show", typo)
+    assert code == 3 and f"did you mean '{newest}'?" in err, err
+    code, out, err = run(capsys, "show", "zzzzzz")
+    assert code == 3 and "did you mean" not in err and "see 'ckpt list'" in err, err

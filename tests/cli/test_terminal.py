@@ -17,8 +17,8 @@ from datetime import datetime, timedelta, timezone
 
 from rich.console import Console
 
-from ckpt.store import Manifest, Store, ids
-from tests.helpers import ROOT
+from ckpt.store import Store
+from tests.helpers import ROOT, manifest_only_checkpoint
 
 LONG_COMMAND = "python3 /opt/agents/summarize-the-nightly-reports.py --config /etc/agents/nightly.toml --verbose"
 
@@ -58,17 +58,10 @@ def run_in_terminal(argv, env, columns=80, timeout=30.0):
             proc.wait(timeout=10)
 
 
-def make_checkpoint(store: Store, name: str, when: datetime, command: str = "agent") -> str:
-    checkpoint_id = ids.new_id(when)
-    store.commit(Manifest(id=checkpoint_id, created=when.isoformat(), pid=1234, command=command, processes=[],
-                          files=[], name=name))
-    return checkpoint_id
-
-
 def test_no_color_means_no_escape_sequence_at_all(isolated_env):
     """rich drops colours under NO_COLOR but kept the dim of 'ckpt:' (ESC [2m)."""
     store = Store.open_local(isolated_env, create=True)
-    make_checkpoint(store, "agent", datetime.now(timezone.utc))
+    manifest_only_checkpoint(store, "agent", datetime.now(timezone.utc))
     code, shown = run_in_terminal(["verify", "latest"], {})
     assert code == 0 and b"ckpt:" in shown and b"\x1b[" in shown, shown  # styled on a terminal...
     for argv in (["verify", "latest"], ["list"], ["forget", "--keep-last", "5", "--dry-run"]):
@@ -80,7 +73,7 @@ def test_list_fits_the_terminal_and_shortens_the_command(isolated_env):
     store = Store.open_local(isolated_env, create=True)
     now = datetime.now(timezone.utc)
     for minutes in (30, 20, 10):
-        make_checkpoint(store, "nightly-report", now - timedelta(minutes=minutes), command=LONG_COMMAND)
+        manifest_only_checkpoint(store, "nightly-report", now - timedelta(minutes=minutes), command=LONG_COMMAND)
     for columns in (80, 100):
         code, shown = run_in_terminal(["list"], {}, columns=columns)
         lines = shown.decode().replace("\r\n", "\n").splitlines()

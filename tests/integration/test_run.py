@@ -5,10 +5,12 @@ import re
 import signal
 import subprocess
 import sys
+import time
+from datetime import datetime
 from pathlib import Path
 
 from tests.helpers import FIXTURES, ROOT, ckpt, ckpt_json, read_lines, state, wait_until
-from tests.jsonshape import assert_shape
+from tests.jsonshape import assert_events, assert_shape
 
 
 def start_run(tmp_path, procs, *args):
@@ -127,3 +129,144 @@ def test_run_forgets_only_the_checkpoints_it_made(procs, tmp_path):
     wait_until(lambda: len(ints(hand_out)) >= len(written) + 5, what="the restored counter")
     after = ints(hand_out)[len(written):]
     assert 3 <= after[0] <= written[-1] and after == list(range(after[0], after[0] + len(after)))
+
+
+def test_a_crash_in_the_first_seconds_is_recovered(procs, tmp_path):
+    """Issue 24: with the default --every 5m, a crash in the first five minutes ended the run ('no
+    checkpoint was taken yet'). The first checkpoint comes --first-after (3 s) the start."""
+    out = tmp_path / "count.txt"
+    supervisor = start_run(tmp_path, procs, "--name", "early", "--", sys.executable, FIXTURES / "counter.py", out,
+                           0.05)
+    pid = child_pid(tmp_path)
+    procs.pids.add(pid)
+    started = time.monotonic()
+    wait_until(lambda: any(e.startswith("ckpt: checkpoint ") for e in events(tmp_path)), timeout=20,
+               what="the first checkpoint, with the default --every 5m")
+    assert time.monotonic() - started > 2, "not before --first-after (3 s)"
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: any("killed by signal 9" in e for e in events(tmp_path)), what="the death to be seen")
+    written = ints(out)
+    killed_at, n = written[-1], len(written)
+    wait_until(lambda: any("restored" in e for e in events(tmp_path)), timeout=30, what="the restore")
+    wait_until(lambda: len(ints(out)) >= n + 5, what="the restored counter")
+    after = ints(out)[n:]
+    # From the checkpoint, taken some 3 s (60 counts at 0.05 s) after the start: not from 1.
+    assert 20 < after[0] <= killed_at + 1
+    assert after == list(range(after[0], after[0] + len(after)))
+    supervisor.send_signal(signal.SIGTERM)
+    assert supervisor.wait(timeout=15) == 128 + signal.SIGTERM
+
+
+# Dies at once, with status 1, once DIE exists: after the restores too, which find it there.
+DIES_ONCE_TOLD = """
+import os, sys, time
+out, die = sys.argv[1], sys.argv[2]
+i = 0
+while True:
+    i += 1
+    if os.path.exists(die):
+        sys.exit(1)
+    with open(out, "a") as f:
+        f.write(f"{i}\\n")
+    time.sleep(0.05)
+"""
+
+
+def test_a_tree_that_dies_after_each_restore_is_restored_after_growing_pauses(procs, tmp_path):
+    """Issue 24: a program that died right after each restore was restored three times in 1.5 s
+    and given up on. Now the first restore is at once, then each waits 1 s, 2 s..., said."""
+    out, die, events_file = tmp_path / "count.txt", tmp_path / "die", tmp_path / "events.jsonl"
+    with open(events_file, "wb") as stdout, open(tmp_path / "run.stderr", "wb") as stderr:
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "ckpt", "run", "--json", "--every", "1s", "--max-restores", "3",
+             "--output", str(tmp_path / "run.out"), "--", sys.executable, "-c", DIES_ONCE_TOLD, out, die],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
+    procs.popens.append(supervisor)
+    procs.pids.add(supervisor.pid)
+    procs.pids.add(child_pid(tmp_path))
+    wait_until(lambda: any(e.startswith("ckpt: checkpoint ") for e in events(tmp_path)), timeout=20,
+               what="a checkpoint")
+    die.touch()
+    assert supervisor.wait(timeout=40) == 1  # the command's status, after the last restore died too
+    said = events(tmp_path)
+    pauses = [e for e in said if "before restore" in e]
+    assert all(re.search(r"^Warning: PID \d+ died \d+\.\d s after restore [12]: waiting [12] s before restore [23] "
+                         r"of 3$", e) for e in pauses), pauses
+    assert [int(e.split("waiting ")[1].split()[0]) for e in pauses] == [1, 2]
+    assert "restore limit (3) reached; giving up" in said[-1]
+
+    seen = assert_events(read_lines(events_file))
+    kinds = [e["event"] for e in seen]
+    assert kinds[kinds.index("died"):] == ["died", "restored", "died", "restore_delayed", "restored",
+                                           "died", "restore_delayed", "restored", "died", "exit"]
+    delayed = [e for e in seen if e["event"] == "restore_delayed"]
+    assert [(e["delay_s"], e["restores"], e["max_restores"]) for e in delayed] == [(1, 1, 3), (2, 2, 3)]
+    assert all(e["ran_s"] < 5 for e in delayed)
+    stamp = {i: datetime.fromisoformat(e["time"]) for i, e in enumerate(seen)}
+    for i, e in enumerate(seen):
+        if e["event"] == "restore_delayed":  # the restore came no sooner than said
+            assert (stamp[i + 1] - stamp[i]).total_seconds() >= e["delay_s"]
+    assert seen[-1]["reason"] == "restore_limit" and seen[-1]["restores"] == 3
+
+
+def test_supervision_outlives_the_reader_of_its_output(procs, tmp_path):
+    """Issue 24: `ckpt run ... 2>&1 | head -1`: ckpt died at its next message (EPIPE) and the
+    command ran on unsupervised. Now ckpt's messages go on in its log, and a crash after the
+    pipe closed is still restored. A hang-up (the terminal closed) does not end it either."""
+    out = tmp_path / "count.txt"
+    read_end, write_end = os.pipe()
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "ckpt", "run", "--every", "1s", "--name", "piped", "--output", str(tmp_path / "run.out"),
+         "--", sys.executable, FIXTURES / "counter.py", out, "0.05"],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=write_end, stderr=write_end, start_new_session=True)
+    procs.popens.append(supervisor)
+    procs.pids.add(supervisor.pid)
+    os.close(write_end)
+    head = subprocess.Popen(["head", "-1"], stdin=read_end, stdout=subprocess.PIPE)
+    os.close(read_end)
+    first = head.communicate(timeout=30)[0].decode()
+    assert head.returncode == 0 and first.startswith("ckpt: started PID "), first
+    pid = int(first.split("started PID ")[1].split(":")[0])
+    procs.pids.add(pid)
+    log = Path(first.split("ckpt's log: ")[1].rstrip(")\n")) if "ckpt's log: " in first else None
+
+    def logged() -> list[str]:
+        return read_lines(log) if log else []
+
+    def checkpoints_since_the_pipe_closed() -> int:
+        lines = logged()
+        gone = [i for i, e in enumerate(lines) if "can no longer be shown" in e]
+        return sum(" info: checkpoint " in e for e in lines[gone[0]:]) if gone else 0
+
+    # The reader is gone; ckpt meets EPIPE at its next message (a checkpoint, every second).
+    wait_until(lambda: supervisor.poll() is not None or checkpoints_since_the_pipe_closed() >= 2, timeout=30,
+               what="ckpt to write on after its reader exited")
+    assert supervisor.poll() is None, f"ckpt ended (exit {supervisor.returncode}) when its reader went away"
+    supervisor.send_signal(signal.SIGHUP)
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: any("killed by signal 9" in e for e in logged()), what="the death, in ckpt's log")
+    written = ints(out)
+    n = len(written)
+    wait_until(lambda: any(" info: restored " in e for e in logged()), timeout=30, what="the restore, logged")
+    wait_until(lambda: len(ints(out)) >= n + 5, what="the restored counter")
+    after = ints(out)[n:]
+    assert 10 < after[0] <= written[-1] + 1 and after == list(range(after[0], after[0] + len(after)))
+    supervisor.send_signal(signal.SIGTERM)
+    assert supervisor.wait(timeout=15) == 128 + signal.SIGTERM
+    assert "supervision ends" in logged()[-1]
+
+
+def test_each_run_has_its_own_output_file(procs, tmp_path, isolated_env):
+    """Issue 24: successive runs of one name appended to one output file. Each run now writes a
+    file of its own (and ckpt's log beside it); --output FILE is appended to, as given."""
+    for word in ("first", "second"):
+        done = subprocess.run([sys.executable, "-m", "ckpt", "run", "--name", "twice", "--", "sh", "-c",
+                               f"echo {word}"], cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+    run_dir = isolated_env / "logs" / "run-twice"
+    outputs = sorted(run_dir.glob("output-*.log"))
+    assert [p.read_text() for p in outputs] == ["first\n", "second\n"]
+    logs = sorted(run_dir.glob("ckpt-*.log"))
+    assert [p.name.replace("ckpt-", "output-") for p in logs] == [p.name for p in outputs]
+    assert all("supervision ends" in read_lines(p)[-1] for p in logs)
