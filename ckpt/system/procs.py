@@ -97,6 +97,7 @@ def preflight(pid: int) -> TargetFacts:
         raise ProcessNotFound(f"no process with PID {pid}", hint="check the PID with 'ps'") from None
     if is_kernel_thread(pid):
         raise TargetRefused(f"PID {pid} is a kernel thread; only user processes can be checkpointed")
+    _refuse_thread(pid)
     me = os.getpid()
     ancestors = {p.pid for p in psutil.Process(me).parents()}
     if pid == me:
@@ -433,6 +434,31 @@ def _holds_file_locks(pids: set[int]) -> bool:
     except OSError:
         pass
     return False
+
+
+def thread_group(pid: int) -> int | None:
+    """The process (thread group) that thread ID pid belongs to: pid itself for a process, None
+    when it is gone. /proc/TID exists for every thread, though /proc lists only processes."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split(":", 1)[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _refuse_thread(pid: int) -> None:
+    """CRIU takes a thread's ID for a process and fails deep inside ('BUG at criu/pstree.c')."""
+    tgid = thread_group(pid)
+    if tgid is not None and tgid != pid:
+        try:
+            what = f" ({command_line(psutil.Process(tgid))})"
+        except psutil.Error:
+            what = ""
+        raise TargetRefused(f"PID {pid} is a thread of process {tgid}{what}, not a process",
+                            hint=f"checkpoint its process: ckpt dump {tgid}")
 
 
 def pid_holder(pid: int) -> str | None:

@@ -133,3 +133,18 @@ def test_bad_settings_in_the_environment(isolated_env, variable, value, command,
                           env={**os.environ, variable: value}, cwd=ROOT)
     assert_one_line_usage_error(proc.returncode, proc.stdout, proc.stderr, message)
     assert not isolated_env.exists()  # nothing written
+
+
+def test_a_thread_id_is_refused_naming_its_process(capsys, procs, isolated_env):
+    """CRIU took a thread for a process and failed with 'BUG at criu/pstree.c:484'."""
+    from tests.helpers import state, wait_until
+
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); time.sleep(60)"
+    proc = procs.start_program([sys.executable, "-c", code], "threads")
+    tasks = f"/proc/{proc.pid}/task"
+    wait_until(lambda: len(os.listdir(tasks)) == 2, timeout=10, what="the target's second thread")
+    tid = max(int(t) for t in os.listdir(tasks) if int(t) != proc.pid)
+    code_, out, err = run(capsys, "dump", str(tid))
+    assert_one_line_usage_error(code_, out, err, f"{tid} is a thread of process {proc.pid}",
+                                f"ckpt dump {proc.pid}")
+    assert state(proc.pid) in ("S", "R") and not isolated_env.exists()  # never frozen, nothing written

@@ -270,3 +270,11 @@ def test_each_run_has_its_own_output_file(procs, tmp_path, isolated_env):
     logs = sorted(run_dir.glob("ckpt-*.log"))
     assert [p.name.replace("ckpt-", "output-") for p in logs] == [p.name for p in outputs]
     assert all("supervision ends" in read_lines(p)[-1] for p in logs)
+    given = tmp_path / "given.out"
+    given.write_text("earlier\n")
+    done = subprocess.run([sys.executable, "-m", "ckpt", "run", "--name", "twice", "--output", str(given), "--",
+                           "sh", "-c", "echo third"], cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert given.read_text() == "earlier\nthird\n"  # appended to, as it is
+    assert f"(output: {given}, after the 8 B it held; ckpt's log: " in done.stderr
