@@ -24,7 +24,9 @@ store, where the tree touches it first, then the rest in the background (seconds
 Before CRIU runs, ckpt checks that this host has what the checkpoint needs (the files the
 tree had open or mapped, with the same size, mode and ELF build id; a CRIU as new; the same
 architecture) and names every mismatch in one error (exit code 10). On another host,
-established TCP connections come back closed (--tcp-established keeps them).
+established TCP connections come back closed (--tcp-established keeps them); on this one, a
+connection whose peer here no longer holds it (the peer saw it end) comes back closed, the
+others established ('ckpt check REF' says which).
 
 Examples:
 
@@ -63,9 +65,9 @@ def register(app: typer.Typer) -> None:
         tcp_close: Annotated[Optional[bool], typer.Option(
             "--tcp-close/--tcp-established",
             help="Restore established TCP connections closed (the program sees them fail and reconnects) or "
-                 "established as they were. Default: closed when the checkpoint was taken on another host, "
-                 "established on its own host; --tcp-close also for a restore long after the peers gave "
-                 "up.")] = None,
+                 "established as they were. Default: closed when the checkpoint was taken on another host; "
+                 "on its own host established, but for each whose peer on this host no longer holds it; "
+                 "--tcp-close also for a restore long after remote peers gave up.")] = None,
         output: OutputOption = None,
         lazy: Annotated[Optional[bool], typer.Option(
             "--lazy/--eager",

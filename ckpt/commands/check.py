@@ -31,6 +31,7 @@ class Finding:
     detail: str
     fix: str = ""
     required: bool = True
+    tcp_connection: dict | None = None  # a finding about one TCP connection: it, and how it would come back
 
 
 def check_readiness(store_root: StoreLocation) -> list[Finding]:
@@ -86,6 +87,9 @@ def check_checkpoint(store_root: StoreLocation, ref: str) -> list[Finding]:
     from ckpt.store import Store
     from ckpt.store.staging import discard
 
+    from ckpt.criu.images import tcp_connections
+    from ckpt.restore import tcppeers
+
     binary = find_criu()
     store = Store.open(store_root)
     with store.lock(exclusive=False):
@@ -93,19 +97,28 @@ def check_checkpoint(store_root: StoreLocation, ref: str) -> list[Finding]:
         image_dir = store.materialize(manifest, skip_pages=True)  # checked against the manifest, as a restore does
         try:
             report = hostcheck.check(manifest, binary, image_dir)
+            connections = tcp_connections(image_dir) if manifest.criu.get("options", {}).get("tcp_established") \
+                else []
         finally:
             discard(image_dir)
     name = f"checkpoint {manifest.id}"
     where = f"taken on {manifest.host or 'an unrecorded host'}" + (", another host" if report.another_host else "")
-    if manifest.criu.get("options", {}).get("tcp_established"):
-        where += ("; its established TCP connections would be restored closed (--tcp-established keeps them)"
-                  if report.another_host else "; its established TCP connections would be restored as they were")
+    plans = tcppeers.plan(connections, report.another_host, None)
+    if plans:
+        closed = sum(p.restored == "closed" for p in plans)
+        where += (f"; {closed} of its {len(plans)} TCP connection(s) would be restored closed" if closed else
+                  f"; its {len(plans)} TCP connection(s) would be restored as they were")
     found = f"; {len(report.mismatches)} thing(s) differ here" if report.mismatches else \
         "; everything a restore checks matches here"
     findings = [Finding(name, not report.mismatches, where + found)]
     findings += [Finding(name, False, problem, hostcheck.fix_for(kind, manifest, report))
                  for kind, problem in zip(report.kinds, report.mismatches, strict=True)]
     findings += [Finding(name, True, warning, required=False) for warning in report.warnings]
+    # A connection that would come back closed is a warning: the program will see it fail.
+    findings += [Finding(name, p.restored == "established", p.describe(would=True),
+                         "" if p.restored == "established" else "the program sees it fail (end of file, EPIPE) and "
+                         "can reconnect; 'ckpt restore --tcp-established' restores it as it was anyway",
+                         required=False, tcp_connection=p.to_json()) for p in plans]
     return findings
 
 
@@ -156,4 +169,10 @@ def ready(findings: list[Finding]) -> bool:
 
 
 def as_json(findings: list[Finding]) -> dict:
-    return {"ready": ready(findings), "checks": [asdict(f) for f in findings]}
+    checks = []
+    for f in findings:
+        check = asdict(f)
+        if check["tcp_connection"] is None:
+            del check["tcp_connection"]
+        checks.append(check)
+    return {"ready": ready(findings), "checks": checks}

@@ -19,7 +19,7 @@ from ckpt.errors import HookFailed, UsageError
 from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
-from ckpt.restore import hostcheck
+from ckpt.restore import hostcheck, tcppeers
 from ckpt.restore.lazy import LazyPlan, lazy_processes, start_page_server
 from ckpt.restore.lazy import supported as lazy_supported
 from ckpt.store import Manifest, Store
@@ -58,8 +58,10 @@ class RestoreResult:
     output: str | None = None  # where output to pipes and sockets outside the tree now goes
     lazy: dict | None = None  # a lazy restore: pages, bytes, page server PID, its log
     another_host: bool = False  # the checkpoint was taken on another machine
-    # How the tree's established TCP connections came back: "established", "closed", or None (it had none).
+    # How the tree's established TCP connections came back: "established", "closed", "mixed" (some
+    # of each), or None (it had none); and each of them.
     tcp_connections: str | None = None
+    connections: list[tcppeers.ConnectionPlan] = field(default_factory=list)
     host_warnings: list[str] = field(default_factory=list)  # differences with the dump's host, not refused
 
     def to_json(self) -> dict:
@@ -67,7 +69,8 @@ class RestoreResult:
                 "pid_in_namespace": self.pid_in_namespace, "hook_error": self.hook_error, "output": self.output,
                 "processes": len(self.manifest.processes), "duration_ms": self.duration_ms,
                 "log": str(self.log_path), "lazy": self.lazy, "another_host": self.another_host,
-                "tcp_connections": self.tcp_connections, "host_warnings": self.host_warnings}
+                "tcp_connections": self.tcp_connections, "connections": [c.to_json() for c in self.connections],
+                "host_warnings": self.host_warnings}
 
 
 def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:  # noqa: C901, PLR0915
@@ -100,8 +103,14 @@ def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Report
             stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
             log_dir = store.logs_dir(checkpoint_id)
             output, inherit = _relays_to_output(manifest, request.output, log_dir / f"output-{stamp}.log")
-            tcp = _tcp_connections(manifest, options.tcp_established, request.tcp_close, host, reporter)
+            connections = _tcp_connections(manifest, images_dir, options.tcp_established, request.tcp_close, host,
+                                           reporter)
+            tcp = tcppeers.summary(connections)
             extra = {"tcp_close": True} if tcp == "closed" else {}
+            if tcp == "mixed":
+                from ckpt.criu.images import close_connections  # deferred: imports pycriu
+
+                close_connections(images_dir, {c.id for c in connections if c.restored == "closed"})
             work_dir = log_dir
             if lazy:
                 # CRIU finds the daemon at <work dir>/lazy-pages.socket: one directory per restore.
@@ -159,7 +168,7 @@ def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Report
                 os.close(fd)
     hook_error = _run_post_restore_hook(request, pid, manifest, reporter)
     return RestoreResult(manifest, pid, round((time.monotonic() - started) * 1000, 1), criu_options.log_path,
-                         inner, hook_error, output, lazy_info, host.another_host, tcp, host.warnings)
+                         inner, hook_error, output, lazy_info, host.another_host, tcp, connections, host.warnings)
 
 
 def _lay_out_images(store: Store, manifest: Manifest, request: RestoreRequest, binary, reporter: Reporter
@@ -223,18 +232,22 @@ def _run_post_restore_hook(request: RestoreRequest, pid: int, manifest: Manifest
     return None
 
 
-def _tcp_connections(manifest: Manifest, saved: bool, close: bool | None, host: hostcheck.HostReport,
-                     reporter: Reporter) -> str | None:
-    """How the tree's established TCP connections come back: "closed" or "established" (None:
-    the checkpoint holds none). On another host they are closed unless told otherwise: their
-    peers have moved on, and the local address is another machine's. Listening sockets listen
-    again either way. Says it in one line when they do not come back as a plain restore would."""
+def _tcp_connections(manifest: Manifest, images_dir: Path, saved: bool, close: bool | None,
+                     host: hostcheck.HostReport, reporter: Reporter) -> list[tcppeers.ConnectionPlan]:
+    """How each of the tree's TCP connections comes back (ckpt/restore/tcppeers.py): on another
+    host closed unless told otherwise (their peers have moved on, the local address is another
+    machine's); on this one each established unless its peer is on this host and no longer
+    holds it. Decided as late as it can be, once the tree's PIDs are free (the dumped
+    original, killed, has closed its ends). Listening sockets listen again either way. Says in
+    one line each when they do not come back as a plain restore would."""
     elsewhere = f"taken on {manifest.host or 'another host'}, this is {host.this_host}"
     if not saved:
         if host.another_host:
             reporter.info(f"checkpoint {elsewhere}")
-        return None
-    tcp = "closed" if (host.another_host if close is None else close) else "established"
+        return []
+    from ckpt.criu.images import tcp_connections  # deferred: imports pycriu
+
+    plans = tcppeers.plan(tcp_connections(images_dir), host.another_host, close)
     if host.another_host and close is None:
         reporter.info(f"checkpoint {elsewhere}: its established TCP connections are restored closed (the program "
                       "sees them fail), listening sockets listen again; --tcp-established restores them as they were")
@@ -243,7 +256,10 @@ def _tcp_connections(manifest: Manifest, saved: bool, close: bool | None, host: 
                       "(--tcp-established)")
     elif close:
         reporter.info("established TCP connections are restored closed (--tcp-close)")
-    return tcp
+    elif close is None:
+        for closed in (p for p in plans if p.restored == "closed"):
+            reporter.info(closed.describe() + " (the program sees it fail; --tcp-established restores it anyway)")
+    return plans
 
 
 def _wants_lazy(request: RestoreRequest, manifest: Manifest, binary) -> bool:

@@ -390,3 +390,82 @@ def _entries_in_mixed_mappings(runs: list[tuple[int, int, int]], vmas: list[tupl
         if not more:
             return eager
         eager |= more
+
+
+# The TCP states CRIU dumps as connections (criu/sk-inet.c, can_dump_ipproto: TCP repair
+# restores them): ESTABLISHED, SYN-SENT, FIN-WAIT-1/2, CLOSE-WAIT, LAST-ACK, CLOSING.
+TCP_CONNECTED_STATES = frozenset({1, 2, 4, 5, 8, 9, 11})
+TCP_CLOSE, SK_SHUTDOWN_BOTH = 7, 3
+
+
+@dataclass(frozen=True)
+class TcpConnection:
+    """A TCP connection of the tree, from its inet socket entry in files.img."""
+
+    id: int  # the socket's id in files.img
+    state: int  # the kernel's TCP state at the dump (ckpt/system/inetdiag.py names them)
+    local: tuple[str, int]  # address, port
+    remote: tuple[str, int]
+
+
+def tcp_connections(image_dir: Path) -> list[TcpConnection]:
+    """The tree's TCP connections (not listening or unconnected sockets), in files.img's order."""
+    from pycriu.images import magic, pb  # deferred: importing pycriu costs ~0.1 s
+
+    path = image_dir / "files.img"
+    if not path.exists():
+        return []
+    try:
+        _, messages = _split(path.read_bytes(), path.name, "FILES", magic)
+    except ValueError as exc:
+        raise ImageUnreadable(f"CRIU's image {exc}") from exc
+    entry = pb.file_entry()
+    found = []
+    for message in messages:
+        entry.Clear()
+        entry.ParseFromString(message)
+        if not entry.HasField("isk"):
+            continue
+        sk = entry.isk
+        if sk.proto != 6 or sk.state not in TCP_CONNECTED_STATES:
+            continue
+        found.append(TcpConnection(sk.id, sk.state, (_ip(sk.src_addr), sk.src_port), (_ip(sk.dst_addr), sk.dst_port)))
+    return found
+
+
+def _ip(words) -> str:
+    """An address as CRIU records it: the bytes of the address in uint32 words, in the dumping
+    host's order (one word for IPv4, four for IPv6)."""
+    import ipaddress
+
+    raw = struct.pack(f"={len(words)}I", *words)
+    return str(ipaddress.ip_address(raw[:4] if len(words) < 4 else raw[:16]))
+
+
+def close_connections(image_dir: Path, ids: set[int]) -> None:
+    """Rewrites the staged files.img (atomically: it may be a hard link to a stored object) so
+    that CRIU restores the TCP connections with those socket ids closed, as its --tcp-close
+    restores every one (criu/sk-tcp.c, restore_one_tcp: a new socket, shut down both ways):
+    state CLOSE, no ports (CRIU then neither binds nor connects it), shut down both ways (CRIU
+    calls shutdown(2), which on a socket never connected fails with ENOTCONN, which CRIU
+    expects of a CLOSE socket, but marks it shut all the same). The program reads end of file
+    and its writes fail with EPIPE. Every other message is kept byte for byte."""
+    from pycriu.images import magic, pb  # deferred: importing pycriu costs ~0.1 s
+
+    path = image_dir / "files.img"
+    try:
+        head, messages = _split(path.read_bytes(), path.name, "FILES", magic)
+    except ValueError as exc:
+        raise ImageUnreadable(f"CRIU's image {exc}") from exc
+    entry = pb.file_entry()
+    parts = [head]
+    for message in messages:
+        entry.Clear()
+        entry.ParseFromString(message)
+        kept = message
+        if entry.HasField("isk") and entry.isk.id in ids:
+            entry.isk.state, entry.isk.src_port, entry.isk.dst_port = TCP_CLOSE, 0, 0
+            entry.isk.shutdown = SK_SHUTDOWN_BOTH
+            kept = entry.SerializeToString()
+        parts.append(struct.pack("<i", len(kept)) + kept)
+    atomic_write_bytes(path, b"".join(parts), durable=False)  # a staged image: a crash discards it anyway

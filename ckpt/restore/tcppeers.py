@@ -1,0 +1,125 @@
+"""How each TCP connection of a checkpoint comes back: established again (TCP repair) or closed.
+
+A connection restored established whose peer has given it up does not fail: the peer is in
+CLOSE-WAIT (it saw the end of the killed original) or gone, the restored end retransmits
+into it for a quarter of an hour, and the program waits on it, without an error. So on the host
+that took the checkpoint each connection is decided on its own, just before CRIU runs:
+
+- its peer is another socket of the checkpoint: established (both come back together);
+- its peer is on this host (a loopback address or one of this host's): established only if
+  a socket with the reverse address pair is there in the state that matches the one dumped
+  (ESTABLISHED for ESTABLISHED...); in another state (CLOSE-WAIT, FIN-WAIT: the peer saw the
+  connection end) or absent, closed: the program reads end of file or fails to write (EPIPE),
+  and can reconnect;
+- its peer is elsewhere: established, as before (whether a remote peer reset the connection
+  since cannot be told without sending it a packet).
+
+On another host every connection is closed (its peers have moved on, its local address is
+another machine's); --tcp-close closes every one, --tcp-established restores every one.
+decide() is a pure function of the connections and this host's sockets and addresses.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from ckpt.criu.images import TcpConnection
+from ckpt.system import inetdiag
+from ckpt.system.inetdiag import CLOSE_WAIT, CLOSING, ESTABLISHED, FIN_WAIT1, FIN_WAIT2, LAST_ACK, STATES
+
+# The state the dumped end was in -> the states its peer is in while the connection lives. A
+# peer in another state has closed its end since (or the ends no longer agree).
+LIVE_PEER_STATES = {
+    ESTABLISHED: {ESTABLISHED},
+    CLOSE_WAIT: {FIN_WAIT1, FIN_WAIT2},  # the peer had closed its end before the dump
+    FIN_WAIT1: {ESTABLISHED, CLOSE_WAIT, FIN_WAIT1, CLOSING},  # ours was closed, maybe not yet seen
+    FIN_WAIT2: {CLOSE_WAIT},
+    LAST_ACK: {FIN_WAIT1, FIN_WAIT2},
+    CLOSING: {CLOSING, FIN_WAIT1},
+}
+
+SocketTable = dict[tuple[inetdiag.Endpoint, inetdiag.Endpoint], set[int]]
+
+
+@dataclass(frozen=True)
+class ConnectionPlan:
+    """One connection and how it comes back."""
+
+    id: int  # its socket's id in the images' files.img
+    local: str  # address:port ([address]:port for IPv6)
+    remote: str
+    state: str  # at the dump, as `ss` names it
+    restored: str  # "established" or "closed"
+    why: str
+
+    def to_json(self) -> dict:
+        return {"local": self.local, "remote": self.remote, "state": self.state, "restored": self.restored,
+                "why": self.why}
+
+    def describe(self, would: bool = False) -> str:
+        comes = "would come" if would else "comes"
+        return f"TCP connection {self.local} -> {self.remote} ({self.state}) {comes} back {self.restored}: {self.why}"
+
+
+def _endpoint(address: tuple[str, int]) -> inetdiag.Endpoint:
+    return inetdiag.normalized(ipaddress.ip_address(address[0])), address[1]
+
+
+def _shown(address: tuple[str, int]) -> str:
+    ip = inetdiag.normalized(ipaddress.ip_address(address[0]))
+    return f"[{ip}]:{address[1]}" if ip.version == 6 else f"{ip}:{address[1]}"
+
+
+def decide(connections: list[TcpConnection], *, another_host: bool, close: bool | None,
+           sockets: SocketTable, addresses: set[inetdiag.Address]) -> list[ConnectionPlan]:
+    """How each connection comes back (see the module's doc). close: --tcp-close (True),
+    --tcp-established (False) or neither (None); sockets: this host's TCP sockets
+    (inetdiag.tcp_sockets()); addresses: this host's (inetdiag.local_addresses())."""
+    ours = {(_endpoint(c.local), _endpoint(c.remote)) for c in connections}
+    plans = []
+    for conn in connections:
+        local, remote = _endpoint(conn.local), _endpoint(conn.remote)
+        if close is not None:
+            restored, why = ("closed", "--tcp-close") if close else ("established", "--tcp-established")
+        elif another_host:
+            restored, why = "closed", "the checkpoint was taken on another host (--tcp-established keeps it)"
+        elif (remote, local) in ours:
+            restored, why = "established", "its peer is in the checkpoint too"
+        elif not inetdiag.is_local(remote[0], addresses):
+            restored, why = "established", "its peer is on another host (not checked)"
+        else:
+            restored, why = _local_peer(conn.state, sockets.get((remote, local), set()))
+        plans.append(ConnectionPlan(conn.id, _shown(conn.local), _shown(conn.remote),
+                                    STATES.get(conn.state, str(conn.state)), restored, why))
+    return plans
+
+
+def _local_peer(dumped: int, states: set[int]) -> tuple[str, str]:
+    live = LIVE_PEER_STATES.get(dumped)
+    if live is None:  # SYN-SENT: no peer socket to look for yet
+        return "established", "its peer on this host is not checked in this state"
+    if states & live:
+        return "established", f"its peer on this host holds it ({STATES[min(states & live)]})"
+    if not states:
+        return "closed", "its peer on this host is gone"
+    seen = ", ".join(STATES.get(s, str(s)) for s in sorted(states))
+    return "closed", f"its peer on this host is in {seen}: it has seen the connection end"
+
+
+def plan(connections: list[TcpConnection], another_host: bool, close: bool | None) -> list[ConnectionPlan]:
+    """decide() against this host's sockets and addresses, looked up now (only where needed)."""
+    if not connections:
+        return []
+    needed = close is None and not another_host
+    return decide(connections, another_host=another_host, close=close,
+                  sockets=inetdiag.tcp_sockets() if needed else {},
+                  addresses=inetdiag.local_addresses() if needed else set())
+
+
+def summary(plans: list[ConnectionPlan]) -> str | None:
+    """"established", "closed", "mixed" (some of each), or None (no connections)."""
+    kinds = {p.restored for p in plans}
+    if not kinds:
+        return None
+    return kinds.pop() if len(kinds) == 1 else "mixed"
