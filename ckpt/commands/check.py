@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 from ckpt.settings import StoreLocation
 from ckpt.criu.binary import find_criu
-from ckpt.criu.client import bindings_version, run_check
+from ckpt.criu.client import bindings_version, check_verdict, run_check
 from ckpt.errors import CkptError
 
 FEATURES = {
@@ -59,10 +59,11 @@ def check_readiness(store_root: StoreLocation) -> list[Finding]:
                                 "run 'make setup' (it installs pycriu from CRIU's source with protobuf < 6)"))
     findings.append(_page_hashing())
     if criu is not None and root:
-        passed, output = run_check(criu)
-        last = output.splitlines()[-1] if output else ""
-        findings.append(Finding("criu check", passed, last or ("passed" if passed else "failed"),
-                                "" if passed else f"run '{criu.path} check' to see the details"))
+        verdict, said = check_verdict(*run_check(criu))
+        # A pass with warnings is a warning: not ok, not required (the features below say more).
+        findings.append(Finding("criu check", verdict == "ok", said,
+                                "" if verdict == "ok" else f"run '{criu.path} check' to see the details",
+                                required=verdict != "warn"))
         for feature, (gives, fix) in FEATURES.items():
             ok, out = run_check(criu, feature)
             findings.append(Finding(f"feature {feature}", ok, ("works: " if ok else "missing: ") + gives,

@@ -342,6 +342,24 @@ def has_feature(binary: CriuBinary, feature: str) -> bool:
     return passed
 
 
+def check_verdict(passed: bool, output: str) -> tuple[str, str]:
+    """What `criu check` said, for people: ("ok" | "warn" | "fail", the line to show). CRIU
+    exits 0 with warnings too ("Looks good but some kernel features are missing...", or a
+    warning or error line beside "Looks good."): that is a warning, not an ok."""
+    lines = [re.sub(r"^\(\s*[\d.]+\)\s*", "", line).strip() for line in output.splitlines()]
+    lines = [line for line in lines if line]
+    if not passed:
+        return "fail", lines[-1] if lines else "failed"
+    remarks = [re.sub(r"^(Warn|Error)\s*\([^)]*\):\s*", "", line) for line in lines if line != "Looks good."]
+    if not remarks:
+        return "ok", "Looks good."
+    if any(line.startswith("Looks good but") for line in remarks):
+        remarks = [line for line in remarks if not line.startswith("Looks good but")
+                   and line not in ("which, depending on your process tree, may cause", "dump or restore failure.")]
+        remarks.insert(0, "some kernel features are missing, which may make dumps or restores fail")
+    return "warn", "passed with warnings: " + "; ".join(remarks)
+
+
 def run_check(binary: CriuBinary, feature: str | None = None) -> tuple[bool, str]:
     """Runs `criu check` (optionally `--feature NAME`); returns (passed, its output)."""
     args = [binary.path, "check"] + (["--feature", feature] if feature else [])

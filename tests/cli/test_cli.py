@@ -207,3 +207,20 @@ def test_a_mistyped_checkpoint_gets_a_did_you_mean(capsys, isolated_env):
     assert code == 3 and f"did you mean '{newest}'?" in err, err
     code, out, err = run(capsys, "show", "zzzzzz")
     assert code == 3 and "did you mean" not in err and "see 'ckpt list'" in err, err
+
+
+@pytest.mark.parametrize("output", [
+    "Looks good.\n(00.012) Error (criu/sk-inet.c:818): Can't check shutdown state of inet socket",
+    "Warn  (criu/cr-check.c:1300): time namespaces are not supported\nLooks good but some kernel features are "
+    "missing\nwhich, depending on your process tree, may cause\ndump or restore failure.",
+])
+def test_a_criu_check_that_passes_with_a_warning_shows_as_a_warning(capsys, monkeypatch, output):
+    """It was shown as 'ok   criu check: <the warning>'."""
+    monkeypatch.setattr("ckpt.commands.check.run_check", lambda binary, feature=None: (True, output))
+    code, out, err = run(capsys, "check")
+    line = next(line for line in out.splitlines() if "criu check" in line)
+    assert line.startswith("warn criu check: passed with warnings: "), line
+    assert "Looks good but" not in line and ("inet socket" in line or "time namespaces" in line), line
+    code, out, err = run(capsys, "check", "--json")
+    found = next(c for c in json.loads(out)["checks"] if c["name"] == "criu check")
+    assert found["ok"] is False and found["required"] is False and found["fix"], found
