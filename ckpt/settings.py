@@ -22,6 +22,7 @@ from typing import Any
 from ckpt.errors import UsageError
 
 STAGING_CHOICES = ("auto", "disk", "ram")
+SCHEDULER_CHOICES = ("auto", "systemd", "cron")
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -199,6 +200,11 @@ class Settings:
     section_timeout: float = field(default=60.0, metadata=_env("CKPT_SECTION_TIMEOUT", _seconds(False, "60")))
     # Where root's schedules go, as files ckpt-NAME.
     cron_dir: Path = field(default=Path("/etc/cron.d"), metadata=_env("CKPT_CRON_DIR", _path))
+    # What runs schedules: systemd timers or cron; auto = systemd's timers where systemd is PID 1
+    # and answers (and ckpt runs as root), cron elsewhere (ckpt/schedule/schedulers.py).
+    scheduler: str = field(default="auto", metadata=_env("CKPT_SCHEDULER", _choice(SCHEDULER_CHOICES, "cron")))
+    # Where root's systemd schedules go, as units ckpt-NAME.service and ckpt-NAME.timer.
+    systemd_dir: Path = field(default=Path("/etc/systemd/system"), metadata=_env("CKPT_SYSTEMD_DIR", _path))
     # The agent's name, for ckpt.journal (ckpt/agent/journal.py): the name of its checkpoints,
     # which its journal is kept and pruned by. Checked when the journal is used, not here: hooks
     # get CKPT_NAME too, and a ckpt they run must not fail on it.

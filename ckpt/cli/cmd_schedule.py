@@ -8,13 +8,13 @@ from rich.table import Table
 from ckpt.cli.options import (JsonOption, KeepDailyOption, KeepHourlyOption, KeepLastOption, KeepWeeklyOption,
                               KeepWithinOption, PasswordFileOption, QuietOption, StoreOption, retention_policy,
                               store_root, use_password_file)
-from ckpt.cli.output import CliReporter, emit_json, stderr, stdout
-from ckpt.commands.schedule import add, listing, remove, run
+from ckpt.cli.output import CliReporter, emit_json, stderr, stdout, styled
+from ckpt.commands.schedule import AddRequest, add, listing, remove, run
 from ckpt.schedule.book import ScheduleBook
 from ckpt import settings
 from ckpt.store import Store
 
-HELP = """Periodic snapshots with cron: add, list, rm, and run (what cron runs).
+HELP = """Periodic snapshots with systemd timers or cron: add, list, rm, and run (what they run).
 
 Examples:
 
@@ -25,11 +25,14 @@ Examples:
   ckpt schedule rm agent
 """
 
-ADD_HELP = """Install a cron entry that checkpoints a target and applies retention.
+ADD_HELP = """Install a systemd timer or a cron entry that checkpoints a target and applies retention.
 
 The target is a PID, a pidfile, or a regular expression matched against command lines at each
 run (so the schedule survives the program being restarted with a new PID; several matches are
-refused). Root's entries are files /etc/cron.d/ckpt-NAME; other users' go to their crontab.
+refused). Where systemd runs, root's schedules are timers (units ckpt-NAME.service and .timer in
+/etc/systemd/system); elsewhere root's are files /etc/cron.d/ckpt-NAME and other users' go to
+their crontab (CKPT_SCHEDULER chooses). A warning says when neither runs here. An existing
+schedule of the same name is replaced only with --replace.
 
 Examples:
 
@@ -72,6 +75,8 @@ def add_command(
         "--copy-to", metavar="STORE",
         help="Copy each checkpoint to this store right after its dump; a copy that fails is tried "
              "again by the next run.")] = None,
+    replace: Annotated[bool, typer.Option(
+        "--replace", help="Replace the schedule of that name; without it an existing name is refused.")] = False,
     password_file: PasswordFileOption = None,
     store: StoreOption = None,
     json_out: JsonOption = False,
@@ -80,18 +85,23 @@ def add_command(
     policy = retention_policy(keep_last, keep_within, keep_hourly, keep_daily, keep_weekly)
     use_password_file(password_file)
     book = _book(store, opened=False)
-    schedule, where = add(book, name, target, every, cron_expr, policy, pre_dump, copy_to)
+    added = add(book, AddRequest(name, target, every, cron_expr, policy, pre_dump, copy_to, replace))
+    schedule = added.schedule
+    if added.warning:  # also under --json: a schedule that will not run must not pass unseen
+        stderr.print(styled("Warning:", "yellow", f" schedule '{name}' will not run: {added.warning}"))
     if json_out:
         emit_json({"name": schedule.name, "cron": schedule.cron, "target": schedule.target,
-                   "retention": schedule.retention, "copy_to": schedule.copy_to, "installed": where,
-                   "log": str(book.log_path(name))})
+                   "retention": schedule.retention, "copy_to": schedule.copy_to, "installed": added.where,
+                   "scheduler": schedule.scheduler, "will_run": added.will_run, "log": str(book.log_path(name))})
         return
-    stderr.print(f"schedule '{name}' installed ({where}): {schedule.cron}, {schedule.describe_target()}, "
-                 f"keep {schedule.policy.describe()}"
+    keep = "keep everything" if schedule.policy.empty() else f"keep {schedule.policy.describe()}"
+    stderr.print(f"schedule '{name}' installed for {schedule.scheduler} ({added.where}): {schedule.cron}, "
+                 f"{schedule.describe_target()}, {keep}"
                  + (f", copied to {schedule.copy_to}" if schedule.copy_to else "") + f"; log: {book.log_path(name)}")
 
 
-@schedule_app.command("list", help="Show each schedule: target, timing, next and last run, retention.\n\n"
+@schedule_app.command("list", help="Show each schedule: target, timing, next and last run, retention, and "
+                                   "what runs it (systemd or cron), with a warning when nothing will.\n\n"
                                    "Examples:\n\n  ckpt schedule list\n\n  ckpt schedule list --json")
 def list_command(store: StoreOption = None, json_out: JsonOption = False) -> None:
     rows = listing(_book(store))
@@ -102,7 +112,7 @@ def list_command(store: StoreOption = None, json_out: JsonOption = False) -> Non
         stderr.print("no schedules: add one with 'ckpt schedule add'")
         return
     table = Table(box=None, pad_edge=False)
-    for column in ("NAME", "TARGET", "WHEN", "NEXT RUN", "LAST RUN", "RETENTION"):
+    for column in ("NAME", "TARGET", "WHEN", "RUN BY", "NEXT RUN", "LAST RUN", "RETENTION"):
         table.add_column(column)
     for r in rows:
         last = r["last"]
@@ -110,13 +120,18 @@ def list_command(store: StoreOption = None, json_out: JsonOption = False) -> Non
             last.get("id") or last.get("error") or "")
         kind, value = next(iter(r["target"].items()))
         next_run = r["next_run"] or "never: cron refuses it"  # made by an older ckpt
-        table.add_row(r["name"], f"{kind} {value}", r["every"] and f"every {r['every']}" or r["cron"],
+        run_by = r["scheduler"] if r["will_run"] or not r["next_run"] else f"{r['scheduler']}: will not run"
+        table.add_row(r["name"], f"{kind} {value}", r["every"] and f"every {r['every']}" or r["cron"], run_by,
                       next_run, last_text, ", ".join(f"{k}={v}" for k, v in (r["retention"] or {}).items()
                                                            if v) or "keep all")
     stdout.print(table)
+    for problem in dict.fromkeys(r["problem"] for r in rows if r["problem"]):
+        names = [f"'{r['name']}'" for r in rows if r["problem"] == problem]
+        label = "schedule" if len(names) == 1 else "schedules"
+        stderr.print(styled("Warning:", "yellow", f" {label} {', '.join(names)} will not run: {problem}"))
 
 
-@schedule_app.command("rm", help="Remove a schedule's cron entry and definition; its checkpoints stay.\n\n"
+@schedule_app.command("rm", help="Remove a schedule's timer or cron entry and definition; its checkpoints stay.\n\n"
                                  "Examples:\n\n  ckpt schedule rm agent\n\n  ckpt schedule rm agent --json")
 def rm_command(name: Annotated[str, typer.Argument(help="Schedule name.")], store: StoreOption = None,
                json_out: JsonOption = False, quiet: QuietOption = False) -> None:
@@ -129,7 +144,7 @@ def rm_command(name: Annotated[str, typer.Argument(help="Schedule name.")], stor
         stderr.print(f"schedule '{name}' removed (its checkpoints are kept)")
 
 
-@schedule_app.command("run", help="Run a schedule once, as cron does: one dump, then its retention.\n\n"
+@schedule_app.command("run", help="Run a schedule once, as its timer or cron does: one dump, then its retention.\n\n"
                                   "Examples:\n\n  ckpt schedule run agent")
 def run_command(name: Annotated[str, typer.Argument(help="Schedule name.")], store: StoreOption = None,
                 json_out: JsonOption = False, quiet: QuietOption = False) -> None:

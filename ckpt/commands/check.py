@@ -69,6 +69,7 @@ def check_readiness(store_root: StoreLocation) -> list[Finding]:
             findings.append(Finding(f"feature {feature}", ok, ("works: " if ok else "missing: ") + gives,
                                     "" if ok else fix, required=False))
     findings.append(_store_writable(store_root))
+    findings.append(_scheduler())
     if os.getsid(0) == 0:
         # Reads 0 when the session leader is in an ancestor PID namespace (a container started
         # by a runner outside it); every child of this shell inherits that session.
@@ -139,6 +140,24 @@ def _page_hashing() -> Finding:
         return Finding("page hashing", False, f"the C extension is not built ({exc}): dumps hash pages in Python, "
                        "two to three times slower", "run 'make setup' (it needs a C compiler, Python's headers and "
                        "libxxhash-dev)", required=False)
+
+
+def _scheduler() -> Finding:
+    """Whether the scheduler `schedule add` installs for runs here (issue 24: schedules that never
+    ran, silently, where no cron daemon runs)."""
+    from ckpt.schedule import schedulers
+
+    facts = schedulers.Facts.here()
+    try:
+        chosen = schedulers.choose(facts)
+    except CkptError as exc:
+        return Finding("scheduler", False, exc.message, exc.hint or "", required=False)
+    label = "systemd timers" if chosen == "systemd" else "cron"
+    found = schedulers.problem(chosen, facts)
+    if found is None:
+        return Finding("scheduler", True, f"schedules run with {label}: {facts.why(chosen)}", required=False)
+    return Finding("scheduler", False, f"schedules are installed for {label}, which will not run them: {found[0]}",
+                   found[1], required=False)
 
 
 def _store_writable(store_root: StoreLocation) -> Finding:

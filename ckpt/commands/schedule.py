@@ -1,5 +1,6 @@
-"""Use cases of `ckpt schedule`: add, rm, list, and the run cron performs (one dump of the
-target plus the schedule's retention). The definitions and cron entries: ckpt/schedule/book.py.
+"""Use cases of `ckpt schedule`: add, rm, list, and the run a systemd timer or cron performs (one
+dump of the target plus the schedule's retention). The definitions, timers and cron entries:
+ckpt/schedule/book.py; which scheduler, and whether it runs here: ckpt/schedule/schedulers.py.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import json
 import os
 import re
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import psutil
 from ckpt import settings
 from ckpt.errors import CkptError, ProcessNotFound, SectionTimeout, StoreBusy, UsageError
 from ckpt.reporting import NullReporter, Reporter
-from ckpt.schedule import cron
+from ckpt.schedule import cron, schedulers
 from ckpt.schedule.book import Schedule, ScheduleBook, TargetAmbiguous, check_name
 from ckpt.schedule.retention import Policy
 from ckpt.system import procs
@@ -26,9 +27,35 @@ from ckpt.system.files import atomic_write_bytes, make_private_dir
 from ckpt.system.locks import wait_for_flock
 
 
-def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_expr: str | None,
-        policy: Policy, pre_dump: str | None = None, copy_to: str | None = None) -> tuple[Schedule, str]:
+@dataclass
+class Added:
+    schedule: Schedule
+    where: str  # the timer unit, the cron file, or "user crontab"
+    will_run: bool  # its scheduler runs here
+    warning: str | None  # why it will not run, and what to do
+
+
+@dataclass
+class AddRequest:
+    name: str
+    target: dict  # exactly one of {"pid": int}, {"pidfile": path}, {"match": regex}
+    every: str | None = None  # exactly one of every and cron
+    cron: str | None = None
+    policy: Policy = field(default_factory=Policy)
+    pre_dump: str | None = None
+    copy_to: str | None = None
+    replace: bool = False  # an existing schedule of that name is replaced only when told
+
+
+def add(book: ScheduleBook, request: AddRequest, facts: schedulers.Facts | None = None) -> Added:
+    """Checks, records and installs a schedule, for the scheduler CKPT_SCHEDULER chooses (facts:
+    what runs here, looked at when not given)."""
+    name, target, every, cron_expr = request.name, request.target, request.every, request.cron
+    policy, pre_dump, copy_to, replace = request.policy, request.pre_dump, request.copy_to, request.replace
     check_name(name)
+    if book.path(name).exists() and not replace:
+        raise UsageError(f"a schedule named '{name}' exists already",
+                         hint="pass --replace to replace it, or see 'ckpt schedule list'")
     if len(target) != 1:
         raise UsageError("give exactly one target: --pid, --pidfile or --match")
     if "pid" in target:
@@ -53,16 +80,19 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
         expr = cron.check(cron_expr or "")  # given: exactly one of the two is (checked above)
     if copy_to is not None:
         copy_to = destination_spec(copy_to, book.store_root)
+    facts = facts or schedulers.Facts.here()
+    scheduler = schedulers.choose(facts)
     schedule = Schedule(name=name, target=target, cron=expr, every=every, retention=policy.to_json()
                         if not policy.empty() else {}, pre_dump=pre_dump,
-                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), copy_to=copy_to)
+                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), copy_to=copy_to,
+                        scheduler=scheduler)
     from ckpt.store import Store
 
     store = Store.open(book.store_root, create=True)  # made (and checked) only now that the schedule is valid
     from ckpt import settings
     if store.encryption is not None and settings.current().password_file is None:
-        # cron's runs have no terminal and cron files are world-readable: only a file works.
-        raise UsageError(f"the store at {store.location} is encrypted, and cron's runs need its password in a file",
+        # Scheduled runs have no terminal; cron files and units are world-readable: only a file works.
+        raise UsageError(f"the store at {store.location} is encrypted, and scheduled runs need its password in a file",
                          hint="pass --password-file FILE (mode 600) or set CKPT_PASSWORD_FILE")
     make_private_dir(book.dir)
     make_private_dir(book.log_dir)
@@ -70,8 +100,9 @@ def add(book: ScheduleBook, name: str, target: dict, every: str | None, cron_exp
     if definition["copy_to"] is None:
         del definition["copy_to"]  # a schedule without it stays readable by an older ckpt
     atomic_write_bytes(book.path(name), json.dumps(definition, indent=2).encode())
-    where = book.install_cron(schedule)
-    return schedule, where
+    where = book.install(schedule, facts.runs("systemd"))
+    warning = schedulers.warning(scheduler, facts)
+    return Added(schedule, where, warning is None, warning)
 
 
 def destination_spec(copy_to: str, store_root: settings.StoreLocation) -> str:
@@ -87,11 +118,11 @@ def destination_spec(copy_to: str, store_root: settings.StoreLocation) -> str:
     return str(path)
 
 
-def remove(book: ScheduleBook, name: str) -> Schedule:
-    """Removes the cron entry and the definition; checkpoints already taken stay. Returns the
-    definition removed."""
+def remove(book: ScheduleBook, name: str, facts: schedulers.Facts | None = None) -> Schedule:
+    """Removes the timer or cron entry and the definition; checkpoints already taken stay.
+    Returns the definition removed."""
     schedule = book.load(name)
-    book.remove_cron(name)
+    book.uninstall(name, (facts or schedulers.Facts.here()).runs("systemd"))
     book.path(name).unlink(missing_ok=True)
     book.state_path(name).unlink(missing_ok=True)
     return schedule
@@ -104,17 +135,32 @@ def _next_run(expr: str, now: datetime) -> str | None:
         return None  # a schedule made by an older ckpt that cron refuses (e.g. '5/10'): it never runs
 
 
-def listing(book: ScheduleBook, now: datetime | None = None) -> list[dict]:
+def listing(book: ScheduleBook, now: datetime | None = None, facts: schedulers.Facts | None = None) -> list[dict]:
+    """Each schedule with its next and last run, the scheduler that runs it, and whether it
+    will run: installed, for a scheduler that runs here (the reason when not)."""
     now = now or cron.cron_now()
+    names = book.names()
+    if not names:
+        return []  # nothing to look at /proc and systemd for
+    facts = facts or schedulers.Facts.here()
     rows = []
-    for name in book.names():
+    for name in names:
         schedule = book.load(name)
+        runs = facts.runs("systemd")
+        installed = book.timer_installed(name, runs) if schedule.scheduler == "systemd" \
+            else book.cron_installed(name)
+        problem = schedulers.warning(schedule.scheduler, facts)
+        if installed is False:
+            problem = f"its {'timer' if schedule.scheduler == 'systemd' else 'cron entry'} is not installed" \
+                + (f" ({problem})" if problem else f": 'ckpt schedule add {name} --replace ...' installs it again")
+        next_run = _next_run(schedule.cron, now)
         rows.append({
             "name": name, "target": schedule.target, "cron": schedule.cron, "every": schedule.every,
-            "next_run": _next_run(schedule.cron, now),
+            "next_run": next_run,
             "last": book.state(name) or None, "retention": schedule.retention or None,
             "pre_dump": schedule.pre_dump, "copy_to": schedule.copy_to,
-            "installed": book.cron_file(name).exists() if os.geteuid() == 0 else None,
+            "installed": installed, "scheduler": schedule.scheduler,
+            "will_run": problem is None and next_run is not None, "problem": problem,
         })
     return rows
 

@@ -1,8 +1,10 @@
-"""Schedules: their definitions in the store and their cron entries.
+"""Schedules: their definitions in the store and their entries for the scheduler that runs them.
 
-A schedule lives in <store>/schedules/<name>.json (what to dump, when, what to keep) with its
-last outcome in <name>.state.json. Cron runs `ckpt schedule run NAME`: root's entries are files
-/etc/cron.d/ckpt-<name>; other users' are two lines in their crontab (a marker comment, the entry).
+A schedule lives in <store>/schedules/<name>.json (what to dump, when, what to keep, which
+scheduler) with its last outcome in <name>.state.json. A systemd timer or cron runs `ckpt schedule
+run NAME`: root's timers are units ckpt-<name>.service and ckpt-<name>.timer in
+/etc/systemd/system; root's cron entries are files /etc/cron.d/ckpt-<name>; other users' are two
+lines in their crontab (a marker comment, the entry).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from ckpt import settings
 from ckpt.errors import CkptError, ProcessNotFound, UsageError
+from ckpt.schedule import systemd
 from ckpt.schedule.retention import Policy
 from ckpt.system.files import atomic_write_bytes, make_private_dir
 
@@ -38,6 +41,7 @@ class Schedule:
     pre_dump: str | None = None
     created: str = ""
     copy_to: str | None = None  # a store each checkpoint is copied to after its dump
+    scheduler: str = "cron"  # what runs it: "systemd" (a timer) or "cron"; older ckpts knew only cron
 
     @property
     def policy(self) -> Policy:
@@ -66,6 +70,7 @@ class ScheduleBook:
         self.dir = local_dir / "schedules"
         self.log_dir = local_dir / "logs" / "schedules"
         self.cron_dir = cron_dir or settings.current().cron_dir
+        self.systemd_dir = settings.current().systemd_dir
 
     def path(self, name: str) -> Path:
         return self.dir / f"{check_name(name)}.json"
@@ -108,25 +113,31 @@ class ScheduleBook:
                 f">> {self.log_path(name)} 2>&1")
 
     @staticmethod
-    def cron_environment() -> str:
-        """Lines VAR=value for cron of what a remote or encrypted store needs and cron's bare
-        environment lacks: where the cache, the password file and the S3 server are. Never a
-        secret (cron files are world-readable): credentials belong in ~/.aws/credentials, the
+    def run_environment() -> dict[str, str]:
+        """What a remote or encrypted store needs and the bare environment of cron and systemd
+        lacks: where the cache, the password file and the S3 server are. Never a secret (cron
+        files and units are world-readable): credentials belong in ~/.aws/credentials, the
         password in a file (schedule add refuses CKPT_PASSWORD alone for an encrypted store)."""
         current = settings.current()
-        lines = [f"CKPT_CACHE={current.cache}"]
+        environment = {"CKPT_CACHE": str(current.cache)}
         if current.password_file is not None:
-            lines.append(f"CKPT_PASSWORD_FILE={current.password_file}")
-        lines += [f"{name}={value}" for name, value in settings.s3_location_environment().items()]
-        return "".join(line + "\n" for line in lines)
+            environment["CKPT_PASSWORD_FILE"] = str(current.password_file)
+        return environment | settings.s3_location_environment()
+
+    @classmethod
+    def cron_environment(cls) -> str:
+        """run_environment() as cron's lines VAR=value."""
+        return "".join(f"{name}={value}\n" for name, value in cls.run_environment().items())
 
     def cron_file(self, name: str) -> Path:
         return self.cron_dir / f"ckpt-{name}"
 
-    def render_cron_file(self, schedule: Schedule) -> str:
+    def _header(self, schedule: Schedule) -> str:
         return (f"# ckpt schedule '{schedule.name}': {schedule.describe_target()}. Managed by ckpt;\n"
-                f"# remove it with: ckpt schedule rm {schedule.name} --store {self.store_root}\n"
-                f"SHELL=/bin/sh\nPATH={CRON_PATH}\n{self.cron_environment()}"
+                f"# remove it with: ckpt schedule rm {schedule.name} --store {self.store_root}\n")
+
+    def render_cron_file(self, schedule: Schedule) -> str:
+        return (f"{self._header(schedule)}SHELL=/bin/sh\nPATH={CRON_PATH}\n{self.cron_environment()}"
                 f"{schedule.cron} root {self.cron_command(schedule.name)}\n")
 
     def install_cron(self, schedule: Schedule) -> str:
@@ -150,6 +161,10 @@ class ScheduleBook:
         if kept != lines:
             self._write_user_crontab(kept)
 
+    def cron_installed(self, name: str) -> bool | None:
+        """Root: whether its cron file is in place; other users: None (their crontab is not read)."""
+        return self.cron_file(name).exists() if os.geteuid() == 0 else None
+
     def _is_ours(self, line: str, name: str) -> bool:
         return line == f"# ckpt:{name}" or f"-m ckpt schedule run {name} --store {self.store_root} " in line
 
@@ -171,3 +186,94 @@ class ScheduleBook:
         proc = subprocess.run(["crontab", "-"], input="\n".join(lines) + "\n", capture_output=True, text=True)
         if proc.returncode != 0:
             raise CkptError(f"crontab refused the entry: {proc.stderr.strip()}")
+
+
+    # ---- systemd timers ------------------------------------------------------------------------
+
+    def unit_path(self, name: str, kind: str) -> Path:
+        """ckpt-NAME.service or ckpt-NAME.timer in the systemd directory (kind: service, timer)."""
+        return self.systemd_dir / f"ckpt-{check_name(name)}.{kind}"
+
+    def _wants_link(self, name: str) -> Path:
+        # What `systemctl enable` makes of [Install] WantedBy=timers.target.
+        return self.systemd_dir / "timers.target.wants" / f"ckpt-{name}.timer"
+
+    def render_units(self, schedule: Schedule) -> tuple[str, str]:
+        """The texts of the schedule's .service and .timer."""
+        name = schedule.name
+        argv = [sys.executable, "-m", "ckpt", "schedule", "run", name, "--store", str(self.store_root)]
+        service = systemd.render_service(
+            f"ckpt schedule {name}: checkpoint {schedule.describe_target()}", self._header(schedule), argv,
+            {"PATH": CRON_PATH, **self.run_environment()}, str(self.log_path(name)))
+        timer = systemd.render_timer(f"ckpt schedule {name} ({schedule.cron})", self._header(schedule),
+                                     schedule.cron, f"ckpt-{name}.service")
+        return service, timer
+
+    def install_timer(self, schedule: Schedule, systemd_runs: bool) -> str:
+        """Writes the units; enables and starts the timer when systemd runs, else only links it
+        into timers.target (as `systemctl enable` would) for when the machine boots with it."""
+        name = schedule.name
+        service, timer = self.render_units(schedule)
+        self.systemd_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.unit_path(name, "service"), service.encode(), mode=0o644)
+        atomic_write_bytes(self.unit_path(name, "timer"), timer.encode(), mode=0o644)
+        if systemd_runs:
+            systemctl("daemon-reload")
+            systemctl("enable", "--now", f"ckpt-{name}.timer")
+            # enable --now leaves a running timer with its old calendar: a replaced schedule's
+            # timer must take its new one.
+            systemctl("restart", f"ckpt-{name}.timer")
+        else:
+            link = self._wants_link(name)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.unlink(missing_ok=True)
+            link.symlink_to(f"../ckpt-{name}.timer")
+        return str(self.unit_path(name, "timer"))
+
+    def remove_timer(self, name: str, systemd_runs: bool) -> None:
+        timer = self.unit_path(name, "timer")
+        if systemd_runs and timer.exists():
+            systemctl("disable", "--now", f"ckpt-{name}.timer")
+        existed = timer.exists() or self.unit_path(name, "service").exists()
+        for path in (self._wants_link(name), timer, self.unit_path(name, "service")):
+            path.unlink(missing_ok=True)
+        if systemd_runs and existed:
+            systemctl("daemon-reload")
+
+    def timer_installed(self, name: str, systemd_runs: bool) -> bool:
+        """Its units are in place and, where systemd runs, its timer is active."""
+        if not (self.unit_path(name, "timer").exists() and self.unit_path(name, "service").exists()):
+            return False
+        if not systemd_runs:
+            return self._wants_link(name).is_symlink()
+        return systemctl("is-active", "--quiet", f"ckpt-{name}.timer", check=False) == 0
+
+    # ---- either ---------------------------------------------------------------------------------
+
+    def install(self, schedule: Schedule, systemd_runs: bool) -> str:
+        """Installs the schedule for its scheduler, and removes any entry the other one had for
+        that name (a replaced schedule never runs twice). Returns where it went."""
+        if schedule.scheduler == "systemd":
+            self.remove_cron(schedule.name)
+            return self.install_timer(schedule, systemd_runs)
+        self.remove_timer(schedule.name, systemd_runs)
+        return self.install_cron(schedule)
+
+    def uninstall(self, name: str, systemd_runs: bool) -> None:
+        self.remove_timer(name, systemd_runs)
+        self.remove_cron(name)
+
+
+def systemctl(*args: str, check: bool = True) -> int:
+    """Runs systemctl (bounded); a failure it was asked to check raises CkptError with its words."""
+    try:
+        proc = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        if not check:
+            return -1
+        raise CkptError(f"systemctl {' '.join(args)} failed: {exc}") from None
+    if check and proc.returncode != 0:
+        words = proc.stderr.strip().splitlines()
+        raise CkptError(f"systemctl {' '.join(args)} failed: {words[-1] if words else f'exit {proc.returncode}'}")
+    return proc.returncode

@@ -91,6 +91,13 @@ def _simulate(expr: str, after: datetime) -> CronSim:
                               "steps are 1 or more") from None
 
 
+def fields(expr: str) -> CronSim:
+    """How Debian's cron reads a checked expression: the sets of minutes, hours, days, months and
+    weekdays (0-7, 0 and 7 Sunday) that cronsim parsed, and day_and (False: a day matching
+    either day field runs)."""
+    return _simulate(expr, datetime(2000, 1, 1))
+
+
 def check(expr: str) -> str:
     """The expression as it will be written to cron (whitespace normalized); refuses what Debian's
     cron would refuse or read differently from what `next_run` computes."""

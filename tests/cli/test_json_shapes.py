@@ -58,7 +58,7 @@ def test_the_checker_finds_what_differs_from_the_doc():
                             "retention": None, "pre_dump": None}, "schedule rm") == []
     assert jsonshape.check([{"name": "a", "target": {"pid": "1"}, "cron": "c", "every": None, "next_run": "n",
                              "last": outcome, "retention": None, "pre_dump": None, "copy_to": None,
-                             "installed": None}],
+                             "installed": None, "scheduler": "cron", "will_run": True, "problem": None}],
                            "schedule list") == ["schedule list: [].target: target: pid is '1', not integer"]
     assert jsonshape.check({"name": "a", "cron": "c", "target": {"match": "x"}, "retention": {"keep_last": 1},
                             "installed": "i", "log": "l"}, "schedule add") != []

@@ -20,6 +20,8 @@ from tests.jsonshape import assert_shape
 def cron_dir(tmp_path, monkeypatch):
     path = tmp_path / "cron.d"
     monkeypatch.setenv("CKPT_CRON_DIR", str(path))
+    # cron even where systemd runs (a developer's machine), whose timers these tests do not test
+    monkeypatch.setenv("CKPT_SCHEDULER", "cron")
     return path
 
 
@@ -42,6 +44,30 @@ def test_add_list_rm(procs, tmp_path, cron_dir, isolated_env):
     ckpt("schedule", "rm", "agent")
     assert not entry.exists() and ckpt_json("schedule", "list") == []
     assert [c["id"] for c in ckpt_json("list")] == [checkpoint], "rm removes the schedule, not checkpoints"
+
+
+def test_an_existing_schedule_is_replaced_only_with_replace(cron_dir):
+    """Issue 24: a second add of the same name replaced the first without a word."""
+    ckpt("schedule", "add", "agent", "--match", "no-such-agent-program", "--every", "5m")
+    entry = cron_dir / "ckpt-agent"
+    first = entry.read_text()
+    proc = ckpt("schedule", "add", "agent", "--match", "other", "--every", "1h", check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("Error: a schedule named 'agent' exists already; pass --replace to replace it, or "
+                           "see 'ckpt schedule list'\n")
+    assert entry.read_text() == first
+    ckpt("schedule", "add", "agent", "--match", "other", "--every", "1h", "--replace")
+    assert "\n0 * * * * root " in entry.read_text()
+    assert [(r["name"], r["target"], r["every"]) for r in ckpt_json("schedule", "list")] == [
+        ("agent", {"match": "other"}, "1h")]
+
+
+def test_keep_everything_is_said_once(cron_dir):
+    """Issue 24: 'keep keep everything'."""
+    proc = ckpt("schedule", "add", "agent", "--match", "no-such-agent-program", "--every", "5m")
+    assert ", keep everything; log: " in proc.stderr and "keep keep" not in proc.stderr
+    proc = ckpt("schedule", "add", "other", "--match", "x", "--every", "5m", "--keep-last", "3")
+    assert ", keep last 3; log: " in proc.stderr
 
 
 @pytest.mark.parametrize("args", [
@@ -125,7 +151,8 @@ def cron_daemon():
     daemon.wait(timeout=10)
 
 
-def test_real_cron_takes_a_checkpoint_within_130_s(procs, tmp_path, cron_daemon):
+def test_real_cron_takes_a_checkpoint_within_130_s(procs, tmp_path, cron_daemon, monkeypatch):
+    monkeypatch.setenv("CKPT_SCHEDULER", "cron")
     target = procs.start("counter.py", tmp_path / "c.txt")
     name = f"test-{secrets.token_hex(4)}"
     ckpt("schedule", "add", name, "--pid", target.pid, "--every", "1m", "--keep-last", "1")
