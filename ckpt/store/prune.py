@@ -242,6 +242,10 @@ def _write_new_index(blocks: BlockStore, index: BlockIndex, plan: PrunePlan, rep
             seg = index.segment_list[key]
             if seg.pack in repack:
                 try:
+                    # Recorded damage stays where it is, even where the checksum passes (a
+                    # segment that cannot be decoded, a page that does not match its id).
+                    if key in index.damaged:
+                        raise DamagedCheckpoint(f"segment at {seg.offset} of pack {seg.pack} is recorded damaged")
                     data = reader.stored(key)  # as stored: no re-encoding
                 except DamagedCheckpoint:
                     kept.add(seg.pack)

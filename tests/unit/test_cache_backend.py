@@ -356,6 +356,36 @@ def test_a_damaged_copy_of_a_pack_is_read_again_from_the_store(remote, cache_roo
         assert not path.exists() or path.read_bytes() == remote.inner.get(pack)
 
 
+def test_a_lazy_restore_serves_on_after_a_damaged_copy_is_read_again_range_by_range(remote, cache_root, tmp_path):
+    """The page server serves a segment in growing runs; when its copy turns out damaged and the
+    pack is too large to download whole, the store's pack is read range by range: the held
+    segment must stay usable for the next runs (it was released once: review of 33634d8)."""
+    blocks = BlockStore(cached(remote, cache_root))
+    data = os.urandom(600 * PAGE)
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(data)
+    page_lists, _, written = blocks.ingest([image], lambda _: "none")
+    pack = next(name for name in written if name.startswith("packs/"))
+    path = copy_path(blocks.backend, pack)
+    damaged = bytearray(path.read_bytes())
+    damaged[10] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+
+    reading = BlockStore(cached(remote, cache_root, whole_below=0))
+    locations = reading.locate("pages-1.img", page_lists[image.name])
+    sender = reading.page_sender()
+    out = tmp_path / "served"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for first, count in ((0, 1), (1, 4), (5, 16)):  # a fault, then growing runs of the segment
+            sender.send(locations, first, count, fd)
+    finally:
+        os.close(fd)
+        sender.close()
+    assert out.read_bytes() == data[:21 * PAGE]
+    assert reading.backend.copies_read_again() == [pack]
+
+
 def test_a_damaged_copy_and_a_damaged_store_is_damage(remote, cache_root, tmp_path):
     """Damage in the store itself is still found, named and recorded when the cached copy is
     damaged too: reading again only tells the copy's damage from the store's."""

@@ -593,3 +593,26 @@ def test_prune_dry_run_changes_nothing_not_even_staging_leftovers(store):
     assert leftover.is_dir(), "a dry run removed a staging leftover"
     prune(store)
     assert not leftover.exists()
+
+
+def test_a_segment_recorded_damaged_whose_checksum_passes_is_not_repacked(store, monkeypatch):
+    """A segment that cannot be decoded has the right checksum of its (bad) bytes: verify records
+    it. Prune must leave it where it is, with its record, or the next dump would find its pages
+    known again and name the broken segment (review of 33634d8)."""
+    from ckpt.store.blocks import blockstore
+
+    pages = [((b"page %d " % i) * PAGE)[:PAGE] for i in range(300)]  # segments of 256 and 44
+    encode = blockstore._Encoders.encode
+    monkeypatch.setattr(blockstore._Encoders, "encode", lambda self, codec, data: os.urandom(200)
+                        if len(data) == 44 * PAGE else encode(self, codec, data))
+    whole = fake_dump(store, {"pages-1.img": b"".join(pages)}, codec="zstd")
+    monkeypatch.setattr(blockstore._Encoders, "encode", encode)
+    tail = fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="zstd")
+    assert "cannot be decoded" in store.verify(tail)[0]
+    (marker,) = store.blocks.damage_markers()
+    store.remove([whole.id])
+    collect_garbage(store)
+    assert Store.open(store.root).blocks.damage_markers() == [marker], "the record of the damage was lost"
+    again = fake_dump(Store.open(store.root), {"pages-1.img": b"".join(pages[256:])}, codec="zstd")
+    assert again.bytes_stored > 0, "a dump named the broken segment's pages again"
+    assert Store.open(store.root).verify(again) == []

@@ -126,6 +126,10 @@ class RangeReader:
         in the copy from damage in the store. This default reads the store itself: False."""
         return False
 
+    def read_again_intact(self, name: str) -> None:
+        """Called when what read_again made read from the store passed its check: the damage
+        was the local copy's alone (a cache tells the command, which tells the user)."""
+
     def copy_to(self, name: str, offset: int, length: int, fd: int) -> int:
         """Writes length bytes from offset to the file descriptor; returns how many there
         were (fewer where the blob ends)."""
@@ -251,8 +255,8 @@ class Backend(abc.ABC):
         return False
 
     def copies_read_again(self) -> builtins.list[str]:
-        """The blobs whose local copy this backend dropped as damaged and read again from the
-        store, for the command to tell the user (the store itself was intact)."""
+        """The blobs whose local copy this backend dropped as damaged and whose store bytes
+        then passed the check, for the command to tell the user (RangeReader.read_again_intact)."""
         return []
 
     def where(self, name: str) -> str:

@@ -143,7 +143,7 @@ class CachingBackend(Backend):
         self._checked: set[str] = set()  # names whose cached copy this process checked
         self._drops: dict[str, int] = {}  # names whose cached copy this process dropped, and how often
         self._sizes: dict[str, int] = {}  # sizes of blobs read in ranges (immutable: asked once)
-        self._read_again: set[str] = set()  # names whose copy failed a reader's check (drop_copy)
+        self._read_again: set[str] = set()  # copies dropped as damaged whose store bytes were intact
         self._prepare()
         self._local = LocalBackend(self.directory)
 
@@ -268,8 +268,6 @@ class CachingBackend(Backend):
         if not present:
             return False
         self._drop(name)
-        with self._lock:
-            self._read_again.add(name)
         return True
 
     def copies_read_again(self) -> builtins.list[str]:
@@ -793,6 +791,10 @@ class _CachingReader(RangeReader):
         if held is not None:
             held[0].close()
         return self._cache.drop_copy(name) or held is not None
+
+    def read_again_intact(self, name: str) -> None:
+        with self._cache._lock:
+            self._cache._read_again.add(name)
 
     def _assemble(self, name: str, offset: int, view: memoryview) -> None:
         if name in self._remote_only or not _cached(name) or not len(view):

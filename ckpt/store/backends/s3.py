@@ -249,8 +249,6 @@ class S3Backend(Backend):
     def _call(self, operation: str, what: str, deadline: float | None, kwargs: dict) -> dict:
         """The request, its transient failures retried with backoff until the deadline (by
         default now + the budget for its body); its failures as typed errors."""
-        if self._unanswered is not None:
-            raise self._unanswered
         method = getattr(self._client, _snake(operation))
         body: Any = kwargs.get("Body")
         rewind = body.tell() if hasattr(body, "seek") else None
@@ -259,6 +257,8 @@ class S3Backend(Backend):
         attempt = 0
         while True:
             attempt += 1
+            if self._unanswered is not None:  # another thread's request spent its budget meanwhile
+                raise self._unanswered
             if rewind is not None:
                 body.seek(rewind)
             try:
@@ -310,7 +310,7 @@ class S3Backend(Backend):
         later request of this process waits for the same server again."""
         error = StoreUnreachable(
             f"the S3 server at {self.endpoint} did not answer {operation} of {self.where(what)} within "
-            f"{self.timeout:g} s; nothing was committed",
+            f"{self.timeout:g} s",
             hint="check that it runs and can be reached, then run the command again (CKPT_S3_TIMEOUT sets how "
                  "many seconds ckpt waits for it)")
         self._unanswered = error

@@ -902,10 +902,12 @@ class _SegmentReader:
                 self.blocks.record_damage(seg)
                 raise
         try:
-            return self._stored_and_checked(key, seg)
+            stored = self._stored_and_checked(key, seg)
         except DamagedCheckpoint:
             self.blocks.record_damage(seg)
             raise
+        self.ranges.read_again_intact(pack_name(seg.pack))
+        return stored
 
     def _stored_and_checked(self, key: int, seg: Segment) -> memoryview:
         stored = self._stored(seg)
@@ -973,13 +975,15 @@ class _SegmentReader:
     def copy(self, key: int, within: int, count: int, out_fd: int) -> None:
         seg = self._segment(key, within, count)
         name = pack_name(seg.pack)
+        if key not in self.checked and seg.codec == CODECS["none"] and self.ranges.mapped(name):
+            # A local pack: checked through its mapping once, then copied file to file
+            # (sendfile). The check may find the copy damaged and read the store's pack
+            # instead, which is then no local mapping: hence mapped() is asked again below.
+            self._checked_stored(key, seg).release()
         if seg.codec != CODECS["none"] or not self.ranges.mapped(name):
             with self._pages_of(key, seg)[within * PAGE:(within + count) * PAGE] as pages:
                 _write_all(out_fd, pages)
             return
-        # A local pack: checked through its mapping once, then copied file to file (sendfile).
-        if key not in self.checked:
-            self._pages_of(key, seg).release()
         offset, length = seg.offset + within * PAGE, count * PAGE
         try:
             copied = self.ranges.copy_to(name, offset, length, out_fd)
