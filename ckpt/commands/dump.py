@@ -33,6 +33,7 @@ from ckpt.system import procs
 
 if TYPE_CHECKING:
     from ckpt.dump import pagestream
+    from ckpt.store.staging import DumpStaging
 
 
 @dataclass
@@ -112,26 +113,226 @@ def check_request(request: DumpRequest) -> None:
 
 def dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter = NullReporter(),
          around_freeze: Callable[[], AbstractContextManager[object]] | None = None) -> DumpResult:
-    """Checkpoints request.pid into the store at store_root (created if needed).
+    """Checkpoints request.pid into the store at store_root (created if needed): the phases of a
+    DumpSession in a row.
 
     Before anything is frozen, waits for the tree's no_checkpoint() sections to end (SectionTimeout
     when one outlasts the section timeout). around_freeze (`ckpt run`'s socket server) is entered
     once they have, before the pre-flight, and left as soon as CRIU is done."""
-    from ckpt.agent.sections import dump_gate
+    with DumpSession(store_root, request, reporter, around_freeze) as session:
+        session.prepare()
+        session.capture()
+        session.commit()
+        return session.finish()
 
-    started = time.monotonic()
-    check_request(request)
-    procs.require_root()
-    timeout = settings.current().section_timeout if request.section_timeout is None else request.section_timeout
-    with dumping(request.pid, settings.current().lock_timeout, lambda holder: reporter.info(
-            f"waiting for another dump of PID {request.pid} (ckpt PID {holder}) to finish")):
-        with dump_gate(request.pid, timeout, lambda pid: reporter.info(
-                f"waiting for PID {pid} to leave its no_checkpoint() section")) as gate, ExitStack() as window:
-            if around_freeze is not None:
-                window.enter_context(around_freeze())
-            # Sections may start again, and clients connect again, once CRIU has let the tree go.
-            window.callback(gate.release)
-            return _dump(store_root, request, reporter, started, criu_done=window.close)
+
+class DumpSession:
+    """One dump of one tree, as the phases a coordinator drives (a group checkpoint, a
+    migration): prepare (checks, locks, staging: nothing frozen), capture (CRIU freezes the
+    tree, dumps it and lets it go, or with --stop commits while it is frozen and then ends it),
+    commit (ingest and manifest: the checkpoint exists from then on), finish (clean up after
+    the commit), and abort, safe from any phase and idempotent: the tree is never left frozen
+    (CRIU thaws it on any failure), nothing is committed that was not already, the staging is
+    removed and every lock released. Used as a context manager, an exception aborts.
+
+    The state lives here, not in closures: what prepare found (facts, options, tracking), what
+    it holds (locks, staging, the read-ahead of the earlier checkpoint, the page stream) and
+    what capture and commit produced."""
+
+    def __init__(self, store_root: StoreLocation, request: DumpRequest, reporter: Reporter = NullReporter(),
+                 around_freeze: Callable[[], AbstractContextManager[object]] | None = None):
+        self.store_root, self.request, self.reporter = store_root, request, reporter
+        self.around_freeze = around_freeze
+        self.started = time.monotonic()
+        self._held = ExitStack()  # the target lock, the sections gate, the store lock: released last
+        self._window = ExitStack()  # sections and clients held off: released once CRIU lets the tree go
+        self.store: Store | None = None
+        self.staging: DumpStaging | None = None
+        self.stream: pagestream.PageStream | None = None
+        self.earlier: unchanged.EarlierCheckpoint | None = None
+        self.marks: dict[str, float] = {}  # CRIU's notifications, by when they came
+        self.manifest: Manifest | None = None
+        self._finished = False
+
+    def __enter__(self) -> DumpSession:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is not None or not self._finished:
+            self.abort()
+
+    # ---- prepare: nothing frozen --------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Checks the request, takes the target's lock, waits for its sections, inspects the
+        tree and opens the store, then stages: every failure here leaves the tree untouched."""
+        check_request(self.request)
+        procs.require_root()
+        self._hold_target()
+        self._inspect()
+        self._stage()
+
+    def _hold_target(self) -> None:
+        from ckpt.agent.sections import dump_gate
+
+        request, reporter = self.request, self.reporter
+        current = settings.current()
+        timeout = current.section_timeout if request.section_timeout is None else request.section_timeout
+        self._held.enter_context(dumping(request.pid, current.lock_timeout, lambda holder: reporter.info(
+            f"waiting for another dump of PID {request.pid} (ckpt PID {holder}) to finish")))
+        gate = self._held.enter_context(dump_gate(request.pid, timeout, lambda pid: reporter.info(
+            f"waiting for PID {pid} to leave its no_checkpoint() section")))
+        self._held.callback(self._window.close)
+        if self.around_freeze is not None:
+            self._window.enter_context(self.around_freeze())
+        # Sections may start again, and clients connect again, once CRIU has let the tree go.
+        self._window.callback(gate.release)
+
+    def _inspect(self) -> None:
+        request, reporter = self.request, self.reporter
+        self.facts = procs.preflight(request.pid)
+        # CRIU would dump memory a lazy restore has not filled in yet as missing.
+        wait_for_lazy_restores(set(self.facts.pids), lambda record: reporter.info(
+            f"waiting for the lazy restore of checkpoint {record.get('checkpoint')} to bring back all of its memory"))
+        self.binary = find_criu()
+        self.store = store = Store.open(self.store_root, create=True)
+        options = _choose_options(request, self.facts)
+        _report_findings(request, self.facts, options, reporter)
+        self.tracking = _plan_tracking(store, request, self.binary, reporter)
+        self.options = replace(options, track_mem=self.tracking is not None)
+        self.checkpoint_id = _new_checkpoint_id(store, request)
+        if request.pre_dump_hook:
+            from ckpt.schedule.hooks import run_hook
+
+            reporter.step("running the pre-dump hook")
+            run_hook(request.pre_dump_hook, "pre-dump", request.pid, self.checkpoint_id, request.name)
+
+    def _stage(self) -> None:
+        store = self._store()
+        self._held.enter_context(store.lock(exclusive=False, on_wait=lambda h: self.reporter.info(
+            "waiting for the store lock")))
+        store.remove_leftovers()
+        self.staging = store.begin_dump(self.checkpoint_id)
+        self.log_dir = store.logs_dir(self.checkpoint_id)
+        parent_img, self.tracking = _lay_out_parent(store, self.staging, self.tracking, self.checkpoint_id,
+                                                    self.reporter)
+        self.criu_options = self.options.to_criu_dump(
+            self.staging.images_dir, self.log_dir, "dump.log", self.request.pid, parent_img,
+            [f"unix[{s['inode']}]" for s in self.facts.external_sockets])
+        newest = store.newest_of(self.request.pid)
+        if newest:
+            self.earlier = unchanged.EarlierCheckpoint(newest, store, self.staging.root / "earlier")
+        self.stream = _page_stream(store, self.staging, self.tracking, self.earlier)
+        if self.stream is not None:
+            self.criu_options.page_stream_fd = self.stream.start()
+
+    # ---- capture: the tree frozen, dumped, let go ---------------------------------------
+
+    def capture(self) -> None:
+        """Runs CRIU: it freezes the tree, dumps it and resumes it (or, with --stop, this
+        session commits in CRIU's post-dump notification, while the tree is still frozen, and
+        CRIU then ends it: the target dies only once its checkpoint exists)."""
+        self.reporter.step(f"dumping PID {self.request.pid} ({self.facts.command}) with CRIU "
+                           f"{self.binary.version_text}")
+        phase("dump.staged")
+        try:
+            CriuClient(self.binary).dump(self.criu_options, on_notify=self._notified, on_started=self._read_ahead)
+        except CkptError:
+            failure = self.stream.failure() if self.stream is not None else None
+            if failure is not None:  # CRIU failed because ckpt stopped receiving
+                raise failure from None
+            if procs.process_state(self.request.pid) is None:
+                raise ProcessNotFound(f"process {self.request.pid} exited during the dump; nothing was saved") \
+                    from None
+            raise
+        finally:
+            self._window.close()
+        phase("dump.after-criu")
+        self._pages_received()
+
+    def _read_ahead(self) -> None:
+        """Once CRIU has its request: the index and the earlier checkpoint are read from the
+        store alone (the store lock keeps every index file and object in place) while CRIU
+        works, so that what is left from the target's resumption to the commit is short.
+        Not before: loading the index imports numpy, which delayed CRIU's start by 0.1-0.2 s
+        when it ran alongside ckpt's own imports."""
+        if self.stream is not None:
+            self.stream.criu_started()
+        self._store().blocks.preload_index()
+        if self.earlier is not None:
+            self.earlier.start()
+
+    def _pages_received(self) -> None:
+        if self.stream is not None and self.staging is not None and not self.staging.streamed:
+            self.staging.streamed = self.stream.finish()
+
+    def _notified(self, script: str, _pid: int) -> None:
+        self.marks[script] = time.monotonic()
+        if script != "post-dump":
+            return
+        phase("dump.frozen")
+        if self.request.stop:
+            self._pages_received()
+            # CRIU writes its stats only after this point: the freeze so far is measured here.
+            frozen_ms = round((self.marks["post-dump"] - self.marks.get("pre-dump", self.started)) * 1000, 1)
+            self._commit(frozen_ms)
+            self.reporter.step("checkpoint committed; CRIU ends the target")
+
+    # ---- commit, finish, abort ----------------------------------------------------------
+
+    def commit(self) -> Manifest:
+        """Ingests the images and commits the manifest (done already for --stop, in capture)."""
+        return self.manifest if self.manifest is not None else self._commit(None)
+
+    def _commit(self, frozen_ms: float | None) -> Manifest:
+        if self.staging is None:
+            raise RuntimeError("commit before prepare")  # a coordinator's bug, not the user's
+        self.manifest = _ingest_and_commit(self._store(), self.staging, self.request, self.facts, self.binary,
+                                           self.options, self.checkpoint_id, self.started, self.reporter,
+                                           self.tracking, self.earlier, frozen_ms)
+        return self.manifest
+
+    def finish(self) -> DumpResult:
+        """After the commit: cleans up, waits for a --stop tree's PIDs, merges index files."""
+        if self.manifest is None:
+            raise RuntimeError("finish before commit")
+        self._release_staging()
+        if self.request.stop:
+            # The tree is dead; wait (briefly) until its PIDs are released so that an immediate
+            # restore finds them free. Parents here reap their orphans late.
+            try:
+                procs.wait_for_pids_free(self.manifest.all_pids, timeout=3.0)
+            except CkptError:
+                pass
+        self._held.close()
+        _merge_index_files(self._store(), self.reporter)
+        self._finished = True
+        return DumpResult(self.manifest, self.log_dir / "dump.log")
+
+    def abort(self) -> None:
+        """From any phase: nothing more is committed, the staging goes, every lock is released.
+        The tree is never frozen here: CRIU thaws it when its dump fails or is cut short."""
+        self._finished = True
+        try:
+            self._release_staging()
+        finally:
+            self._held.close()
+
+    def _release_staging(self) -> None:
+        try:
+            if self.stream is not None:
+                self.stream.abort()  # nothing left to do if it finished
+            if self.earlier is not None:
+                self.earlier.wait()  # it writes into the staging area
+        finally:
+            if self.staging is not None:
+                self.staging.remove()
+            self.stream = self.earlier = self.staging = None
+
+    def _store(self) -> Store:
+        if self.store is None:
+            raise RuntimeError("the store is opened by prepare")
+        return self.store
 
 
 def _new_checkpoint_id(store: Store, request: DumpRequest) -> str:
@@ -142,105 +343,6 @@ def _new_checkpoint_id(store: Store, request: DumpRequest) -> str:
         raise UsageError(f"a checkpoint with ID {request.checkpoint_id} exists already",
                          hint="an ID given with --id must be new: take one from ckpt.store.ids.new_id()")
     return request.checkpoint_id
-
-
-def _dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter, started: float,  # noqa: C901, PLR0915
-          criu_done: Callable[[], None] = lambda: None) -> DumpResult:
-    facts = procs.preflight(request.pid)
-    # CRIU would dump memory a lazy restore has not filled in yet as missing.
-    wait_for_lazy_restores(set(facts.pids), lambda record: reporter.info(
-        f"waiting for the lazy restore of checkpoint {record.get('checkpoint')} to bring back all of its memory"))
-    binary = find_criu()
-    store = Store.open(store_root, create=True)
-    options = _choose_options(request, facts)
-    _report_findings(request, facts, options, reporter)
-    tracking = _plan_tracking(store, request, binary, reporter)
-    options = replace(options, track_mem=tracking is not None)
-    checkpoint_id = _new_checkpoint_id(store, request)
-    if request.pre_dump_hook:
-        from ckpt.schedule.hooks import run_hook
-
-        reporter.step("running the pre-dump hook")
-        run_hook(request.pre_dump_hook, "pre-dump", request.pid, checkpoint_id, request.name)
-    with store.lock(exclusive=False, on_wait=lambda h: reporter.info("waiting for the store lock")):
-        store.remove_leftovers()
-        staging = store.begin_dump(checkpoint_id)
-        log_dir = store.logs_dir(checkpoint_id)
-        parent_img, tracking = _lay_out_parent(store, staging, tracking, checkpoint_id, reporter)
-        criu_options = options.to_criu_dump(staging.images_dir, log_dir, "dump.log", request.pid, parent_img,
-                                            [f"unix[{s['inode']}]" for s in facts.external_sockets])
-        committed: list[Manifest] = []
-        marks: dict[str, float] = {}
-        newest = store.newest_of(request.pid)
-        earlier = unchanged.EarlierCheckpoint(newest, store, staging.root / "earlier") if newest else None
-        stream: pagestream.PageStream | None = None  # (made in the try below: its failures clean up)
-
-        def read_ahead() -> None:
-            if stream is not None:
-                stream.criu_started()
-            # While CRIU works, from the store alone (the lock above keeps every index file and
-            # object in place): the time from the target's resumption to the commit is what
-            # is left. Started only once CRIU has its request: loading the index imports numpy,
-            # which delayed CRIU's start by 0.1-0.2 s when it ran alongside ckpt's own imports.
-            store.blocks.preload_index()
-            if earlier is not None:
-                earlier.start()
-
-        def pages_received() -> None:
-            if stream is not None and not staging.streamed:
-                staging.streamed = stream.finish()
-
-        def commit_while_frozen(script: str, _pid: int) -> None:
-            marks[script] = time.monotonic()
-            if script == "post-dump":
-                phase("dump.frozen")
-            if script == "post-dump" and request.stop:
-                pages_received()
-                # CRIU writes its stats only after this point: the freeze so far is measured here.
-                frozen_ms = round((marks["post-dump"] - marks.get("pre-dump", started)) * 1000, 1)
-                committed.append(_ingest_and_commit(store, staging, request, facts, binary, options,
-                                                    checkpoint_id, started, reporter, tracking, earlier,
-                                                    frozen_ms))
-                reporter.step("checkpoint committed; CRIU ends the target")
-
-        try:
-            stream = _page_stream(store, staging, tracking, earlier)
-            if stream is not None:
-                criu_options.page_stream_fd = stream.start()
-            reporter.step(f"dumping PID {request.pid} ({facts.command}) with CRIU {binary.version_text}")
-            phase("dump.staged")
-            try:
-                CriuClient(binary).dump(criu_options, on_notify=commit_while_frozen, on_started=read_ahead)
-            except CkptError:
-                failure = stream.failure() if stream is not None else None
-                if failure is not None:  # CRIU failed because ckpt stopped receiving
-                    raise failure from None
-                if procs.process_state(request.pid) is None:
-                    raise ProcessNotFound(f"process {request.pid} exited during the dump; nothing was saved") \
-                        from None
-                raise
-            finally:
-                criu_done()
-            phase("dump.after-criu")
-            pages_received()
-            manifest = committed[0] if committed else _ingest_and_commit(
-                store, staging, request, facts, binary, options, checkpoint_id, started, reporter, tracking,
-                earlier)
-        finally:
-            if stream is not None:
-                stream.abort()  # nothing left to do if it finished
-            if earlier is not None:
-                earlier.wait()  # it writes into the staging area
-            staging.remove()
-        if request.stop:
-            # The tree is dead; wait (briefly) until its PIDs are released so that an immediate
-            # restore finds them free. Parents here reap their orphans late.
-            try:
-                procs.wait_for_pids_free(manifest.all_pids, timeout=3.0)
-            except CkptError:
-                pass
-    _merge_index_files(store, reporter)
-    return DumpResult(manifest, log_dir / "dump.log")
 
 
 def _page_stream(store: Store, staging, tracking: TrackingPlan | None,

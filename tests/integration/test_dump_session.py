@@ -1,0 +1,71 @@
+"""The dump as a session with phases (ckpt/commands/dump.py DumpSession), as a group checkpoint
+or a migration drives it: aborted after each phase, the target runs on, unfrozen, counting;
+no checkpoint is visible; nothing is left in the staging area; every lock is free again (the
+next dump works). Real CRIU, a real target."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ckpt.commands.dump import DumpRequest, DumpSession
+from ckpt.store import Store
+from tests.helpers import ckpt_json, read_lines, state, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def counted(out: Path) -> int:
+    lines = read_lines(out)
+    return int(lines[-1]) if lines else 0
+
+
+def staged(store_dir: Path) -> list[str]:
+    tmp = store_dir / "tmp"
+    return sorted(os.listdir(tmp)) if tmp.is_dir() else []
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["running", "stop"])
+def test_a_session_aborted_after_any_phase_leaves_the_target_running_and_nothing_behind(procs, tmp_path,
+                                                                                         isolated_env, stop):
+    out = tmp_path / "count.txt"
+    target = procs.start("counter.py", out)
+    wait_until(lambda: counted(out) >= 3, what="the counter")
+    phases = ["prepare"] if stop else ["prepare", "capture"]  # --stop commits while frozen, in capture
+    for last in phases:
+        session = DumpSession(isolated_env, DumpRequest(pid=target.pid, name="s", stop=stop))
+        session.prepare()
+        assert staged(isolated_env), "prepare staged nothing"
+        if last == "capture":
+            session.capture()
+        session.abort()
+        session.abort()  # idempotent
+        before = counted(out)
+        wait_until(lambda before=before: counted(out) > before + 2, what=f"the count to go on after {last}")
+        assert state(target.pid) not in ("T", "t", None)
+        assert ckpt_json("list") == [], f"a checkpoint is visible after aborting at {last}"
+        assert staged(isolated_env) == [], f"staging left after aborting at {last}"
+
+    with DumpSession(isolated_env, DumpRequest(pid=target.pid, name="s")) as session:  # the locks are free
+        session.prepare()
+        session.capture()
+        manifest = session.commit()
+        session.abort()  # after the commit: the checkpoint stays, the rest is cleaned up
+    assert [c["id"] for c in ckpt_json("list")] == [manifest.id]
+    assert staged(isolated_env) == []
+    assert Store.open(isolated_env).verify(manifest) == []
+
+
+def test_an_exception_inside_the_session_aborts_it(procs, tmp_path, isolated_env):
+    out = tmp_path / "count.txt"
+    target = procs.start("counter.py", out)
+    wait_until(lambda: counted(out) >= 3, what="the counter")
+    with pytest.raises(KeyboardInterrupt):
+        with DumpSession(isolated_env, DumpRequest(pid=target.pid)) as session:
+            session.prepare()
+            session.capture()
+            raise KeyboardInterrupt  # Ctrl-C between capture and commit
+    assert ckpt_json("list") == [] and staged(isolated_env) == []
+    assert ckpt_json("dump", target.pid)["pid"] == target.pid
