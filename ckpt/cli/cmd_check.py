@@ -2,8 +2,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, StoreOption, store_root
-from ckpt.cli.output import emit_json, stdout, styled
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption, VerboseOption, store_root
+from ckpt.cli.output import CliReporter, emit_json, stdout, styled
 from ckpt.commands.check import as_json, check_checkpoint, check_readiness, ready
 from ckpt.errors import CkptError, ExitCode
 
@@ -14,7 +14,8 @@ this host: the files its tree had open or mapped (missing, or of another size, m
 build id), the CRIU version and the architecture, as 'ckpt restore' checks them before CRIU
 runs, each mismatch listed; and whether its TCP connections would come back closed.
 
-Exit code 0 only when dump and restore can work (optional features may be missing).
+Exit code 0 only when dump and restore can work (optional features may be missing). With
+-q, only what is not ok is listed.
 
 Examples:
 
@@ -36,7 +37,10 @@ def register(app: typer.Typer) -> None:
         ref: Annotated[Optional[str], typer.Argument(
             help="A checkpoint (ID, name or 'latest') to check against this host.")] = None,
         store: StoreOption = None, json_out: JsonOption = False,
+        quiet: QuietOption = False, verbose: VerboseOption = False,
     ) -> None:
+        reporter = CliReporter(quiet=quiet, verbose=verbose)
+        reporter.detail(f"store {store_root(store)}")
         findings = check_readiness(store_root(store))
         if ref is not None:
             findings += check_checkpoint(store_root(store), ref)
@@ -44,9 +48,12 @@ def register(app: typer.Typer) -> None:
             emit_json(as_json(findings))
         else:
             for f in findings:
+                if quiet and f.ok:
+                    continue
                 label, style = ("ok  ", "green") if f.ok else (("FAIL", "red") if f.required else ("warn", "yellow"))
                 fix = f"\n       fix: {f.fix}" if f.fix else ""
                 stdout.print(styled(label, style, f" {f.name}: {f.detail}{fix}"))
+        reporter.close()
         if not ready(findings):
             failed = list(dict.fromkeys(f.name for f in findings if f.required and not f.ok))
             if all(name.startswith("checkpoint ") for name in failed):

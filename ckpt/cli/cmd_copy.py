@@ -2,7 +2,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, NameFilterOption, QuietOption, StoreOption, open_store
+from ckpt.cli.options import JsonOption, NameFilterOption, QuietOption, StoreOption, VerboseOption, open_store
 from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr, styled
 from ckpt.commands.copy import copy, finish_pending, open_destination, select
 from ckpt.errors import DamagedCheckpoint, StoreError, UsageError
@@ -47,6 +47,7 @@ def register(app: typer.Typer) -> None:
         store: StoreOption = None,
         json_out: JsonOption = False,
         quiet: QuietOption = False,
+        verbose: VerboseOption = False,
     ) -> None:
         if pending_:
             if refs or all_ or to or name:
@@ -58,7 +59,7 @@ def register(app: typer.Typer) -> None:
             raise UsageError("give the destination with --to STORE", hint="e.g. 'ckpt copy latest --to /backup/ckpt'")
         source = open_store(store, create=False)
         checkpoint_ids = select(source, refs or [], all_, name)
-        reporter = CliReporter(quiet=quiet)
+        reporter = CliReporter(quiet=quiet, verbose=verbose)
         try:
             report = copy(source, open_destination(to), checkpoint_ids, reporter)
         finally:

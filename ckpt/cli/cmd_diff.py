@@ -2,8 +2,8 @@ from typing import Annotated
 
 import typer
 
-from ckpt.cli.options import JsonOption, StoreOption, open_store
-from ckpt.cli.output import emit_json, human_bytes, stdout
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption, VerboseOption, open_store
+from ckpt.cli.output import CliReporter, emit_json, human_bytes, stdout
 from ckpt.commands.diff import diff
 
 HELP = """Show what changed between two checkpoints: processes, mappings, pages, files, sockets.
@@ -29,8 +29,12 @@ def register(app: typer.Typer) -> None:
         second: Annotated[str, typer.Argument(help="The newer checkpoint.")],
         store: StoreOption = None,
         json_out: JsonOption = False,
+        quiet: QuietOption = False,
+        verbose: VerboseOption = False,
     ) -> None:
-        result = diff(open_store(store, create=False), first, second)
+        reporter = CliReporter(quiet=quiet, verbose=verbose)
+        result = diff(open_store(store, create=False, reporter=reporter), first, second)
+        reporter.detail(f"{first} is checkpoint {result['from']}, {second} is {result['to']}")
         if json_out:
             emit_json(result)
             return

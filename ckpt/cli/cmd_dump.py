@@ -4,7 +4,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption, store_root
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption, VerboseOption, store_root
 from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr, styled
 from ckpt import settings
 from ckpt.agent import results
@@ -73,13 +73,14 @@ def register(app: typer.Typer) -> None:
         store: StoreOption = None,
         json_out: JsonOption = False,
         quiet: QuietOption = False,
+        verbose: VerboseOption = False,
         # What ckpt.checkpoint() passes to the dumper it starts (docs/design.md, "Checkpoints a
         # program asks for"); not for people.
         checkpoint_id: Annotated[Optional[str], typer.Option("--id", hidden=True)] = None,
         result_file: Annotated[Optional[str], typer.Option("--result-file", hidden=True)] = None,
     ) -> None:
         answer = _result_file(result_file, checkpoint_id, pid)
-        reporter = CliReporter(quiet=quiet)
+        reporter = CliReporter(quiet=quiet, verbose=verbose)
         try:
             result = dump(store_root(store), DumpRequest(
                 pid=pid, name=name, stop=stop, codec=compression, shell_job=shell_job,

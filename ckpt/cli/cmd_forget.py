@@ -4,7 +4,7 @@ import typer
 
 from ckpt.cli.options import (DryRunOption, JsonOption, KeepDailyOption, KeepHourlyOption, KeepLastOption,
                               KeepWeeklyOption, KeepWithinOption, NameFilterOption, QuietOption, StoreOption,
-                              open_store, retention_policy)
+                              VerboseOption, open_store, retention_policy)
 from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr, stdout
 from ckpt.commands.forget import forget
 
@@ -38,10 +38,11 @@ def register(app: typer.Typer) -> None:
         dry_run: DryRunOption = False,
         json_out: JsonOption = False,
         quiet: QuietOption = False,
+        verbose: VerboseOption = False,
     ) -> None:
         policy = retention_policy(keep_last, keep_within, keep_hourly, keep_daily, keep_weekly)
         result = forget(open_store(store, create=False), policy, name=name, prune=prune, dry_run=dry_run,
-                        allow_remove_all=allow_remove_all, reporter=CliReporter(quiet=quiet))
+                        allow_remove_all=allow_remove_all, reporter=CliReporter(quiet=quiet, verbose=verbose))
         if json_out:
             emit_json(result)
             return

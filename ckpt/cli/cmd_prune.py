@@ -1,6 +1,6 @@
 import typer
 
-from ckpt.cli.options import DryRunOption, JsonOption, QuietOption, StoreOption, open_store
+from ckpt.cli.options import DryRunOption, JsonOption, QuietOption, StoreOption, VerboseOption, open_store
 from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr
 from ckpt.commands.prune import prune
 
@@ -20,8 +20,9 @@ Examples:
 def register(app: typer.Typer) -> None:
     @app.command("prune", help=HELP)
     def prune_command(store: StoreOption = None, dry_run: DryRunOption = False, json_out: JsonOption = False,
-                      quiet: QuietOption = False) -> None:
-        result = prune(open_store(store, create=False), dry_run=dry_run, reporter=CliReporter(quiet=quiet))
+                      quiet: QuietOption = False, verbose: VerboseOption = False) -> None:
+        reporter = CliReporter(quiet=quiet, verbose=verbose)
+        result = prune(open_store(store, create=False, reporter=reporter), dry_run=dry_run, reporter=reporter)
         if json_out:
             emit_json(result)
             return

@@ -2,7 +2,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption, output_file_flag, store_root
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption, VerboseOption, output_file_flag, store_root
 from ckpt.cli.output import CliReporter, emit_json, stderr, styled
 from ckpt.commands.restore import RestoreRequest, restore
 
@@ -77,8 +77,9 @@ def register(app: typer.Typer) -> None:
         store: StoreOption = None,
         json_out: JsonOption = False,
         quiet: QuietOption = False,
+        verbose: VerboseOption = False,
     ) -> None:
-        reporter = CliReporter(quiet=quiet)
+        reporter = CliReporter(quiet=quiet, verbose=verbose)
         try:
             result = restore(store_root(store), RestoreRequest(ref=ref, new_pidns=new_pidns,
                                                                post_restore_hook=post_restore,

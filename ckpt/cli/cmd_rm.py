@@ -2,7 +2,7 @@ from typing import Annotated
 
 import typer
 
-from ckpt.cli.options import DryRunOption, JsonOption, QuietOption, StoreOption, open_store
+from ckpt.cli.options import DryRunOption, JsonOption, QuietOption, StoreOption, VerboseOption, open_store
 from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr
 from ckpt.commands.rm import remove
 
@@ -26,8 +26,10 @@ def register(app: typer.Typer) -> None:
         dry_run: DryRunOption = False,
         json_out: JsonOption = False,
         quiet: QuietOption = False,
+        verbose: VerboseOption = False,
     ) -> None:
-        result = remove(open_store(store, create=False), refs, dry_run=dry_run, reporter=CliReporter(quiet=quiet))
+        reporter = CliReporter(quiet=quiet, verbose=verbose)
+        result = remove(open_store(store, create=False, reporter=reporter), refs, dry_run=dry_run, reporter=reporter)
         if json_out:
             emit_json(result)
             return

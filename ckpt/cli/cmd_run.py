@@ -3,7 +3,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, StoreOption, count_flag, duration_flag, output_file_flag, store_root
+from ckpt.cli.options import (JsonOption, QuietOption, StoreOption, VerboseOption, count_flag, duration_flag,
+                              output_file_flag, store_root)
 from ckpt.cli.output import CliReporter, emit_json_line, outlive_readers
 from ckpt.commands.run import RunRequest, Supervisor, default_name
 from ckpt.commands.schedule import destination_spec
@@ -61,6 +62,8 @@ def register(app: typer.Typer) -> None:
                  "again after the next one; 'ckpt copy --pending' finishes it by hand).")] = None,
         store: StoreOption = None,
         json_out: JsonOption = False,
+        quiet: QuietOption = False,
+        verbose: VerboseOption = False,
     ) -> None:
         root = store_root(store)
         run_name = ids.check_name(name or default_name(command))
@@ -70,7 +73,7 @@ def register(app: typer.Typer) -> None:
                              pre_dump_hook=pre_dump, post_restore_hook=post_restore,
                              copy_to=destination_spec(copy_to, root) if copy_to else None)
         outlive_readers()  # a supervisor that died with its reader would leave the command unsupervised
-        reporter = CliReporter()
+        reporter = CliReporter(quiet=quiet, verbose=verbose)
         try:
             code = Supervisor(root, request, reporter, on_event=emit_json_line if json_out else None).run()
         finally:

@@ -4,8 +4,8 @@ import typer
 from rich.text import Text
 from rich.tree import Tree
 
-from ckpt.cli.options import JsonOption, StoreOption, open_store
-from ckpt.cli.output import emit_json, human_bytes, stderr, stdout, styled
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption, VerboseOption, open_store
+from ckpt.cli.output import CliReporter, emit_json, human_bytes, stdout
 from ckpt.commands.show import inspect
 from ckpt.restore.lazywatch import describe
 from ckpt.store import Origin
@@ -37,10 +37,14 @@ def register(app: typer.Typer) -> None:
         ref: Annotated[str, typer.Argument(help="Checkpoint ID, name, or 'latest'.")],
         store: StoreOption = None,
         json_out: JsonOption = False,
+        quiet: QuietOption = False,
+        verbose: VerboseOption = False,
     ) -> None:
-        data = inspect(open_store(store, create=False), ref)
+        reporter = CliReporter(quiet=quiet, verbose=verbose)
+        data = inspect(open_store(store, create=False, reporter=reporter), ref)
+        reporter.detail(f"{ref} is checkpoint {data['id']}")
         for failure in data["lazy_restore_failures"]:
-            stderr.print(styled("Warning:", "yellow", f" {describe(failure)} ({failure.get('time', '?')})"))
+            reporter.warn(f"{describe(failure)} ({failure.get('time', '?')})")
         if json_out:
             emit_json(data)
             return

@@ -2,7 +2,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption, open_store
+from ckpt.cli.options import JsonOption, QuietOption, StoreOption, VerboseOption, open_store
 from ckpt.cli.output import CliReporter, emit_json, stderr, styled
 from ckpt.commands.verify import verify
 from ckpt.errors import DamagedCheckpoint, UsageError
@@ -29,10 +29,11 @@ def register(app: typer.Typer) -> None:
         store: StoreOption = None,
         json_out: JsonOption = False,
         quiet: QuietOption = False,
+        verbose: VerboseOption = False,
     ) -> None:
         if bool(ref) == all_:
             raise UsageError("give either a checkpoint ID or --all", hint="e.g. 'ckpt verify latest'")
-        reporter = CliReporter(quiet=quiet)
+        reporter = CliReporter(quiet=quiet, verbose=verbose)
         try:
             results = verify(open_store(store, create=False), None if all_ else ref, reporter)
         finally:

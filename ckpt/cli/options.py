@@ -27,7 +27,12 @@ PasswordFileOption = Annotated[Optional[str], typer.Option(
 # --debug and --password-file are the root's options; ckpt.cli.main gives every command them too.
 DebugOption = Annotated[bool, typer.Option("--debug", help="Show tracebacks of internal errors.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
-QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress messages on stderr.")]
+# Every command that reports takes both: -q for scripts and cron, -v to see where the time goes.
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q",
+                                           help="No progress messages on stderr (warnings and errors still).")]
+VerboseOption = Annotated[bool, typer.Option(
+    "--verbose", "-v", help="More detail on stderr: the store used, each step with the seconds since the "
+                            "command began.")]
 DryRunOption = Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would be done, change nothing.")]
 
 
@@ -105,8 +110,12 @@ def use_password_file(flag: Optional[str]) -> None:
         settings.use(replace(settings.current(), password=None, password_file=Path(flag).expanduser().absolute()))
 
 
-def open_store(path: Optional[str], create: bool = False) -> Store:
-    return Store.open(store_root(path), create=create)
+def open_store(path: Optional[str], create: bool = False, reporter: Any = None) -> Store:
+    """The store of --store (or CKPT_STORE...); --verbose says which (reporter.detail)."""
+    store = Store.open(store_root(path), create=create)
+    if reporter is not None:
+        reporter.detail(f"store {store.location}")
+    return store
 
 
 def retention_policy(keep_last: int, keep_within: Optional[str], keep_hourly: int, keep_daily: int,

@@ -6,12 +6,14 @@ import errno
 import json
 import os
 import sys
+import time
 from typing import Literal
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
+from ckpt.errors import UsageError
 from ckpt.system.textutil import human_bytes, printable
 
 __all__ = ["human_bytes"]  # sizes for people, one convention (binary units) in the core and here
@@ -91,8 +93,11 @@ def progress_columns() -> tuple:
 class CliReporter:
     """The core's Reporter, drawn on stderr: a status line per step, a bar for long steps."""
 
-    def __init__(self, quiet: bool = False):
-        self.quiet = quiet
+    def __init__(self, quiet: bool = False, verbose: bool = False):
+        if quiet and verbose:
+            raise UsageError("--quiet and --verbose contradict each other", hint="give one of them")
+        self.quiet, self.verbose = quiet, verbose
+        self._started = time.monotonic()
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self._what: str | None = None
@@ -102,10 +107,21 @@ class CliReporter:
             self._progress.stop()
             self._progress = None
 
+    def _say(self, message: str) -> None:
+        # --verbose: each line with the seconds since the command began (where the time goes).
+        when = f" [{time.monotonic() - self._started:.2f}s]" if self.verbose else ""
+        stderr.print(styled(f"ckpt:{when}", "dim", f" {message}"))
+
     def step(self, message: str) -> None:
         self._close_bar()
         if not self.quiet:
-            stderr.print(styled("ckpt:", "dim", f" {message}"))
+            self._say(message)
+
+    def detail(self, message: str) -> None:
+        """What only --verbose shows (the store used, a checkpoint's full ID...)."""
+        self._close_bar()
+        if self.verbose:
+            self._say(message)
 
     def progress(self, done: int, total: int, what: str) -> None:
         if self.quiet or not stderr.is_terminal or total < (64 << 20):
@@ -122,7 +138,7 @@ class CliReporter:
     def info(self, message: str) -> None:
         self._close_bar()
         if not self.quiet:
-            stderr.print(styled("ckpt:", "dim", f" {message}"))
+            self._say(message)
 
     def warn(self, message: str) -> None:
         self._close_bar()
@@ -130,6 +146,7 @@ class CliReporter:
 
     def close(self) -> None:
         self._close_bar()
+        self.detail("done")
 
 
 def terminal_width() -> int | None:

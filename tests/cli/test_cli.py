@@ -14,6 +14,7 @@ COMMANDS = ["init", "check", "dump", "restore", "list", "show", "diff", "rm", "v
             "run"]
 SCHEDULE_COMMANDS = ["add", "list", "rm", "run"]
 KEY_COMMANDS = ["list", "add", "remove", "passwd"]
+JOURNAL_COMMANDS = ["list", "show", "rm"]
 
 
 def run(capsys, *argv):
@@ -30,7 +31,7 @@ def test_every_command_is_registered_and_has_help_with_examples(capsys):
         code, out, err = run(capsys, command, "--help")
         assert code == 0, err
         assert "Examples:" in out and f"ckpt {command}" in out, command
-    for group, commands in (("schedule", SCHEDULE_COMMANDS), ("key", KEY_COMMANDS)):
+    for group, commands in (("schedule", SCHEDULE_COMMANDS), ("key", KEY_COMMANDS), ("journal", JOURNAL_COMMANDS)):
         for command in commands:
             code, out, err = run(capsys, group, command, "--help")
             assert code == 0, err
@@ -224,3 +225,28 @@ def test_a_criu_check_that_passes_with_a_warning_shows_as_a_warning(capsys, monk
     code, out, err = run(capsys, "check", "--json")
     found = next(c for c in json.loads(out)["checks"] if c["name"] == "criu check")
     assert found["ok"] is False and found["required"] is False and found["fix"], found
+
+
+QUIET_AND_VERBOSE = ["list", "show", "diff", "check", "run", "dump", "restore", "verify", "copy", "forget", "prune",
+                     "rm"]
+
+
+def test_quiet_and_verbose_are_on_every_command_that_reports(capsys, isolated_env):
+    for command in QUIET_AND_VERBOSE:
+        code, out, err = run(capsys, command, "--help")
+        assert "-q, --quiet" in out and "-v, --verbose" in out, command
+    from ckpt.store import Store
+
+    store = Store.open_local(isolated_env, create=True)
+    checkpoint_id = manifest_only_checkpoint(store, "agent", datetime.now(timezone.utc))
+    code, out, err = run(capsys, "list")
+    assert code == 0 and "1 checkpoint(s)" in err and f"store {isolated_env}" not in err
+    code, out, err = run(capsys, "list", "-q")
+    assert code == 0 and checkpoint_id in out and err == ""
+    assert run(capsys, "list", "-q", "--name", "nothere")[2] == ""
+    code, out, err = run(capsys, "list", "-v")
+    assert code == 0 and f"store {isolated_env}" in err and "[0." in err, err
+    code, out, err = run(capsys, "show", "agent", "--verbose")
+    assert code == 0 and f"agent is checkpoint {checkpoint_id}" in err, err
+    code, out, err = run(capsys, "list", "-q", "-v")
+    assert code == 2 and err.startswith("Error: --quiet and --verbose contradict each other") and out == ""
