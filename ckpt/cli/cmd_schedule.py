@@ -8,7 +8,7 @@ from rich.table import Table
 from ckpt.cli.options import (JsonOption, KeepDailyOption, KeepHourlyOption, KeepLastOption, KeepWeeklyOption,
                               KeepWithinOption, PasswordFileOption, QuietOption, StoreOption, retention_policy,
                               store_root, use_password_file)
-from ckpt.cli.output import CliReporter, emit_json, stderr, stdout, styled
+from ckpt.cli.output import CliReporter, emit_json, shorten, stderr, stdout, styled
 from ckpt.commands.schedule import AddRequest, add, listing, remove, run
 from ckpt.schedule.book import ScheduleBook
 from ckpt import settings
@@ -114,10 +114,13 @@ def list_command(store: StoreOption = None, json_out: JsonOption = False) -> Non
     table = Table(box=None, pad_edge=False)
     for column in ("NAME", "TARGET", "WHEN", "RUN BY", "NEXT RUN", "LAST RUN", "RETENTION"):
         table.add_column(column)
+    shortened = False
     for r in rows:
         last = r["last"]
-        last_text = "never" if not last else f"{last['time']} {last['outcome']} " + (
-            last.get("id") or last.get("error") or "")
+        # An error is one line of 40 characters here; --json and the schedule's log have it whole.
+        said = last.get("id") or shorten(last.get("error") or "", 40) if last else ""
+        shortened = shortened or (bool(last) and said != (last.get("id") or last.get("error") or ""))
+        last_text = "never" if not last else f"{last['time']} {last['outcome']} {said}"
         kind, value = next(iter(r["target"].items()))
         next_run = r["next_run"] or "never: cron refuses it"  # made by an older ckpt
         run_by = r["scheduler"] if r["will_run"] or not r["next_run"] else f"{r['scheduler']}: will not run"
@@ -125,6 +128,8 @@ def list_command(store: StoreOption = None, json_out: JsonOption = False) -> Non
                       next_run, last_text, ", ".join(f"{k}={v}" for k, v in (r["retention"] or {}).items()
                                                            if v) or "keep all")
     stdout.print(table)
+    if shortened:
+        stderr.print("errors shortened: 'ckpt schedule list --json' has them whole, as has each schedule's log")
     for problem in dict.fromkeys(r["problem"] for r in rows if r["problem"]):
         names = [f"'{r['name']}'" for r in rows if r["problem"] == problem]
         label = "schedule" if len(names) == 1 else "schedules"

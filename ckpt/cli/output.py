@@ -149,6 +149,12 @@ class CliReporter:
         self.detail("done")
 
 
+def shorten(text: str, limit: int) -> str:
+    """text's first line, cut to limit characters with an ellipsis: for a table cell."""
+    line = printable(text.strip().splitlines()[0]) if text.strip() else ""
+    return line if len(line) <= limit and "\n" not in text.strip() else line[:limit - 1] + "…"
+
+
 def terminal_width() -> int | None:
     """The width of the terminal stdout is, None when it is a pipe or a file."""
     return stdout.size.width if stdout.is_terminal else None

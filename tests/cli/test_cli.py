@@ -250,3 +250,21 @@ def test_quiet_and_verbose_are_on_every_command_that_reports(capsys, isolated_en
     assert code == 0 and f"agent is checkpoint {checkpoint_id}" in err, err
     code, out, err = run(capsys, "list", "-q", "-v")
     assert code == 2 and err.startswith("Error: --quiet and --verbose contradict each other") and out == ""
+
+
+def test_schedule_list_shortens_an_error_the_json_keeps_whole(capsys, isolated_env, tmp_path, monkeypatch):
+    import os
+
+    from ckpt.schedule.book import ScheduleBook
+
+    monkeypatch.setenv("CKPT_CRON_DIR", str(tmp_path / "cron.d"))
+    monkeypatch.setenv("CKPT_SCHEDULER", "cron")
+    code, out, err = run(capsys, "schedule", "add", "agent", "--pid", str(os.getpid()), "--every", "5m")
+    assert code == 0, err
+    error = "CRIU dump failed: " + "Error (criu/files-reg.c:1234): cannot dump a file " * 6
+    ScheduleBook(isolated_env).record("agent", {"time": "2026-12-03T10:00:00", "outcome": "failed", "error": error})
+    code, out, err = run(capsys, "schedule", "list")
+    assert code == 0 and error not in out and error[:39] + "…" in out, out
+    assert "--json" in err, err  # where the whole error is
+    code, out, err = run(capsys, "schedule", "list", "--json")
+    assert json.loads(out)[0]["last"]["error"] == error
