@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,7 +21,7 @@ from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore import hostcheck, tcppeers
-from ckpt.restore.lazy import LazyPlan, lazy_processes, start_page_server
+from ckpt.restore.lazy import LazyPlan, PageServer, lazy_processes, start_page_server
 from ckpt.restore.lazy import supported as lazy_supported
 from ckpt.store import Manifest, Store
 from ckpt.store.blocks.blockstore import PAGE
@@ -73,102 +74,180 @@ class RestoreResult:
                 "host_warnings": self.host_warnings}
 
 
-def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:  # noqa: C901, PLR0915
-    """Restores the checkpoint request.ref names from the store at store_root."""
-    started = time.monotonic()
-    procs.require_root()
-    binary = find_criu()
-    store = Store.open(store_root, create=False)
-    lazy_info = None
-    with store.lock(exclusive=False, on_wait=lambda h: reporter.info("waiting for the store lock")):
-        checkpoint_id = store.resolve(request.ref)
-        manifest = store.load(checkpoint_id)
+def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:
+    """Restores the checkpoint request.ref names from the store at store_root: the phases of a
+    RestoreSession in a row."""
+    with RestoreSession(store_root, request, reporter) as session:
+        session.prepare()
+        session.restore()
+        return session.finish()
+
+
+class RestoreSession:
+    """One restore of one checkpoint, as the phases a coordinator drives (a group restore, the
+    destination side of a migration): prepare (the images verified and laid out, this host
+    checked, the tree's PIDs free, relays and a lazy restore's page server started: nothing
+    runs yet), restore (CRIU: the tree runs), finish (clean up, the post-restore hook), and
+    abort, safe from any phase and idempotent: before restore it leaves nothing behind (page
+    server stopped, images and relays gone, lock released); after restore it also ends the
+    restored tree (SIGKILL: a coordinator that aborts a move must never leave two copies
+    running). Used as a context manager, an exception aborts."""
+
+    def __init__(self, store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter()):
+        self.store_root, self.request, self.reporter = store_root, request, reporter
+        self.started = time.monotonic()
+        self._held = ExitStack()  # the store lock
+        self.images_dir: Path | None = None
+        self.inherit: list[tuple[str, int]] = []
+        self.server: PageServer | None = None
+        self.lazy_info: dict | None = None
+        self.pid: int | None = None
+        self.inner: int | None = None
+        self._finished = False
+
+    def __enter__(self) -> RestoreSession:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is not None or not self._finished:
+            self.abort()
+
+    # ---- prepare: nothing runs yet ------------------------------------------------------
+
+    def prepare(self) -> None:
+        procs.require_root()
+        self.binary = find_criu()
+        self.store = store = Store.open(self.store_root, create=False)
+        self._held.enter_context(store.lock(exclusive=False, on_wait=lambda h: self.reporter.info(
+            "waiting for the store lock")))
+        self.manifest = manifest = store.load(store.resolve(self.request.ref))
         if any(entry.kind == "pages" for entry in manifest.files):
             store.blocks.preload_index()  # meanwhile, the other images are written and checked
-        images_dir: Path | None
-        images_dir, lazy, plan, host = _lay_out_images(store, manifest, request, binary, reporter)
+        self.images_dir, self.lazy, self.plan, self.host = _lay_out_images(store, manifest, self.request,
+                                                                           self.binary, self.reporter)
         phase("restore.materialized")
-        tell_copies_read_again(store, reporter)
-        inherit: list[tuple[str, int]] = []
-        server = None
+        tell_copies_read_again(store, self.reporter)
+        if not self.request.new_pidns:
+            self.reporter.step("waiting for the tree's PIDs to be free")
+            procs.wait_for_pids_free(manifest.all_pids, timeout=self.request.pid_wait_s)
+        self._options()
+        if self.lazy:
+            self.reporter.step(f"starting a page server: {self.plan.pages * PAGE / (1 << 20):.0f} MiB of memory "
+                               "will come back while the tree runs")
+            self.server = start_page_server(store, manifest.id, self.binary, self._images(), self.work_dir,
+                                            self.plan, manifest.all_pids, self.criu_options.log_level)
+
+    def _options(self) -> None:
+        """CRIU's options: the dump's, the relays to the output, each TCP connection's fate,
+        a lazy restore's work directory, auto-dedup for an eager one."""
+        manifest, request, images_dir = self.manifest, self.request, self._images()
+        options = DumpOptions.from_manifest(manifest.criu.get("options", {}))
+        has_tty = bool(manifest.criu.get("tty"))
+        if has_tty and not os.isatty(0):
+            raise UsageError(f"checkpoint {manifest.id} was taken of processes attached to a terminal",
+                             hint="run 'ckpt restore' from a terminal: the restored processes take it over")
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        log_dir = self.store.logs_dir(manifest.id)
+        self.output, self.inherit = _relays_to_output(manifest, request.output, log_dir / f"output-{stamp}.log")
+        self.connections = _tcp_connections(manifest, images_dir, options.tcp_established, request.tcp_close,
+                                            self.host, self.reporter)
+        self.tcp = tcppeers.summary(self.connections)
+        extra = {"tcp_close": True} if self.tcp == "closed" else {}
+        if self.tcp == "mixed":
+            from ckpt.criu.images import close_connections  # deferred: imports pycriu
+
+            close_connections(images_dir, {c.id for c in self.connections if c.restored == "closed"})
+        self.work_dir = log_dir
+        if self.lazy:
+            # CRIU finds the daemon at <work dir>/lazy-pages.socket: one directory per restore.
+            self.work_dir = log_dir / f"lazy-{stamp}-{os.getpid()}"
+            make_private_dir(self.work_dir)
+            extra["lazy_pages"] = True
+        elif can_punch_holes(images_dir):
+            # CRIU punches each 128 MiB of the staged pages image out once it has read it into
+            # the tree: that page cache is free again, and the tree's next pages take it while
+            # it is still backed, instead of memory the VM gave back to its host (README,
+            # "Performance"). The staged image is ours, and deleted after anyway.
+            extra["auto_dedup"] = True
+        self.criu_options = options.to_criu_restore(images_dir, self.work_dir,
+                                                    f"restore-{stamp}-{os.getpid()}.log", inherit_stdio=has_tty,
+                                                    inherit_fds=self.inherit, extra=extra)
+        if self.output:
+            self.reporter.info(f"what the tree wrote into pipes or sockets to programs outside it now goes to "
+                               f"{self.output}")
+
+    # ---- restore: the tree runs ---------------------------------------------------------
+
+    def restore(self) -> int:
+        """Runs CRIU; returns the restored root PID (in the host's PID namespace)."""
+        self.reporter.step(f"restoring {len(self.manifest.processes)} process(es) with CRIU "
+                           f"{self.binary.version_text}")
+        phase("restore.before-criu")
+        client = CriuClient(self.binary)
+        if self.request.new_pidns:
+            from ckpt.restore.pidns import run_in_new_pidns
+
+            self.reporter.step("restoring into a new PID namespace")
+            self.pid, self.inner = run_in_new_pidns(lambda: client.restore(self.criu_options, self._notified))
+        else:
+            self.pid = client.restore(self.criu_options, self._notified)
+        phase("restore.restored")
+        if self.server is not None:
+            server, self.server = self.server, None
+            self.lazy_info = {"pages": self.plan.pages, "bytes": self.plan.pages * PAGE, "server_pid": server.pid,
+                              "watcher_pid": server.watcher_pid, "log": str(server.log_path)}
+            server.release()
+            self.images_dir = None  # the page server owns the images now, and removes them when done
+        return self.pid
+
+    def _notified(self, script: str, _pid: int) -> None:
+        if script == "post-restore":
+            phase("restore.post-restore")
+            if self.server is not None:
+                # Every process has registered its lazy memory and none runs yet: the watcher
+                # takes hold of it now, or CRIU aborts the restore.
+                self.server.hand_over(lazy_processes(self.plan))
+
+    # ---- finish, abort ------------------------------------------------------------------
+
+    def finish(self) -> RestoreResult:
+        """After the restore: cleans up, lets the store go, runs the post-restore hook."""
+        if self.pid is None:
+            raise RuntimeError("finish before restore")  # a coordinator's bug, not the user's
+        self._finished = True  # from here on the tree is the user's: no failure ends it
+        self._clean_up()
+        hook_error = _run_post_restore_hook(self.request, self.pid, self.manifest, self.reporter)
+        return RestoreResult(self.manifest, self.pid, round((time.monotonic() - self.started) * 1000, 1),
+                             self.criu_options.log_path, self.inner, hook_error, self.output, self.lazy_info,
+                             self.host.another_host, self.tcp, self.connections, self.host.warnings)
+
+    def abort(self) -> None:
+        """From any phase; after restore, the restored tree is ended (SIGKILL, every process
+        of it: none of it may run on when a coordinator gives the restore up)."""
+        finished, self._finished = self._finished, True
         try:
-            if not request.new_pidns:
-                reporter.step("waiting for the tree's PIDs to be free")
-                procs.wait_for_pids_free(manifest.all_pids, timeout=request.pid_wait_s)
-            options = DumpOptions.from_manifest(manifest.criu.get("options", {}))
-            has_tty = bool(manifest.criu.get("tty"))
-            if has_tty and not os.isatty(0):
-                raise UsageError(f"checkpoint {manifest.id} was taken of processes attached to a terminal",
-                                 hint="run 'ckpt restore' from a terminal: the restored processes take it over")
-            stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-            log_dir = store.logs_dir(checkpoint_id)
-            output, inherit = _relays_to_output(manifest, request.output, log_dir / f"output-{stamp}.log")
-            connections = _tcp_connections(manifest, images_dir, options.tcp_established, request.tcp_close, host,
-                                           reporter)
-            tcp = tcppeers.summary(connections)
-            extra = {"tcp_close": True} if tcp == "closed" else {}
-            if tcp == "mixed":
-                from ckpt.criu.images import close_connections  # deferred: imports pycriu
-
-                close_connections(images_dir, {c.id for c in connections if c.restored == "closed"})
-            work_dir = log_dir
-            if lazy:
-                # CRIU finds the daemon at <work dir>/lazy-pages.socket: one directory per restore.
-                work_dir = log_dir / f"lazy-{stamp}-{os.getpid()}"
-                make_private_dir(work_dir)
-                extra["lazy_pages"] = True
-            else:
-                # CRIU punches each 128 MiB of the staged pages image out once it has read it
-                # into the tree: that page cache is free again, and the tree's next pages take
-                # it while it is still backed, instead of memory the VM gave back to its host
-                # (README, "Performance"). The staged image is ours, and deleted after anyway.
-                if can_punch_holes(images_dir):
-                    extra["auto_dedup"] = True
-            criu_options = options.to_criu_restore(images_dir, work_dir, f"restore-{stamp}-{os.getpid()}.log",
-                                                   inherit_stdio=has_tty, inherit_fds=inherit, extra=extra)
-            if output:
-                reporter.info(f"what the tree wrote into pipes or sockets to programs outside it now goes to {output}")
-            if lazy:
-                reporter.step(f"starting a page server: {plan.pages * PAGE / (1 << 20):.0f} MiB of memory "
-                              "will come back while the tree runs")
-                server = start_page_server(store, checkpoint_id, binary, images_dir, work_dir, plan,
-                                           manifest.all_pids, criu_options.log_level)
-            reporter.step(f"restoring {len(manifest.processes)} process(es) with CRIU {binary.version_text}")
-            phase("restore.before-criu")
-            inner = None
-
-            def on_notify(script: str, _pid: int) -> None:
-                if script == "post-restore":
-                    phase("restore.post-restore")
-                    if server is not None:
-                        # Every process has registered its lazy memory and none runs yet: the
-                        # watcher takes hold of it now, or CRIU aborts the restore.
-                        server.hand_over(lazy_processes(plan))
-
-            if request.new_pidns:
-                from ckpt.restore.pidns import run_in_new_pidns
-
-                reporter.step("restoring into a new PID namespace")
-                pid, inner = run_in_new_pidns(lambda: CriuClient(binary).restore(criu_options, on_notify))
-            else:
-                pid = CriuClient(binary).restore(criu_options, on_notify)
-            phase("restore.restored")
-            if server is not None:
-                lazy_info = {"pages": plan.pages, "bytes": plan.pages * PAGE, "server_pid": server.pid,
-                             "watcher_pid": server.watcher_pid, "log": str(server.log_path)}
-                server.release()
-                server = None  # it now owns the images and removes them when the daemon is done
-                images_dir = None
+            if self.pid is not None and not finished:
+                procs.kill_tree(self.pid)
         finally:
-            if server is not None:
-                server.stop()
-            if images_dir is not None:
-                discard(images_dir)
-            for _, fd in inherit:
+            self._clean_up()
+
+    def _clean_up(self) -> None:
+        try:
+            if self.server is not None:
+                self.server.stop()
+            if self.images_dir is not None:
+                discard(self.images_dir)
+        finally:
+            self.server, self.images_dir = None, None
+            for _, fd in self.inherit:
                 os.close(fd)
-    hook_error = _run_post_restore_hook(request, pid, manifest, reporter)
-    return RestoreResult(manifest, pid, round((time.monotonic() - started) * 1000, 1), criu_options.log_path,
-                         inner, hook_error, output, lazy_info, host.another_host, tcp, connections, host.warnings)
+            self.inherit = []
+            self._held.close()
+
+    def _images(self) -> Path:
+        if self.images_dir is None:
+            raise RuntimeError("the images are laid out by prepare")
+        return self.images_dir
 
 
 def _lay_out_images(store: Store, manifest: Manifest, request: RestoreRequest, binary, reporter: Reporter

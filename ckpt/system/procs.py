@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import time
 from dataclasses import dataclass, field
@@ -519,3 +520,18 @@ def wait_for_pids_free(pids: list[int], timeout: float = 10.0, live_grace: float
                            hint="end that process, or restore with --new-pidns to give the tree "
                                 "its own PID namespace")
         time.sleep(0.05)
+
+
+def kill_tree(pid: int) -> None:
+    """Ends a process and every descendant of it at once (SIGKILL; the descendants are listed
+    first, so none is missed as its parent dies). A process already gone is no error."""
+    try:
+        root = psutil.Process(pid)
+        victims = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for victim in victims:
+        try:
+            os.kill(victim.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -69,3 +69,47 @@ def test_an_exception_inside_the_session_aborts_it(procs, tmp_path, isolated_env
             raise KeyboardInterrupt  # Ctrl-C between capture and commit
     assert ckpt_json("list") == [] and staged(isolated_env) == []
     assert ckpt_json("dump", target.pid)["pid"] == target.pid
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_a_restore_session_aborted_after_any_phase_leaves_nothing_running(procs, tmp_path, isolated_env, lazy):
+    """The destination side of a move: aborted after prepare, nothing runs and nothing is left
+    (page server, staged images); aborted after restore, the restored tree is ended; run
+    through, the tree counts on from its checkpoint."""
+    from ckpt.commands.restore import RestoreRequest, RestoreSession
+    from tests.helpers import alive
+
+    out = tmp_path / "count.txt"
+    target = procs.start("counter.py", out)
+    wait_until(lambda: counted(out) >= 3, what="the counter")
+    dumped = ckpt_json("dump", target.pid, "--stop")
+    target.wait(timeout=10)  # --stop ended it
+    at_dump = counted(out)
+    request = RestoreRequest(ref=dumped["id"], lazy=lazy or None)
+
+    session = RestoreSession(isolated_env, request)
+    session.prepare()
+    session.abort()
+    assert staged(isolated_env) == [] and not alive(target.pid)
+
+    with pytest.raises(KeyboardInterrupt):
+        with RestoreSession(isolated_env, request) as session:
+            session.prepare()
+            pid = session.restore()
+            assert pid == target.pid and alive(pid)
+            raise KeyboardInterrupt  # the coordinator gives the restore up
+    wait_until(lambda: state(target.pid) in (None, "Z"), what="the aborted restore's tree to be ended")
+    # (a lazy restore's page server owns the images once the tree runs: it removes them as it ends)
+    wait_until(lambda: staged(isolated_env) == [], timeout=30, what="the staged images to go")
+
+    with RestoreSession(isolated_env, request) as session:
+        session.prepare()
+        session.restore()
+        result = session.finish()
+    procs.adopt(result.pid)
+    wait_until(lambda: counted(out) > at_dump + 3, what="the restored counter")
+    values = [int(line) for line in read_lines(out)]
+    assert values[:values.index(at_dump) + 1] == list(range(1, at_dump + 1))
+    # (the aborted restore's tree ran for a moment, from the same checkpoint, before it was ended)
+    last_run = values[len(values) - 1 - values[::-1].index(at_dump + 1):]
+    assert last_run[:3] == [at_dump + 1, at_dump + 2, at_dump + 3], "the restored counter did not go on"
