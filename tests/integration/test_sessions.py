@@ -1,7 +1,8 @@
-"""The dump as a session with phases (ckpt/commands/dump.py DumpSession), as a group checkpoint
-or a migration drives it: aborted after each phase, the target runs on, unfrozen, counting;
-no checkpoint is visible; nothing is left in the staging area; every lock is free again (the
-next dump works). Real CRIU, a real target."""
+"""The dump and the restore as sessions with phases (DumpSession in ckpt/commands/dump.py,
+RestoreSession in ckpt/commands/restore.py), as a group checkpoint or a migration drives them:
+a dump aborted after each phase leaves the target running on, unfrozen, counting, no
+checkpoint visible, nothing staged, every lock free (the next dump works); a restore aborted
+after each phase leaves nothing running and nothing staged. Real CRIU, a real target."""
 
 from __future__ import annotations
 
