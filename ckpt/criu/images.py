@@ -190,6 +190,19 @@ def drop_size_checks(image_dir: Path, ids: set[int]) -> None:
     stored object) without the recorded size of the reg-files with those ids, so that CRIU
     reopens them whatever their size (criu/files-reg.c, validate_file: it compares only a
     recorded size, and has no option to skip that). Every other message is kept byte for byte."""
+    def drop(entry) -> bool:
+        if entry.HasField("reg") and entry.reg.id in ids and entry.reg.HasField("size"):
+            entry.reg.ClearField("size")
+            return True
+        return False
+
+    _rewrite_files_image(image_dir, drop)
+
+
+def _rewrite_files_image(image_dir: Path, change) -> None:
+    """Rewrites the staged files.img atomically (the staged file may be a hard link to a stored
+    object: the store's copy must not change), each entry through change(entry), which edits it
+    in place and says whether it did; every entry it leaves alone is kept byte for byte."""
     from pycriu.images import magic, pb  # deferred: importing pycriu costs ~0.1 s
 
     path = image_dir / "files.img"
@@ -202,10 +215,7 @@ def drop_size_checks(image_dir: Path, ids: set[int]) -> None:
     for message in messages:
         entry.Clear()
         entry.ParseFromString(message)
-        kept = message
-        if entry.HasField("reg") and entry.reg.id in ids and entry.reg.HasField("size"):
-            entry.reg.ClearField("size")
-            kept = entry.SerializeToString()
+        kept = entry.SerializeToString() if change(entry) else message
         parts.append(struct.pack("<i", len(kept)) + kept)
     atomic_write_bytes(path, b"".join(parts), durable=False)  # a staged image: a crash discards it anyway
 
@@ -450,22 +460,11 @@ def close_connections(image_dir: Path, ids: set[int]) -> None:
     calls shutdown(2), which on a socket never connected fails with ENOTCONN, which CRIU
     expects of a CLOSE socket, but marks it shut all the same). The program reads end of file
     and its writes fail with EPIPE. Every other message is kept byte for byte."""
-    from pycriu.images import magic, pb  # deferred: importing pycriu costs ~0.1 s
-
-    path = image_dir / "files.img"
-    try:
-        head, messages = _split(path.read_bytes(), path.name, "FILES", magic)
-    except ValueError as exc:
-        raise ImageUnreadable(f"CRIU's image {exc}") from exc
-    entry = pb.file_entry()
-    parts = [head]
-    for message in messages:
-        entry.Clear()
-        entry.ParseFromString(message)
-        kept = message
+    def close(entry) -> bool:
         if entry.HasField("isk") and entry.isk.id in ids:
             entry.isk.state, entry.isk.src_port, entry.isk.dst_port = TCP_CLOSE, 0, 0
             entry.isk.shutdown = SK_SHUTDOWN_BOTH
-            kept = entry.SerializeToString()
-        parts.append(struct.pack("<i", len(kept)) + kept)
-    atomic_write_bytes(path, b"".join(parts), durable=False)  # a staged image: a crash discards it anyway
+            return True
+        return False
+
+    _rewrite_files_image(image_dir, close)
