@@ -52,6 +52,12 @@ class CheckpointNotFound(CkptError):
     exit_code = ExitCode.NOT_FOUND
 
 
+class JournalRecordNotFound(CkptError):
+    """No record of that action (or none at all) in an agent's journal (`ckpt journal`)."""
+
+    exit_code = ExitCode.NOT_FOUND
+
+
 class InvalidReference(CkptError):
     """An ID or name that is malformed or could escape the store."""
 

@@ -34,6 +34,8 @@ from ckpt.store.backends import Backend, BlobExists, BlobInfo, BlobNotFound
 JOURNAL_PREFIX = "journal/"
 FORMAT = 1
 INTENT, DONE = "intent", "done"
+# The state shown for a record that cannot be read (never written as one).
+DAMAGED = "damaged"
 # 128 bits of BLAKE3 name a key: no collision in any journal, and the name stays short enough
 # for an encrypted store (its names' encrypted part is at most 140 bytes: a 64-character
 # agent name, "/", 32 digits, ".intent.json").
@@ -63,6 +65,18 @@ class Entry:
 
     def to_json(self) -> dict:
         return {"key": self.key, "state": self.state, "outcome": self.outcome, "time": self.time}
+
+
+@dataclass
+class Removal:
+    """The plan of a removal of records (Journal.plan_removal): the records, and their blobs in
+    the order they go (intents, then outcomes). `missing`: keys asked for that have no record."""
+
+    agent: str
+    entries: list[Entry]
+    intents: list[str]
+    dones: list[str]
+    missing: list[str]
 
 
 def check_agent(agent: str) -> str:
@@ -160,6 +174,46 @@ class Journal:
                 by_hash[digest] = found
         return list(by_hash.values())
 
+    def plan_removal(self, keys: list[str] | None = None) -> Removal:
+        """What removing records would delete (nothing is deleted here): every record of the
+        agent, or those of `keys` (a key without a record is named in `missing`). A record that
+        cannot be read is removed too (its entry says "damaged"). Unfinished writes (temp files)
+        are left to prune, which sweeps them once they are old."""
+        names = sorted(info.name for info in self.backend.list(f"{JOURNAL_PREFIX}{self.agent}/")
+                       if _split(info.name)[1] is not None)
+        removal = Removal(self.agent, [], [], [], [])
+        if keys is None:
+            removal.entries = sorted(self.entries(), key=lambda e: (e.time, e.key))
+            targets = names
+        else:
+            targets = []
+            for key in dict.fromkeys(keys):
+                held = [name for name in (blob_name(self.agent, key, INTENT), blob_name(self.agent, key, DONE))
+                        if name in names]
+                if not held:
+                    removal.missing.append(key)
+                    continue
+                try:
+                    entry = self.entry(key)
+                except DamagedCheckpoint:
+                    entry = None
+                removal.entries.append(entry or Entry(key, DAMAGED))
+                targets += held
+        removal.intents = [name for name in targets if _split(name)[1] == INTENT]
+        removal.dones = [name for name in targets if _split(name)[1] == DONE]
+        return removal
+
+    def remove(self, removal: Removal) -> None:
+        """Deletes what plan_removal() found: intents first, then their outcomes (each batch
+        durable before the next), so that a reader never meets an intent whose outcome is gone
+        (it would reconcile an action that is known to be done), as prunable() does."""
+        try:
+            for batch in (removal.intents, removal.dones):
+                if batch:
+                    self.backend.delete(batch)
+        except OSError as exc:
+            raise self._failed("removing records", exc) from exc
+
     # ---- blobs ---------------------------------------------------------------------------
 
     def _render(self, key: str, state: str, outcome: object, now: str | None) -> bytes:
@@ -208,6 +262,40 @@ def _split(name: str) -> tuple[str, str | None]:
     return digest, state if state in (INTENT, DONE) else None
 
 
+def agents(backend: Backend) -> list[str]:
+    """The agents that have records in the store, by name (a name that is not an agent's, which
+    only a hand-made blob could give, is left out)."""
+    found = {info.name[len(JOURNAL_PREFIX):].partition("/")[0] for info in backend.list(JOURNAL_PREFIX)}
+    return sorted(name for name in found if ids.NAME_RE.match(name))
+
+
+def oldest_checkpoints(checkpoints: Iterable[tuple[str, str | None]]) -> dict[str, datetime]:
+    """Per agent (a checkpoint name), when its oldest remaining checkpoint began: no rollback of
+    the agent goes further back."""
+    oldest: dict[str, datetime] = {}
+    for checkpoint_id, name in checkpoints:
+        if name and ids.is_id(checkpoint_id):
+            began = _id_time(checkpoint_id)
+            oldest[name] = min(began, oldest.get(name, began))
+    return oldest
+
+
+def needed(entry: Entry, oldest_checkpoint: datetime | None, margin: timedelta = PRUNE_MARGIN) -> bool:
+    """Whether a copy of the agent restored from one of its remaining checkpoints may rely on
+    this record (the rule of prunable()): an intent always, while the agent has a checkpoint; an
+    outcome recorded later than `margin` before the oldest one began. Without a checkpoint no
+    rollback can happen. An unreadable time counts as needed."""
+    if oldest_checkpoint is None:
+        return False
+    if not entry.done:
+        return True
+    try:
+        written = datetime.fromisoformat(entry.time)
+    except ValueError:
+        return True
+    return written.tzinfo is None or written >= oldest_checkpoint - margin
+
+
 def _id_time(checkpoint_id: str) -> datetime:
     """The time in a checkpoint ID: when its dump began (for a checkpoint the agent asked for,
     when it asked), before the freeze."""
@@ -229,11 +317,7 @@ def prunable(backend: Backend, checkpoints: Iterable[tuple[str, str | None]],
     go once LEFTOVER_AGE old. First batch: intents (and leftovers); second: their done records,
     so that a reader never sees an intent whose outcome was deleted (it would reconcile in
     vain)."""
-    oldest: dict[str, datetime] = {}
-    for checkpoint_id, name in checkpoints:
-        if name and ids.is_id(checkpoint_id):
-            began = _id_time(checkpoint_id)
-            oldest[name] = min(began, oldest.get(name, began))
+    oldest = oldest_checkpoints(checkpoints)
     intents: list[str] = []
     dones: list[str] = []
     infos = backend.list(JOURNAL_PREFIX)
