@@ -43,9 +43,9 @@ test: setup lint
 	$(PY) -m pytest -ra
 
 # ruff (settings in pyproject.toml: pycodestyle, pyflakes, bugbear, complexity, pyupgrade, pylint
-# checks) on the code and the tests, then mypy on ckpt/. `make test` runs it first.
+# checks) on the code, the tests and the examples, then mypy on ckpt/. `make test` runs it first.
 lint: setup
-	$(PY) -m ruff check ckpt tests
+	$(PY) -m ruff check ckpt tests examples
 	$(PY) -m mypy
 
 unit: setup
