@@ -15,15 +15,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import stat
 from pathlib import Path
 
 from ckpt.errors import UsageError
 from ckpt.store import ids
+from ckpt.system.files import atomic_write_bytes
 
 SHARED_DIR_MODE = 0o1777
-FILE_MODE = 0o600
 _RESULT_RE = re.compile(r"^([1-9][0-9]{0,9})-(.+)\.json$")
 
 
@@ -77,24 +76,8 @@ def write(path: Path, record: dict, uid: int | None = None) -> None:
     """Writes the record atomically (a fresh temp file, then rename), owner-only, owned by uid
     (the process that waits for it) when given. The temp file's random name is opened with
     O_EXCL|O_NOFOLLOW: the directory is shared, and a planted link must not be followed."""
-    data = json.dumps(record).encode() + b"\n"
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-    try:
-        try:
-            if uid is not None and uid != os.geteuid():
-                os.fchown(fd, uid, -1)
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        # tmpfs: nothing to fsync; the rename makes it appear whole.
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    # tmpfs: nothing to fsync; the rename makes it appear whole.
+    atomic_write_bytes(path, json.dumps(record).encode() + b"\n", durable=False, owner=uid)
 
 
 def read(path: Path) -> dict | None:

@@ -3,6 +3,7 @@
 import ctypes
 import errno
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -24,18 +25,22 @@ def make_private_dir(path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes, replace: bool = True, mode: int = FILE_MODE,
-                       durable: bool = True) -> None:
+                       durable: bool = True, owner: int | None = None) -> None:
     """Temp file in the same directory, write, fsync, rename, fsync the directory: readers see
     the old content or the new, never a part. The temp file's name starts with a dot (cron, for
-    one, ignores such names in /etc/cron.d).
+    one, ignores such names in /etc/cron.d) and is random, opened with O_EXCL|O_NOFOLLOW: in a
+    directory others can write (the agent's result files), a planted link is never followed.
 
     replace=False never replaces an existing file: the temp file is linked into place (which
     fails with FileExistsError if path exists), then unlinked. durable=False skips the fsyncs,
-    for files that need not outlive a crash (caches, images being staged)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    for files that need not outlive a crash (caches, images being staged, files on tmpfs).
+    owner: the uid the file is to belong to (root writing a file for a process it serves)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         try:
+            if owner is not None and owner != os.geteuid():
+                os.fchown(fd, owner, -1)
             view = memoryview(data)
             while view:
                 written = os.write(fd, view)
