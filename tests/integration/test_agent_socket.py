@@ -41,7 +41,7 @@ def words(log) -> dict[str, list[str]]:
 
 def test_shell_script_sections_and_checkpoints_over_the_socket(procs, tmp_path):
     log = tmp_path / "agent.log"
-    supervisor = start_run(tmp_path, procs, "--every", "1h", "--name", "shell", "--",
+    supervisor = start_run(tmp_path, procs, "--every", "1h", "--first-after", "1h", "--name", "shell", "--",
                            FIXTURES / "socket_agent.sh", log, 3)
     started = wait_until(lambda: [e for e in events(tmp_path) if e["event"] == "started"], what="start")[0]
     pid = started["pid"]
@@ -91,7 +91,7 @@ def test_protocol_errors_are_answered(procs, tmp_path):
                       "sleep 600\n")
     script.chmod(0o755)
     log = tmp_path / "replies.log"
-    start_run(tmp_path, procs, "--every", "1h", "--", script, log)
+    start_run(tmp_path, procs, "--every", "1h", "--first-after", "1h", "--", script, log)
     procs.pids.add(wait_until(lambda: [e for e in events(tmp_path) if e["event"] == "started"])[0]["pid"])
     lines = wait_until(lambda: len(read_lines(log)) >= 7 and read_lines(log), what="the replies")
     assert all(line.startswith("ERROR ") for line in lines[:6]), lines
@@ -117,7 +117,7 @@ say() {{ printf '%s\\n' "$1" | socat -t 5 - "UNIX-CONNECT:$CKPT_SOCKET"; }}
 sleep 600
 """)
     script.chmod(0o755)
-    start_run(tmp_path, procs, "--every", "1h", "--name", "mailer", "--", script)
+    start_run(tmp_path, procs, "--every", "1h", "--first-after", "1h", "--name", "mailer", "--", script)
     wait_until(lambda: len(read_lines(out)) >= 6, timeout=60, what="the script's journal requests")
     lines = {line.split()[0]: " ".join(line.split()[1:]) for line in read_lines(out)}
     assert lines["first"] == "OK NEW"
@@ -157,7 +157,7 @@ def test_begin_of_a_pid_outside_the_supervised_tree_is_refused(procs, tmp_path):
                       "sleep 600\n")
     script.chmod(0o755)
     init_markers = markers_of(1)  # none, unless something on this host holds one
-    supervisor = start_run(tmp_path, procs, "--every", "1h", "--", script, replies, foreign.pid)
+    supervisor = start_run(tmp_path, procs, "--every", "1h", "--first-after", "1h", "--", script, replies, foreign.pid)
     pid = wait_until(lambda: [e for e in events(tmp_path) if e["event"] == "started"], what="start")[0]["pid"]
     procs.pids.add(pid)
     wait_until((replies / "done").exists, timeout=30, what="the replies")
@@ -187,7 +187,7 @@ def test_a_section_of_a_killed_supervisor_does_not_block_a_dump(procs, tmp_path)
     script.write_text("#!/bin/bash\n" + SAY + "say \"BEGIN $$\" > \"$1.tmp\" && mv \"$1.tmp\" \"$1\"\nexec sleep 600\n")
     script.chmod(0o755)
     reply = tmp_path / "begin.reply"
-    supervisor = start_run(tmp_path, procs, "--every", "1h", "--", script, reply)
+    supervisor = start_run(tmp_path, procs, "--every", "1h", "--first-after", "1h", "--", script, reply)
     pid = wait_until(lambda: [e for e in events(tmp_path) if e["event"] == "started"], what="start")[0]["pid"]
     procs.pids.add(pid)
     token = wait_until(lambda: read_lines(reply), timeout=30, what="the BEGIN reply")[0]
