@@ -15,7 +15,10 @@
 #    runs instead. The disk is opened with -snapshot (the cached image never changes); the
 #    project is shared read-only over 9p, results come back through a second share. No
 #    network device at all: loopback is all the tests use.
-# 3. Prints what the guest reported and how long each step took, and exits with the tests'
+# 3. Boots it a second time with systemd as PID 1 (init=/lib/systemd/systemd, booting the
+#    target ckpt-vm.target of the image), where a schedule installed as a systemd timer must
+#    fire and take a checkpoint (scripts/vm/guest-systemd.sh): the host has no systemd as PID 1.
+# 4. Prints what the guests reported and how long each step took, and exits with the tests'
 #    status. A guest that does not boot, or tests that did not run (none collected, any
 #    skipped), fail the run.
 set -euo pipefail
@@ -106,7 +109,7 @@ step_done "vagrant validate"
 # project tree) and pycriu (built from the same CRIU source as the binary).
 "$project/.venv/bin/pip" freeze --exclude-editable 2>/dev/null \
     | grep -viE '^(pycriu|ckpt)( |=|@)' | grep -v '^-e ' > "$work/requirements.txt"
-packages="linux-image-amd64,initramfs-tools,kmod,iproute2,procps,python3,python3-venv,tini,nftables,util-linux"
+packages="linux-image-amd64,initramfs-tools,kmod,iproute2,procps,python3,python3-venv,tini,nftables,util-linux,systemd"
 packages="$packages,$(criu_lib_packages | paste -sd, -)"
 build_image() {
     local rootfs="$work/rootfs" wheels="$work/wheelhouse" staging="$cache/.building-$key"
@@ -131,6 +134,12 @@ build_image() {
         --customize-hook="rm -rf \"\$1/opt/wheelhouse\"" \
         --customize-hook="install -m 755 $criu_bin \"\$1/usr/local/sbin/criu\"" \
         --customize-hook="install -m 755 $here/vm/guest-init.sh \"\$1/sbin/ckpt-vm-init\"" \
+        --customize-hook="printf '%s\n' '[Unit]' 'Description=ckpt vm-test with systemd as PID 1' \
+            'Requires=basic.target' 'After=basic.target' 'Wants=ckpt-vm.service' 'AllowIsolate=yes' \
+            > \"\$1/etc/systemd/system/ckpt-vm.target\"" \
+        --customize-hook="printf '%s\n' '[Unit]' 'Description=ckpt vm-test: schedules as systemd timers' \
+            'After=basic.target' '[Service]' 'ExecStart=/sbin/ckpt-vm-init systemd' \
+            > \"\$1/etc/systemd/system/ckpt-vm.service\"" \
         "$suite" "$rootfs" >"$work/mmdebstrap.log" 2>&1 \
         || { tail -n 30 "$work/mmdebstrap.log" >&2; die "mmdebstrap failed (log above)"; }
     rm -rf "$staging"
@@ -232,6 +241,41 @@ if failed:
 EOF
 rc=$(cat "$out/rc")
 [ "$rc" = 0 ] || die "the guest's tests exited with status $rc (logs: $results)"
+
+# ---- the guest with systemd as PID 1: schedules as timers -----------------------------------
+# Booted with the accelerator that ran the first guest; "quiet": systemd prints only failures.
+step_started=$SECONDS
+sd_out="$work/out-systemd" sd_logs="$work/systemd"
+mkdir -p "$sd_out" "$sd_logs"
+CKPT_VM_TIMEOUT=$timeout_s "$here/vm/boot.sh" "$sd_out" "$sd_logs" "$accel" -- \
+    -smp 2 -m "$memory_mib" -nodefaults -no-reboot -display none -serial stdio -nic none \
+    -kernel "$image_dir/vmlinuz" -initrd "$image_dir/initrd.img" \
+    -append "root=/dev/vda rw console=ttyS0 panic=-1 quiet loglevel=6 init=/lib/systemd/systemd systemd.unit=ckpt-vm.target systemd.firstboot=off" \
+    -drive "file=$image_dir/disk.img,format=raw,if=virtio,snapshot=on" \
+    -virtfs "local,path=$project,mount_tag=project,security_model=none,readonly=on" \
+    -virtfs "local,path=$sd_out,mount_tag=out,security_model=none" || true
+sed 's/\t/\t(systemd) /' "$sd_logs/times" >> "$work/times" 2>/dev/null || true
+step_started=$SECONDS
+mkdir -p "$results/systemd"
+cp -a "$sd_out"/. "$sd_logs"/console-*.log "$sd_logs"/qemu-*.err "$results/systemd/" 2>/dev/null || true
+[ -f "$sd_out/booted" ] || die "the guest did not boot with systemd (console: $results/systemd)"
+[ -f "$sd_out/rc" ] || die "the guest with systemd did not finish its run: see $results/systemd/console-$accel.log"
+"$project/.venv/bin/python" - "$sd_out" <<'EOF' || exit 1
+import sys, xml.etree.ElementTree as ET
+from pathlib import Path
+out = Path(sys.argv[1])
+if not (out / "junit.xml").exists():
+    sys.exit("vm-test: FAILED: the timer tests did not run under systemd (no junit.xml)")
+suite = ET.parse(out / "junit.xml").getroot()
+suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+print("vm-test: guest tests with systemd: {tests} run, {failures} failed, {errors} errors, {skipped} skipped"
+      .format(**counts))
+if counts["tests"] == 0 or counts["skipped"] or counts["failures"] or counts["errors"]:
+    sys.exit("vm-test: FAILED: the timer tests under systemd did not all run and pass")
+EOF
+rc=$(cat "$sd_out/rc")
+[ "$rc" = 0 ] || die "the timer tests under systemd exited with status $rc (logs: $results/systemd)"
 say "passed (logs: $results)"
 }
 
