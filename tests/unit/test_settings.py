@@ -94,12 +94,14 @@ def test_the_readme_documents_every_setting_and_nothing_else():
 
 def test_no_module_reads_the_environment_but_settings():
     """hooks.py passes ckpt's environment on to the hooks it runs, run.py on to the command it
-    supervises (with CKPT_SOCKET, CKPT_NAME and CKPT_STORE added), and phases.py reads the test-only
-    pause variables (not settings: see its docstring); nothing else reads it."""
+    supervises (with CKPT_SOCKET, CKPT_NAME and CKPT_STORE added), phases.py reads the test-only
+    pause variables (not settings: see its docstring), and cli/output.py honours NO_COLOR (the
+    convention of every terminal program, no-color.org: not a ckpt setting); nothing else reads it."""
     readers = []
     for path in sorted((ROOT / "ckpt").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel in ("ckpt/settings.py", "ckpt/schedule/hooks.py", "ckpt/phases.py", "ckpt/commands/run.py"):
+        if rel in ("ckpt/settings.py", "ckpt/schedule/hooks.py", "ckpt/phases.py", "ckpt/commands/run.py",
+                   "ckpt/cli/output.py"):
             continue
         text = path.read_text()
         if re.search(r"os\.environ|getenv\(|environ\.get\(", text):
