@@ -127,6 +127,17 @@ def test_only_ckpt_criu_imports_pycriu():
     assert dynamic == []
 
 
+def test_use_cases_leave_storage_and_compression_to_the_store():
+    """commands/ composes the store's public API: hashing, compression and S3 are the store's
+    business (issue 25: copy.py once imported blake3, zstandard and the pack writer)."""
+    for library in ("blake3", "zstandard", "xxhash", "boto3", "botocore"):
+        inside = {where for where in third_party_importers(library) if where.startswith("ckpt/commands/")}
+        assert inside == set(), f"{library} imported by use cases: {sorted(inside)}"
+    writers = sorted(name for name in MODULES if name.startswith("ckpt.commands.")
+                     if "PackWriter" in MODULES[name].read_text())
+    assert writers == [], f"use cases writing packs themselves: {writers}"
+
+
 def test_the_checks_see_what_they_look_for(tmp_path):
     """The helpers above find deferred and relative imports (else the tests would pass vacuously)."""
     found = dict(imports_of("ckpt.commands.dump"))
