@@ -1,5 +1,5 @@
 """Where an encrypted store's password comes from (ckpt/store/password.py): the password file
-must be the caller's own and unreadable by others (README: "a file others cannot read")."""
+must be the caller's own and unreadable by others (docs/stores.md: "a file others cannot read")."""
 
 import os
 import pwd

@@ -1,11 +1,12 @@
-"""The README's code is cut from the programs in examples/ (which tests/integration/
-test_examples.py runs), so that it cannot drift from code that runs.
+"""The code of the README and of the docs pages is cut from the programs in examples/ (which
+tests/integration/test_examples.py runs), so that it cannot drift from code that runs.
 
 A block is tied to its file by a comment on the line before it, `<!-- example: examples/F -->`.
 It must be the file's lines as they are, or pieces of them in order, with a line `...` (Python)
 or `# ...` (shell) where lines are left out; each piece may be shown less indented than in the
-file (a loop's body shown on its own). Every Python and bash block of the README is tied to a
-file, and every file the README names under examples/ exists."""
+file (a loop's body shown on its own). Every Python and bash block of README.md, and of each
+docs/*.md page that ties any block to an example (docs/api.md), is tied to a file, and every
+file that README.md or a docs page names under examples/ exists."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ from pathlib import Path
 from tests.helpers import ROOT
 
 README = ROOT / "README.md"
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    """README.md and the docs pages: every markdown file a user reads."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 MARKER = re.compile(r"^<!-- example: (\S+) -->$")
 FENCE = re.compile(r"^```(\w*)$")
 CHECKED_LANGUAGES = {"python", "bash"}
@@ -79,31 +85,52 @@ def excerpt_problem(block: list[str], source: list[str]) -> str | None:
     return None
 
 
-def problems(readme: str, root: Path = ROOT) -> list[str]:
+def problems(readme: str, root: Path = ROOT, name: str = "README.md", all_tied: bool = True) -> list[str]:
+    """What is wrong with the markdown text `readme` (the file `name`): with all_tied, every
+    Python and bash block must be tied to an example (README.md, and a docs page that ties
+    any); tied blocks must be their file's lines; files named under examples/ must exist."""
     found = []
     for line, language, path, lines in blocks(readme):
         if path is None:
-            if language in CHECKED_LANGUAGES:
-                found.append(f"README.md:{line}: a {language} block tied to no example "
+            if all_tied and language in CHECKED_LANGUAGES:
+                found.append(f"{name}:{line}: a {language} block tied to no example "
                              "(put `<!-- example: examples/FILE -->` on the line before it)")
             continue
         source = root / path
         if not path.startswith("examples/") or not source.is_file():
-            found.append(f"README.md:{line}: {path} is no file of examples/")
+            found.append(f"{name}:{line}: {path} is no file of examples/")
             continue
         missing = excerpt_problem(lines, source.read_text().splitlines())
         if missing is not None:
-            found.append(f"README.md:{line}: these lines are not in {path} (in this order):\n{missing}")
+            found.append(f"{name}:{line}: these lines are not in {path} (in this order):\n{missing}")
     for named in sorted(set(re.findall(r"examples/[\w.-]+\.\w+", readme))):
         if not (root / named).is_file():
-            found.append(f"the README names {named}, which does not exist")
+            found.append(f"{name} names {named}, which does not exist")
     return found
 
 
-def test_every_code_block_of_the_readme_is_cut_from_an_example_that_runs():
-    assert problems(README.read_text()) == []
-    tied = {path for _, _, path, _ in blocks(README.read_text()) if path}
+def has_markers(text: str) -> bool:
+    return any(MARKER.match(line) for line in text.splitlines())
+
+
+def test_every_code_block_of_the_readme_and_the_docs_is_cut_from_an_example_that_runs():
+    found, tied = [], set()
+    for page in pages():
+        text = page.read_text()
+        name = str(page.relative_to(ROOT))
+        found += problems(text, name=name, all_tied=page == README or has_markers(text))
+        tied |= {path for _, _, path, _ in blocks(text) if path}
+    assert found == []
     assert {"examples/callbacks_agent.py", "examples/journal_agent.py", "examples/socket_agent.sh"} <= tied
+
+
+def test_the_pages_with_examples_are_checked_whole():
+    """The API's page ties its blocks to examples/, so an untied Python block added there
+    would be found, as in the README."""
+    api = (ROOT / "docs" / "api.md").read_text()
+    assert has_markers(api)
+    assert problems(api + "\n```python\nimport ckpt\n```\n", name="docs/api.md")[-1].endswith(
+        "a python block tied to no example (put `<!-- example: examples/FILE -->` on the line before it)")
 
 
 def test_the_check_finds_a_block_that_drifted(tmp_path):
@@ -119,4 +146,4 @@ def test_the_check_finds_a_block_that_drifted(tmp_path):
     assert problems("```python\nimport ckpt\n```\n", tmp_path) == [
         "README.md:1: a python block tied to no example (put `<!-- example: examples/FILE -->` on the line before it)"]
     assert problems("```console\n# ckpt list\n```\nrun examples/b.py\n", tmp_path) == [
-        "the README names examples/b.py, which does not exist"]
+        "README.md names examples/b.py, which does not exist"]

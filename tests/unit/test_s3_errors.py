@@ -236,10 +236,10 @@ def test_a_full_bucket_quota_is_a_full_disk(proxy, s3_url, status, code):
     one_line(info.value)
 
 
-def test_a_full_bucket_answered_500_internal_error_is_exit_9_as_the_readme_says(proxy, s3_url):
+def test_a_full_bucket_answered_500_internal_error_is_exit_9_as_the_docs_say(proxy, s3_url):
     """Issue 23: a server that reports a full bucket as 500 InternalError cannot be told from
-    one failing for a while: exit 9 (try again later), not the 1 of a quota error. The README's
-    table of exit codes says so."""
+    one failing for a while: exit 9 (try again later), not the 1 of a quota error. The table of
+    exit codes in docs/commands.md says so."""
     backend = S3Backend.from_url(s3_url, attempts=2)
     backend.exists("objects/ab/x")
     proxy.refuse_puts = (500, b"<Error><Code>InternalError</Code><Message>disk full</Message></Error>")
@@ -247,6 +247,6 @@ def test_a_full_bucket_answered_500_internal_error_is_exit_9_as_the_readme_says(
         backend.put("objects/ab/full", b"data")
     assert info.value.exit_code == ExitCode.UNREACHABLE == 9
     one_line(info.value)
-    readme = (ROOT / "README.md").read_text().splitlines()
-    row = next(line for line in readme if line.startswith("| 9 |"))
+    table = (ROOT / "docs" / "commands.md").read_text().splitlines()
+    row = next(line for line in table if line.startswith("| 9 |"))
     assert "full bucket" in row and "500 InternalError" in row, row

@@ -1,4 +1,4 @@
-"""ckpt.settings: every CKPT_* value checked, defaults as documented, the README table in step."""
+"""ckpt.settings: every CKPT_* value checked, defaults as documented, the settings table of docs/commands.md in step."""
 
 import re
 from pathlib import Path
@@ -69,26 +69,29 @@ def test_an_empty_store_flag_is_refused():
         settings.store_from_flag("")
 
 
-def readme_settings_table() -> list[str]:
-    """The variables in the README's table of settings (the one whose header starts
+SETTINGS_PAGE = ROOT / "docs" / "commands.md"
+
+
+def documented_settings_table() -> list[str]:
+    """The variables in the table of settings of docs/commands.md (the one whose header starts
     '| variable | default |')."""
-    lines = (ROOT / "README.md").read_text().splitlines()
+    lines = SETTINGS_PAGE.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if re.match(r"\|\s*variable\s*\|\s*default\s*\|", line))
     names = []
     for line in lines[start + 2:]:
         if not line.startswith("|"):
             break
         match = re.match(r"\|\s*`(CKPT_[A-Z0-9_]+)`\s*\|", line)
-        assert match, f"a row of the README's settings table names no CKPT_* variable: {line}"
+        assert match, f"a row of the settings table of docs/commands.md names no CKPT_* variable: {line}"
         names.append(match.group(1))
     return names
 
 
-def test_the_readme_documents_every_setting_and_nothing_else():
-    documented = readme_settings_table()
+def test_the_docs_document_every_setting_and_nothing_else():
+    documented = documented_settings_table()
     assert len(documented) == len(set(documented)), "a variable is documented twice"
     assert set(documented) == set(settings.variables()), (
-        f"missing from README: {sorted(set(settings.variables()) - set(documented))}; "
+        f"missing from docs/commands.md: {sorted(set(settings.variables()) - set(documented))}; "
         f"documented but not a setting: {sorted(set(documented) - set(settings.variables()))}")
 
 
