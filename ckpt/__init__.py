@@ -1,6 +1,6 @@
 """ckpt: checkpoint and restore running Linux process trees with CRIU.
 
-What a program imports (README, "Checkpoints the program asks for"):
+What a program imports (docs/api.md):
 
     ckpt.checkpoint(name=None, store=None) -> CheckpointResult(id, restored, name)
     ckpt.before_checkpoint(fn), ckpt.after_restore(fn)

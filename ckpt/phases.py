@@ -10,7 +10,7 @@ reaching phase NAME by creating the file CKPT_TEST_PAUSE_FILE (O_EXCL, holding "
 and then sleeps there, up to PAUSE_S, waiting to be killed, or to go on once the test deletes
 that file (to change the world at that moment: stop a server). Without the variable phase()
 does nothing (the environment is read once). These variables are deliberately left out of
-ckpt's settings and the README's table.
+ckpt's settings and their table in docs/commands.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ current() when it needs a value, never at import. Every value is checked when th
 built, so a bad one stops ckpt with a one-line usage error (exit 2) before anything is frozen
 or written, instead of a traceback or a silent fallback to the default.
 
-Each field names its environment variable in its metadata; README.md has a table of them
+Each field names its environment variable in its metadata; docs/commands.md has a table of them
 (tests/unit/test_settings.py checks that the two agree). This is the only module that reads
 the environment for ckpt's own settings (hooks.py passes an environment *to* hooks).
 """
@@ -145,7 +145,7 @@ def _env(variable: str, parse: Callable[[str, str], object]) -> dict:
 
 @dataclass(frozen=True)
 class Settings:
-    """Every setting of ckpt, with its documented default (README.md, 'Settings'). Build it
+    """Every setting of ckpt, with its documented default (docs/commands.md, 'Settings'). Build it
     with from_environment()."""
 
     # The store; --store wins (store_from_flag).

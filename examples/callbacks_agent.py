@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """An agent that checkpoints itself, closing around each checkpoint what would not survive a
-restore: the README's "Python: ckpt.checkpoint() and its callbacks".
+restore: docs/api.md's "Python: ckpt.checkpoint() and its callbacks".
 
     python3 examples/counting_server.py --port 8321 &
     .venv/bin/python examples/callbacks_agent.py http://127.0.0.1:8321 > /tmp/agent.log 2>&1 &
@@ -17,7 +17,7 @@ ID`, or `ckpt restore agent`): the copy returns from the same call, prints "rest
 and counts on from 6 over a new connection.
 
 Run it as root (a dump needs root; under `ckpt run` the supervisor dumps), with a Python that
-has ckpt: README, "Using ckpt from your program".
+has ckpt: docs/api.md, "Using ckpt from your program".
 """
 
 import argparse

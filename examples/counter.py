@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A counter that keeps its count in memory only: the program `ckpt run` supervises in the
-README ("Automatic snapshots and recovery"). It knows nothing of ckpt; killed (kill -9) and
+README ("Try it") and docs/schedules.md. It knows nothing of ckpt; killed (kill -9) and
 restored from its newest checkpoint, it goes on from the count it had then, not from 1.
 
     python3 examples/counter.py [FILE] [--interval SECONDS]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """An agent whose every step ends in an irreversible call, made exactly once through
-ckpt.journal however often the agent is killed (kill -9) and restored: the README's "The
+ckpt.journal however often the agent is killed (kill -9) and restored: docs/api.md's "The
 journal of irreversible actions".
 
     python3 examples/counting_server.py --port 8321 --delay 0.5 &
@@ -20,7 +20,7 @@ call its journal says was made. To start afresh: `ckpt journal rm poster --force
 the checkpoints of the last run, if restored, would then call again), or another --name.
 
 Run it as root (ckpt.checkpoint() dumps it; under `ckpt run` the supervisor does), with a
-Python that has ckpt: README, "Using ckpt from your program".
+Python that has ckpt: docs/api.md, "Using ckpt from your program".
 """
 
 import argparse

@@ -1,6 +1,6 @@
 #!/bin/bash
 # A shell script that takes part in its own checkpoints under `ckpt run`, over the socket that
-# ckpt run names in CKPT_SOCKET (README, "Any language: CKPT_SOCKET under ckpt run"): it sends
+# ckpt run names in CKPT_SOCKET (docs/api.md, "Any language: CKPT_SOCKET under ckpt run"): it sends
 # a report that no checkpoint may cut in two (a critical section), asks for a checkpoint right
 # after it, learns on which side of that checkpoint it runs, then goes on with its work.
 #

@@ -27,7 +27,7 @@ codename=${VERSION_CODENAME:?cannot read VERSION_CODENAME from /etc/os-release}
 # Runtime and build dependencies. The build ones are needed even when the distribution's
 # CRIU is used, because pycriu's protobuf modules are generated from the CRIU source tree;
 # libxxhash-dev (xxhash.h) for ckpt's page hashing in C (ckpt/_pagehash.c); socat: the shell
-# examples and tests of `ckpt run`'s CKPT_SOCKET protocol (README, test_agent_socket.py).
+# examples and tests of `ckpt run`'s CKPT_SOCKET protocol (docs/api.md, test_agent_socket.py).
 PACKAGES=(
   nftables libnftables1 libprotobuf-c1 libnl-3-200 libnet1 libcap2 libbsd0 libuuid1
   build-essential pkgconf protobuf-compiler protobuf-c-compiler libprotobuf-dev libprotobuf-c-dev

@@ -1,5 +1,5 @@
 """`ckpt run`'s CKPT_SOCKET: a line protocol over a UNIX stream socket, for programs in any
-language (README "Checkpoints the program asks for"; docs/design.md "The CKPT_SOCKET protocol").
+language (docs/api.md, "Any language"; docs/design.md "The CKPT_SOCKET protocol").
 
 One request per connection: the client connects, sends one line, reads the one-line reply and
 closes. The supervisor shuts its side down after the reply (so `socat` and `nc -N` end at

@@ -30,7 +30,7 @@ app = typer.Typer(
          "  ckpt list                       # what is in the store\n\n"
          "  ckpt restore agent              # restore the newest checkpoint named 'agent'",
     no_args_is_help=True,
-    add_completion=True,  # ckpt --install-completion (README, "Shell completion")
+    add_completion=True,  # ckpt --install-completion (docs/commands.md, "Shell completion")
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         code = exc.exit_code
     except Exception as exc:
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            # A full disk is never a bug, wherever ckpt met it (README: exit code 1).
+            # A full disk is never a bug, wherever ckpt met it (docs/commands.md: exit code 1).
             if _debug["on"]:
                 traceback.print_exc()
             where = f" ({exc.filename})" if exc.filename else ""

@@ -77,9 +77,10 @@ def render() -> str:
         ".SH DESCRIPTION", _paragraphs(rest),
         ".SH OPTIONS", _options(root, context),
         ".SH COMMANDS", *_commands(root, context, "ckpt"),
-        ".SH ENVIRONMENT", ".PP", "The CKPT_* settings are listed in README.md and docs/; a flag wins over its "
-        "variable, which wins over the default.",
-        ".SH EXIT STATUS", ".PP", "0 on success; the codes of failures are listed in README.md (\"Exit codes\").",
+        ".SH ENVIRONMENT", ".PP", "The CKPT_* settings are listed in docs/commands.md (\"Settings\"); a flag "
+        "wins over its variable, which wins over the default.",
+        ".SH EXIT STATUS", ".PP", "0 on success; the codes of failures are listed in docs/commands.md "
+        "(\"Exit codes\").",
         ".SH SEE ALSO", SEE_ALSO, "",
     ])
 

@@ -166,8 +166,8 @@ class RestoreSession:
         elif can_punch_holes(images_dir):
             # CRIU punches each 128 MiB of the staged pages image out once it has read it into
             # the tree: that page cache is free again, and the tree's next pages take it while
-            # it is still backed, instead of memory the VM gave back to its host (README,
-            # "Performance"). The staged image is ours, and deleted after anyway.
+            # it is still backed, instead of memory the VM gave back to its host
+            # (docs/performance.md, "Restore"). The staged image is ours, and deleted after anyway.
             extra["auto_dedup"] = True
         self.criu_options = options.to_criu_restore(images_dir, self.work_dir,
                                                     f"restore-{stamp}-{os.getpid()}.log", inherit_stdio=has_tty,

@@ -2,7 +2,7 @@
 
 Why: in VMs that hand free memory back to their host (virtio-balloon free page reporting),
 CRIU writing a 2 GiB pages image into the page cache faults in memory the host took back,
-about 8 us per 4 KiB page: most of a dump's freeze (README, Performance). CRIU can send the
+about 8 us per 4 KiB page: most of a dump's freeze (docs/performance.md). CRIU can send the
 pages over a socket instead, with its page-server protocol (the RPC's `ps.fd`: a connected
 socket CRIU inherits). ckpt reads them into one buffer faulted in before the freeze, names
 each page by its id as it comes, and keeps only the pages whose id is not the one their

@@ -362,7 +362,8 @@ class Store:
             backend: Backend = LocalBackend(real)
             if not create and not os.path.lexists(meta):
                 raise CheckpointNotFound(f"no ckpt store at {root} (no store.json there)",
-                                         hint="pass the right --store; only 'ckpt dump' creates a store")
+                                         hint="pass the right --store; `ckpt init DIR` or a first `ckpt dump` "
+                                              "creates a store")
             check_trusted_dir(real, "the store")
             if not os.path.lexists(meta):
                 foreign = sorted(n for n in os.listdir(real)

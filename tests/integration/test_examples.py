@@ -1,8 +1,8 @@
-"""The programs of examples/ run as their comments and the README say, with real CRIU, and do
+"""The programs of examples/ run as their comments, the README and docs/api.md say, with real CRIU, and do
 what they promise across kill -9:
 
 - counter.py under `ckpt run` (the README's command line) goes on from its checkpoint's count;
-- callbacks_agent.py, run by the Python of a virtualenv of its own (made as the README says:
+- callbacks_agent.py, run by the Python of a virtualenv of its own (made as docs/api.md says:
   ckpt installed with `pip install -e` from the checkout, pycriu from CRIU's source tree),
   checkpoints itself, closing and reopening its connection around it; the copy restored from
   that checkpoint returns from the same call, says so and posts on over a new connection;
@@ -13,7 +13,8 @@ what they promise across kill -9:
 - socket_agent.sh under `ckpt run` asks for its checkpoint over CKPT_SOCKET after its report,
   and the copy ckpt run restores after kill -9 learns it was restored: one report, not two.
 
-tests/unit/test_readme_examples.py checks that the README's code is these files' lines."""
+tests/unit/test_readme_examples.py checks that the code of the README and docs/api.md is these
+files' lines."""
 
 from __future__ import annotations
 
@@ -208,7 +209,7 @@ def test_the_journal_agent_calls_each_step_once_across_kill_9_and_restores(procs
 # ---- the callbacks agent, with a virtualenv of its own -------------------------------------------
 
 def make_program_venv(where: Path) -> Path:
-    """A program's own virtualenv as the README makes it: `pip install -e` of the checkout, then
+    """A program's own virtualenv as docs/api.md makes it: `pip install -e` of the checkout, then
     pycriu from the CRIU source tree `make setup` prepared (.venv/.criu-lib). Two differences
     that change nothing installed: the checkout is a copy of this one's files (an editable
     install builds ckpt's C extension and egg-info in place, and this tree's are in use), and
