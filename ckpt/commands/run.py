@@ -26,6 +26,7 @@ started, and reaps the PIDs of a dead tree at once so the next restore finds the
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import queue
@@ -189,6 +190,7 @@ class Supervisor:
         output.parent.mkdir(parents=True, exist_ok=True)
         log_path = run_dir / f"ckpt-{stamp}.log"
         run_dir.mkdir(parents=True, exist_ok=True)
+        self._hold_the_name(run_dir)
         self.log = open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a", encoding="utf-8")
         self.reporter = LogReporter(self.reporter, self.log)
         self.server = protocol.Server(protocol.SOCKET_DIR / f"{os.getpid()}.sock", self)
@@ -215,6 +217,23 @@ class Supervisor:
         self._event("started", pid=self.pid, command=list(self.request.command), output=str(output),
                     log=str(log_path))
         return self.pid
+
+    def _hold_the_name(self, run_dir: Path) -> None:
+        """One live supervisor per name and store: a run's retention forgets the checkpoints of
+        its name (its origin), so a second run of the name would forget the first's newest, and
+        the first could then restore nothing. The flock dies with its holder (a kill -9 too)."""
+        fd = os.open(run_dir / "supervisor.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UsageError(f"another 'ckpt run' (PID {holder}) supervises the name {self.request.name!r} in "
+                             "this store: its retention and this one's would forget each other's checkpoints",
+                             hint="give this run another --name") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._name_lock = fd  # held until this process ends
 
     def run(self) -> int:
         """Supervises until a clean exit, a forwarded signal, or the restore limit; returns the exit code."""
@@ -486,4 +505,8 @@ class Supervisor:
         self._event("restored", id=result.manifest.id, pid=self.pid, restores=self.restores,
                     max_restores=self.request.max_restores, lazy=result.lazy is not None,
                     duration_ms=result.duration_ms)
+        if self.stopping_signal is not None:
+            # A SIGINT or SIGTERM came while the tree was being restored (there was no tree to
+            # forward it to): the restored one gets it now, and supervision ends with it.
+            self._forward(self.stopping_signal, None)
         return True

@@ -278,3 +278,49 @@ def test_each_run_has_its_own_output_file(procs, tmp_path, isolated_env):
     assert done.returncode == 0, done.stderr
     assert given.read_text() == "earlier\nthird\n"  # appended to, as it is
     assert f"(output: {given}, after the 8 B it held; ckpt's log: " in done.stderr
+
+
+def test_a_second_run_of_a_live_name_is_refused_and_a_dead_ones_name_is_free(procs, tmp_path):
+    """Two supervisors of one name would forget each other's checkpoints (each run's retention
+    forgets the checkpoints of its name), and the one whose newest went could restore nothing."""
+    first = start_run(tmp_path, procs, "--every", "1h", "--name", "twice", "--", "sleep", "600")
+    procs.pids.add(child_pid(tmp_path))
+    second = subprocess.run([sys.executable, "-m", "ckpt", "run", "--every", "1h", "--name", "twice", "--",
+                             "sleep", "600"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2, second.stderr
+    assert f"(PID {first.pid}) supervises the name 'twice'" in second.stderr and "--name" in second.stderr
+    assert "Traceback" not in second.stderr
+    first.kill()  # kill -9: its lock dies with it
+    first.wait(timeout=10)
+    (tmp_path / "run.stderr").unlink()
+    third = start_run(tmp_path, procs, "--every", "1h", "--name", "twice", "--", "sleep", "600")
+    procs.pids.add(child_pid(tmp_path))
+    assert third.poll() is None
+
+
+def test_a_signal_during_a_restore_reaches_the_restored_tree(procs, tmp_path):
+    """SIGTERM while the supervisor restores (no tree to forward it to yet): the restored tree
+    gets it once it runs, and supervision ends, instead of the signal being lost and the next
+    crash of the tree taken for a stop."""
+    from ckpt.phases import PAUSE_AT, PAUSE_FILE
+
+    out, pause = tmp_path / "count.txt", tmp_path / "paused"
+    log = open(tmp_path / "run.stderr", "wb")
+    supervisor = subprocess.Popen([sys.executable, "-m", "ckpt", "run", "--every", "1s", "--output",
+                                   str(tmp_path / "run.out"), "--", sys.executable, FIXTURES / "counter.py", out],
+                                  cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                  env={**os.environ, PAUSE_AT: "restore.before-criu", PAUSE_FILE: str(pause)})
+    log.close()
+    procs.popens.append(supervisor)
+    pid = child_pid(tmp_path)
+    procs.pids.add(pid)
+    wait_until(lambda: any("checkpoint " in e for e in events(tmp_path)), timeout=30, what="a checkpoint")
+    os.kill(pid, signal.SIGKILL)
+    wait_until(pause.exists, timeout=60, what="the restore to reach CRIU")
+    supervisor.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # the handler has run (the pause polls every 50 ms)
+    pause.unlink()  # the restore goes on
+    assert supervisor.wait(timeout=60) == 128 + signal.SIGTERM, events(tmp_path)
+    restored = [e for e in events(tmp_path) if "restored" in e and " as PID " in e]
+    assert restored, events(tmp_path)
+    assert state(int(restored[-1].split(" as PID ")[1].split()[0])) in (None, "Z")
