@@ -72,10 +72,12 @@ def _shown(address: tuple[str, int]) -> str:
 
 
 def decide(connections: list[TcpConnection], *, another_host: bool, close: bool | None,
-           sockets: SocketTable, addresses: set[inetdiag.Address]) -> list[ConnectionPlan]:
+           sockets: SocketTable, addresses: set[inetdiag.Address], unchecked: str | None = None
+           ) -> list[ConnectionPlan]:
     """How each connection comes back (see the module's doc). close: --tcp-close (True),
     --tcp-established (False) or neither (None); sockets: this host's TCP sockets
-    (inetdiag.tcp_sockets()); addresses: this host's (inetdiag.local_addresses())."""
+    (inetdiag.tcp_sockets()); addresses: this host's (inetdiag.local_addresses()); unchecked:
+    why this host's sockets could not be looked up (then no peer is judged gone)."""
     ours = {(_endpoint(c.local), _endpoint(c.remote)) for c in connections}
     plans = []
     for conn in connections:
@@ -86,6 +88,8 @@ def decide(connections: list[TcpConnection], *, another_host: bool, close: bool 
             restored, why = "closed", "the checkpoint was taken on another host (--tcp-established keeps it)"
         elif (remote, local) in ours:
             restored, why = "established", "its peer is in the checkpoint too"
+        elif unchecked is not None:
+            restored, why = "established", unchecked
         elif not inetdiag.is_local(remote[0], addresses):
             restored, why = "established", "its peer is on another host (not checked)"
         else:
@@ -112,9 +116,15 @@ def plan(connections: list[TcpConnection], another_host: bool, close: bool | Non
     if not connections:
         return []
     needed = close is None and not another_host
-    return decide(connections, another_host=another_host, close=close,
-                  sockets=inetdiag.tcp_sockets() if needed else {},
-                  addresses=inetdiag.local_addresses() if needed else set())
+    try:
+        sockets = inetdiag.tcp_sockets() if needed else {}
+        addresses = inetdiag.local_addresses() if needed else set()
+    except OSError as exc:
+        # sock_diag refused (a seccomp or LSM policy, no tcp_diag module): the connections come
+        # back as a plain restore brings them, and each says why it was not checked.
+        return decide(connections, another_host=another_host, close=close, sockets={}, addresses=set(),
+                      unchecked=f"its peer could not be looked up here ({exc.strerror or exc})")
+    return decide(connections, another_host=another_host, close=close, sockets=sockets, addresses=addresses)
 
 
 def summary(plans: list[ConnectionPlan]) -> str | None:

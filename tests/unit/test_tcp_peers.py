@@ -61,3 +61,18 @@ def test_summary():
         [None, "established", "closed", "mixed"]
     assert dead[0].to_json() == {"local": "127.0.0.1:40000", "remote": "127.0.0.1:8080", "state": "ESTABLISHED",
                                  "restored": "closed", "why": "its peer on this host is gone"}
+
+
+def test_a_host_whose_sockets_cannot_be_looked_up_restores_as_before(monkeypatch):
+    """sock_diag refused (seccomp, an LSM, no tcp_diag): no traceback, no peer judged gone; each
+    connection says why it was not checked (second read of 8d1f686)."""
+    from ckpt.restore import tcppeers
+    from ckpt.system import inetdiag
+
+    def refused():
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(inetdiag, "tcp_sockets", refused)
+    (plan,) = tcppeers.plan([CLIENT], another_host=False, close=None)
+    assert plan.restored == "established"
+    assert plan.why == "its peer could not be looked up here (Operation not permitted)"
