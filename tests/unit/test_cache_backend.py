@@ -328,25 +328,32 @@ def test_a_damaged_copy_of_an_index_file_or_object_is_never_served(remote, cache
     assert copy_path(reading, object_name).read_bytes() == object_data
 
 
-@pytest.mark.parametrize("whole_below", [1 << 30, 0], ids=["downloaded-whole", "range-by-range"])
-def test_a_damaged_copy_of_a_pack_is_read_again_from_the_store(remote, cache_root, tmp_path, whole_below):
-    """A restore that meets a damaged segment in the cached copy of a pack (bit rot on the
-    host) drops the copy and reads the store's intact pack within the same command: it
-    succeeds at the first attempt, says so, and writes no damage marker (seen by every host)."""
+def pack_with_a_rotten_copy(remote, cache_root, tmp_path, flip_every: int) -> tuple[bytes, bytes, str, Path]:
+    """600 pages (three segments) stored through the cache, then a byte of the cached copy of
+    their pack flipped every flip_every bytes (bit rot on this host): (the pages, their page
+    list, the pack's name, the copy's path). The store's pack stays intact."""
     blocks = BlockStore(cached(remote, cache_root))
-    data = os.urandom(600 * PAGE)  # three segments
+    data = os.urandom(600 * PAGE)
     image = tmp_path / "pages-1.img"
     image.write_bytes(data)
     page_lists, _, written = blocks.ingest([image], lambda _: "none")
     pack = next(name for name in written if name.startswith("packs/"))
     path = copy_path(blocks.backend, pack)
     damaged = bytearray(path.read_bytes())
-    for at in range(0, len(damaged), 64 << 10):  # a flipped byte every 64 KiB
+    for at in range(10, len(damaged), flip_every):
         damaged[at] ^= 0xFF
     path.write_bytes(bytes(damaged))
+    return data, page_lists[image.name], pack, path
 
+
+@pytest.mark.parametrize("whole_below", [1 << 30, 0], ids=["downloaded-whole", "range-by-range"])
+def test_a_damaged_copy_of_a_pack_is_read_again_from_the_store(remote, cache_root, tmp_path, whole_below):
+    """A restore that meets a damaged segment in the cached copy of a pack (bit rot on the
+    host) drops the copy and reads the store's intact pack within the same command: it
+    succeeds at the first attempt, says so, and writes no damage marker (seen by every host)."""
+    data, page_list, pack, path = pack_with_a_rotten_copy(remote, cache_root, tmp_path, 64 << 10)
     reading = cached(remote, cache_root, whole_below=whole_below)
-    BlockStore(reading).write_image("pages-1.img", page_lists[image.name], tmp_path / "a")
+    BlockStore(reading).write_image("pages-1.img", page_list, tmp_path / "a")
     assert (tmp_path / "a").read_bytes() == data
     assert remote.inner.list("damaged/") == [], "no marker: the store's pack is intact"
     assert reading.copies_read_again() == [pack]
@@ -360,19 +367,9 @@ def test_a_lazy_restore_serves_on_after_a_damaged_copy_is_read_again_range_by_ra
     """The page server serves a segment in growing runs; when its copy turns out damaged and the
     pack is too large to download whole, the store's pack is read range by range: the held
     segment must stay usable for the next runs (it was released once: review of 33634d8)."""
-    blocks = BlockStore(cached(remote, cache_root))
-    data = os.urandom(600 * PAGE)
-    image = tmp_path / "pages-1.img"
-    image.write_bytes(data)
-    page_lists, _, written = blocks.ingest([image], lambda _: "none")
-    pack = next(name for name in written if name.startswith("packs/"))
-    path = copy_path(blocks.backend, pack)
-    damaged = bytearray(path.read_bytes())
-    damaged[10] ^= 0xFF
-    path.write_bytes(bytes(damaged))
-
+    data, page_list, pack, _ = pack_with_a_rotten_copy(remote, cache_root, tmp_path, 1 << 40)  # one byte
     reading = BlockStore(cached(remote, cache_root, whole_below=0))
-    locations = reading.locate("pages-1.img", page_lists[image.name])
+    locations = reading.locate("pages-1.img", page_list)
     sender = reading.page_sender()
     out = tmp_path / "served"
     fd = os.open(out, os.O_WRONLY | os.O_CREAT, 0o600)
