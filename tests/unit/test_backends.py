@@ -26,6 +26,9 @@ MiB = 1 << 20
 OPEN = """
 import sys
 def open_backend(spec, **options):
+    if spec.startswith("memory:"):
+        from ckpt.store.backends.memory import MemoryBackend
+        return MemoryBackend(spec)
     if spec.startswith("enc:"):
         from ckpt.store.backends.encrypted import EncryptedBackend
         return EncryptedBackend(open_backend(spec[4:], **options), bytes(range(32)))
@@ -47,11 +50,15 @@ open_backend = namespace["open_backend"]
 
 
 def run_script(body: str, *args: str, **popen) -> subprocess.Popen:
+    if args and args[0].startswith("memory:"):
+        pytest.skip("a memory backend lives in one process: another process cannot open it by its spec")
     return subprocess.Popen([sys.executable, "-c", OPEN + body, *args], cwd=REPO, **popen)
 
 
-@pytest.fixture(params=["local", "s3", "enc-local", "enc-s3", "cached"])
+@pytest.fixture(params=["local", "s3", "enc-local", "enc-s3", "cached", "memory"])
 def spec(request, tmp_path):
+    if request.param == "memory":
+        return f"memory://{tmp_path.name}"
     if request.param == "cached":
         return f"cached:{tmp_path / 'cache'}|{request.getfixturevalue('s3_url')}"
     encrypted = "enc:" if request.param.startswith("enc-") else ""
