@@ -1,0 +1,37 @@
+"""ckpt/commands/rm.py: references resolved first, all or nothing; shared content kept."""
+
+import pytest
+
+from ckpt.commands.rm import remove
+from ckpt.commands.verify import verify
+from ckpt.errors import CheckpointNotFound
+from tests.commands.conftest import BASE, PAGE, Images, as_json, page
+
+
+def test_removing_a_parent_keeps_what_its_child_shares(store, checkpoints):
+    parent = checkpoints.make("web", Images({BASE: page("shared"), BASE + PAGE: page("parent only")}))
+    child = checkpoints.make("web", Images({BASE: page("shared"), BASE + PAGE: page("child only")}))
+    objects_before = {info.name for info in store.backend.list("objects/")}
+    result = as_json(remove(store, [parent.id]))
+    assert result["removed"] == [parent.id] and result["dry_run"] is False
+    assert result["objects_removed"] > 0 and result["bytes_freed"] > 0
+    assert store.checkpoint_ids() == [child.id]
+    assert {info.name for info in store.backend.list("objects/")} < objects_before, "the parent's own objects stay"
+    assert as_json(verify(store, child.id)) == [{"id": child.id, "files": len(child.files), "problems": []}]
+
+
+def test_a_dry_run_resolves_but_removes_nothing(store, checkpoints):
+    web = checkpoints.make("web")
+    db = checkpoints.make("db")
+    blobs_before = store.backend.list("")
+    result = as_json(remove(store, ["web", db.id[:-1], "latest"], dry_run=True))
+    assert result == {"removed": [web.id, db.id], "dry_run": True, "objects_removed": 0, "bytes_freed": 0}
+    assert store.backend.list("") == blobs_before
+
+
+def test_one_unknown_reference_removes_nothing(store, checkpoints):
+    web = checkpoints.make("web")
+    with pytest.raises(CheckpointNotFound, match="'wbe'") as raised:
+        remove(store, [web.id, "wbe"])
+    assert "did you mean 'web'" in (raised.value.hint or "")
+    assert store.checkpoint_ids() == [web.id]
