@@ -92,11 +92,12 @@ class Checkpoints:
         return fake_dump(self.store, images.files(self._scratch), name=name, codec=codec)
 
 
-def memory_store(tmp_path: Path, label: str) -> Store:
-    """A Store on a MemoryBackend; its local side (staging, logs) in a directory of the test."""
+def memory_store(tmp_path: Path, label: str, **backend_options) -> Store:
+    """A Store on a MemoryBackend(**backend_options); its local side (staging, logs) in a
+    directory of the test."""
     root = tmp_path / label
     root.mkdir(mode=0o700)
-    return Store(root, MemoryBackend(f"memory://{label}"), location=f"memory://{label}")
+    return Store(root, MemoryBackend(f"memory://{label}", **backend_options), location=f"memory://{label}")
 
 
 @pytest.fixture
