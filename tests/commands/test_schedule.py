@@ -1,0 +1,76 @@
+"""ckpt/commands/schedule.py: add, list and remove against a ScheduleBook in the test's
+directories (cron_dir), with the scheduler's facts given (no systemd, a cron daemon)."""
+
+import json
+import os
+from datetime import datetime, timezone
+
+import pytest
+
+from ckpt.commands import schedule
+from ckpt.errors import ProcessNotFound, UsageError
+from ckpt.schedule.book import ScheduleBook
+from ckpt.schedule.retention import Policy
+from ckpt.schedule.schedulers import Facts
+
+CRON_RUNS = Facts(systemd=None, cron_pid=os.getpid(), init="sh")
+NO_CRON = Facts(systemd=None, cron_pid=None, init="sh")
+NOON = datetime(2026, 6, 1, 12, 7, tzinfo=timezone.utc)
+
+
+@pytest.fixture
+def book(isolated_env, tmp_path) -> ScheduleBook:
+    return ScheduleBook(isolated_env, cron_dir=tmp_path / "cron.d")
+
+
+def hourly(name: str = "web", **changes) -> schedule.AddRequest:
+    return schedule.AddRequest(**{"name": name, "target": {"pid": os.getpid()}, "every": "1h",
+                                  "policy": Policy(keep_last=3), **changes})
+
+
+def test_an_added_schedule_is_recorded_installed_and_listed(book, tmp_path):
+    added = schedule.add(book, hourly(), CRON_RUNS)
+    assert added.will_run and added.warning is None and added.schedule.scheduler == "cron"
+    assert json.loads(book.path("web").read_text())["retention"] == Policy(keep_last=3).to_json()
+    assert any("web" in path.read_text() for path in (tmp_path / "cron.d").iterdir())
+    (row,) = schedule.listing(book, NOON, CRON_RUNS)
+    assert (row["name"], row["cron"], row["every"], row["installed"], row["will_run"]) == \
+        ("web", added.schedule.cron, "1h", True, True)
+    assert row["next_run"] > NOON.isoformat(timespec="minutes") and row["problem"] is None
+
+
+def test_a_schedule_is_not_replaced_unless_told(book):
+    schedule.add(book, hourly(), CRON_RUNS)
+    with pytest.raises(UsageError, match="exists already"):
+        schedule.add(book, hourly(every="2h"), CRON_RUNS)
+    assert schedule.add(book, hourly(every="2h", replace=True), CRON_RUNS).schedule.every == "2h"
+
+
+@pytest.mark.parametrize("changes,refused", [
+    ({"every": None}, "exactly one of --every"),
+    ({"cron": "*/5 * * * *"}, "exactly one of --every"),
+    ({"target": {"pid": 1}}, "PID 1"),
+    ({"target": {"match": "("}}, "invalid --match"),
+    ({"target": {}}, "exactly one target"),
+])
+def test_invalid_requests_are_refused_and_record_nothing(book, changes, refused):
+    with pytest.raises(UsageError, match=refused):
+        schedule.add(book, hourly(**changes), CRON_RUNS)
+    assert book.names() == []
+
+
+def test_without_a_cron_daemon_a_schedule_says_it_will_not_run(book):
+    added = schedule.add(book, hourly(), NO_CRON)
+    assert not added.will_run and "cron" in (added.warning or "")
+    (row,) = schedule.listing(book, NOON, NO_CRON)
+    assert row["will_run"] is False and row["problem"]
+
+
+def test_removing_a_schedule_removes_its_entry_and_keeps_the_others(book, tmp_path):
+    schedule.add(book, hourly("web"), CRON_RUNS)
+    schedule.add(book, hourly("db"), CRON_RUNS)
+    assert schedule.remove(book, "web", CRON_RUNS).name == "web"
+    assert [row["name"] for row in schedule.listing(book, NOON, CRON_RUNS)] == ["db"]
+    assert not any("web" in path.read_text() for path in (tmp_path / "cron.d").iterdir())
+    with pytest.raises(ProcessNotFound, match="no schedule named 'web'"):
+        schedule.remove(book, "web", CRON_RUNS)
