@@ -28,11 +28,20 @@ from typing import Callable, Iterator
 
 from ckpt.errors import StoreBusy
 from ckpt.store.backends.base import Backend, BlobExists, BlobInfo, BlobNotFound, BlobWriter, LockOwner, check_name
+from ckpt.system.files import FILE_MODE
 
 
 @dataclass
 class _Blob:
-    data: bytes | bytearray  # a bytearray while its write is in progress
+    data: bytes
+    modified: float
+
+
+@dataclass
+class _Write:
+    """A write in progress: appended to, listed as an unfinished write, not readable."""
+
+    data: bytearray
     modified: float
 
 
@@ -58,7 +67,7 @@ class MemoryBackend(Backend):
         self._clock = clock
         self._gc_margin = gc_margin
         self._blobs: dict[str, _Blob] = {}
-        self._unfinished: dict[str, _Blob] = {}  # writes in progress, by their temp name
+        self._unfinished: dict[str, _Write] = {}  # writes in progress, by their temp name
         self._mutex = threading.Lock()  # guards both dicts
         self._lock_changed = threading.Condition()  # guards _holds
         self._holds: builtins.list[_Hold] = []
@@ -96,7 +105,7 @@ class MemoryBackend(Backend):
         head, _, last = check_name(name).rpartition("/")
         temp = f"{head}/.{last}.{secrets.token_hex(3)}.tmp" if head else f".{last}.{secrets.token_hex(3)}.tmp"
         with self._mutex:
-            self._unfinished[temp] = _Blob(bytearray(), self._clock())
+            self._unfinished[temp] = _Write(bytearray(), self._clock())
         return _MemoryWriter(self, name, temp)
 
     def _append(self, temp: str, data) -> None:
@@ -133,13 +142,8 @@ class MemoryBackend(Backend):
 
     def get_file(self, name: str, dest: Path) -> None:
         data = self._blob(name).data
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
+        with open(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as out:
+            out.write(data)
 
     def stat(self, name: str) -> BlobInfo:
         blob = self._blob(name)
@@ -147,7 +151,7 @@ class MemoryBackend(Backend):
 
     def list(self, prefix: str, incomplete: bool = False) -> builtins.list[BlobInfo]:
         with self._mutex:
-            blobs = self._unfinished if incomplete else self._blobs
+            blobs: dict[str, _Blob] | dict[str, _Write] = self._unfinished if incomplete else self._blobs
             found = [BlobInfo(name, len(blob.data), blob.modified) for name, blob in blobs.items()
                      if name.startswith(prefix)]
         return sorted(found, key=lambda info: info.name)
