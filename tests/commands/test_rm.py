@@ -1,10 +1,12 @@
 """ckpt/commands/rm.py: references resolved first, all or nothing; shared content kept."""
 
+import threading
+
 import pytest
 
 from ckpt.commands.rm import remove
 from ckpt.commands.verify import verify
-from ckpt.errors import CheckpointNotFound
+from ckpt.errors import CheckpointNotFound, StoreBusy
 from tests.commands.conftest import BASE, PAGE, Images, as_json, page
 
 
@@ -35,3 +37,27 @@ def test_one_unknown_reference_removes_nothing(store, checkpoints):
         remove(store, [web.id, "wbe"])
     assert "did you mean 'web'" in (raised.value.hint or "")
     assert store.checkpoint_ids() == [web.id]
+
+
+def test_rm_waits_for_a_command_holding_the_store_and_removes_nothing(store, checkpoints, monkeypatch):
+    """rm takes the exclusive lock: a dump or restore holding the shared one keeps it out."""
+    made = checkpoints.make("web")
+    monkeypatch.setenv("CKPT_LOCK_TIMEOUT", "0.2")  # the lock's timeout comes from the settings today
+    held, release = threading.Event(), threading.Event()
+
+    def restoring() -> None:
+        with store.lock(exclusive=False):
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=restoring)
+    holder.start()
+    try:
+        assert held.wait(5)
+        with pytest.raises(StoreBusy, match="memory://mem"):
+            remove(store, [made.id])
+        assert store.checkpoint_ids() == [made.id]
+    finally:
+        release.set()
+        holder.join(5)
+    assert as_json(remove(store, [made.id]))["removed"] == [made.id]

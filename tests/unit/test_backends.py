@@ -387,3 +387,58 @@ def test_wrappers_pass_on_the_safety_margin_and_the_clock(s3_url):
     assert remote.gc_margin() == 2 * remote.lock_ttl > 0
     assert wrapped.gc_margin() == remote.gc_margin()
     assert abs(wrapped.now() - time.time()) < 60
+
+
+def test_the_memory_backends_lock_excludes_between_threads_and_dies_with_its_holder():
+    """The lock tests above hold the lock in another process, which a memory backend cannot
+    share: here its holders are threads, and a holder that ends without releasing (as a
+    killed process would) blocks no one."""
+    import threading
+
+    from ckpt.store.backends.memory import MemoryBackend
+
+    backend = MemoryBackend()
+    held, release = threading.Event(), threading.Event()
+
+    def hold(exclusive: bool, until: threading.Event) -> None:
+        with backend.lock(exclusive, 5):
+            held.set()
+            until.wait(10)
+
+    holder = threading.Thread(target=hold, args=(True, release))
+    holder.start()
+    assert held.wait(5)
+    heard = []
+    for exclusive in (False, True):
+        with pytest.raises(StoreBusy, match=f"pid {os.getpid()}"):
+            with backend.lock(exclusive, 0.2, on_wait=heard.append):
+                pass
+    assert [[owner.mode for owner in owners] for owners in heard] == [["exclusive"]] * 2
+    release.set()
+    holder.join(5)
+    with backend.lock(True, 1):
+        assert backend.lock_holders() == []
+
+    held.clear()
+    release.clear()
+    shared = threading.Thread(target=hold, args=(False, release))
+    shared.start()
+    assert held.wait(5)
+    try:
+        with backend.lock(False, 0):
+            pass
+        with pytest.raises(StoreBusy):
+            with backend.lock(True, 0.2):
+                pass
+    finally:
+        release.set()
+        shared.join(5)
+
+    # A holder gone without releasing: entered in a thread that then ends (the context kept,
+    # or collecting it would release the lock).
+    entered = []
+    gone = threading.Thread(target=lambda: entered.append(backend.lock(True, 0)) or entered[0].__enter__())
+    gone.start()
+    gone.join(5)
+    with backend.lock(True, 1):
+        assert backend.lock_holders() == []

@@ -45,7 +45,7 @@ class _Write:
     modified: float
 
 
-@dataclass
+@dataclass(eq=False)  # each holding is itself: two of one thread are two
 class _Hold:
     """One holding of the lock: its owner (for messages) and the thread holding it, whose end
     makes the hold stale (as a flock dies with its process)."""
@@ -192,7 +192,8 @@ class MemoryBackend(Backend):
             yield
         finally:
             with self._lock_changed:
-                self._holds.remove(hold)
+                if hold in self._holds:  # else dropped as stale: its thread ended holding it
+                    self._holds.remove(hold)
                 self._lock_changed.notify_all()
 
     def _conflicting(self, exclusive: bool) -> bool:
