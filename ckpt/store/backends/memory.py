@@ -176,18 +176,7 @@ class MemoryBackend(Backend):
         process, a thread holding it shared that asks for it exclusive waits for itself: the
         timeout then says so (StoreBusy), as it would on a local store."""
         hold = _Hold(_owner(exclusive), threading.current_thread())
-        deadline = time.monotonic() + timeout
-        with self._lock_changed:
-            told = False
-            while self._conflicting(exclusive):
-                if on_wait is not None and not told:
-                    told = True
-                    on_wait(self.lock_holders())
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self._busy(timeout)
-                self._lock_changed.wait(min(left, 0.05))  # wakes to notice holders that died
-            self._holds.append(hold)
+        self._acquire(hold, timeout, on_wait)
         try:
             yield
         finally:
@@ -195,6 +184,25 @@ class MemoryBackend(Backend):
                 if hold in self._holds:  # else dropped as stale: its thread ended holding it
                     self._holds.remove(hold)
                 self._lock_changed.notify_all()
+
+    def _acquire(self, hold: _Hold, timeout: float,
+                 on_wait: Callable[[builtins.list[LockOwner]], None] | None) -> None:
+        deadline = time.monotonic() + timeout
+        told = on_wait is None
+        while True:
+            with self._lock_changed:
+                if not self._conflicting(hold.owner.mode == "exclusive"):
+                    self._holds.append(hold)
+                    return
+                if told:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise self._busy(timeout)
+                    self._lock_changed.wait(min(left, 0.05))  # wakes to notice holders that died
+                    continue
+            told = True
+            if on_wait is not None:  # outside the mutex: the callback may take its time
+                on_wait(self.lock_holders())
 
     def _conflicting(self, exclusive: bool) -> bool:
         """Whether a live hold excludes the one asked for; holds of ended threads are dropped."""
