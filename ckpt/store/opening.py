@@ -45,14 +45,13 @@ STORE_META = "store.json"
 
 @dataclass(frozen=True)
 class OpenedStore:
-    """A store once opened: the backend stack its blobs go through, and what it is.
+    """A store once opened: the backend stack its blobs go through, and what it is."""
 
-    location is how the user names it (its directory, or its s3:// URL); root is its local
-    directory (for a remote store, its local side under the cache directory)."""
-
+    # How the user names the store: its directory, or its s3:// URL.
     location: str
+    # Its local directory (for a remote store, its local side under the cache directory).
     root: Path
-    backend: Backend
+    backend: Backend  # the outermost layer of the stack: every blob goes through it
     remote: bool
     # The unlocked encryption layer (behind the cache, for a remote store), or None.
     encryption: EncryptedBackend | None = None
