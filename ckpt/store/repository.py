@@ -35,6 +35,7 @@ from ckpt.store.verify import verify as verify_checkpoint
 from ckpt.system.files import make_private_dir
 
 if TYPE_CHECKING:  # imported when needed: the encryption's (cryptography) costs a plain store's commands
+    from ckpt.store.backends.encrypted import EncryptedBackend
     from ckpt.store.keys import Keyring
 
 # What other modules import from here (the facade's vocabulary).
@@ -153,7 +154,7 @@ class Store:
         return Store(self.root, inner, location=self.location, settings=self._settings)
 
     @property
-    def encryption(self):
+    def encryption(self) -> EncryptedBackend | None:
         """The store's EncryptedBackend (behind the cache, for a remote store), or None."""
         return opening.find_encryption(self.backend)
 
