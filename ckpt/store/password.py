@@ -1,8 +1,11 @@
 """The password of an encrypted store: CKPT_PASSWORD, else the first line of CKPT_PASSWORD_FILE
 (or --password-file), else a prompt on the terminal when there is one.
 
-The prompt is the CLI's (it installs `prompt`); the core never talks to the terminal itself.
-A password is bytes from here on and is never logged or put in an error message.
+A PasswordSource holds the three and is passed to what opens a store (ckpt/store/opening.py).
+The prompt is the CLI's; the core never talks to the terminal itself. Until every caller
+passes a source (issue 25), the CLI also installs its prompt as `prompt`, which current_source
+and password_for combine with the installed settings. A password is bytes from here on and is
+never logged or put in an error message.
 """
 
 from __future__ import annotations
