@@ -1,4 +1,4 @@
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 from rich.table import Table
@@ -7,7 +7,7 @@ from ckpt.cli.options import JsonOption, StoreOption, open_store
 from ckpt.cli.output import emit_json, stderr, stdout
 from ckpt.commands import key as key_commands
 from ckpt.errors import UsageError
-from ckpt.store import password
+from ckpt.store import Store, password
 
 HELP = """Manage the passwords of an encrypted store.
 
@@ -59,13 +59,8 @@ def list_command(store: StoreOption = None, json_out: JsonOption = False) -> Non
 @key_app.command("add", help="Add a password.\n\nExamples:\n\n  ckpt key add --new-password-file /root/pw2")
 def add_command(new_password_file: NewPasswordFile = None, store: StoreOption = None,
                 json_out: JsonOption = False) -> None:
-    opened = open_store(store)
-    key_id = key_commands.add_key(opened, _new_password(new_password_file))
-    if json_out:
-        emit_json({"added": key_id})
-        return
-    stderr.print(f"added key {key_id}: the new password opens {opened.location} too")
-    print(key_id)
+    _new_key(key_commands.add_key, new_password_file, store, json_out,
+             lambda key_id, location: f"added key {key_id}: the new password opens {location} too")
 
 
 @key_app.command("remove", help="Remove a password (never the one in use, never the last).\n\n"
@@ -84,12 +79,19 @@ def remove_command(key_id: Annotated[str, typer.Argument(help="The key's id (or 
                                 "Examples:\n\n  ckpt key passwd --new-password-file /root/pw-new")
 def passwd_command(new_password_file: NewPasswordFile = None, store: StoreOption = None,
                    json_out: JsonOption = False) -> None:
+    _new_key(key_commands.change_password, new_password_file, store, json_out,
+             lambda key_id, location: f"changed the password: key {key_id} replaces the one in use")
+
+
+def _new_key(action: Callable[[Store, bytes], str], new_password_file: Optional[str], store: StoreOption,
+             json_out: bool, message: Callable[[str, str], str]) -> None:
+    """`key add` and `key passwd`: a new key for a new password, reported the same way."""
     opened = open_store(store)
-    key_id = key_commands.change_password(opened, _new_password(new_password_file))
+    key_id = action(opened, _new_password(new_password_file))
     if json_out:
         emit_json({"added": key_id})
         return
-    stderr.print(f"changed the password: key {key_id} replaces the one in use")
+    stderr.print(message(key_id, opened.location))
     print(key_id)
 
 

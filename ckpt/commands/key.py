@@ -9,35 +9,36 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ckpt.errors import UsageError
-from ckpt.store import Store, keys
-from ckpt.store.backends.encrypted import EncryptedBackend
+from ckpt.store import Store
+from ckpt.store.keys import Keyring
 
 
-def _encrypted(store: Store) -> EncryptedBackend:
-    if not isinstance(store.encryption, EncryptedBackend):
+def _keyring(store: Store) -> Keyring:
+    keyring = store.keyring
+    if keyring is None:
         raise UsageError(f"the store at {store.location} is not encrypted, so it has no keys",
                          hint="`ckpt init` makes encrypted stores (remote ones always, local ones with --encrypt)")
-    return store.encryption
+    return keyring
 
 
 def list_keys(store: Store) -> list[dict]:
-    backend = _encrypted(store)
-    return [{**asdict(key), "current": key.id == backend.key_id} for key in keys.list_keys(backend.inner)]
+    keyring = _keyring(store)
+    return [{**asdict(key), "current": key.id == keyring.in_use} for key in keyring.list()]
 
 
 def add_key(store: Store, new_password: bytes) -> str:
-    backend = _encrypted(store)
+    keyring = _keyring(store)
     with store.lock(exclusive=False):
-        return keys.add_key(backend.inner, backend.master_key, new_password)
+        return keyring.add(new_password)
 
 
 def remove_key(store: Store, key_id: str) -> str:
-    backend = _encrypted(store)
+    keyring = _keyring(store)
     with store.lock(exclusive=True):
-        return keys.remove_key(backend.inner, key_id, in_use=backend.key_id)
+        return keyring.remove(key_id)
 
 
 def change_password(store: Store, new_password: bytes) -> str:
-    backend = _encrypted(store)
+    keyring = _keyring(store)
     with store.lock(exclusive=True):
-        return keys.change_password(backend, new_password)
+        return keyring.change_password(new_password)

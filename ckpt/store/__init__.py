@@ -1,5 +1,9 @@
 """The checkpoint store (see docs/design.md). Standard library plus hashing/compression only.
 
+Store (repository.py) is the facade; opening.py opens a location into a backend stack
+(OpenedStore), objects.py, ingest.py, materialize.py and verify.py do the work on objects,
+keys.py manages passwords (Keyring), password.py says where they come from (PasswordSource).
+
 Store, FileEntry, Manifest and Origin are imported on first use: ckpt.store.ids (what a program's
 ckpt.checkpoint() needs) must not pay for the repository's imports (~0.2 s)."""
 

@@ -262,3 +262,32 @@ def change_password(backend: EncryptedBackend, password: bytes, params: KdfParam
     backend.inner.delete([_key_name(backend.key_id)])
     backend.key_id = new_id
     return new_id
+
+
+class Keyring:
+    """The passwords of an opened encrypted store (what `ckpt key` manages): its key files, and
+    the one it was opened with. The master key stays inside; callers hold the store's lock."""
+
+    def __init__(self, encryption: EncryptedBackend):
+        self._encryption = encryption
+
+    @property
+    def in_use(self) -> str | None:
+        """The id of the key file the store was opened with."""
+        return self._encryption.key_id
+
+    def list(self) -> list[KeyInfo]:
+        """The store's key files (unreadable ones left out), oldest first."""
+        return list_keys(self._encryption.inner)
+
+    def add(self, password: bytes) -> str:
+        """Adds a password (a key file wrapping the same master key); returns its key's id."""
+        return add_key(self._encryption.inner, self._encryption.master_key, password)
+
+    def remove(self, key_id: str) -> str:
+        """Removes a password (never the one in use, never the last); returns its key's full id."""
+        return remove_key(self._encryption.inner, key_id, in_use=self.in_use)
+
+    def change_password(self, password: bytes) -> str:
+        """Replaces the password in use by a new one; returns the new key's id."""
+        return change_password(self._encryption, password)

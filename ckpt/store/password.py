@@ -1,17 +1,23 @@
 """The password of an encrypted store: CKPT_PASSWORD, else the first line of CKPT_PASSWORD_FILE
 (or --password-file), else a prompt on the terminal when there is one.
 
-The prompt is the CLI's (it installs `prompt`); the core never talks to the terminal itself.
-A password is bytes from here on and is never logged or put in an error message.
+A PasswordSource holds the three and is passed to what opens a store (ckpt/store/opening.py).
+The prompt is the CLI's; the core never talks to the terminal itself. Until every caller
+passes a source (issue 25), the CLI also installs its prompt as `prompt`, which current_source
+and password_for combine with the installed settings. A password is bytes from here on and is
+never logged or put in an error message.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from ckpt import settings
+from ckpt.settings import Settings
 from ckpt.errors import PasswordNeeded, UsageError
 from ckpt.store.fsutil import owner_name
 
@@ -19,20 +25,55 @@ from ckpt.store.fsutil import owner_name
 prompt: Callable[[str, bool], str] | None = None
 
 
+@dataclass(frozen=True)
+class PasswordSource:
+    """Where the passwords of encrypted stores come from, in this order: the password itself
+    (CKPT_PASSWORD), the first line of a file (CKPT_PASSWORD_FILE or --password-file), a prompt
+    on the terminal. Passed to what opens a store, so the core has no hidden input."""
+
+    password: str | None = field(default=None, repr=False)
+    password_file: Path | None = None
+    ask: Callable[[str, bool], str] | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_settings(cls, current: Settings, ask: Callable[[str, bool], str] | None = None) -> PasswordSource:
+        return cls(current.password, current.password_file, ask)
+
+    def password_for(self, location: str, confirm: bool = False) -> bytes:
+        """The password of the store at location; PasswordNeeded when none is given anywhere."""
+        if self.password:
+            return self.password.encode()
+        if self.password_file is not None:
+            return read_password_file(self.password_file)
+        if self.ask is not None:
+            text = self.ask(f"password of the store at {location}", confirm)
+            if not text:
+                raise UsageError("an empty password", hint="type the store's password")
+            return text.encode()
+        raise PasswordNeeded(f"the store at {location} is encrypted and no password was given",
+                             hint="set CKPT_PASSWORD or CKPT_PASSWORD_FILE (or pass --password-file)")
+
+
+def current_source(passed: Settings | None = None) -> PasswordSource:
+    """The password source of these settings (else the installed ones) and of the CLI's prompt."""
+    # settings passed down: see issue 25 (the lookup of the installed settings is left to the lead)
+    return PasswordSource.from_settings(passed or settings.current(), prompt)
+
+
+@dataclass(frozen=True)
+class DeferredPasswordSource(PasswordSource):
+    """The password source of settings (None: the installed ones) and of the CLI's prompt,
+    looked up only when a password is needed: opening a plain store reads no setting."""
+
+    settings: Settings | None = None
+
+    def password_for(self, location: str, confirm: bool = False) -> bytes:
+        return current_source(self.settings).password_for(location, confirm)
+
+
 def password_for(location: str, confirm: bool = False) -> bytes:
-    """The password of the store at location; PasswordNeeded when none is given anywhere."""
-    current = settings.current()
-    if current.password:
-        return current.password.encode()
-    if current.password_file is not None:
-        return read_password_file(current.password_file)
-    if prompt is not None:
-        text = prompt(f"password of the store at {location}", confirm)
-        if not text:
-            raise UsageError("an empty password", hint="type the store's password")
-        return text.encode()
-    raise PasswordNeeded(f"the store at {location} is encrypted and no password was given",
-                         hint="set CKPT_PASSWORD or CKPT_PASSWORD_FILE (or pass --password-file)")
+    """The password of the store at location, from the installed settings and the CLI's prompt."""
+    return current_source().password_for(location, confirm)
 
 
 def read_password_file(path: str | os.PathLike) -> bytes:

@@ -372,3 +372,35 @@ def test_prune_never_copies_a_live_tampered_segment_and_keeps_its_pack(encrypted
     assert store.verify(tail), "still damaged where it was"
     fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
     assert store.verify(tail) == [], "healed by a dump of the same pages"
+
+
+# ---- opening an encrypted store, and its keyring ----------------------------------------------
+
+def test_an_encrypted_store_opens_with_a_password_source_and_manages_its_keys(tmp_path):
+    """The seams of ckpt/store/opening.py and Store.keyring: no CKPT_* variable steers them."""
+    from ckpt.settings import Settings
+    from ckpt.store import opening
+    from ckpt.store.password import PasswordSource
+
+    root = tmp_path / "store"
+    passed = Settings(store=root, cache=tmp_path / "cache")
+    Store.open_local(root, create=True, password=b"one", settings=passed)
+    opened = opening.open_store(root, passed, PasswordSource("one"))
+    assert opened.location == str(root) and opened.root == root and not opened.remote and opened.cache is None
+    assert isinstance(opened.encryption, EncryptedBackend) and opened.backend is opened.encryption
+    with pytest.raises(WrongPassword):
+        opening.open_store(root, passed, PasswordSource("two"))
+    store = Store.open(root, settings=passed, passwords=PasswordSource("one"))
+    keyring = store.keyring
+    assert keyring is not None and [key.id for key in keyring.list()] == [keyring.in_use]
+    first = keyring.in_use
+    second = keyring.add(b"two")
+    assert {key.id for key in keyring.list()} == {first, second}
+    with pytest.raises(UsageError, match="opened the store with"):
+        keyring.remove(first)
+    third = keyring.change_password(b"three")
+    assert keyring.in_use == third and {key.id for key in keyring.list()} == {second, third}
+    assert keyring.remove(second) == second
+    assert Store.open(root, settings=passed, passwords=PasswordSource("three")).keyring.in_use == third
+    plain = Store.open(tmp_path / "plain", create=True, settings=passed, passwords=PasswordSource())
+    assert plain.keyring is None and plain.encryption is None

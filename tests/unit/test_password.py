@@ -49,3 +49,39 @@ def test_a_password_file_owned_by_another_user_is_refused(tmp_path, monkeypatch)
     monkeypatch.setenv("CKPT_PASSWORD_FILE", str(path))
     with pytest.raises(UsageError, match="belongs to"):
         password_for("somewhere")
+
+
+# ---- a password source passed in (no environment needed) ---------------------------------
+
+def test_a_password_source_tries_the_password_then_the_file_then_the_prompt(tmp_path):
+    from ckpt.errors import PasswordNeeded
+    from ckpt.store.password import PasswordSource
+
+    asked = []
+
+    def ask(question, confirm):
+        asked.append((question, confirm))
+        return "typed"
+
+    path = password_file(tmp_path)
+    assert PasswordSource("given", path, ask).password_for("here") == b"given"
+    assert PasswordSource(None, path, ask).password_for("here") == b"correct horse"
+    assert PasswordSource(None, None, ask).password_for("here", confirm=True) == b"typed"
+    assert asked == [("password of the store at here", True)]
+    with pytest.raises(UsageError, match="an empty password"):
+        PasswordSource(ask=lambda question, confirm: "").password_for("here")
+    with pytest.raises(PasswordNeeded, match="the store at here is encrypted"):
+        PasswordSource().password_for("here")
+    assert "given" not in repr(PasswordSource("given"))
+
+
+def test_a_deferred_source_reads_its_settings_only_when_a_password_is_needed(tmp_path, monkeypatch):
+    from ckpt.settings import Settings
+    from ckpt.store.password import DeferredPasswordSource
+
+    monkeypatch.setenv("CKPT_LOCK_TIMEOUT", "not a number")  # read now, it would be a usage error
+    deferred = DeferredPasswordSource(settings=Settings(password="passed"))
+    assert deferred.password_for("here") == b"passed"
+    monkeypatch.setenv("CKPT_LOCK_TIMEOUT", "5")
+    monkeypatch.setenv("CKPT_PASSWORD", "from the environment")
+    assert DeferredPasswordSource().password_for("here") == b"from the environment"

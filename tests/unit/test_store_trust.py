@@ -263,3 +263,17 @@ def test_a_dev_shm_without_the_sticky_bit_is_not_used_for_staging(tmp_path, monk
         StagingArea.in_ram(tmp_path / "store")
     os.chmod(shm, 0o1777)
     assert StagingArea.in_ram(tmp_path / "store").base == shm
+
+
+def test_the_local_side_of_a_remote_store_is_under_the_cache_passed_in(tmp_path, monkeypatch):
+    """Opening takes its settings as arguments (ckpt/store/opening.py): CKPT_CACHE is not read."""
+    from ckpt.settings import Settings
+    from ckpt.store import opening
+
+    monkeypatch.setenv("CKPT_CACHE", str(tmp_path / "not-this-one"))
+    local = opening.local_side("s3://bucket/prefix", tmp_path / "cache")
+    assert local.parent.parent == tmp_path / "cache" and (local / "url").read_text() == "s3://bucket/prefix\n"
+    assert sorted(p.name for p in local.iterdir()) == ["logs", "schedules", "tmp", "url"]
+    assert Store.local_side("s3://bucket/prefix", settings=Settings(cache=tmp_path / "cache")) == local
+    assert opening.local_dir(tmp_path / "store", tmp_path / "cache") == tmp_path / "store"
+    assert not (tmp_path / "not-this-one").exists()

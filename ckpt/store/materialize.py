@@ -1,0 +1,79 @@
+"""Laying a checkpoint's images out in a directory, each verified on the way: for a restore,
+for inspection (show, diff, check), or as the parent images of a dirty-tracking dump."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from ckpt.errors import DamagedCheckpoint
+from ckpt.reporting import NullReporter, Reporter
+from ckpt.store.manifest import Manifest
+from ckpt.store.objects import Objects
+from ckpt.store.staging import StagingArea, discard
+from ckpt.system.files import FILE_MODE, make_private_dir
+
+# Per pages image, the page ranges a page server is to serve (a lazy restore): left out.
+HolesFor = Callable[[Path], dict[str, list[tuple[int, int]]]]
+
+
+def materialize(objects: Objects, area: StagingArea, manifest: Manifest, reporter: Reporter = NullReporter(),
+                skip_pages: bool = False, holes_for: HolesFor | None = None) -> tuple[Path, dict[str, list[int]]]:
+    """Writes the checkpoint's images into a fresh restore-* directory of area, verifying each.
+
+    skip_pages leaves out the page data (for inspection, which needs only the metadata).
+    holes_for(directory), called once every image but the pages images is written, names
+    the page ranges to verify but leave out. Returns the directory and, per pages image with
+    holes, the location of each page (what a page server reads)."""
+    dest = area.new_dir("restore")
+    total = manifest.bytes_total or 1
+    done = 0
+    locations: dict[str, list[int]] = {}
+    holes: dict[str, list[tuple[int, int]]] | None = None
+    try:
+        # Pages images last: which of their pages a lazy restore leaves out depends on the pagemaps.
+        for entry in sorted(manifest.files, key=lambda e: e.kind == "pages"):
+            if entry.kind == "pages":
+                if skip_pages:
+                    continue
+                if holes is None:
+                    holes = holes_for(dest) if holes_for is not None else {}
+                found = objects.check_entry(entry, dest / entry.name, holes=holes.get(entry.name, ()))
+                if holes.get(entry.name) and found is not None:
+                    locations[entry.name] = found
+            else:
+                objects.check_entry(entry, dest / entry.name)
+            done += entry.size
+            reporter.progress(done, total, "verifying images")
+    except BaseException:
+        discard(dest)
+        raise
+    return dest, locations
+
+
+def materialize_parent(objects: Objects, manifest: Manifest, dest: Path) -> None:
+    """Lays out a checkpoint as the parent images of a dirty-tracking dump: CRIU reads only the
+    parent's inventory and pagemaps, so its pages images are left as sparse files of their
+    size (no page is read or written)."""
+    if objects.blocks.damage_markers():
+        # CRIU would take pages from the parent without reading them: none may be damaged.
+        _check_no_damaged_pages(objects, manifest)
+    make_private_dir(dest)
+    for entry in manifest.files:
+        if entry.kind == "pages":
+            with open(os.open(dest / entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
+                f.truncate(entry.size)
+        elif entry.name == "inventory.img" or entry.name.startswith("pagemap-"):
+            objects.check_entry(entry, dest / entry.name)
+
+
+def _check_no_damaged_pages(objects: Objects, manifest: Manifest) -> None:
+    index = objects.blocks.index()
+    for entry in manifest.files:
+        if entry.kind == "pages":
+            page_list = objects.load_page_list(entry)
+            objects.blocks.check_suspect(page_list)
+            if not index.held(page_list).all():
+                raise DamagedCheckpoint(f"checkpoint {manifest.id}: image {entry.name} holds pages "
+                                        "recorded as damaged")

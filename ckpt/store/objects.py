@@ -1,0 +1,191 @@
+"""The store's objects: image files (all but the pages images) and page lists, each kept once,
+named by the BLAKE3 of its content, compressed with zstd or not at all (see "Objects" in
+docs/design.md). The pages themselves are in the block store (ckpt/store/blocks/).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import blake3
+import zstandard
+
+from ckpt.errors import DamagedCheckpoint
+from ckpt.store.backends import Backend, BlobNotFound, BlobStream
+from ckpt.store.blocks.blockstore import BlockStore
+from ckpt.store.manifest import FileEntry
+from ckpt.system.files import FILE_MODE
+
+# An object is kept compressed with zstd or not at all (a dump with lz4 keeps its objects as
+# zstd): its codec is the suffix of its name, zstd looked for first.
+OBJECT_SUFFIX = {"zstd": ".zst", "none": ""}
+OBJECTS_PREFIX = "objects/"
+INDEX_AND_PACKS = ("packs/", "index/")
+ZSTD_LEVEL = 1
+CHUNK = 4 << 20
+HASH_CHUNK = 64 << 20  # read at a time to hash a stored object (blake3 hashes it on every core)
+SAMPLE = 1 << 20
+SAMPLES = 16
+
+
+def worth_compressing(path: Path) -> bool:
+    """Samples the file: data that does not shrink by 10% is stored as it is. Compressing it
+    would cost a pass over it on every dump and every restore for nothing."""
+    size = path.stat().st_size
+    if size < SAMPLE:
+        return True
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    with open(path, "rb") as f:
+        raw = packed = 0
+        for k in range(SAMPLES):
+            f.seek((size - SAMPLE // SAMPLES) * k // (SAMPLES - 1))
+            chunk = f.read(SAMPLE // SAMPLES)
+            raw += len(chunk)
+            packed += len(compressor.compress(chunk))
+    return packed < 0.9 * raw
+
+
+def hash_file(path: Path) -> str:
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if path.stat().st_size:
+        hasher.update_mmap(path)
+    return hasher.hexdigest()
+
+
+def object_name(digest: str, codec: str) -> str:
+    return f"{OBJECTS_PREFIX}{digest[:2]}/{digest}{OBJECT_SUFFIX[codec]}"
+
+
+class Objects:
+    """The objects of a store, through its backend; pages images are checked and written
+    through its block store. remote: the store is remote (a hole's pages are then not read
+    back to be checked: see BlockStore.write_image)."""
+
+    def __init__(self, backend: Backend, blocks: BlockStore, remote: bool = False):
+        self.backend = backend
+        self.blocks = blocks
+        self.remote = remote
+
+    def find(self, digest: str) -> tuple[str, str] | None:
+        """(blob name, codec) of the object holding that content, or None."""
+        for codec in OBJECT_SUFFIX:
+            name = object_name(digest, codec)
+            if self.backend.exists(name):
+                return name, codec
+        return None
+
+    def put_bytes(self, data: bytes, superseded: list[str]) -> tuple[str, int, int]:
+        """Stores bytes as an object (codec none); returns (hash, stored size, bytes added).
+        A damaged existing copy is replaced (one under another codec's name goes to superseded)."""
+        digest = blake3.blake3(data).hexdigest()
+        existing = self.find(digest)
+        if existing and self.intact(*existing, digest):
+            return digest, len(data), 0
+        name = object_name(digest, "none")
+        self.backend.put(name, data)
+        if existing and existing[0] != name:
+            superseded.append(existing[0])
+        return digest, len(data), len(data)
+
+    def intact(self, name: str, codec: str, digest: str) -> bool:
+        """Whether a stored object still holds the content its name promises."""
+        try:
+            return self.read_into(FileEntry(name.rpartition("/")[2], 0, digest, codec, 0), None) == digest
+        except (DamagedCheckpoint, OSError):
+            return False
+
+    def load_page_list(self, entry: FileEntry) -> bytes:
+        found = self.find(entry.hash)
+        try:
+            data = self.backend.get(found[0]) if found is not None else None
+        except BlobNotFound:
+            data = None
+        if data is None:
+            raise DamagedCheckpoint(f"image {entry.name}: its page list is missing from the store")
+        if blake3.blake3(data).hexdigest() != entry.hash:
+            raise DamagedCheckpoint(f"image {entry.name}: its page list is damaged")
+        return data
+
+    def store_file(self, source: Path, digest: str, codec: str) -> tuple[str, int]:
+        """Stores one file under its hash; returns the codec used and the stored size."""
+        if codec == "zstd" and not worth_compressing(source):
+            codec = "none"
+        name = object_name(digest, codec)
+        if codec == "none":
+            return codec, self.backend.put_file(name, source)  # locally a rename: no copy
+        compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=True)
+        with open(source, "rb") as src, self.backend.writer(name) as dst:
+            compressor.copy_stream(src, dst, size=source.stat().st_size,  # type: ignore[arg-type]  # only write()
+                                   read_size=CHUNK, write_size=CHUNK)
+            dst.commit()
+        source.unlink()
+        return codec, dst.written
+
+    def read_into(self, entry: FileEntry, dest: Path | None) -> str:
+        """Streams an object (decompressed) into dest, or nowhere; returns the content's hash."""
+        found = self.find(entry.hash)
+        missing = DamagedCheckpoint(f"image {entry.name}: object {entry.hash[:16]}… is missing from the store")
+        if found is None:
+            raise missing
+        name, codec = found
+        try:
+            if codec == "none":
+                if dest is not None:
+                    self.backend.get_file(name, dest)  # locally a hard link: no copy
+                    return hash_file(dest)
+                return self.hash_blob(name)
+            return self._decompress_into(entry, name, dest)
+        except BlobNotFound:
+            raise missing from None
+
+    def _decompress_into(self, entry: FileEntry, name: str, dest: Path | None) -> str:
+        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        out = open(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") if dest else None
+        try:
+            reader = zstandard.ZstdDecompressor().stream_reader(BlobStream(self.backend, name, CHUNK),  # type: ignore[arg-type]
+                                                               read_size=CHUNK)
+            while chunk := reader.read(CHUNK):
+                hasher.update(chunk)
+                if out:
+                    out.write(chunk)
+        except zstandard.ZstdError as exc:
+            raise DamagedCheckpoint(f"image {entry.name}: object {self.backend.where(name)} cannot be "
+                                    f"decompressed ({exc})") from exc
+        finally:
+            if out:
+                out.close()
+        return hasher.hexdigest()
+
+    def hash_blob(self, name: str) -> str:
+        """The BLAKE3 of a stored blob, read in ranges (locally, views of a mapping: no copy)."""
+        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        with self.backend.reader() as reader:
+            size = reader.size(name)
+            for offset in range(0, size, HASH_CHUNK):
+                with reader.read(name, offset, HASH_CHUNK) as view:
+                    hasher.update(view)
+        return hasher.hexdigest()
+
+    def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False,
+                    holes: Sequence[tuple[int, int]] = ()) -> list[int] | None:
+        """Checks one image (writing it to dest if given). For a pages image, returns the
+        location of each of its pages; holes are page ranges checked but not written."""
+        if entry.kind == "pages":
+            return self.blocks.write_image(entry.name, self.load_page_list(entry), dest, check_ids=thorough,
+                                           holes=holes, check_holes=not self.remote)
+        digest = self.read_into(entry, dest)
+        if digest != entry.hash:
+            raise DamagedCheckpoint(f"image {entry.name} is damaged: its content hash is {digest[:16]}…, "
+                                    f"the manifest says {entry.hash[:16]}…")
+        return None
+
+    def iter_sizes(self) -> Iterator[int]:
+        """The size of each object, pack and index file."""
+        for prefix in (OBJECTS_PREFIX, *INDEX_AND_PACKS):
+            for info in self.backend.list(prefix):
+                yield info.size
+
+    def total_bytes(self) -> int:
+        return sum(self.iter_sizes())
