@@ -1,7 +1,7 @@
 import typer
 
-from ckpt.cli.options import DryRunOption, JsonOption, QuietOption, StoreOption, VerboseOption, open_store
-from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr
+from ckpt.cli.options import CHANGING, NO_FLAGS, SharedFlags, open_store, shared_flags
+from ckpt.cli.output import emit_json, human_bytes, stderr
 from ckpt.commands.prune import prune
 
 HELP = """Reclaim the space of data no checkpoint references any more.
@@ -19,15 +19,16 @@ Examples:
 
 def register(app: typer.Typer) -> None:
     @app.command("prune", help=HELP)
-    def prune_command(store: StoreOption = None, dry_run: DryRunOption = False, json_out: JsonOption = False,
-                      quiet: QuietOption = False, verbose: VerboseOption = False) -> None:
-        reporter = CliReporter(quiet=quiet, verbose=verbose)
-        result = prune(open_store(store, create=False, reporter=reporter), dry_run=dry_run, reporter=reporter)
-        if json_out:
+    @shared_flags(CHANGING)
+    def prune_command(flags: SharedFlags = NO_FLAGS) -> None:
+        reporter = flags.reporter()
+        result = prune(open_store(flags.store, create=False, reporter=reporter), dry_run=flags.dry_run,
+                       reporter=reporter)
+        if flags.json_out:
             emit_json(result)
             return
-        if not quiet:
-            verb = "would free" if dry_run else "freed"
+        if not flags.quiet:
+            verb = "would free" if flags.dry_run else "freed"
             stderr.print(f"{verb} {human_bytes(result['bytes_freed'])}: {len(result['drop_packs'])} pack(s) dropped, "
                          f"{len(result['repack'])} repacked, {result['objects']} object(s) and "
                          f"{len(result['unindexed_packs'])} leftover pack(s) removed, "
