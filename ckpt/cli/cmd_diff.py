@@ -32,15 +32,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         reporter = flags.reporter()
         result = diff(open_store(flags.store, create=False, reporter=reporter), first, second)
-        reporter.detail(f"{first} is checkpoint {result['from']}, {second} is {result['to']}")
+        reporter.detail(f"{first} is checkpoint {result.from_id}, {second} is {result.to_id}")
         if flags.json_out:
-            emit_json(result)
+            emit_json(result.to_json())
             return
-        stdout.print(f"{result['from']} -> {result['to']}")
-        procs = result["processes"]
-        if procs["added"] or procs["removed"]:
-            stdout.print(f"processes: +{procs['added']} -{procs['removed']}")
-        for p in result["per_process"]:
+        stdout.print(f"{result.from_id} -> {result.to_id}")
+        if result.added or result.removed:
+            stdout.print(f"processes: +{result.added} -{result.removed}")
+        for p in result.per_process:
             pages, maps = p["pages"], p["mappings"]
             stdout.print(f"PID {p['pid']} {p['command']}")
             stdout.print(f"  pages: {pages['changed']} changed ({human_bytes(pages['bytes_changed'])}), "

@@ -41,13 +41,13 @@ def register(app: typer.Typer) -> None:
         result = forget(open_store(flags.store, create=False), policy, name=name, prune=prune, dry_run=flags.dry_run,
                         allow_remove_all=allow_remove_all, reporter=flags.reporter())
         if flags.json_out:
-            emit_json(result)
+            emit_json(result.to_json())
             return
-        for kept in result["keep"]:
-            stdout.print(f"keep    {kept['id']}  {kept['group']}  ({', '.join(kept['reasons'])})")
-        for removed in result["remove"]:
-            stdout.print(f"{'would remove' if flags.dry_run else 'remove'}  {removed['id']}  {removed['group']}")
+        for kept in result.kept:
+            stdout.print(f"keep    {kept.id}  {kept.group}  ({', '.join(kept.reasons)})")
+        for removed in result.removed:
+            stdout.print(f"{'would remove' if flags.dry_run else 'remove'}  {removed.id}  {removed.group}")
         if not flags.quiet:
-            stderr.print(f"{len(result['keep'])} kept, {len(result['remove'])} "
+            stderr.print(f"{len(result.kept)} kept, {len(result.removed)} "
                          f"{'to remove' if flags.dry_run else 'removed'}"
-                         + (f", {human_bytes(result['bytes_freed'])} freed" if result["pruned"] else ""))
+                         + (f", {human_bytes(result.bytes_freed)} freed" if result.pruned else ""))

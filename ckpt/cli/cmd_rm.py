@@ -29,11 +29,11 @@ def register(app: typer.Typer) -> None:
         result = remove(open_store(flags.store, create=False, reporter=reporter), refs, dry_run=flags.dry_run,
                         reporter=reporter)
         if flags.json_out:
-            emit_json(result)
+            emit_json(result.to_json())
             return
         if not flags.quiet:
-            verb = "would remove" if flags.dry_run else "removed"
-            stderr.print(f"{verb} {len(result['removed'])} checkpoint(s)"
-                         + ("" if flags.dry_run else f", freed {human_bytes(result['bytes_freed'])}"))
-        for checkpoint_id in result["removed"]:
+            verb = "would remove" if result.dry_run else "removed"
+            stderr.print(f"{verb} {len(result.removed)} checkpoint(s)"
+                         + ("" if result.dry_run else f", freed {human_bytes(result.bytes_freed)}"))
+        for checkpoint_id in result.removed:
             print(checkpoint_id)

@@ -39,10 +39,11 @@ def register(app: typer.Typer) -> None:
         flags: SharedFlags = NO_FLAGS,
     ) -> None:
         reporter = flags.reporter()
-        data = inspect(open_store(flags.store, create=False, reporter=reporter), ref)
-        reporter.detail(f"{ref} is checkpoint {data['id']}")
-        for failure in data["lazy_restore_failures"]:
+        described = inspect(open_store(flags.store, create=False, reporter=reporter), ref)
+        reporter.detail(f"{ref} is checkpoint {described.manifest.id}")
+        for failure in described.lazy_restore_failures:
             reporter.warn(f"{describe(failure)} ({failure.get('time', '?')})")
+        data = described.to_json()  # what follows shows the --json form, field by field
         if flags.json_out:
             emit_json(data)
             return
