@@ -1,8 +1,9 @@
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
+from rich.text import Text
 
 from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, shared_flags, store_root
 from ckpt.cli.output import emit_json, human_bytes, stderr, styled
@@ -78,38 +79,46 @@ def register(app: typer.Typer) -> None:
         result_file: Annotated[Optional[str], typer.Option("--result-file", hidden=True)] = None,
     ) -> None:
         answer = _result_file(result_file, checkpoint_id, pid)
-        reporter = flags.reporter()
-        try:
-            result = dump(store_root(flags.store), DumpRequest(
-                pid=pid, name=name, stop=stop, codec=compression, shell_job=shell_job,
-                tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
-                pre_dump_hook=pre_dump, dirty_tracking=dirty_tracking, checkpoint_id=checkpoint_id,
-                section_timeout=section_timeout,
-                # --result-file: the dumper that ckpt.checkpoint() started, not a person
-                origin=Origin("api" if answer is not None else "dump")), reporter)
-        except BaseException as exc:
-            if answer is not None:
-                answer.failed(exc)
-            raise
-        finally:
-            reporter.close()
+        result = _dump(flags, answer, pid=pid, name=name, stop=stop, codec=compression, shell_job=shell_job,
+                       tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
+                       pre_dump_hook=pre_dump, dirty_tracking=dirty_tracking, checkpoint_id=checkpoint_id,
+                       section_timeout=section_timeout)
         if answer is not None:
             answer.succeeded(result)
-        m = result.manifest
         if flags.json_out:
             emit_json(result.to_json())
             return
         if not flags.quiet:
-            ratio = m.stats.get("compression_ratio")
-            stderr.print(styled(f"checkpoint {m.id}", "green", f": {len(m.processes)} process(es), "
-                         f"{m.stats.get('pages')} pages ({m.stats.get('pages_new')} new), "
-                         f"{human_bytes(m.bytes_stored)} new in the store, "
-                         f"{human_bytes(m.stats.get('bytes_dedup'))} deduplicated"
-                         + (f", compression {ratio}x" if ratio else "")
-                         + _tracking_note(m)
-                         + f", frozen {m.stats.get('freeze_ms')} ms, took {m.stats.get('duration_ms')} ms"
-                         + (", target ended" if stop else "")))
-        print(m.id)
+            stderr.print(_summary(result.manifest, stop))
+        print(result.manifest.id)
+
+
+def _dump(flags: SharedFlags, answer: "Optional[_Answer]", **request: Any) -> DumpResult:
+    """The dump; its failure, whatever it is, is told to the program waiting for the result file."""
+    reporter = flags.reporter()
+    try:
+        return dump(store_root(flags.store), DumpRequest(
+            **request,
+            # --result-file: the dumper that ckpt.checkpoint() started, not a person
+            origin=Origin("api" if answer is not None else "dump")), reporter)
+    except BaseException as exc:
+        if answer is not None:
+            answer.failed(exc)
+        raise
+    finally:
+        reporter.close()
+
+
+def _summary(m, stop: bool) -> Text:
+    ratio = m.stats.get("compression_ratio")
+    return styled(f"checkpoint {m.id}", "green", f": {len(m.processes)} process(es), "
+                  f"{m.stats.get('pages')} pages ({m.stats.get('pages_new')} new), "
+                  f"{human_bytes(m.bytes_stored)} new in the store, "
+                  f"{human_bytes(m.stats.get('bytes_dedup'))} deduplicated"
+                  + (f", compression {ratio}x" if ratio else "")
+                  + _tracking_note(m)
+                  + f", frozen {m.stats.get('freeze_ms')} ms, took {m.stats.get('duration_ms')} ms"
+                  + (", target ended" if stop else ""))
 
 
 class _Answer:

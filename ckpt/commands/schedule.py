@@ -57,28 +57,8 @@ def add(book: ScheduleBook, request: AddRequest, facts: schedulers.Facts | None 
     if book.path(name).exists() and not replace:
         raise UsageError(f"a schedule named '{name}' exists already",
                          hint="pass --replace to replace it, or see 'ckpt schedule list'")
-    if len(target) != 1:
-        raise UsageError("give exactly one target: --pid, --pidfile or --match")
-    if "pid" in target:
-        procs.check_pid(target["pid"])
-        if target["pid"] == 1:
-            raise UsageError("PID 1 (init) cannot be checkpointed", hint="give the PID of the process tree to save")
-    if "pidfile" in target:
-        # Cron runs ckpt from $HOME: a relative path would name another file there.
-        target = {"pidfile": str(Path(target["pidfile"]).expanduser().absolute())}
-    if "match" in target:
-        try:
-            re.compile(target["match"])
-        except re.error as exc:
-            raise UsageError(f"invalid --match regular expression: {exc}") from None
-    if bool(every) == bool(cron_expr):
-        raise UsageError("give exactly one of --every DURATION and --cron 'EXPR'")
-    if every:
-        from ckpt.schedule.retention import parse_duration
-
-        expr = cron.every_to_cron(parse_duration(every))
-    else:
-        expr = cron.check(cron_expr or "")  # given: exactly one of the two is (checked above)
+    target = _checked_target(target)
+    expr = _cron_expression(every, cron_expr)
     if copy_to is not None:
         copy_to = destination_spec(copy_to, book.store_root)
     facts = facts or schedulers.Facts.here()
@@ -104,6 +84,36 @@ def add(book: ScheduleBook, request: AddRequest, facts: schedulers.Facts | None 
     where = book.install(schedule, facts.runs("systemd"))
     warning = schedulers.warning(scheduler, facts)
     return Added(schedule, where, warning is None, warning)
+
+
+def _checked_target(target: dict) -> dict:
+    """The schedule's target (one of pid, pidfile, match), checked; a pidfile made absolute."""
+    if len(target) != 1:
+        raise UsageError("give exactly one target: --pid, --pidfile or --match")
+    if "pid" in target:
+        procs.check_pid(target["pid"])
+        if target["pid"] == 1:
+            raise UsageError("PID 1 (init) cannot be checkpointed", hint="give the PID of the process tree to save")
+    if "pidfile" in target:
+        # Cron runs ckpt from $HOME: a relative path would name another file there.
+        target = {"pidfile": str(Path(target["pidfile"]).expanduser().absolute())}
+    if "match" in target:
+        try:
+            re.compile(target["match"])
+        except re.error as exc:
+            raise UsageError(f"invalid --match regular expression: {exc}") from None
+    return target
+
+
+def _cron_expression(every: str | None, cron_expr: str | None) -> str:
+    """The cron expression of --every DURATION or --cron EXPR (exactly one of them), checked."""
+    if bool(every) == bool(cron_expr):
+        raise UsageError("give exactly one of --every DURATION and --cron 'EXPR'")
+    if every:
+        from ckpt.schedule.retention import parse_duration
+
+        return cron.every_to_cron(parse_duration(every))
+    return cron.check(cron_expr or "")  # given: exactly one of the two is (checked above)
 
 
 def destination_spec(copy_to: str, store_root: settings.StoreLocation) -> str:

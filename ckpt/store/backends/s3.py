@@ -441,16 +441,21 @@ class S3Backend(Backend):
                 break
             except _STREAM_ERRORS as exc:
                 failures += 1
-                pause = min(2.0, 0.05 * 2 ** failures) * random.random()
-                if time.monotonic() + pause >= deadline and isinstance(exc, (ReadTimeoutError, TimeoutError)):
-                    raise self._not_answering("GetObject", name) from None
-                if failures > STREAM_RETRIES or time.monotonic() + pause >= deadline:
-                    raise self._typed(exc if isinstance(exc, BotoCoreError) else ConnectionClosedError(
-                        endpoint_url=self.endpoint), "GetObject", self.where(name)) from None
-                time.sleep(pause)
+                time.sleep(self._pause_before_reading_again(name, exc, failures, deadline))
             finally:
                 body.close()
         return pieces, total, etag
+
+    def _pause_before_reading_again(self, name: str, exc: Exception, failures: int, deadline: float) -> float:
+        """How long to wait before asking again for a body cut midway (random, growing), or the
+        error to raise when that was the last try or the deadline would pass meanwhile."""
+        pause = min(2.0, 0.05 * 2 ** failures) * random.random()
+        if time.monotonic() + pause >= deadline and isinstance(exc, (ReadTimeoutError, TimeoutError)):
+            raise self._not_answering("GetObject", name) from None
+        if failures > STREAM_RETRIES or time.monotonic() + pause >= deadline:
+            raise self._typed(exc if isinstance(exc, BotoCoreError) else ConnectionClosedError(
+                endpoint_url=self.endpoint), "GetObject", self.where(name)) from None
+        return pause
 
     def _read_ranges(self, name: str, offset: int, end: int | None,
                      sink: Callable[[int, bytes], None] | None = None,
