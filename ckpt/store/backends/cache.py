@@ -36,7 +36,7 @@ from ckpt.store.backends.base import (Backend, BlobInfo, BlobNotFound, BlobWrite
                                       check_name)
 from ckpt.store.backends.local import LocalBackend
 from ckpt.store.fsutil import check_trusted_dir
-from ckpt.system.files import FILE_MODE, make_private_dir, write_all
+from ckpt.system.files import FILE_MODE, make_private_dir, pwrite_all, write_all
 
 CACHED_PREFIXES = ("index/", "objects/", "packs/")
 # Blobs named by the BLAKE3 of their content (objects: of their decompressed content): a
@@ -675,12 +675,8 @@ class _Assembly:
         self.covered = 0
 
     def add(self, offset: int, data) -> None:
-        view = memoryview(data)
-        end = offset + len(view)
-        position = offset
-        while view:
-            written = os.pwrite(self.fd, view, position)
-            view, position = view[written:], position + written
+        end = offset + memoryview(data).nbytes
+        pwrite_all(self.fd, data, offset)
         # Starts writing the range to disk now (and drops it from the page cache once
         # written): the fsync that installs the copy, in the middle of a restore's reads,
         # then waits for little (measured for 256 MiB read by 1 MiB: 0.15 s -> 0.01 s).
