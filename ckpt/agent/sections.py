@@ -33,6 +33,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+from ckpt.system import procfs
+from ckpt.system.files import write_all
+
 SECTIONS_DIR = Path("/run/ckpt/sections")
 FLAG_PREFIX = "dumping."
 RETRY_S = 0.01
@@ -47,8 +50,7 @@ EMPTY_MARKER_S = 5.0
 
 def _start_ticks(pid: int) -> int | None:
     try:
-        data = Path(f"/proc/{pid}/stat").read_text()
-        return int(data[data.rindex(")") + 2:].split()[19])
+        return procfs.start_ticks(pid)
     except (OSError, ValueError, IndexError):
         return None
 
@@ -57,15 +59,14 @@ def _boot_id() -> str:
     # Read at each use, not cached: a process restored on another boot carries the old one in
     # its memory.
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return procfs.boot_id()
     except OSError:
         return ""
 
 
 def _parent(pid: int) -> int | None:
     try:
-        data = Path(f"/proc/{pid}/stat").read_text()
-        return int(data[data.rindex(")") + 2:].split()[1])
+        return int(procfs.stat_fields(pid)[1])  # [1]: the parent's PID
     except (OSError, ValueError, IndexError):
         return None
 
@@ -155,7 +156,7 @@ def create_marker(pid: int, tid: int, directory: Path = SECTIONS_DIR, uid: int |
         except FileExistsError:
             continue
         try:
-            os.write(fd, f"{content}\n".encode())
+            write_all(fd, f"{content}\n".encode())
             if uid is not None:
                 os.fchown(fd, uid, -1)
         finally:
@@ -283,7 +284,7 @@ class DumpGate:
         self.path.unlink(missing_ok=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
-            os.write(fd, f"{os.getpid()} {_start_ticks(os.getpid())}\n".encode())
+            write_all(fd, f"{os.getpid()} {_start_ticks(os.getpid())}\n".encode())
         finally:
             os.close(fd)
         self.raised = True

@@ -2,8 +2,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption, VerboseOption, store_root
-from ckpt.cli.output import CliReporter, emit_json, stdout, styled
+from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, shared_flags, store_root
+from ckpt.cli.output import emit_json, stdout, styled
 from ckpt.commands.check import as_json, check_checkpoint, check_readiness, ready
 from ckpt.errors import CkptError, ExitCode
 
@@ -33,22 +33,22 @@ class NotReady(CkptError):
 
 def register(app: typer.Typer) -> None:
     @app.command("check", help=HELP)
+    @shared_flags(REPORTING)
     def check_command(
         ref: Annotated[Optional[str], typer.Argument(
             help="A checkpoint (ID, name or 'latest') to check against this host.")] = None,
-        store: StoreOption = None, json_out: JsonOption = False,
-        quiet: QuietOption = False, verbose: VerboseOption = False,
+        flags: SharedFlags = NO_FLAGS,
     ) -> None:
-        reporter = CliReporter(quiet=quiet, verbose=verbose)
-        reporter.detail(f"store {store_root(store)}")
-        findings = check_readiness(store_root(store))
+        reporter = flags.reporter()
+        reporter.detail(f"store {store_root(flags.store)}")
+        findings = check_readiness(store_root(flags.store))
         if ref is not None:
-            findings += check_checkpoint(store_root(store), ref)
-        if json_out:
+            findings += check_checkpoint(store_root(flags.store), ref)
+        if flags.json_out:
             emit_json(as_json(findings))
         else:
             for f in findings:
-                if quiet and f.ok:
+                if flags.quiet and f.ok:
                     continue
                 label, style = ("ok  ", "green") if f.ok else (("FAIL", "red") if f.required else ("warn", "yellow"))
                 fix = f"\n       fix: {f.fix}" if f.fix else ""

@@ -2,7 +2,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, NameFilterOption, QuietOption, StoreOption, VerboseOption, open_store
+from ckpt.cli.options import NO_FLAGS, REPORTING, NameFilterOption, SharedFlags, open_store, shared_flags
 from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr, styled
 from ckpt.commands.copy import copy, finish_pending, open_destination, select
 from ckpt.errors import DamagedCheckpoint, StoreError, UsageError
@@ -34,6 +34,7 @@ Examples:
 
 def register(app: typer.Typer) -> None:
     @app.command("copy", help=HELP)
+    @shared_flags(REPORTING)
     def copy_command(
         refs: Annotated[Optional[list[str]], typer.Argument(help="Checkpoint IDs or names (a name: its newest).",
                                                             show_default=False)] = None,
@@ -44,29 +45,26 @@ def register(app: typer.Typer) -> None:
         name: NameFilterOption = None,
         pending_: Annotated[bool, typer.Option("--pending", help="Finish the copies --copy-to left "
                                                                  "pending.")] = False,
-        store: StoreOption = None,
-        json_out: JsonOption = False,
-        quiet: QuietOption = False,
-        verbose: VerboseOption = False,
+        flags: SharedFlags = NO_FLAGS,
     ) -> None:
         if pending_:
             if refs or all_ or to or name:
                 raise UsageError("--pending takes no checkpoints and no --to (each record names its destination)",
                                  hint="run 'ckpt copy --pending' alone")
-            _pending(store, json_out, quiet)
+            _pending(flags.store, flags.json_out, flags.quiet)
             return
         if not to:
             raise UsageError("give the destination with --to STORE", hint="e.g. 'ckpt copy latest --to /backup/ckpt'")
-        source = open_store(store, create=False)
+        source = open_store(flags.store, create=False)
         checkpoint_ids = select(source, refs or [], all_, name)
-        reporter = CliReporter(quiet=quiet, verbose=verbose)
+        reporter = flags.reporter()
         try:
             report = copy(source, open_destination(to), checkpoint_ids, reporter)
         finally:
             reporter.close()
-        if json_out:
+        if flags.json_out:
             emit_json(report.to_json())
-        elif not quiet:
+        elif not flags.quiet:
             for r in report.results:
                 if r.status == "copied":
                     stderr.print(styled("copied", "green", f" {r.id}: {r.pages_sent} of {r.pages} pages sent, "

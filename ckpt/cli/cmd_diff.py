@@ -2,8 +2,8 @@ from typing import Annotated
 
 import typer
 
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption, VerboseOption, open_store
-from ckpt.cli.output import CliReporter, emit_json, human_bytes, stdout
+from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, open_store, shared_flags
+from ckpt.cli.output import emit_json, human_bytes, stdout
 from ckpt.commands.diff import diff
 
 HELP = """Show what changed between two checkpoints: processes, mappings, pages, files, sockets.
@@ -24,25 +24,22 @@ def _fd_text(fd: dict) -> str:
 
 def register(app: typer.Typer) -> None:
     @app.command("diff", help=HELP)
+    @shared_flags(REPORTING)
     def diff_command(
         first: Annotated[str, typer.Argument(help="The older checkpoint (ID, name, latest).")],
         second: Annotated[str, typer.Argument(help="The newer checkpoint.")],
-        store: StoreOption = None,
-        json_out: JsonOption = False,
-        quiet: QuietOption = False,
-        verbose: VerboseOption = False,
+        flags: SharedFlags = NO_FLAGS,
     ) -> None:
-        reporter = CliReporter(quiet=quiet, verbose=verbose)
-        result = diff(open_store(store, create=False, reporter=reporter), first, second)
-        reporter.detail(f"{first} is checkpoint {result['from']}, {second} is {result['to']}")
-        if json_out:
-            emit_json(result)
+        reporter = flags.reporter()
+        result = diff(open_store(flags.store, create=False, reporter=reporter), first, second)
+        reporter.detail(f"{first} is checkpoint {result.from_id}, {second} is {result.to_id}")
+        if flags.json_out:
+            emit_json(result.to_json())
             return
-        stdout.print(f"{result['from']} -> {result['to']}")
-        procs = result["processes"]
-        if procs["added"] or procs["removed"]:
-            stdout.print(f"processes: +{procs['added']} -{procs['removed']}")
-        for p in result["per_process"]:
+        stdout.print(f"{result.from_id} -> {result.to_id}")
+        if result.added or result.removed:
+            stdout.print(f"processes: +{result.added} -{result.removed}")
+        for p in result.per_process:
             pages, maps = p["pages"], p["mappings"]
             stdout.print(f"PID {p['pid']} {p['command']}")
             stdout.print(f"  pages: {pages['changed']} changed ({human_bytes(pages['bytes_changed'])}), "

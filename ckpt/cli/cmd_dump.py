@@ -1,11 +1,12 @@
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
+from rich.text import Text
 
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption, VerboseOption, store_root
-from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr, styled
+from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, shared_flags, store_root
+from ckpt.cli.output import emit_json, human_bytes, stderr, styled
 from ckpt import settings
 from ckpt.agent import results
 from ckpt.commands.dump import DumpRequest, DumpResult, dump
@@ -42,6 +43,7 @@ def _codec(value: str) -> str:
 
 def register(app: typer.Typer) -> None:
     @app.command("dump", help=HELP)
+    @shared_flags(REPORTING)
     def dump_command(
         pid: Annotated[int, typer.Argument(help="PID of the root of the tree to checkpoint.")],
         name: Annotated[Optional[str], typer.Option("--name",
@@ -70,48 +72,53 @@ def register(app: typer.Typer) -> None:
             "--section-timeout", metavar="SECONDS", min=0,
             help="How long to wait for the tree's no_checkpoint() sections to end before giving up "
                  "(exit 7, nothing frozen) [default: CKPT_SECTION_TIMEOUT, 60].")] = None,
-        store: StoreOption = None,
-        json_out: JsonOption = False,
-        quiet: QuietOption = False,
-        verbose: VerboseOption = False,
+        flags: SharedFlags = NO_FLAGS,
         # What ckpt.checkpoint() passes to the dumper it starts (docs/design.md, "Checkpoints a
         # program asks for"); not for people.
         checkpoint_id: Annotated[Optional[str], typer.Option("--id", hidden=True)] = None,
         result_file: Annotated[Optional[str], typer.Option("--result-file", hidden=True)] = None,
     ) -> None:
         answer = _result_file(result_file, checkpoint_id, pid)
-        reporter = CliReporter(quiet=quiet, verbose=verbose)
-        try:
-            result = dump(store_root(store), DumpRequest(
-                pid=pid, name=name, stop=stop, codec=compression, shell_job=shell_job,
-                tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
-                pre_dump_hook=pre_dump, dirty_tracking=dirty_tracking, checkpoint_id=checkpoint_id,
-                section_timeout=section_timeout,
-                # --result-file: the dumper that ckpt.checkpoint() started, not a person
-                origin=Origin("api" if answer is not None else "dump")), reporter)
-        except BaseException as exc:
-            if answer is not None:
-                answer.failed(exc)
-            raise
-        finally:
-            reporter.close()
+        result = _dump(flags, answer, pid=pid, name=name, stop=stop, codec=compression, shell_job=shell_job,
+                       tcp_established=tcp_established, ext_unix_sk=ext_unix_sk, file_locks=file_locks,
+                       pre_dump_hook=pre_dump, dirty_tracking=dirty_tracking, checkpoint_id=checkpoint_id,
+                       section_timeout=section_timeout)
         if answer is not None:
             answer.succeeded(result)
-        m = result.manifest
-        if json_out:
+        if flags.json_out:
             emit_json(result.to_json())
             return
-        if not quiet:
-            ratio = m.stats.get("compression_ratio")
-            stderr.print(styled(f"checkpoint {m.id}", "green", f": {len(m.processes)} process(es), "
-                         f"{m.stats.get('pages')} pages ({m.stats.get('pages_new')} new), "
-                         f"{human_bytes(m.bytes_stored)} new in the store, "
-                         f"{human_bytes(m.stats.get('bytes_dedup'))} deduplicated"
-                         + (f", compression {ratio}x" if ratio else "")
-                         + _tracking_note(m)
-                         + f", frozen {m.stats.get('freeze_ms')} ms, took {m.stats.get('duration_ms')} ms"
-                         + (", target ended" if stop else "")))
-        print(m.id)
+        if not flags.quiet:
+            stderr.print(_summary(result.manifest, stop))
+        print(result.manifest.id)
+
+
+def _dump(flags: SharedFlags, answer: "Optional[_Answer]", **request: Any) -> DumpResult:
+    """The dump; its failure, whatever it is, is told to the program waiting for the result file."""
+    reporter = flags.reporter()
+    try:
+        return dump(store_root(flags.store), DumpRequest(
+            **request,
+            # --result-file: the dumper that ckpt.checkpoint() started, not a person
+            origin=Origin("api" if answer is not None else "dump")), reporter)
+    except BaseException as exc:
+        if answer is not None:
+            answer.failed(exc)
+        raise
+    finally:
+        reporter.close()
+
+
+def _summary(m, stop: bool) -> Text:
+    ratio = m.stats.get("compression_ratio")
+    return styled(f"checkpoint {m.id}", "green", f": {len(m.processes)} process(es), "
+                  f"{m.stats.get('pages')} pages ({m.stats.get('pages_new')} new), "
+                  f"{human_bytes(m.bytes_stored)} new in the store, "
+                  f"{human_bytes(m.stats.get('bytes_dedup'))} deduplicated"
+                  + (f", compression {ratio}x" if ratio else "")
+                  + _tracking_note(m)
+                  + f", frozen {m.stats.get('freeze_ms')} ms, took {m.stats.get('duration_ms')} ms"
+                  + (", target ended" if stop else ""))
 
 
 class _Answer:

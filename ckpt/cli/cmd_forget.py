@@ -2,10 +2,10 @@ from typing import Annotated
 
 import typer
 
-from ckpt.cli.options import (DryRunOption, JsonOption, KeepDailyOption, KeepHourlyOption, KeepLastOption,
-                              KeepWeeklyOption, KeepWithinOption, NameFilterOption, QuietOption, StoreOption,
-                              VerboseOption, open_store, retention_policy)
-from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr, stdout
+from ckpt.cli.options import (CHANGING, NO_FLAGS, KeepDailyOption, KeepHourlyOption, KeepLastOption, KeepWeeklyOption,
+                              KeepWithinOption, NameFilterOption, SharedFlags, open_store, retention_policy,
+                              shared_flags)
+from ckpt.cli.output import emit_json, human_bytes, stderr, stdout
 from ckpt.commands.forget import forget
 
 HELP = """Forget checkpoints by a retention policy, per group (name, or command when unnamed).
@@ -24,6 +24,7 @@ Examples:
 
 def register(app: typer.Typer) -> None:
     @app.command("forget", help=HELP)
+    @shared_flags(CHANGING)
     def forget_command(
         name: NameFilterOption = None,
         keep_last: KeepLastOption = 0,
@@ -34,23 +35,19 @@ def register(app: typer.Typer) -> None:
         prune: Annotated[bool, typer.Option("--prune", help="Reclaim unreferenced space afterwards.")] = False,
         allow_remove_all: Annotated[bool, typer.Option("--allow-remove-all",
                                                        help="Allow removing every checkpoint of a group.")] = False,
-        store: StoreOption = None,
-        dry_run: DryRunOption = False,
-        json_out: JsonOption = False,
-        quiet: QuietOption = False,
-        verbose: VerboseOption = False,
+        flags: SharedFlags = NO_FLAGS,
     ) -> None:
         policy = retention_policy(keep_last, keep_within, keep_hourly, keep_daily, keep_weekly)
-        result = forget(open_store(store, create=False), policy, name=name, prune=prune, dry_run=dry_run,
-                        allow_remove_all=allow_remove_all, reporter=CliReporter(quiet=quiet, verbose=verbose))
-        if json_out:
-            emit_json(result)
+        result = forget(open_store(flags.store, create=False), policy, name=name, prune=prune, dry_run=flags.dry_run,
+                        allow_remove_all=allow_remove_all, reporter=flags.reporter())
+        if flags.json_out:
+            emit_json(result.to_json())
             return
-        for kept in result["keep"]:
-            stdout.print(f"keep    {kept['id']}  {kept['group']}  ({', '.join(kept['reasons'])})")
-        for removed in result["remove"]:
-            stdout.print(f"{'would remove' if dry_run else 'remove'}  {removed['id']}  {removed['group']}")
-        if not quiet:
-            stderr.print(f"{len(result['keep'])} kept, {len(result['remove'])} "
-                         f"{'to remove' if dry_run else 'removed'}"
-                         + (f", {human_bytes(result['bytes_freed'])} freed" if result["pruned"] else ""))
+        for kept in result.kept:
+            stdout.print(f"keep    {kept.id}  {kept.group}  ({', '.join(kept.reasons)})")
+        for removed in result.removed:
+            stdout.print(f"{'would remove' if flags.dry_run else 'remove'}  {removed.id}  {removed.group}")
+        if not flags.quiet:
+            stderr.print(f"{len(result.kept)} kept, {len(result.removed)} "
+                         f"{'to remove' if flags.dry_run else 'removed'}"
+                         + (f", {human_bytes(result.bytes_freed)} freed" if result.pruned else ""))

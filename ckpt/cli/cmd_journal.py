@@ -2,10 +2,9 @@ import json
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from ckpt.cli.options import DryRunOption, JsonOption, QuietOption, StoreOption, VerboseOption, open_store
-from ckpt.cli.output import CliReporter, emit_json, stderr, stdout
+from ckpt.cli.output import CliReporter, emit_json, plain_table, said_all, stderr, stdout
 from ckpt.commands import journal as journal_commands
 
 HELP = """Look at and remove the records of the journal of irreversible actions (ckpt.journal).
@@ -43,15 +42,9 @@ def _outcome(value: object) -> str:
                                   "Examples:\n\n  ckpt journal list\n\n  ckpt journal list --json --store /srv/ckpt")
 def list_command(store: StoreOption = None, json_out: JsonOption = False) -> None:
     rows = journal_commands.list_agents(open_store(store))
-    if json_out:
-        emit_json(rows)
+    if said_all(rows, json_out, "no journal records in the store"):
         return
-    if not rows:
-        stderr.print("no journal records in the store")
-        return
-    table = Table(box=None, pad_edge=False)
-    for column in ("AGENT", "RECORDS", "DONE", "INTENTS", "NEWEST", "CHECKPOINTS"):
-        table.add_column(column)
+    table = plain_table("AGENT", "RECORDS", "DONE", "INTENTS", "NEWEST", "CHECKPOINTS")
     for row in rows:
         table.add_row(row["agent"], str(row["records"]), str(row["done"]), str(row["intents"]), _time(row["newest"]),
                       str(row["checkpoints"]))
@@ -64,16 +57,10 @@ def list_command(store: StoreOption = None, json_out: JsonOption = False) -> Non
                                   "--json")
 def show_command(agent: AgentArgument, keys: KeysArgument = None, store: StoreOption = None,
                  json_out: JsonOption = False) -> None:
-    records = journal_commands.show(open_store(store), agent, keys)
-    if json_out:
-        emit_json(records)
+    records = journal_commands.show(open_store(store), agent, keys).to_json()
+    if said_all(records, json_out, f"no records of agent {agent}"):
         return
-    if not records:
-        stderr.print(f"no records of agent {agent}")
-        return
-    table = Table(box=None, pad_edge=False)
-    for column in ("KEY", "STATE", "TIME", "OUTCOME"):
-        table.add_column(column, overflow="fold")
+    table = plain_table("KEY", "STATE", "TIME", "OUTCOME", overflow="fold")
     for record in records:
         table.add_row(record["key"], record["state"], _time(record["time"]),
                       _outcome(record["outcome"]) if record["state"] == "done" else "")

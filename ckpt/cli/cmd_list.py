@@ -2,8 +2,8 @@ from datetime import datetime
 
 import typer
 
-from ckpt.cli.options import JsonOption, NameFilterOption, QuietOption, StoreOption, VerboseOption, open_store
-from ckpt.cli.output import CliReporter, emit_json, human_bytes, print_table, stderr
+from ckpt.cli.options import NO_FLAGS, REPORTING, NameFilterOption, SharedFlags, open_store, shared_flags
+from ckpt.cli.output import emit_json, human_bytes, print_table, stderr
 from ckpt.commands.list import absent_name, list_checkpoints
 
 HELP = """List the checkpoints in the store, oldest first.
@@ -18,21 +18,19 @@ Examples:
 
 def register(app: typer.Typer) -> None:
     @app.command("list", help=HELP)
+    @shared_flags(REPORTING)
     def list_command(
         name: NameFilterOption = None,
-        store: StoreOption = None,
-        json_out: JsonOption = False,
-        quiet: QuietOption = False,
-        verbose: VerboseOption = False,
+        flags: SharedFlags = NO_FLAGS,
     ) -> None:
-        reporter = CliReporter(quiet=quiet, verbose=verbose)
-        st = open_store(store, reporter=reporter)
+        reporter = flags.reporter()
+        st = open_store(flags.store, reporter=reporter)
         rows = list_checkpoints(st, name, reporter)
-        if json_out:
+        if flags.json_out:
             emit_json(rows)
             return
         if not rows:
-            if quiet:
+            if flags.quiet:
                 return
             stderr.print(absent_name(st, name) if name else
                          "no checkpoints in the store yet: create one with 'ckpt dump PID'")
@@ -45,7 +43,7 @@ def register(app: typer.Typer) -> None:
               str(r["pid"]), r["command"], str(r["processes"]), human_bytes(r["bytes_total"]),
               human_bytes(r["bytes_stored"])] for r in rows],
             shrink=4, optional=(5, 3, 2))
-        if quiet:
+        if flags.quiet:
             return
         stderr.print(f"{len(rows)} checkpoint(s); the store holds {human_bytes(st.total_bytes())} in all "
                      f"(STORED: what each checkpoint added when it was taken)"

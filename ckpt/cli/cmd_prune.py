@@ -1,8 +1,8 @@
 import typer
 
-from ckpt.cli.options import DryRunOption, JsonOption, QuietOption, StoreOption, VerboseOption, open_store
-from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr
-from ckpt.commands.prune import prune
+from ckpt.cli.options import CHANGING, NO_FLAGS, SharedFlags, open_store, shared_flags
+from ckpt.cli.output import emit_json, human_bytes, stderr
+from ckpt.commands.prune import PruneResult, prune
 
 HELP = """Reclaim the space of data no checkpoint references any more.
 
@@ -19,16 +19,19 @@ Examples:
 
 def register(app: typer.Typer) -> None:
     @app.command("prune", help=HELP)
-    def prune_command(store: StoreOption = None, dry_run: DryRunOption = False, json_out: JsonOption = False,
-                      quiet: QuietOption = False, verbose: VerboseOption = False) -> None:
-        reporter = CliReporter(quiet=quiet, verbose=verbose)
-        result = prune(open_store(store, create=False, reporter=reporter), dry_run=dry_run, reporter=reporter)
-        if json_out:
-            emit_json(result)
-            return
-        if not quiet:
-            verb = "would free" if dry_run else "freed"
-            stderr.print(f"{verb} {human_bytes(result['bytes_freed'])}: {len(result['drop_packs'])} pack(s) dropped, "
-                         f"{len(result['repack'])} repacked, {result['objects']} object(s) and "
-                         f"{len(result['unindexed_packs'])} leftover pack(s) removed, "
-                         f"{result['duration_ms']} ms")
+    @shared_flags(CHANGING)
+    def prune_command(flags: SharedFlags = NO_FLAGS) -> None:
+        reporter = flags.reporter()
+        result = prune(open_store(flags.store, create=False, reporter=reporter), dry_run=flags.dry_run,
+                       reporter=reporter)
+        if flags.json_out:
+            emit_json(result.to_json())
+        elif not flags.quiet:
+            stderr.print(_summary(result))
+
+
+def _summary(result: PruneResult) -> str:
+    plan = result.to_json()
+    return (f"{'would free' if result.dry_run else 'freed'} {human_bytes(plan['bytes_freed'])}: "
+            f"{len(plan['drop_packs'])} pack(s) dropped, {len(plan['repack'])} repacked, {plan['objects']} object(s) "
+            f"and {len(plan['unindexed_packs'])} leftover pack(s) removed, {result.duration_ms} ms")

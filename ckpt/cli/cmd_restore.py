@@ -2,8 +2,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption, VerboseOption, output_file_flag, store_root
-from ckpt.cli.output import CliReporter, emit_json, stderr, styled
+from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, output_file_flag, shared_flags, store_root
+from ckpt.cli.output import emit_json, stderr, styled
 from ckpt.commands.restore import RestoreRequest, restore
 
 HELP = """Restore a checkpoint: the tree continues where it stopped, detached from ckpt.
@@ -55,6 +55,7 @@ OutputOption = Annotated[Optional[str], output_file_flag(
 
 def register(app: typer.Typer) -> None:
     @app.command("restore", help=HELP)
+    @shared_flags(REPORTING)
     def restore_command(
         ref: Annotated[str, typer.Argument(help="Checkpoint ID, name, or 'latest'.")],
         post_restore: Annotated[Optional[str], typer.Option(
@@ -74,23 +75,20 @@ def register(app: typer.Typer) -> None:
             help="Restore memory lazily (the tree runs at once, a page server fills its memory in) or all "
                  "of it first. Default: lazily for trees with 64 MiB or more of private memory, where the "
                  "kernel can.")] = None,
-        store: StoreOption = None,
-        json_out: JsonOption = False,
-        quiet: QuietOption = False,
-        verbose: VerboseOption = False,
+        flags: SharedFlags = NO_FLAGS,
     ) -> None:
-        reporter = CliReporter(quiet=quiet, verbose=verbose)
+        reporter = flags.reporter()
         try:
-            result = restore(store_root(store), RestoreRequest(ref=ref, new_pidns=new_pidns,
+            result = restore(store_root(flags.store), RestoreRequest(ref=ref, new_pidns=new_pidns,
                                                                post_restore_hook=post_restore,
                                                                output=output, tcp_close=tcp_close,
                                                                lazy=lazy), reporter)
         finally:
             reporter.close()
-        if json_out:
+        if flags.json_out:
             emit_json(result.to_json())
             return
-        if not quiet:
+        if not flags.quiet:
             inside = f" ({result.pid_in_namespace} in its PID namespace)" if result.pid_in_namespace else ""
             stderr.print(styled(f"restored {result.manifest.id}", "green", f": root PID {result.pid}{inside}, "
                                 f"{len(result.manifest.processes)} process(es), took {result.duration_ms} ms"))

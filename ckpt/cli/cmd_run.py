@@ -3,9 +3,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import (JsonOption, QuietOption, StoreOption, VerboseOption, count_flag, duration_flag,
-                              output_file_flag, store_root)
-from ckpt.cli.output import CliReporter, emit_json_line, outlive_readers
+from ckpt.cli.options import (NO_FLAGS, REPORTING, SharedFlags, count_flag, duration_flag, output_file_flag,
+                              shared_flags, store_root)
+from ckpt.cli.output import emit_json_line, outlive_readers
 from ckpt.commands.run import RunRequest, Supervisor, default_name
 from ckpt.commands.schedule import destination_spec
 from ckpt.schedule.retention import parse_duration
@@ -43,6 +43,7 @@ OutputOption = Annotated[Optional[str], output_file_flag(
 
 def register(app: typer.Typer) -> None:
     @app.command("run", help=HELP, context_settings={"allow_interspersed_args": False})
+    @shared_flags(REPORTING)
     def run_command(
         command: Annotated[list[str], typer.Argument(help="The command and its arguments (after --).")],
         every: Annotated[str, typer.Option("--every", help="Checkpoint period: 30s, 5m, 1h.")] = "5m",
@@ -60,12 +61,9 @@ def register(app: typer.Typer) -> None:
             "--copy-to", metavar="STORE",
             help="Copy each checkpoint to this store right after it is taken (a failed copy is tried "
                  "again after the next one; 'ckpt copy --pending' finishes it by hand).")] = None,
-        store: StoreOption = None,
-        json_out: JsonOption = False,
-        quiet: QuietOption = False,
-        verbose: VerboseOption = False,
+        flags: SharedFlags = NO_FLAGS,
     ) -> None:
-        root = store_root(store)
+        root = store_root(flags.store)
         run_name = ids.check_name(name or default_name(command))
         request = RunRequest(command=command, every=parse_duration(every), first_after=parse_duration(first_after),
                              name=run_name, keep_last=keep_last, max_restores=max_restores,
@@ -73,9 +71,9 @@ def register(app: typer.Typer) -> None:
                              pre_dump_hook=pre_dump, post_restore_hook=post_restore,
                              copy_to=destination_spec(copy_to, root) if copy_to else None)
         outlive_readers()  # a supervisor that died with its reader would leave the command unsupervised
-        reporter = CliReporter(quiet=quiet, verbose=verbose)
+        reporter = flags.reporter()
         try:
-            code = Supervisor(root, request, reporter, on_event=emit_json_line if json_out else None).run()
+            code = Supervisor(root, request, reporter, on_event=emit_json_line if flags.json_out else None).run()
         finally:
             reporter.close()
         raise typer.Exit(code)

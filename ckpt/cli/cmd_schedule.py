@@ -3,12 +3,11 @@ from typing import Annotated, Optional
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
 from ckpt.cli.options import (JsonOption, KeepDailyOption, KeepHourlyOption, KeepLastOption, KeepWeeklyOption,
                               KeepWithinOption, PasswordFileOption, QuietOption, StoreOption, retention_policy,
                               store_root, use_password_file)
-from ckpt.cli.output import CliReporter, emit_json, shorten, stderr, stdout, styled
+from ckpt.cli.output import CliReporter, emit_json, plain_table, said_all, shorten, stderr, stdout, styled
 from ckpt.commands.schedule import AddRequest, add, listing, remove, run
 from ckpt.schedule.book import ScheduleBook
 from ckpt import settings
@@ -105,15 +104,9 @@ def add_command(
                                    "Examples:\n\n  ckpt schedule list\n\n  ckpt schedule list --json")
 def list_command(store: StoreOption = None, json_out: JsonOption = False) -> None:
     rows = listing(_book(store))
-    if json_out:
-        emit_json(rows)
+    if said_all(rows, json_out, "no schedules: add one with 'ckpt schedule add'"):
         return
-    if not rows:
-        stderr.print("no schedules: add one with 'ckpt schedule add'")
-        return
-    table = Table(box=None, pad_edge=False)
-    for column in ("NAME", "TARGET", "WHEN", "RUN BY", "NEXT RUN", "LAST RUN", "RETENTION"):
-        table.add_column(column)
+    table = plain_table("NAME", "TARGET", "WHEN", "RUN BY", "NEXT RUN", "LAST RUN", "RETENTION")
     shortened = False
     for r in rows:
         last = r["last"]
@@ -159,9 +152,9 @@ def run_command(name: Annotated[str, typer.Argument(help="Schedule name.")], sto
     finally:
         reporter.close()
     if json_out:
-        emit_json(outcome)
+        emit_json(outcome.to_json())
     else:
-        print(outcome["id"])
+        print(outcome.id)
 
 
 def register(app: typer.Typer) -> None:

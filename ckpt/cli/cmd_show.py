@@ -4,8 +4,8 @@ import typer
 from rich.text import Text
 from rich.tree import Tree
 
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption, VerboseOption, open_store
-from ckpt.cli.output import CliReporter, emit_json, human_bytes, stdout
+from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, open_store, shared_flags
+from ckpt.cli.output import emit_json, human_bytes, stdout
 from ckpt.commands.show import inspect
 from ckpt.restore.lazywatch import describe
 from ckpt.store import Origin
@@ -33,19 +33,18 @@ def _fd_line(fd: dict) -> str:
 
 def register(app: typer.Typer) -> None:
     @app.command("show", help=HELP)
+    @shared_flags(REPORTING)
     def show_command(
         ref: Annotated[str, typer.Argument(help="Checkpoint ID, name, or 'latest'.")],
-        store: StoreOption = None,
-        json_out: JsonOption = False,
-        quiet: QuietOption = False,
-        verbose: VerboseOption = False,
+        flags: SharedFlags = NO_FLAGS,
     ) -> None:
-        reporter = CliReporter(quiet=quiet, verbose=verbose)
-        data = inspect(open_store(store, create=False, reporter=reporter), ref)
-        reporter.detail(f"{ref} is checkpoint {data['id']}")
-        for failure in data["lazy_restore_failures"]:
+        reporter = flags.reporter()
+        described = inspect(open_store(flags.store, create=False, reporter=reporter), ref)
+        reporter.detail(f"{ref} is checkpoint {described.manifest.id}")
+        for failure in described.lazy_restore_failures:
             reporter.warn(f"{describe(failure)} ({failure.get('time', '?')})")
-        if json_out:
+        data = described.to_json()  # what follows shows the --json form, field by field
+        if flags.json_out:
             emit_json(data)
             return
         stats = data.get("stats", {})

@@ -2,8 +2,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, QuietOption, StoreOption, VerboseOption, open_store
-from ckpt.cli.output import CliReporter, emit_json, stderr, styled
+from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, open_store, shared_flags
+from ckpt.cli.output import emit_json, stderr, styled
 from ckpt.commands.verify import verify
 from ckpt.errors import DamagedCheckpoint, UsageError
 
@@ -23,30 +23,28 @@ Examples:
 
 def register(app: typer.Typer) -> None:
     @app.command("verify", help=HELP)
+    @shared_flags(REPORTING)
     def verify_command(
         ref: Annotated[Optional[str], typer.Argument(help="Checkpoint ID or name.")] = None,
         all_: Annotated[bool, typer.Option("--all", help="Verify every checkpoint.")] = False,
-        store: StoreOption = None,
-        json_out: JsonOption = False,
-        quiet: QuietOption = False,
-        verbose: VerboseOption = False,
+        flags: SharedFlags = NO_FLAGS,
     ) -> None:
         if bool(ref) == all_:
             raise UsageError("give either a checkpoint ID or --all", hint="e.g. 'ckpt verify latest'")
-        reporter = CliReporter(quiet=quiet, verbose=verbose)
+        reporter = flags.reporter()
         try:
-            results = verify(open_store(store, create=False), None if all_ else ref, reporter)
+            results = verify(open_store(flags.store, create=False), None if all_ else ref, reporter)
         finally:
             reporter.close()
         damaged = [r for r in results if r["problems"]]
-        if json_out:
+        if flags.json_out:
             emit_json(results)
         else:
             for r in results:
                 if r["problems"]:
                     for p in r["problems"]:
                         stderr.print(styled("DAMAGED", "red", f" {r['id']}: {p}"))
-                elif not quiet:
+                elif not flags.quiet:
                     stderr.print(styled("ok", "green", f" {r['id']} ({r['files']} files)"))
         if damaged:
             raise DamagedCheckpoint(f"{len(damaged)} of {len(results)} checkpoint(s) damaged: "

@@ -3,9 +3,11 @@
 Each checks its value while the command line is parsed: a bad one is a one-line usage error
 (exit 2) before the command does anything."""
 
-from dataclasses import replace
+import functools
+import inspect
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import typer
 from typing import Annotated
@@ -116,6 +118,63 @@ def open_store(path: Optional[str], create: bool = False, reporter: Any = None) 
     if reporter is not None:
         reporter.detail(f"store {store.location}")
     return store
+
+
+@dataclass(frozen=True)
+class SharedFlags:
+    """The flags most commands share (--store, --dry-run, --json, -q, -v), as one value: declared
+    once by shared_flags() and handed to the command in its `flags` parameter."""
+
+    store: Optional[str] = None
+    dry_run: bool = False
+    json_out: bool = False
+    quiet: bool = False
+    verbose: bool = False
+
+    def reporter(self) -> Any:
+        from ckpt.cli.output import CliReporter
+
+        return CliReporter(quiet=self.quiet, verbose=self.verbose)
+
+
+# Only the placeholder default of a command's `flags` parameter: shared_flags() always passes the real ones.
+NO_FLAGS = SharedFlags()
+
+# In the order they appear in every command's help (after its own arguments and options).
+_SHARED_FLAGS: dict[str, tuple[Any, Any]] = {
+    "store": (StoreOption, None),
+    "dry_run": (DryRunOption, False),
+    "json_out": (JsonOption, False),
+    "quiet": (QuietOption, False),
+    "verbose": (VerboseOption, False),
+}
+REPORTING = ("store", "json_out", "quiet", "verbose")
+CHANGING = ("store", "dry_run", "json_out", "quiet", "verbose")
+
+
+def shared_flags(names: tuple[str, ...] = REPORTING) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command the shared flags `names` where its `flags: SharedFlags` parameter stands.
+
+    typer reads a command's parameters from its signature: the wrapper shows typer the command's
+    own parameters with the shared ones in place of `flags`, and passes them back as one SharedFlags."""
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        own = list(inspect.signature(command, eval_str=True).parameters.values())
+        at = [p.name for p in own].index("flags")
+        shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=_SHARED_FLAGS[name][1],
+                                    annotation=_SHARED_FLAGS[name][0]) for name in names]
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+        params[at:at + 1] = shared
+
+        @functools.wraps(command)
+        def run(**kwargs: Any) -> None:
+            flags = SharedFlags(**{name: kwargs.pop(name) for name in names})
+            command(**kwargs, flags=flags)
+
+        run.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        del run.__wrapped__  # typer must see the signature above, not the command's own
+        return run
+    return decorate
 
 
 def retention_policy(keep_last: int, keep_within: Optional[str], keep_hourly: int, keep_daily: int,

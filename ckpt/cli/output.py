@@ -11,6 +11,8 @@ from typing import Literal
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+from rich.console import OverflowMethod
+from rich.table import Table
 from rich.text import Text
 
 from ckpt.errors import UsageError
@@ -70,6 +72,27 @@ def styled(label: str, style: str, rest: str = "") -> Text:
 
 def emit_json(data) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def said_all(rows: list, json_out: bool, when_empty: str) -> bool:
+    """Prints the rows as JSON (--json), or when_empty on stderr when there are none. True when
+    that was all there is to print; False when the rows are still to be shown as a table."""
+    if json_out:
+        emit_json(rows)
+        return True
+    if not rows:
+        stderr.print(when_empty)
+        return True
+    return False
+
+
+def plain_table(*columns: str, overflow: OverflowMethod = "ellipsis") -> Table:
+    """A table with these columns, without borders or padding at its edges (`ckpt ... list`);
+    overflow="fold" breaks a long value over lines instead of cutting it."""
+    table = Table(box=None, pad_edge=False)
+    for column in columns:
+        table.add_column(column, overflow=overflow)
+    return table
 
 
 def emit_json_line(data) -> None:
@@ -136,9 +159,7 @@ class CliReporter:
             self._progress.update(self._task, completed=done)
 
     def info(self, message: str) -> None:
-        self._close_bar()
-        if not self.quiet:
-            self._say(message)
+        self.step(message)  # told as a step is: -q hides it
 
     def warn(self, message: str) -> None:
         self._close_bar()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from ckpt.commands.cache_notes import tell_copies_read_again
+from ckpt.commands.results import JsonResult
 from ckpt.errors import UsageError
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
@@ -18,9 +20,38 @@ def group_of(manifest: Manifest) -> str:
     return manifest.name or f"command: {manifest.command}"
 
 
+@dataclass(frozen=True)
+class ForgetResult(JsonResult):
+    policy: Policy
+    dry_run: bool
+    decisions: list[Decision]  # every checkpoint judged: kept (with the rules that keep it) or not
+    pruned: bool
+    objects_removed: int
+    bytes_freed: int
+
+    @property
+    def kept(self) -> list[Decision]:
+        return [d for d in self.decisions if d.keep]
+
+    @property
+    def removed(self) -> list[Decision]:
+        return [d for d in self.decisions if not d.keep]
+
+    def to_json(self) -> dict:
+        return {
+            "policy": self.policy.to_json(),
+            "dry_run": self.dry_run,
+            "keep": [{"id": d.id, "group": d.group, "reasons": d.reasons} for d in self.kept],
+            "remove": [{"id": d.id, "group": d.group} for d in self.removed],
+            "pruned": self.pruned,
+            "objects_removed": self.objects_removed,
+            "bytes_freed": self.bytes_freed,
+        }
+
+
 def forget(store: Store, policy: Policy, name: str | None = None, prune: bool = False,  # noqa: PLR0913
            dry_run: bool = False, allow_remove_all: bool = False, now: datetime | None = None,
-           origin: Origin | None = None, reporter: Reporter = NullReporter()) -> dict:
+           origin: Origin | None = None, reporter: Reporter = NullReporter()) -> ForgetResult:
     """Plans with the policy, refuses to empty a group unless allowed, then removes.
 
     origin: only the checkpoints that origin made are judged (the retention of a schedule or of
@@ -48,15 +79,8 @@ def forget(store: Store, policy: Policy, name: str | None = None, prune: bool = 
                 objects, freed = collect_garbage(store)
                 tell_copies_read_again(store, reporter)
     _report(decisions, policy, dry_run, reporter)
-    return {
-        "policy": policy.to_json(),
-        "dry_run": dry_run,
-        "keep": [{"id": d.id, "group": d.group, "reasons": d.reasons} for d in decisions if d.keep],
-        "remove": [{"id": d.id, "group": d.group} for d in decisions if not d.keep],
-        "pruned": prune and not dry_run,
-        "objects_removed": objects,
-        "bytes_freed": freed,
-    }
+    return ForgetResult(policy, dry_run, decisions, pruned=prune and not dry_run, objects_removed=objects,
+                        bytes_freed=freed)
 
 
 SHOWN_IDS = 5

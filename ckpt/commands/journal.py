@@ -6,8 +6,10 @@ action again: removing one that a remaining checkpoint may need is refused unles
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 
+from ckpt.commands.results import JsonResult
 from ckpt.errors import JournalRecordNotFound, UsageError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Store
@@ -43,12 +45,21 @@ def list_agents(store: Store) -> list[dict]:
     return rows
 
 
-def show(store: Store, agent: str, keys: list[str] | None = None) -> list[dict]:
+@dataclass(frozen=True)
+class JournalRecords(JsonResult):
+    agent: str
+    entries: list[Entry]
+
+    def to_json(self) -> list[dict]:
+        return [e.to_json() for e in self.entries]
+
+
+def show(store: Store, agent: str, keys: list[str] | None = None) -> JournalRecords:
     """The agent's records, oldest first (`ckpt journal show --json`): all of them, or those of
     `keys`, each of which must have one."""
     journal = Journal(store.backend, check_agent(agent))
     if not keys:
-        return [e.to_json() for e in sorted(journal.entries(), key=lambda e: (e.time, e.key))]
+        return JournalRecords(agent, sorted(journal.entries(), key=lambda e: (e.time, e.key)))
     found: list[Entry] = []
     missing = []
     for key in dict.fromkeys(keys):
@@ -59,7 +70,7 @@ def show(store: Store, agent: str, keys: list[str] | None = None) -> list[dict]:
             found.append(entry)
     if missing:
         raise _not_found(agent, missing)
-    return [e.to_json() for e in found]
+    return JournalRecords(agent, found)
 
 
 def remove(store: Store, agent: str, keys: list[str] | None = None, dry_run: bool = False, force: bool = False,

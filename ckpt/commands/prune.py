@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from ckpt.commands.cache_notes import tell_copies_read_again
+from ckpt.commands.results import JsonResult
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Store
-from ckpt.store.prune import execute_prune, prune_plan, sweep_and_plan
+from ckpt.store.prune import PrunePlan, execute_prune, prune_plan, sweep_and_plan
 
 
-def prune(store: Store, dry_run: bool = False, reporter: Reporter = NullReporter()) -> dict:
+@dataclass(frozen=True)
+class PruneResult(JsonResult):
+    plan: PrunePlan
+    dry_run: bool
+    duration_ms: float
+
+    def to_json(self) -> dict:
+        return {**self.plan.to_json(), "dry_run": self.dry_run, "duration_ms": self.duration_ms}
+
+
+def prune(store: Store, dry_run: bool = False, reporter: Reporter = NullReporter()) -> PruneResult:
     started = time.monotonic()
     with store.lock(exclusive=True):
         # A dry run changes nothing, not even the staging directories dead commands left.
@@ -20,4 +32,4 @@ def prune(store: Store, dry_run: bool = False, reporter: Reporter = NullReporter
             phase("prune.planned")
             execute_prune(store, plan)
     tell_copies_read_again(store, reporter)
-    return {**plan.to_json(), "dry_run": dry_run, "duration_ms": round((time.monotonic() - started) * 1000, 1)}
+    return PruneResult(plan, dry_run, round((time.monotonic() - started) * 1000, 1))

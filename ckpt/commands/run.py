@@ -402,8 +402,8 @@ class Supervisor:
                 self.reporter.warn(f"retention failed: {exc}")
                 self._event("retention_failed", error=str(exc))
                 return
-            if forgotten["remove"]:
-                self._event("forgot", ids=[r["id"] for r in forgotten["remove"]], keep_last=self.request.keep_last)
+            if forgotten.removed:
+                self._event("forgot", ids=[d.id for d in forgotten.removed], keep_last=self.request.keep_last)
 
     @property
     def _copy_origin(self) -> str:

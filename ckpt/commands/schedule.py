@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 
 from ckpt import settings
+from ckpt.commands.results import JsonResult
 from ckpt.errors import CkptError, ProcessNotFound, SectionTimeout, StoreBusy, UsageError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.schedule import cron, schedulers
@@ -56,28 +57,8 @@ def add(book: ScheduleBook, request: AddRequest, facts: schedulers.Facts | None 
     if book.path(name).exists() and not replace:
         raise UsageError(f"a schedule named '{name}' exists already",
                          hint="pass --replace to replace it, or see 'ckpt schedule list'")
-    if len(target) != 1:
-        raise UsageError("give exactly one target: --pid, --pidfile or --match")
-    if "pid" in target:
-        procs.check_pid(target["pid"])
-        if target["pid"] == 1:
-            raise UsageError("PID 1 (init) cannot be checkpointed", hint="give the PID of the process tree to save")
-    if "pidfile" in target:
-        # Cron runs ckpt from $HOME: a relative path would name another file there.
-        target = {"pidfile": str(Path(target["pidfile"]).expanduser().absolute())}
-    if "match" in target:
-        try:
-            re.compile(target["match"])
-        except re.error as exc:
-            raise UsageError(f"invalid --match regular expression: {exc}") from None
-    if bool(every) == bool(cron_expr):
-        raise UsageError("give exactly one of --every DURATION and --cron 'EXPR'")
-    if every:
-        from ckpt.schedule.retention import parse_duration
-
-        expr = cron.every_to_cron(parse_duration(every))
-    else:
-        expr = cron.check(cron_expr or "")  # given: exactly one of the two is (checked above)
+    target = _checked_target(target)
+    expr = _cron_expression(every, cron_expr)
     if copy_to is not None:
         copy_to = destination_spec(copy_to, book.store_root)
     facts = facts or schedulers.Facts.here()
@@ -103,6 +84,36 @@ def add(book: ScheduleBook, request: AddRequest, facts: schedulers.Facts | None 
     where = book.install(schedule, facts.runs("systemd"))
     warning = schedulers.warning(scheduler, facts)
     return Added(schedule, where, warning is None, warning)
+
+
+def _checked_target(target: dict) -> dict:
+    """The schedule's target (one of pid, pidfile, match), checked; a pidfile made absolute."""
+    if len(target) != 1:
+        raise UsageError("give exactly one target: --pid, --pidfile or --match")
+    if "pid" in target:
+        procs.check_pid(target["pid"])
+        if target["pid"] == 1:
+            raise UsageError("PID 1 (init) cannot be checkpointed", hint="give the PID of the process tree to save")
+    if "pidfile" in target:
+        # Cron runs ckpt from $HOME: a relative path would name another file there.
+        target = {"pidfile": str(Path(target["pidfile"]).expanduser().absolute())}
+    if "match" in target:
+        try:
+            re.compile(target["match"])
+        except re.error as exc:
+            raise UsageError(f"invalid --match regular expression: {exc}") from None
+    return target
+
+
+def _cron_expression(every: str | None, cron_expr: str | None) -> str:
+    """The cron expression of --every DURATION or --cron EXPR (exactly one of them), checked."""
+    if bool(every) == bool(cron_expr):
+        raise UsageError("give exactly one of --every DURATION and --cron 'EXPR'")
+    if every:
+        from ckpt.schedule.retention import parse_duration
+
+        return cron.every_to_cron(parse_duration(every))
+    return cron.check(cron_expr or "")  # given: exactly one of the two is (checked above)
 
 
 def destination_spec(copy_to: str, store_root: settings.StoreLocation) -> str:
@@ -216,18 +227,37 @@ def _copy_pending(store_root: settings.StoreLocation, origin: str, outcome: dict
         reporter.warn(f"copy to {failed[0]['to']} failed (the next run tries again): {failed[0]['error']}")
 
 
-def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait_s: float | None = None) -> dict:
-    """What cron runs: one dump of the target plus the schedule's retention. Records the outcome."""
-    from ckpt.commands.dump import DumpRequest, dump
-    from ckpt.commands.forget import forget
-    from ckpt.store import Origin, Store
+@dataclass(frozen=True)
+class ScheduleRunResult(JsonResult):
+    """A run that made its checkpoint, as the schedule's log records it."""
 
+    time: str
+    outcome: str
+    pid: int
+    id: str
+    bytes_stored: int
+    freeze_ms: float | None
+    duration_ms: int
+    copies: list[dict] | None = None  # the pending copies this run finished or tried (None: there were none)
+    copy_error: str | None = None
+    forgot: list[str] | None = None  # what the retention forgot (None: the schedule has none)
+
+    def to_json(self) -> dict:
+        record = {"time": self.time, "outcome": self.outcome, "pid": self.pid, "id": self.id,
+                  "bytes_stored": self.bytes_stored, "freeze_ms": self.freeze_ms}
+        for key in ("copies", "copy_error", "forgot"):
+            if getattr(self, key) is not None:
+                record[key] = getattr(self, key)
+        return {**record, "duration_ms": self.duration_ms}
+
+
+def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(),
+        wait_s: float | None = None) -> ScheduleRunResult:
+    """What cron runs: one dump of the target plus the schedule's retention. Records the outcome."""
     schedule = book.load(name)
-    origin = f"schedule {name}"
-    made_by = Origin("schedule", name)
     wait_s = settings.current().schedule_wait if wait_s is None else wait_s
     started = datetime.now(timezone.utc)
-    outcome: dict[str, object] = {"time": started.isoformat(timespec="seconds"), "outcome": None}
+    outcome: dict = {"time": started.isoformat(timespec="seconds"), "outcome": None}
     make_private_dir(book.dir)
     lock_fd = os.open(book.dir / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
 
@@ -238,41 +268,63 @@ def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(), wait
 
     try:
         wait_for_flock(lock_fd, fcntl.LOCK_EX, time.monotonic() + wait_s, skipped)
-        copied = False
-        try:
-            pid = resolve_target(schedule.target)
-            outcome["pid"] = pid
-            result = dump(book.store_root, DumpRequest(pid=pid, name=name, pre_dump_hook=schedule.pre_dump,
-                                                       copy_to=schedule.copy_to, copy_origin=origin,
-                                                       origin=made_by), reporter)
-            outcome.update(outcome="ok", id=result.manifest.id, bytes_stored=result.manifest.bytes_stored,
-                           freeze_ms=result.manifest.stats.get("freeze_ms"))
-            # Copied before retention runs, which could forget an older checkpoint still to copy.
-            copied = True
-            _copy_pending(book.store_root, origin, outcome, reporter)
-            if schedule.retention:
-                # Only what this schedule made: a checkpoint of the same name dumped by hand, by
-                # `ckpt run` or before origins were recorded is not the schedule's to forget.
-                forgotten = forget(Store.open(book.store_root), schedule.policy, name=name, prune=True,
-                                   allow_remove_all=False, origin=made_by, reporter=reporter)
-                outcome["forgot"] = [r["id"] for r in forgotten["remove"]]
-        except ProcessNotFound as exc:
-            outcome.update(outcome="target-gone", error=str(exc))
-            raise
-        except SectionTimeout as exc:
-            # The program asked not to be frozen now: not a failure, a skipped run.
-            outcome.update(outcome="skipped", error=exc.message)
-            raise
-        except CkptError as exc:
-            outcome.update(outcome="failed", error=str(exc))
-            raise
-        finally:
-            # The copies earlier runs could not make, even when this dump failed: a failed copy
-            # leaves its record for the next run and never fails the dump.
-            if not copied:
-                _copy_pending(book.store_root, origin, outcome, reporter)
-            outcome["duration_ms"] = round((datetime.now(timezone.utc) - started).total_seconds() * 1000)
-            book.record(name, outcome)
+        _run_recorded(book, schedule, outcome, started, reporter)
     finally:
         os.close(lock_fd)
-    return outcome
+    return ScheduleRunResult(**outcome)
+
+
+def _run_recorded(book: ScheduleBook, schedule: Schedule, outcome: dict, started: datetime,
+                  reporter: Reporter) -> None:
+    """The run under the schedule's lock: its outcome, whatever it is, recorded in the book."""
+    name = schedule.name
+    origin = f"schedule {name}"
+    copied = False
+    try:
+        _dump(book, schedule, outcome, reporter)
+        # Copied before retention runs, which could forget an older checkpoint still to copy.
+        copied = True
+        _copy_pending(book.store_root, origin, outcome, reporter)
+        if schedule.retention:
+            _forget(book, schedule, outcome, reporter)
+    except ProcessNotFound as exc:
+        outcome.update(outcome="target-gone", error=str(exc))
+        raise
+    except SectionTimeout as exc:
+        # The program asked not to be frozen now: not a failure, a skipped run.
+        outcome.update(outcome="skipped", error=exc.message)
+        raise
+    except CkptError as exc:
+        outcome.update(outcome="failed", error=str(exc))
+        raise
+    finally:
+        # The copies earlier runs could not make, even when this dump failed: a failed copy
+        # leaves its record for the next run and never fails the dump.
+        if not copied:
+            _copy_pending(book.store_root, origin, outcome, reporter)
+        outcome["duration_ms"] = round((datetime.now(timezone.utc) - started).total_seconds() * 1000)
+        book.record(name, outcome)
+
+
+def _dump(book: ScheduleBook, schedule: Schedule, outcome: dict, reporter: Reporter) -> None:
+    from ckpt.commands.dump import DumpRequest, dump
+    from ckpt.store import Origin
+
+    pid = resolve_target(schedule.target)
+    outcome["pid"] = pid
+    result = dump(book.store_root, DumpRequest(pid=pid, name=schedule.name, pre_dump_hook=schedule.pre_dump,
+                                               copy_to=schedule.copy_to, copy_origin=f"schedule {schedule.name}",
+                                               origin=Origin("schedule", schedule.name)), reporter)
+    outcome.update(outcome="ok", id=result.manifest.id, bytes_stored=result.manifest.bytes_stored,
+                   freeze_ms=result.manifest.stats.get("freeze_ms"))
+
+
+def _forget(book: ScheduleBook, schedule: Schedule, outcome: dict, reporter: Reporter) -> None:
+    """The schedule's retention. Only what this schedule made: a checkpoint of the same name
+    dumped by hand, by `ckpt run` or before origins were recorded is not the schedule's to forget."""
+    from ckpt.commands.forget import forget
+    from ckpt.store import Origin, Store
+
+    forgotten = forget(Store.open(book.store_root), schedule.policy, name=schedule.name, prune=True,
+                       allow_remove_all=False, origin=Origin("schedule", schedule.name), reporter=reporter)
+    outcome["forgot"] = [d.id for d in forgotten.removed]

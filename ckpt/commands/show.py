@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
+from ckpt.commands.results import JsonResult
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore.lazywatch import failures
-from ckpt.store import Store
+from ckpt.store import Manifest, Store
 from ckpt.store.staging import discard
 
 
-def inspect(store: Store, ref: str, reporter: Reporter = NullReporter()) -> dict:
+@dataclass(frozen=True)
+class CheckpointDescription(JsonResult):
+    manifest: Manifest
+    processes: list[dict]  # per process, what its images hold (criu.images.describe)
+    lazy_restore_failures: list[dict]  # what the page servers of its lazy restores could not fill in
+
+    def to_json(self) -> dict:
+        return {**self.manifest.to_json(), "processes": self.processes,
+                "lazy_restore_failures": self.lazy_restore_failures}
+
+
+def inspect(store: Store, ref: str, reporter: Reporter = NullReporter()) -> CheckpointDescription:
+    """What checkpoint ref holds: its manifest and, read from its images, each process."""
     from ckpt.criu import images  # deferred: imports pycriu
 
     with store.lock(exclusive=False):
@@ -19,7 +33,4 @@ def inspect(store: Store, ref: str, reporter: Reporter = NullReporter()) -> dict
             processes = images.describe(image_dir, manifest.processes)
         finally:
             discard(image_dir)
-    data = manifest.to_json()
-    data["processes"] = processes
-    data["lazy_restore_failures"] = failures(store.logs_root / manifest.id)
-    return data
+    return CheckpointDescription(manifest, processes, failures(store.logs_root / manifest.id))

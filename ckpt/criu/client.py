@@ -180,45 +180,81 @@ def explain_failure(action: str, log_path: Path, images_dir: Path | None = None)
             action == "dump" and _filesystem_full((log_path.parent, *((images_dir,) if images_dir else ())))):
         return DiskFull(f"no space left on the disk while CRIU wrote the {action}",
                         hint=f"{DISK_FULL_HINT}; {where}")
-    hint = None
     if action == "restore" and (m := re.search(r"Can't open file (\S+) on restore: No such file or directory", text)):
         path = m.group(1) if m.group(1).startswith("/") else "/" + m.group(1)  # CRIU logs it without its "/"
         return CriuFailed(f"a file the checkpointed tree had open is gone: {path}", log_path=str(log_path),
                           log_lines=lines, hint="recreate it (for a log file an empty one will do) and restore again; "
                                                 + where)
-    if action == "restore" and re.search(r"Can't bind inet socket|Cannot assign requested address|"
-                                         r"Can't restore TCP|repair", text):
-        hint = ("the tree's TCP connections cannot be re-established here (another machine, or its address "
-                "is gone): restore with --tcp-close, and the program sees them fail")
-    elif action == "dump" and re.search(r"Can't dump a pid namespace without the process init|"
-                                        r"Can't dump nested time namespace", text):
-        # A tree restored with --new-pidns: CRIU dumps a PID namespace only from its init, and
-        # that init's tree then has the time namespace CRIU's restore made, which it cannot dump.
-        hint = ("the tree runs in a PID namespace of its own (as a tree restored with --new-pidns does), "
-                "which CRIU cannot dump: restore it without --new-pidns (end what holds its PIDs first) to "
-                "checkpoint it again")
-    elif re.search(r"Can't dump ghost file", text):
-        hint = ("a deleted file the tree holds grew past the size ckpt allowed for while CRIU worked: dump "
-                "again")
-    elif action == "restore" and re.search(r"Can't connect \d+ socket", text):
-        hint = ("a UNIX socket the tree sent datagrams to is not there (see the dump's notes): start the program "
-                "that receives there, then restore again")
-    elif re.search(r"Can't dump half of stream unix", text):
-        hint = ("a UNIX stream socket of the tree is connected to a process outside it that ckpt did not "
-                "see when it looked (it connected meanwhile?): retry the dump")
-    elif re.search(r"External socket|unix: .*external", text, re.I):
-        hint = "the tree uses a UNIX socket whose peer is outside it: retry with --ext-unix-sk"
-    elif re.search(r"Connected TCP socket|TCP connection", text):
-        hint = "the tree has established TCP connections: retry with --tcp-established"
-    elif action == "restore" and re.search(r"tty", text):
-        hint = "the checkpointed processes had a terminal: run 'ckpt restore' from a terminal, which they take over"
-    elif re.search(r"shell job|session leader|Can't dump.*tty|tty:", text, re.I):
-        hint = "the tree belongs to a terminal session it does not lead: retry with --shell-job"
-    elif re.search(r"file lock", text, re.I):
-        hint = "the tree holds file locks: retry with --file-locks"
     summary = lines[-1] if lines else "no error lines in its log"
     return CriuFailed(f"CRIU {action} failed: {summary}", log_path=str(log_path), log_lines=lines,
-                      hint=hint or where)
+                      hint=_hint(action, text) or where)
+
+
+# What CRIU's error lines say, and what the user can do about it: (the action it applies to,
+# None for both; the pattern; re flags; the hint). The first that matches gives the hint.
+_HINTS: list[tuple[str | None, str, int, str]] = [
+    ("restore", r"Can't bind inet socket|Cannot assign requested address|Can't restore TCP|repair", 0,
+     "the tree's TCP connections cannot be re-established here (another machine, or its address "
+     "is gone): restore with --tcp-close, and the program sees them fail"),
+    # A tree restored with --new-pidns: CRIU dumps a PID namespace only from its init, and
+    # that init's tree then has the time namespace CRIU's restore made, which it cannot dump.
+    ("dump", r"Can't dump a pid namespace without the process init|Can't dump nested time namespace", 0,
+     "the tree runs in a PID namespace of its own (as a tree restored with --new-pidns does), "
+     "which CRIU cannot dump: restore it without --new-pidns (end what holds its PIDs first) to "
+     "checkpoint it again"),
+    (None, r"Can't dump ghost file", 0,
+     "a deleted file the tree holds grew past the size ckpt allowed for while CRIU worked: dump again"),
+    ("restore", r"Can't connect \d+ socket", 0,
+     "a UNIX socket the tree sent datagrams to is not there (see the dump's notes): start the program "
+     "that receives there, then restore again"),
+    (None, r"Can't dump half of stream unix", 0,
+     "a UNIX stream socket of the tree is connected to a process outside it that ckpt did not "
+     "see when it looked (it connected meanwhile?): retry the dump"),
+    (None, r"External socket|unix: .*external", re.I,
+     "the tree uses a UNIX socket whose peer is outside it: retry with --ext-unix-sk"),
+    (None, r"Connected TCP socket|TCP connection", 0,
+     "the tree has established TCP connections: retry with --tcp-established"),
+    ("restore", r"tty", 0,
+     "the checkpointed processes had a terminal: run 'ckpt restore' from a terminal, which they take over"),
+    (None, r"shell job|session leader|Can't dump.*tty|tty:", re.I,
+     "the tree belongs to a terminal session it does not lead: retry with --shell-job"),
+    (None, r"file lock", re.I, "the tree holds file locks: retry with --file-locks"),
+]
+
+
+def _hint(action: str, text: str) -> str | None:
+    for applies_to, pattern, flags, hint in _HINTS:
+        if applies_to in (None, action) and re.search(pattern, text, flags):
+            return hint
+    return None
+
+
+def _answer_notifications(ours: socket.socket, rpc: Any,
+                          on_notify: NotifyHandler | None) -> tuple[Any, BaseException | None]:
+    """Answers CRIU's notifications (running on_notify for each) until its final response, which
+    is returned (None when CRIU ended without one) with the error on_notify raised, if any: that
+    one is re-raised by the caller, after CRIU has cleaned up (the notification was refused)."""
+    handler_error: BaseException | None = None
+    while True:
+        size = len(ours.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
+        buf = ours.recv(size) if size else b""
+        if not buf:
+            return None, handler_error
+        resp = rpc.criu_resp()
+        resp.ParseFromString(buf)
+        if resp.type != rpc.NOTIFY:
+            return resp, handler_error
+        ok = True
+        if on_notify is not None and handler_error is None:
+            try:
+                on_notify(resp.notify.script, resp.notify.pid)
+            except BaseException as exc:  # re-raised by the caller, after CRIU has cleaned up
+                handler_error = exc
+                ok = False
+        ack = rpc.criu_req()
+        ack.type = rpc.NOTIFY
+        ack.notify_success = ok
+        ours.send(ack.SerializeToString())
 
 
 class CriuClient:
@@ -233,17 +269,7 @@ class CriuClient:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         stderr_path = options.log_dir / (options.log_name + ".stderr")
         try:
-            with open(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as stderr:
-                # CRIU opens images_dir_fd/work_dir_fd through /proc/<our pid>/fd, so we keep them open.
-                stdio: dict[str, Any] = {} if options.inherit_stdio else {"stdin": subprocess.DEVNULL,
-                                                                          "stdout": stderr, "stderr": stderr}
-                # umask 077: CRIU's logs and stats files hold facts about the tree (0644 before);
-                # the restored tasks get their own umask back from the images.
-                proc = subprocess.Popen([self.binary.path, "swrk", str(theirs.fileno())],
-                                        pass_fds=(theirs.fileno(), *(fd for _, fd in options.inherit_fds),
-                                                  *([options.page_stream_fd] if options.page_stream_fd else [])),
-                                        close_fds=True, umask=0o077,
-                                        preexec_fn=_die_with(os.getpid()) if die_with_us else None, **stdio)  # noqa: PLW1509 (see _die_with)
+            proc = self._start(options, stderr_path, theirs, die_with_us)
             theirs.close()
             # Imported once CRIU is starting (it waits for the request): the import overlaps
             # CRIU's own start-up instead of delaying it.
@@ -254,28 +280,10 @@ class CriuClient:
             ours.send(req.SerializeToString())
             if on_started is not None:
                 on_started()
-            handler_error: BaseException | None = None
-            while True:
-                size = len(ours.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
-                buf = ours.recv(size) if size else b""
-                if not buf:
-                    proc.wait()
-                    raise explain_failure(req_type.lower().replace("_", "-"), options.log_path, options.images_dir)
-                resp = rpc.criu_resp()
-                resp.ParseFromString(buf)
-                if resp.type != rpc.NOTIFY:
-                    break
-                ok = True
-                if on_notify is not None and handler_error is None:
-                    try:
-                        on_notify(resp.notify.script, resp.notify.pid)
-                    except BaseException as exc:  # re-raised below, after CRIU has cleaned up
-                        handler_error = exc
-                        ok = False
-                ack = rpc.criu_req()
-                ack.type = rpc.NOTIFY
-                ack.notify_success = ok
-                ours.send(ack.SerializeToString())
+            resp, handler_error = _answer_notifications(ours, rpc, on_notify)
+            if resp is None:
+                proc.wait()
+                raise explain_failure(req_type.lower().replace("_", "-"), options.log_path, options.images_dir)
             ours.close()
             proc.wait()
             if handler_error is not None:
@@ -290,6 +298,21 @@ class CriuClient:
             os.close(work_fd)
             if stderr_path.exists() and stderr_path.stat().st_size == 0:
                 stderr_path.unlink()
+
+    def _start(self, options: CriuOptions, stderr_path: Path, theirs: socket.socket,
+               die_with_us: bool) -> subprocess.Popen:
+        """CRIU in swrk mode, talking over `theirs`; its own stdout and stderr into stderr_path."""
+        with open(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as stderr:
+            # CRIU opens images_dir_fd/work_dir_fd through /proc/<our pid>/fd, so we keep them open.
+            stdio: dict[str, Any] = {} if options.inherit_stdio else {"stdin": subprocess.DEVNULL,
+                                                                      "stdout": stderr, "stderr": stderr}
+            # umask 077: CRIU's logs and stats files hold facts about the tree (0644 before);
+            # the restored tasks get their own umask back from the images.
+            return subprocess.Popen([self.binary.path, "swrk", str(theirs.fileno())],
+                                    pass_fds=(theirs.fileno(), *(fd for _, fd in options.inherit_fds),
+                                              *([options.page_stream_fd] if options.page_stream_fd else [])),
+                                    close_fds=True, umask=0o077,
+                                    preexec_fn=_die_with(os.getpid()) if die_with_us else None, **stdio)  # noqa: PLW1509 (see _die_with)
 
     def dump(self, options: CriuOptions, on_notify: NotifyHandler | None = None,
              on_started: Callable[[], None] | None = None) -> None:

@@ -12,7 +12,9 @@ from ckpt.errors import ImageUnreadable
 from ckpt.system.files import atomic_write_bytes
 
 
-def _load(path: Path) -> dict:
+def load_image(path: Path) -> dict:
+    """A CRIU image file decoded by pycriu: {"magic": ..., "entries": [...]}. Raises
+    ImageUnreadable when it is truncated or unreadable."""
     from pycriu import images  # deferred: importing pycriu costs ~0.1 s
 
     with open(path, "rb") as f:
@@ -34,7 +36,7 @@ def dump_stats(image_dir: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        entry = _load(path)["entries"][0].get("dump", {})
+        entry = load_image(path)["entries"][0].get("dump", {})
     except (ImageUnreadable, IndexError):
         return {}
     return {
@@ -48,12 +50,12 @@ def dump_stats(image_dir: Path) -> dict:
 def process_tree(image_dir: Path) -> list[dict]:
     """pstree.img as plain dicts: pid, ppid, pgid, sid, threads, comm."""
     result = []
-    for item in _load(image_dir / "pstree.img")["entries"]:
+    for item in load_image(image_dir / "pstree.img")["entries"]:
         pid = int(item["pid"])
         comm = "?"
         core_path = image_dir / f"core-{pid}.img"
         if core_path.exists():
-            core = _load(core_path)["entries"][0]
+            core = load_image(core_path)["entries"][0]
             comm = core.get("tc", {}).get("comm", "?")
         result.append({
             "pid": pid, "ppid": int(item.get("ppid", 0)), "pgid": int(item.get("pgid", 0)),
@@ -100,7 +102,7 @@ def describe(image_dir: Path, manifest_processes: list[dict]) -> list[dict]:
     """Per process: threads, memory mappings and pages, open files with offsets, sockets."""
     files_by_id = {}
     if (image_dir / "files.img").exists():
-        for entry in _load(image_dir / "files.img")["entries"]:
+        for entry in load_image(image_dir / "files.img")["entries"]:
             files_by_id[int(entry["id"])] = _describe_file(entry)
     result = []
     for proc in manifest_processes:
@@ -109,19 +111,19 @@ def describe(image_dir: Path, manifest_processes: list[dict]) -> list[dict]:
                 "threads": proc.get("threads", [pid]), "mappings": 0, "mapped_bytes": 0, "pages": 0, "fds": []}
         mm_path = image_dir / f"mm-{pid}.img"
         if mm_path.exists():
-            vmas = _load(mm_path)["entries"][0].get("vmas", [])
+            vmas = load_image(mm_path)["entries"][0].get("vmas", [])
             info["mappings"] = len(vmas)
             info["mapped_bytes"] = sum(int(v["end"]) - int(v["start"]) for v in vmas)
         pm_path = image_dir / f"pagemap-{pid}.img"
         if pm_path.exists():
-            info["pages"] = sum(int(e.get("nr_pages", 0)) for e in _load(pm_path)["entries"][1:])
+            info["pages"] = sum(int(e.get("nr_pages", 0)) for e in load_image(pm_path)["entries"][1:])
         ids_path = image_dir / f"ids-{pid}.img"
         files_id = None
         if ids_path.exists():
-            files_id = _load(ids_path)["entries"][0].get("files_id")
+            files_id = load_image(ids_path)["entries"][0].get("files_id")
         fdinfo = image_dir / f"fdinfo-{files_id}.img"
         if files_id is not None and fdinfo.exists():
-            for fd in _load(fdinfo)["entries"]:
+            for fd in load_image(fdinfo)["entries"]:
                 desc = dict(files_by_id.get(int(fd["id"]), {"type": str(fd.get("type", "?")).lower()}))
                 desc["fd"] = int(fd["fd"])
                 info["fds"].append(desc)
@@ -161,8 +163,8 @@ def opened_files(image_dir: Path) -> list[OpenedFile]:
     skipped: set[int] = set()
     remap_path = image_dir / "remap-fpath.img"
     if remap_path.exists():
-        skipped = {int(e["orig_id"]) for e in _load(remap_path)["entries"]}
-    entries = _load(files_path)["entries"]
+        skipped = {int(e["orig_id"]) for e in load_image(remap_path)["entries"]}
+    entries = load_image(files_path)["entries"]
     # A terminal's path is recorded as a reg-file too (the TTY entry's regf_id), but CRIU does not
     # reopen it by that path: a pty comes back as a new pair, a --shell-job terminal is the restorer's.
     skipped |= {int(e["tty"]["regf_id"]) for e in entries if "regf_id" in e.get("tty", {})}
@@ -252,6 +254,14 @@ def held_runs(runs: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
     present, not "in parent"."""
     return [(vaddr, nr_pages) for vaddr, nr_pages, flags in runs
             if flags & PE_PRESENT and not flags & PE_PARENT and nr_pages > 0]
+
+
+def mappings(image_dir: Path, pid: int) -> set[tuple[int, int]]:
+    """The process's memory mappings as (start, end) addresses (its mm image; none if it has none)."""
+    mm = image_dir / f"mm-{pid}.img"
+    if not mm.exists():
+        return set()
+    return {(int(v["start"]), int(v["end"])) for v in load_image(mm)["entries"][0].get("vmas", [])}
 
 
 def page_addresses(image_dir: Path, pid: int) -> tuple[str | None, list[int]]:
@@ -346,7 +356,7 @@ def lazy_runs(image_dir: Path,
         pages_id, runs = read_pagemap(path)
         mm_path = image_dir / f"mm-{pid}.img"
         entries = sorted((_number(v["start"]), _number(v["end"]), int(v.get("madv", 0)))
-                         for v in _load(mm_path)["entries"][0].get("vmas", [])) if mm_path.exists() else []
+                         for v in load_image(mm_path)["entries"][0].get("vmas", [])) if mm_path.exists() else []
         eager = _entries_in_mixed_mappings(runs, [(start, end) for start, end, _ in entries])
         if _huge_pages_in(runs, eager, entries, huge_pages_everywhere):
             return None

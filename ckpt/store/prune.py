@@ -79,7 +79,31 @@ def sweep_and_plan(store: Store) -> PrunePlan:
     return prune_plan(store)
 
 
-def prune_plan(store: Store) -> PrunePlan:  # noqa: C901
+def prune_plan(store: Store) -> PrunePlan:
+    """What prune would do, computed without changing anything (a dry run prints it)."""
+    manifests, index = _readable_manifests_and_index(store)
+    plan = PrunePlan()
+    plan.journal = journal.prunable(store.backend, [(m.id, m.name) for m in manifests])
+    young = _young(store.backend)
+    _plan_objects(plan, store.backend, {e.hash for m in manifests for e in m.files}, young)
+    live_pages = _live_pages(store, index, manifests, young)
+    live_keys = {segment_key(index.pages[p]) for p in live_pages if p in index.pages}
+    _plan_packs(plan, store.backend, index, live_keys, young)
+    dead_entries = len(index.pages) - len(live_pages & index.pages.keys())
+    # Entries of the same page in several index files (a page written by two concurrent dumps)
+    # count once in `pages`: rewriting merges the files.
+    plan.rewrite_index = bool(plan.drop_packs or plan.repack or dead_entries or len(index.files) > 1)
+    plan.live_segments = sorted(live_keys)
+    plan.live_pages = live_pages
+    if plan.rewrite_index:
+        _plan_dead_index_files(plan, index, live_pages)
+    plan.files_removed = len(plan.objects) + len(plan.drop_packs) + len(plan.repack) + len(plan.unindexed_packs) \
+        + sum(len(batch) for batch in plan.journal)
+    return plan
+
+
+def _readable_manifests_and_index(store: Store):
+    """Every manifest and the index, refused if any cannot be read: what they name would look unused."""
     damaged: list[str] = []
     manifests = store.manifests(lambda i, e: damaged.append(i))
     if damaged:
@@ -91,11 +115,11 @@ def prune_plan(store: Store) -> PrunePlan:  # noqa: C901
         raise StoreError(f"cannot reclaim space: index file {paths} is damaged, and the packs it names would "
                          "look unused", hint="dumps of the same processes store their pages again; to reclaim "
                          "the space anyway, remove the damaged file first (their checkpoints stay damaged)")
-    plan = PrunePlan()
-    plan.journal = journal.prunable(store.backend, [(m.id, m.name) for m in manifests])
-    referenced = {e.hash for m in manifests for e in m.files}
-    backend = store.backend
-    young = _young(backend)
+    return manifests, index
+
+
+def _plan_objects(plan: PrunePlan, backend, referenced: set[str], young) -> None:
+    """Whole-file objects no manifest names, and writes under objects/ and index/ that never finished."""
     for info in backend.list(OBJECTS_PREFIX):
         if info.name.rpartition("/")[2].split(".", 1)[0] not in referenced and not young(info):
             plan.objects.append(info.name)
@@ -104,9 +128,12 @@ def prune_plan(store: Store) -> PrunePlan:  # noqa: C901
         if not young(info):
             plan.objects.append(info.name)
             plan.bytes_freed += info.size
+
+
+def _live_pages(store: Store, index, manifests, young) -> set[bytes]:
+    """The ids of the pages a checkpoint names, or a young index file (a dump's still committing)."""
     live_pages: set[bytes] = set()
-    # The pages of young index files count as live: they may be a dump's still committing.
-    young_files = {info.name[len(INDEX_PREFIX):] for info in backend.list(INDEX_PREFIX) if young(info)}
+    young_files = {info.name[len(INDEX_PREFIX):] for info in store.backend.list(INDEX_PREFIX) if young(info)}
     for name, columns in zip(index.files, index.columns, strict=True):
         if name in young_files:
             live_pages.update(columns.id_list())
@@ -115,7 +142,11 @@ def prune_plan(store: Store) -> PrunePlan:  # noqa: C901
             if e.kind == "pages":
                 page_list = store.load_page_list(e)
                 live_pages.update(page_list[i:i + ID_LEN] for i in range(0, len(page_list), ID_LEN))
-    live_keys = {segment_key(index.pages[p]) for p in live_pages if p in index.pages}
+    return live_pages
+
+
+def _plan_packs(plan: PrunePlan, backend, index, live_keys: set[int], young) -> None:
+    """Packs with nothing live (dropped), with much dead (repacked), and packs no index names."""
     pack_bytes: dict[str, int] = {}
     live_bytes: dict[str, int] = {}
     for key, seg in enumerate(index.segment_list):
@@ -141,22 +172,16 @@ def prune_plan(store: Store) -> PrunePlan:  # noqa: C901
             continue
         plan.unindexed_packs.append(info.name)
         plan.bytes_freed += info.size
-    dead_entries = len(index.pages) - len(live_pages & index.pages.keys())
-    # Entries of the same page in several index files (a page written by two concurrent dumps)
-    # count once in `pages`: rewriting merges the files.
-    plan.rewrite_index = bool(plan.drop_packs or plan.repack or dead_entries or len(index.files) > 1)
-    plan.live_segments = sorted(live_keys)
-    plan.live_pages = live_pages
-    if plan.rewrite_index:
-        plan.dead_index_files = [name for name, columns in zip(index.files, index.columns, strict=True)
-                                 if not any(page in live_pages for page in columns.id_list())]
-        dead = set(plan.dead_index_files)
-        segment_files = list(zip(index.segment_list, index.segment_file, strict=True))
-        named_by_others = {seg.pack for seg, name in segment_files if name not in dead}
-        plan.dead_files_packs = sorted({seg.pack for seg, name in segment_files if name in dead} - named_by_others)
-    plan.files_removed = len(plan.objects) + len(plan.drop_packs) + len(plan.repack) + len(plan.unindexed_packs) \
-        + sum(len(batch) for batch in plan.journal)
-    return plan
+
+
+def _plan_dead_index_files(plan: PrunePlan, index, live_pages: set[bytes]) -> None:
+    """Index files with no live page, and the packs only they name."""
+    plan.dead_index_files = [name for name, columns in zip(index.files, index.columns, strict=True)
+                             if not any(page in live_pages for page in columns.id_list())]
+    dead = set(plan.dead_index_files)
+    segment_files = list(zip(index.segment_list, index.segment_file, strict=True))
+    named_by_others = {seg.pack for seg, name in segment_files if name not in dead}
+    plan.dead_files_packs = sorted({seg.pack for seg, name in segment_files if name in dead} - named_by_others)
 
 
 def _young(backend) -> Callable[[BlobInfo], bool]:
@@ -217,6 +242,30 @@ def _delete(backend, names: list[str]) -> None:
         backend.delete(names[1:])
 
 
+def _intact_stored(reader, index: BlockIndex, key: int) -> bytes | None:
+    """The segment's bytes as stored (no re-encoding), checked; None when they are damaged or
+    recorded damaged: such a segment stays where it is, even where the checksum passes (a
+    segment that cannot be decoded, a page that does not match its id)."""
+    seg = index.segment_list[key]
+    try:
+        if key in index.damaged:
+            raise DamagedCheckpoint(f"segment at {seg.offset} of pack {seg.pack} is recorded damaged")
+        return reader.stored(key)
+    except DamagedCheckpoint:
+        return None
+
+
+def _put_index(backend, index: BlockIndex, plan: PrunePlan, segments: list[Segment], seg_no: dict) -> str:
+    """One index file naming every live page in its (new) segment; returns its name."""
+    live = [page for page in plan.live_pages if page in index.pages]
+    data = render_index(segments, b"".join(live), [seg_no[segment_key(index.pages[page])] for page in live],
+                        [split_location(index.pages[page])[1] for page in live])
+    name = blake3.blake3(data).hexdigest()
+    backend.put(INDEX_PREFIX + name, data)
+    phase("prune.index-written")
+    return name
+
+
 def _write_new_index(blocks: BlockStore, index: BlockIndex, plan: PrunePlan, repack: set[str]
                      ) -> tuple[str, list[Segment], set[str]]:
     """Steps 1 and 2: copies the live segments of the packs in `repack` into a new pack, then
@@ -241,13 +290,8 @@ def _write_new_index(blocks: BlockStore, index: BlockIndex, plan: PrunePlan, rep
         for key in plan.live_segments:
             seg = index.segment_list[key]
             if seg.pack in repack:
-                try:
-                    # Recorded damage stays where it is, even where the checksum passes (a
-                    # segment that cannot be decoded, a page that does not match its id).
-                    if key in index.damaged:
-                        raise DamagedCheckpoint(f"segment at {seg.offset} of pack {seg.pack} is recorded damaged")
-                    data = reader.stored(key)  # as stored: no re-encoding
-                except DamagedCheckpoint:
+                data = _intact_stored(reader, index, key)
+                if data is None:
                     kept.add(seg.pack)
                 else:
                     if out is None:
@@ -263,20 +307,18 @@ def _write_new_index(blocks: BlockStore, index: BlockIndex, plan: PrunePlan, rep
         phase("prune.before-index")
         if not segments:
             return "", segments, kept
-        live = [page for page in plan.live_pages if page in index.pages]
-        data = render_index(segments, b"".join(live), [seg_no[segment_key(index.pages[page])] for page in live],
-                            [split_location(index.pages[page])[1] for page in live])
-        name = blake3.blake3(data).hexdigest()
-        backend.put(INDEX_PREFIX + name, data)
-        phase("prune.index-written")
-        return name, segments, kept
+        return _put_index(backend, index, plan, segments, seg_no), segments, kept
     except BaseException:
-        if out is not None:
-            out.abort()
-        try:
-            backend.delete([pack_name(new_pack)])
-        except OSError:
-            pass  # the next prune reclaims it (no index names it)
+        _drop_new_pack(backend, out, new_pack)
         raise
     finally:
         reader.close()
+
+
+def _drop_new_pack(backend, out, new_pack: str) -> None:
+    if out is not None:
+        out.abort()
+    try:
+        backend.delete([pack_name(new_pack)])
+    except OSError:
+        pass  # the next prune reclaims it (no index names it)

@@ -115,12 +115,7 @@ class CheckpointCopier:
                                                 base + n * PAGE, total, f"copying {checkpoint_id}"))
                     if not self.same_seed:
                         pairs.update(zip(_ids(src_list), _ids(dest_list), strict=True))
-                    digest = blake3.blake3(dest_list).hexdigest()
-                    if self.dest.find_object(digest) is None:
-                        self.dest.backend.put(Store.object_name(digest, "none"), dest_list)
-                        result.bytes_sent += len(dest_list)
-                        result.objects_sent += 1
-                    entries[entry.name].update(hash=digest, stored_size=len(dest_list))
+                    entries[entry.name].update(self._page_list(dest_list, result))
                 else:
                     copied = self._object(entry.name, entry.hash)
                     result.bytes_sent += copied
@@ -135,6 +130,23 @@ class CheckpointCopier:
         except BaseException:
             pack.abort()
             raise
+        self._commit(name, raw, result)
+        if not self.same_seed:
+            self.last = (manifest.pid, pairs)
+        return result
+
+    def _page_list(self, dest_list: bytes, result: CopyResult) -> dict:
+        """Stores the page list (in the destination's ids) unless the destination has it; returns
+        what its manifest entry then says of it."""
+        digest = blake3.blake3(dest_list).hexdigest()
+        if self.dest.find_object(digest) is None:
+            self.dest.backend.put(Store.object_name(digest, "none"), dest_list)
+            result.bytes_sent += len(dest_list)
+            result.objects_sent += 1
+        return {"hash": digest, "stored_size": len(dest_list)}
+
+    def _commit(self, name: str, raw: dict, result: CopyResult) -> None:
+        """The manifest, last: the checkpoint exists in the destination from then on."""
         phase("copy.before-commit")
         data = json.dumps(raw, indent=2).encode() + b"\n"
         try:
@@ -144,9 +156,6 @@ class CheckpointCopier:
         else:
             result.bytes_sent += len(data)
         phase("copy.committed")
-        if not self.same_seed:
-            self.last = (manifest.pid, pairs)
-        return result
 
     # ---- objects ----------------------------------------------------------------------------
 
@@ -209,7 +218,7 @@ class CheckpointCopier:
                 continue  # only a shortcut: without it the pages are hashed anew
         return {}
 
-    def _pages(self, image: str, src_list: bytes, translation: dict[bytes, bytes], pack: PackWriter,  # noqa: C901, PLR0913
+    def _pages(self, image: str, src_list: bytes, translation: dict[bytes, bytes], pack: PackWriter,  # noqa: PLR0913
                sent: set[bytes], result: CopyResult, progress) -> bytes:
         """Writes the pages of one pages image that the destination lacks into the pack;
         returns the image's page list in the destination's ids."""
@@ -217,77 +226,103 @@ class CheckpointCopier:
         result.pages += n
         if n == 0:
             return b""
-        index = self.dest.blocks.index()
-        locations = self.source.blocks.locate(image, src_list)
-        reader = self.source.blocks.page_reader()
-        src_seed, dest_seed = self.source.blocks.seed, self.dest.blocks.seed
-
-        def read(rows: list[int]) -> bytes:
-            pages = reader.read([locations[i] for i in rows])
-            result.pages_read += len(rows)
-            wanted = b"".join(src_list[i * ID_LEN:(i + 1) * ID_LEN] for i in rows)
-            if page_ids(pages, src_seed) != wanted:
-                raise DamagedCheckpoint(f"image {image}: a page of the source store does not match its id")
-            return pages
-
-        def send(pages: bytes, ids: bytes) -> None:
-            """The pages of ids the destination does not hold (and this pack does not yet)."""
-            fresh: list[int] = []
-            for j in [j for j, ok in enumerate(index.held(ids).tolist()) if not ok]:
-                page_id = ids[j * ID_LEN:(j + 1) * ID_LEN]
-                if page_id not in sent:  # twice in this batch: once
-                    sent.add(page_id)
-                    fresh.append(j)
-            if not fresh:
-                return
-            data = b"".join(pages[j * PAGE:(j + 1) * PAGE] for j in fresh) if len(fresh) < len(ids) // ID_LEN \
-                else pages
-            self.dest.blocks.add_pages(pack, data, b"".join(ids[j * ID_LEN:(j + 1) * ID_LEN] for j in fresh),
-                                       self.codec)
-            result.pages_sent += len(fresh)
-            phase("copy.packing")
-
+        pages = _ImagePages(self, image, src_list, pack, sent, result)
         try:
             if self.same_seed:
-                rows = index.missing(src_list)
-                for start in range(0, len(rows), BATCH_PAGES):
-                    batch = rows[start:start + BATCH_PAGES]
-                    send(read(batch), b"".join(src_list[i * ID_LEN:(i + 1) * ID_LEN] for i in batch))
-                    progress(start + len(batch))
-                return src_list
-            dest_list = bytearray(n * ID_LEN)
-            unknown = []
-            for i, page_id in enumerate(_ids(src_list)):
-                mapped = translation.get(page_id)
-                if mapped is None:
-                    unknown.append(i)
-                else:
-                    dest_list[i * ID_LEN:(i + 1) * ID_LEN] = mapped
-            # Pages not translated: read, hashed with the destination's seed, sent if it lacks them.
-            for start in range(0, len(unknown), BATCH_PAGES):
-                batch = unknown[start:start + BATCH_PAGES]
-                pages = read(batch)
-                ids = page_ids(pages, dest_seed)
-                for j, i in enumerate(batch):
-                    dest_list[i * ID_LEN:(i + 1) * ID_LEN] = ids[j * ID_LEN:(j + 1) * ID_LEN]
-                send(pages, ids)
-                progress(start + len(batch))
-            # Translated pages the destination lacks all the same (pruned there since): read,
-            # and checked against the translation before they are sent.
-            known = sorted(set(range(n)) - set(unknown))
-            known_ids = b"".join(dest_list[i * ID_LEN:(i + 1) * ID_LEN] for i in known)
-            lacking = [known[j] for j in index.missing(known_ids)
-                       if bytes(dest_list[known[j] * ID_LEN:(known[j] + 1) * ID_LEN]) not in sent]
-            for start in range(0, len(lacking), BATCH_PAGES):
-                batch = lacking[start:start + BATCH_PAGES]
-                pages = read(batch)
-                ids = page_ids(pages, dest_seed)
-                if ids != b"".join(dest_list[i * ID_LEN:(i + 1) * ID_LEN] for i in batch):
-                    raise DamagedCheckpoint(f"image {image}: the ids learnt from an earlier copy do not match")
-                send(pages, ids)
-            return bytes(dest_list)
+                return pages.copy_same_ids(progress)
+            return pages.copy_translated(translation, progress)
         finally:
-            reader.close()
+            pages.close()
+
+
+class _ImagePages:
+    """The copy of one pages image's pages: read from the source (checked against their ids),
+    sent into the pack when neither the destination nor this pack holds them yet."""
+
+    def __init__(self, copier: CheckpointCopier, image: str, src_list: bytes, pack: PackWriter,
+                 sent: set[bytes], result: CopyResult):
+        self.copier, self.image, self.src_list, self.pack = copier, image, src_list, pack
+        self.sent, self.result = sent, result  # sent: the ids this pack holds
+        self.n = len(src_list) // ID_LEN
+        self.index = copier.dest.blocks.index()
+        self.locations = copier.source.blocks.locate(image, src_list)
+        self.reader = copier.source.blocks.page_reader()
+        self.dest_seed = copier.dest.blocks.seed
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def read(self, rows: list[int]) -> bytes:
+        pages = self.reader.read([self.locations[i] for i in rows])
+        self.result.pages_read += len(rows)
+        wanted = b"".join(self.src_list[i * ID_LEN:(i + 1) * ID_LEN] for i in rows)
+        if page_ids(pages, self.copier.source.blocks.seed) != wanted:
+            raise DamagedCheckpoint(f"image {self.image}: a page of the source store does not match its id")
+        return pages
+
+    def send(self, pages: bytes, ids: bytes) -> None:
+        """The pages of ids the destination does not hold (and this pack does not yet)."""
+        fresh: list[int] = []
+        for j in [j for j, ok in enumerate(self.index.held(ids).tolist()) if not ok]:
+            page_id = ids[j * ID_LEN:(j + 1) * ID_LEN]
+            if page_id not in self.sent:  # twice in this batch: once
+                self.sent.add(page_id)
+                fresh.append(j)
+        if not fresh:
+            return
+        data = b"".join(pages[j * PAGE:(j + 1) * PAGE] for j in fresh) if len(fresh) < len(ids) // ID_LEN \
+            else pages
+        self.copier.dest.blocks.add_pages(self.pack, data, b"".join(ids[j * ID_LEN:(j + 1) * ID_LEN] for j in fresh),
+                                          self.copier.codec)
+        self.result.pages_sent += len(fresh)
+        phase("copy.packing")
+
+    def copy_same_ids(self, progress) -> bytes:
+        """Both stores name pages alike (the same seed): the page list is copied as it is."""
+        rows = self.index.missing(self.src_list)
+        for start in range(0, len(rows), BATCH_PAGES):
+            batch = rows[start:start + BATCH_PAGES]
+            self.send(self.read(batch), b"".join(self.src_list[i * ID_LEN:(i + 1) * ID_LEN] for i in batch))
+            progress(start + len(batch))
+        return self.src_list
+
+    def copy_translated(self, translation: dict[bytes, bytes], progress) -> bytes:
+        """Different seeds: ids the translation knows are taken from it, the others learnt by
+        hashing the pages with the destination's seed."""
+        dest_list = bytearray(self.n * ID_LEN)
+        unknown = []
+        for i, page_id in enumerate(_ids(self.src_list)):
+            mapped = translation.get(page_id)
+            if mapped is None:
+                unknown.append(i)
+            else:
+                dest_list[i * ID_LEN:(i + 1) * ID_LEN] = mapped
+        # Pages not translated: read, hashed with the destination's seed, sent if it lacks them.
+        for start in range(0, len(unknown), BATCH_PAGES):
+            batch = unknown[start:start + BATCH_PAGES]
+            pages = self.read(batch)
+            ids = page_ids(pages, self.dest_seed)
+            for j, i in enumerate(batch):
+                dest_list[i * ID_LEN:(i + 1) * ID_LEN] = ids[j * ID_LEN:(j + 1) * ID_LEN]
+            self.send(pages, ids)
+            progress(start + len(batch))
+        self._send_lacking(dest_list, unknown)
+        return bytes(dest_list)
+
+    def _send_lacking(self, dest_list: bytearray, unknown: list[int]) -> None:
+        """Translated pages the destination lacks all the same (pruned there since): read, and
+        checked against the translation before they are sent."""
+        known = sorted(set(range(self.n)) - set(unknown))
+        known_ids = b"".join(dest_list[i * ID_LEN:(i + 1) * ID_LEN] for i in known)
+        lacking = [known[j] for j in self.index.missing(known_ids)
+                   if bytes(dest_list[known[j] * ID_LEN:(known[j] + 1) * ID_LEN]) not in self.sent]
+        for start in range(0, len(lacking), BATCH_PAGES):
+            batch = lacking[start:start + BATCH_PAGES]
+            pages = self.read(batch)
+            ids = page_ids(pages, self.dest_seed)
+            if ids != b"".join(dest_list[i * ID_LEN:(i + 1) * ID_LEN] for i in batch):
+                raise DamagedCheckpoint(f"image {self.image}: the ids learnt from an earlier copy do not match")
+            self.send(pages, ids)
 
 
 def _ids(page_list: bytes) -> list[bytes]:

@@ -5,7 +5,9 @@ import errno
 import os
 import secrets
 import stat
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -17,6 +19,36 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_all(fd: int, data) -> None:
+    """Writes all of data (bytes or a buffer) to fd: os.write may write less than asked (a
+    pipe, a signal, a nearly full disk), so it is called until nothing is left."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """Writes all of data at offset in fd (os.pwrite, like os.write, may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+@contextmanager
+def new_file(path: Path, mode: int = FILE_MODE) -> Iterator[int]:
+    """Creates path (never one that exists: O_EXCL) and yields its descriptor for the block to
+    fill; if the block fails, the file is removed: a part of it must not pass for the whole."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        yield fd
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
 
 
 def make_private_dir(path: Path) -> None:
@@ -41,10 +73,7 @@ def atomic_write_bytes(path: Path, data: bytes, replace: bool = True, mode: int 
         try:
             if owner is not None and owner != os.geteuid():
                 os.fchown(fd, owner, -1)
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
+            write_all(fd, data)
             if mode != FILE_MODE:
                 os.fchmod(fd, mode)  # the umask may have taken bits away
             if durable:

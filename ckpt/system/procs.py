@@ -116,6 +116,20 @@ def preflight(pid: int) -> TargetFacts:
     _refuse_traced(tree_pids)
     _refuse_session_led_from_another_pid_namespace(root.pid, command_line(root))
     needs_shell_job = _needs_shell_job(root)
+    has_tcp = _has_tcp_connections(tree)
+    memory = _resident_bytes(tree)
+    return TargetFacts(pid=pid, command=command_line(root), pids=tree_pids, needs_shell_job=needs_shell_job,
+                       has_tcp_established=has_tcp, has_file_locks=_holds_file_locks(set(tree_pids)),
+                       memory_bytes=memory, has_tty=_has_tty(root.pid),
+                       external_pipes=external_pipes(tree_pids),
+                       external_sockets=external_stream_sockets(tree_pids),
+                       external_datagram_sockets=external_datagram_sockets(tree_pids),
+                       deleted_files=deleted_files(tree_pids), logs_read_back=logs_read_back(tree_pids))
+
+
+def _has_tcp_connections(tree: list[psutil.Process]) -> bool:
+    """Whether a process of the tree has a TCP connection other than listening or closed ones
+    (CRIU then needs --tcp-established)."""
     has_tcp = False
     for proc in tree:
         try:
@@ -125,19 +139,17 @@ def preflight(pid: int) -> TargetFacts:
                     has_tcp = True
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+    return has_tcp
+
+
+def _resident_bytes(tree: list[psutil.Process]) -> int:
     memory = 0
     for proc in tree:
         try:
             memory += proc.memory_info().rss
         except psutil.Error:
             pass
-    return TargetFacts(pid=pid, command=command_line(root), pids=tree_pids, needs_shell_job=needs_shell_job,
-                       has_tcp_established=has_tcp, has_file_locks=_holds_file_locks(set(tree_pids)),
-                       memory_bytes=memory, has_tty=_has_tty(root.pid),
-                       external_pipes=external_pipes(tree_pids),
-                       external_sockets=external_stream_sockets(tree_pids),
-                       external_datagram_sockets=external_datagram_sockets(tree_pids),
-                       deleted_files=deleted_files(tree_pids), logs_read_back=logs_read_back(tree_pids))
+    return memory
 
 
 def tracer_of(pid: int) -> int:

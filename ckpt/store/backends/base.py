@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import abc
 import builtins
-import os
 import re
 import time
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from ckpt.system.files import write_all
 
 # A name is a relative path of lower-case words ("packs/ab/<pack>", "checkpoints/<id>.json"):
 # nothing unvalidated becomes a path (or a key). A component starting with "." is the
@@ -94,6 +95,43 @@ class BlobWriter(abc.ABC):
             self.abort()
 
 
+class BufferedBlobWriter(BlobWriter):
+    """A writer that holds the tail of what was written in a buffer until commit(), which hands
+    it on once (_complete); abort() drops it (_drop). Both run at most once: a commit that fails
+    aborts, and an abort after a commit or an abort does nothing."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._finished = False
+        self.written = 0
+
+    @abc.abstractmethod
+    def _complete(self) -> None:
+        """Sends the buffer and makes the blob visible (commit's own part)."""
+
+    @abc.abstractmethod
+    def _drop(self) -> None:
+        """Drops what was sent so far; never raises (abort's own part)."""
+
+    def commit(self) -> None:
+        if self._finished:
+            raise ValueError("commit of a finished blob writer")
+        try:
+            self._complete()
+        except BaseException:
+            self.abort()
+            raise
+        self._finished = True
+        self._buffer = bytearray()
+
+    def abort(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._buffer = bytearray()
+        self._drop()
+
+
 class RangeReader:
     """A reading session: ranged reads of a few blobs, many times each (a restore reads
     thousands of segments out of a few packs). This default asks the backend for each range;
@@ -134,9 +172,7 @@ class RangeReader:
         """Writes length bytes from offset to the file descriptor; returns how many there
         were (fewer where the blob ends)."""
         with self.read(name, offset, length) as view:
-            data = view
-            while data:
-                data = data[os.write(fd, data):]
+            write_all(fd, view)
             return len(view)
 
     def close(self) -> None:

@@ -36,7 +36,7 @@ from ckpt.store.backends.base import (Backend, BlobInfo, BlobNotFound, BlobWrite
                                       check_name)
 from ckpt.store.backends.local import LocalBackend
 from ckpt.store.fsutil import check_trusted_dir
-from ckpt.system.files import FILE_MODE, make_private_dir
+from ckpt.system.files import FILE_MODE, make_private_dir, pwrite_all, write_all
 
 CACHED_PREFIXES = ("index/", "objects/", "packs/")
 # Blobs named by the BLAKE3 of their content (objects: of their decompressed content): a
@@ -334,9 +334,7 @@ class CachingBackend(Backend):
             tmp = _temp_name(path)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, data)
             finally:
                 os.close(fd)
             if check and not _content_ok(name, tmp):
@@ -677,12 +675,8 @@ class _Assembly:
         self.covered = 0
 
     def add(self, offset: int, data) -> None:
-        view = memoryview(data)
-        end = offset + len(view)
-        position = offset
-        while view:
-            written = os.pwrite(self.fd, view, position)
-            view, position = view[written:], position + written
+        end = offset + memoryview(data).nbytes
+        pwrite_all(self.fd, data, offset)
         # Starts writing the range to disk now (and drops it from the page cache once
         # written): the fsync that installs the copy, in the middle of a restore's reads,
         # then waits for little (measured for 256 MiB read by 1 MiB: 0.15 s -> 0.01 s).
@@ -777,9 +771,7 @@ class _CachingReader(RangeReader):
         if local is not None:
             return local.copy_to(name, offset, length, fd)
         with self._remote.read(name, offset, length) as view:
-            data = view
-            while data:
-                data = data[os.write(fd, data):]
+            write_all(fd, view)
             self._assemble(name, offset, view)
             return len(view)
 

@@ -36,7 +36,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM, AESSIV
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ckpt.errors import DamagedBlob
-from ckpt.store.backends.base import Backend, BlobInfo, BlobWriter, LockOwner, RangeReader, check_name
+from ckpt.store.backends.base import (Backend, BlobInfo, BlobWriter, BufferedBlobWriter, LockOwner, RangeReader,
+                                      check_name)
+from ckpt.system.files import new_file, pwrite_all, write_all
 
 MAGIC = b"ckpE"
 VERSION = 1
@@ -348,22 +350,12 @@ class EncryptedBackend(Backend):
                         raise self._damaged(
                             name, f"chunk {index} (at byte {index * self.chunk}) fails authentication{cut}") from None
                     size += len(piece) - TAG_LEN
-                at_plain = first * self.chunk
-                data = out[:size]
-                while data:
-                    written = os.pwrite(fd, data, at_plain)
-                    data, at_plain = data[written:], at_plain + written
+                pwrite_all(fd, out[:size], first * self.chunk)
 
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
+        with new_file(dest) as fd:
             got = self.inner.get_parts(inner_name, COPY_BATCH * self._sealed, decrypt, HEADER_LEN)
             if got != stored - HEADER_LEN:  # immutable: a blob changed in between is damaged
                 raise self._damaged(name, f"{HEADER_LEN + got} bytes read, {stored} expected")
-        except BaseException:
-            os.close(fd)
-            os.unlink(dest)
-            raise
-        os.close(fd)
 
     def stat(self, name: str) -> BlobInfo:
         info = self.inner.stat(self._inner_name(name))
@@ -452,19 +444,17 @@ class EncryptedBackend(Backend):
             closer()
 
 
-class _EncryptedWriter(BlobWriter):
+class _EncryptedWriter(BufferedBlobWriter):
     """Seals the plaintext chunk by chunk into the inner writer (memory: one chunk). The last
     whole chunk is held back until more data comes or commit() says it is the final one."""
 
     def __init__(self, backend: EncryptedBackend, name: str, inner: BlobWriter):
+        super().__init__()
         self._backend = backend
         self._inner = inner
         self._header, self._aead = backend._new_header()
         self._aad = self._header + name.encode()
-        self._buffer = bytearray()
         self._index = 0
-        self.written = 0
-        self._finished = False
         try:
             inner.write(self._header)
         except BaseException:
@@ -494,23 +484,11 @@ class _EncryptedWriter(BlobWriter):
             view = view[chunk:]
         self._buffer += view
 
-    def commit(self) -> None:
-        if self._finished:
-            raise ValueError("commit of a finished blob writer")
-        try:
-            self._seal(self._buffer, True)
-            self._inner.commit()
-        except BaseException:
-            self.abort()
-            raise
-        self._finished = True
-        self._buffer = bytearray()
+    def _complete(self) -> None:
+        self._seal(self._buffer, True)
+        self._inner.commit()
 
-    def abort(self) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        self._buffer = bytearray()
+    def _drop(self) -> None:
         self._inner.abort()
 
 
@@ -592,9 +570,7 @@ class _EncryptedReader(RangeReader):
             at = offset + copied
             step = min(length - copied, chunk - at % chunk)
             with self.read(name, at, step) as view:
-                data = view
-                while data:
-                    data = data[os.write(fd, data):]
+                write_all(fd, view)
                 got = len(view)
             copied += got
             if got < step:

@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 from ckpt.errors import StoreBusy
 from ckpt.store.backends.base import (Backend, BlobExists, BlobInfo, BlobNotFound, BlobWriter, LockOwner,
                                       RangeReader, check_name)
-from ckpt.system.files import FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir
+from ckpt.system.files import FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir, write_all
 from ckpt.system.locks import wait_for_flock
 from ckpt.system.procfs import pid_exists
 
@@ -380,9 +380,7 @@ def _write_holder(path: Path, data: bytes) -> Path | None:
         return None
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            write_all(fd, data)
         finally:
             os.close(fd)
     except OSError:

@@ -51,8 +51,11 @@ from botocore.exceptions import (ConnectTimeoutError, HTTPClientError, Incomplet
 
 from ckpt.errors import (CkptError, DiskFull, StoreAccessDenied, StoreBusy, StoreError, StoreNotFound,
                          StoreUnreachable, UsageError)
-from ckpt.store.backends.base import (Backend, BlobExists, BlobInfo, BlobNotFound, BlobWriter, LockOwner,
+from ckpt.store.backends.base import (Backend, BlobExists, BlobInfo, BlobNotFound, BlobWriter, BufferedBlobWriter,
+                                      LockOwner,
                                       check_name)
+from ckpt.system import procfs
+from ckpt.system.files import new_file, pwrite_all
 
 # Parts of a multipart upload, and ranges of a large GET: big enough that a request's latency
 # (tens of ms to AWS) is small next to its transfer, small enough that CONCURRENCY of them in
@@ -438,16 +441,21 @@ class S3Backend(Backend):
                 break
             except _STREAM_ERRORS as exc:
                 failures += 1
-                pause = min(2.0, 0.05 * 2 ** failures) * random.random()
-                if time.monotonic() + pause >= deadline and isinstance(exc, (ReadTimeoutError, TimeoutError)):
-                    raise self._not_answering("GetObject", name) from None
-                if failures > STREAM_RETRIES or time.monotonic() + pause >= deadline:
-                    raise self._typed(exc if isinstance(exc, BotoCoreError) else ConnectionClosedError(
-                        endpoint_url=self.endpoint), "GetObject", self.where(name)) from None
-                time.sleep(pause)
+                time.sleep(self._pause_before_reading_again(name, exc, failures, deadline))
             finally:
                 body.close()
         return pieces, total, etag
+
+    def _pause_before_reading_again(self, name: str, exc: Exception, failures: int, deadline: float) -> float:
+        """How long to wait before asking again for a body cut midway (random, growing), or the
+        error to raise when that was the last try or the deadline would pass meanwhile."""
+        pause = min(2.0, 0.05 * 2 ** failures) * random.random()
+        if time.monotonic() + pause >= deadline and isinstance(exc, (ReadTimeoutError, TimeoutError)):
+            raise self._not_answering("GetObject", name) from None
+        if failures > STREAM_RETRIES or time.monotonic() + pause >= deadline:
+            raise self._typed(exc if isinstance(exc, BotoCoreError) else ConnectionClosedError(
+                endpoint_url=self.endpoint), "GetObject", self.where(name)) from None
+        return pause
 
     def _read_ranges(self, name: str, offset: int, end: int | None,
                      sink: Callable[[int, bytes], None] | None = None,
@@ -491,14 +499,8 @@ class S3Backend(Backend):
         return 0 if total is None else total - offset
 
     def get_file(self, name: str, dest: Path) -> None:
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            self.get_parts(name, self.part_size, lambda offset, piece: _pwrite_all(fd, piece, offset))
-        except BaseException:
-            os.close(fd)
-            os.unlink(dest)
-            raise
-        os.close(fd)
+        with new_file(dest) as fd:
+            self.get_parts(name, self.part_size, lambda offset, piece: pwrite_all(fd, piece, offset))
 
     def stat(self, name: str) -> BlobInfo:
         response = self._request("HeadObject", name, Key=self._key(name))
@@ -712,20 +714,18 @@ class _HeldLock:
         self._thread.join()
 
 
-class _S3Writer(BlobWriter):
+class _S3Writer(BufferedBlobWriter):
     """A multipart upload: each part is uploaded (in the backend's thread pool, at most
     `concurrency` at a time) as soon as it is complete; commit() uploads the rest and completes
     the upload, which makes the blob appear whole. A blob smaller than a part is one PUT."""
 
     def __init__(self, backend: S3Backend, name: str):
+        super().__init__()
         self._backend = backend
         self._name = name
         self._key = backend._key(name)
-        self._buffer = bytearray()
         self._upload_id: str | None = None
         self._parts: dict[int, concurrent.futures.Future] = {}
-        self.written = 0
-        self._finished = False
 
     def _part_size(self) -> int:
         return self._backend.part_size << (len(self._parts) // PARTS_PER_SIZE)
@@ -760,30 +760,17 @@ class _S3Writer(BlobWriter):
         return self._backend._request("UploadPart", self._name, Key=self._key, UploadId=self._upload_id,
                                       PartNumber=number, Body=part)["ETag"]
 
-    def commit(self) -> None:
-        if self._finished:
-            raise ValueError("commit of a finished blob writer")
-        try:
-            if self._upload_id is None:
-                self._backend._request("PutObject", self._name, Key=self._key, Body=bytes(self._buffer))
-            else:
-                if self._buffer:
-                    self._send(bytes(self._buffer))
-                parts = [{"PartNumber": number, "ETag": future.result()}
-                         for number, future in sorted(self._parts.items())]
-                self._backend._request("CompleteMultipartUpload", self._name, Key=self._key,
-                                       UploadId=self._upload_id, MultipartUpload={"Parts": parts})
-        except BaseException:
-            self.abort()
-            raise
-        self._finished = True
-        self._buffer = bytearray()
-
-    def abort(self) -> None:
-        if self._finished:
+    def _complete(self) -> None:
+        if self._upload_id is None:
+            self._backend._request("PutObject", self._name, Key=self._key, Body=bytes(self._buffer))
             return
-        self._finished = True
-        self._buffer = bytearray()
+        if self._buffer:
+            self._send(bytes(self._buffer))
+        parts = [{"PartNumber": number, "ETag": future.result()} for number, future in sorted(self._parts.items())]
+        self._backend._request("CompleteMultipartUpload", self._name, Key=self._key,
+                               UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+
+    def _drop(self) -> None:
         for future in self._parts.values():
             future.cancel()
         # Parts still uploading finish first: aborted before, they could leave parts behind.
@@ -850,29 +837,20 @@ def _server_time(response: dict) -> float | None:
         return None
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
 def _process_start(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat): with
     the pid, it names a process, where a pid alone may have been reused."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return str(procfs.start_ticks(pid))
+    except (OSError, ValueError, IndexError):
         return None
-    fields = stat.rpartition(")")[2].split()
-    return fields[19] if len(fields) > 19 else None
 
 
 def _this_system() -> dict:
     """What tells whether a lock's pid can be checked here: the same host, boot and pid
     namespace (a container of the same name has its own pids)."""
     try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        boot_id = procfs.boot_id()
     except OSError:
         boot_id = ""
     try:
