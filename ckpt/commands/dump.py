@@ -201,8 +201,7 @@ class DumpSession(Session[DumpRequest]):
 
     def _stage(self) -> None:
         store = self._store()
-        self._held.enter_context(store.lock(exclusive=False, on_wait=lambda h: self.reporter.info(
-            "waiting for the store lock")))
+        self._hold_store_lock()
         store.remove_leftovers()
         self.staging = store.begin_dump(self.checkpoint_id)
         self.log_dir = store.logs_dir(self.checkpoint_id)

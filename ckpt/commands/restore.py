@@ -111,8 +111,7 @@ class RestoreSession(Session[RestoreRequest]):
         self.criu = self.new_criu()  # as root (the default), or nothing is done
         self.binary = self.criu.binary
         store = self._open_store(create=False)
-        self._held.enter_context(store.lock(exclusive=False, on_wait=lambda h: self.reporter.info(
-            "waiting for the store lock")))
+        self._hold_store_lock()
         self.manifest = manifest = store.load(store.resolve(self.request.ref))
         if any(entry.kind == "pages" for entry in manifest.files):
             store.blocks.preload_index()  # meanwhile, the other images are written and checked

@@ -77,6 +77,12 @@ class Session(Generic[Request]):
             self.store = Store.open(self.store_root, create=create)
         return self.store
 
+    def _hold_store_lock(self) -> None:
+        """The shared lock, to the session's end: no command deletes what it reads or adds."""
+        self._held.enter_context(self._store().lock(
+            exclusive=False, timeout=self.settings.lock_timeout,
+            on_wait=lambda holders: self.reporter.info("waiting for the store lock")))
+
     def _store(self) -> Store:
         if self.store is None:
             raise RuntimeError("the store is opened by prepare")  # a coordinator's bug, not the user's
