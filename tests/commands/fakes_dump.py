@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,13 +33,16 @@ def start_target() -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def write_images(images_dir: Path, pid: int, memory: bytes) -> None:
-    """The images CRIU leaves for a one-process tree whose memory is `memory` (one mapping)."""
+def write_images(images_dir: Path, pid: int, memory: bytes | None) -> None:
+    """The images CRIU leaves for a one-process tree whose memory is `memory` (one mapping;
+    None: streamed, the receiver writes the pagemap)."""
     from pycriu import images
 
     with open(images_dir / "pstree.img", "wb") as f:
         images.dump({"magic": "PSTREE", "entries": [{"pid": pid, "ppid": 0, "pgid": pid, "sid": pid,
                                                      "threads": [pid]}]}, f)
+    if memory is None:
+        return
     write_pagemap(images_dir / f"pagemap-{pid}.img", 1, [(VADDR, len(memory) // PAGE, PE_PRESENT)])
     (images_dir / "pages-1.img").write_bytes(memory)
 
@@ -59,13 +64,21 @@ class FakeCriu:
     restored_images: dict[str, bytes] = field(default_factory=dict)
     restored: list[subprocess.Popen] = field(default_factory=list)
     binary: CriuBinary = FAKE_BINARY
+    streamed: bool = False  # the pages went through ckpt's page stream (RPC ps.fd)
 
     def dump(self, options, on_notify=None, on_started=None) -> None:
+        stream = None
+        if options.page_stream_fd is not None:  # ours before on_started closes the session's copy
+            stream = socket.socket(fileno=os.dup(options.page_stream_fd))
         if on_started is not None:
             on_started()
         pid = options.pid
         self._notify(on_notify, "pre-dump", pid)
-        write_images(options.images_dir, pid, self.memory)
+        write_images(options.images_dir, pid, None if stream else self.memory)
+        if stream is not None:
+            with stream:
+                stream_pages(stream, pid, self.memory)
+            self.streamed = True
         if self.fail_dump:
             raise CriuFailed("CRIU dump failed: a fake failure", log_path=str(options.log_dir / options.log_name))
         self._notify(on_notify, "post-dump", pid)
@@ -90,6 +103,22 @@ class FakeCriu:
             on_notify(script, pid)
         if script == "post-dump" and self.at_post_dump is not None:
             self.at_post_dump()
+
+
+COMMAND = struct.Struct("<I4xQQQ")  # CRIU's page-server protocol (criu/page-xfer.c)
+OPEN2, ADD_F, FORCE_CLOSE = 4, 6, 0x1024
+
+
+def stream_pages(sock: socket.socket, pid: int, memory: bytes) -> None:
+    """CRIU's side of a page stream: one pagemap, one entry of present pages, the end."""
+    sock.sendall(COMMAND.pack(OPEN2, 0, 0, pid << 8 | 1))
+    if sock.recv(1) != b"\0":
+        raise CriuFailed("the page stream did not open")
+    sock.sendall(COMMAND.pack(PE_PRESENT << 16 | ADD_F, len(memory) // PAGE, VADDR, 0))
+    sock.sendall(memory)
+    sock.sendall(COMMAND.pack(FORCE_CLOSE, 0, 0, 0))
+    if sock.recv(4) != struct.pack("<i", 0):
+        raise CriuFailed("the page stream did not end")
 
 
 def alive(pid: int) -> bool:

@@ -15,7 +15,7 @@ from ckpt import settings as ckpt_settings
 from ckpt.commands.dump import DumpRequest, DumpSession
 from ckpt.errors import CriuFailed, StoreBusy, UsageError
 from ckpt.store import Store, ids
-from tests.commands.fakes_dump import FakeCriu, alive, end, pages, start_target
+from tests.commands.fakes_dump import PAGE, FakeCriu, alive, end, pages, start_target
 
 
 @pytest.fixture
@@ -155,3 +155,23 @@ def test_a_store_lock_held_elsewhere_refuses_the_dump_before_anything_is_staged(
         dump.prepare()
     assert dump.staging is None and criu.notified == []
     assert store.checkpoint_ids() == []
+
+
+def test_a_next_dump_streams_its_pages_and_keeps_only_those_that_changed(store, target, settings, tmp_path):
+    """With an earlier checkpoint of the target, CRIU streams the pages (ckpt/dump/pagestream.py):
+    the one page changed since is the one page stored."""
+    streaming = replace(settings, page_stream=True)
+    first = pages(8)
+    for memory in (first, first[:5 * PAGE] + pages(1, 100) + first[6 * PAGE:]):
+        criu = FakeCriu(memory=memory)
+        with session(store, target.pid, criu, streaming) as dump:
+            dump.prepare()
+            dump.capture()
+            manifest = dump.commit()
+            dump.finish()
+    assert criu.streamed, "the second dump had an earlier checkpoint to compare with"
+    assert (manifest.stats["pages"], manifest.stats["pages_new"]) == (8, 1)
+    out = tmp_path / "pages-1.img"
+    entry = next(e for e in manifest.files if e.name == "pages-1.img")
+    store.blocks.write_image(entry.name, store.load_page_list(entry), out, check_ids=True)
+    assert out.read_bytes() == criu.memory
