@@ -8,6 +8,7 @@ import time
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Callable, Generic, Protocol, Self, TypeVar
 
+from ckpt import settings as environment
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.settings import Settings, StoreLocation
 from ckpt.store import Store
@@ -52,12 +53,10 @@ class Session(Generic[Request]):
     def __init__(self, store_root: StoreLocation, request: Request, reporter: Reporter = NullReporter(),
                  store: Store | None = None, criu: Callable[[], Criu] = host_criu,
                  clock: Callable[[], float] = time.monotonic, settings: Settings | None = None):
-        from ckpt import settings as environment
-
         self.store_root, self.request, self.reporter = store_root, request, reporter
         self.store = store  # opened by prepare unless given
         self.new_criu, self.clock = criu, clock  # new_criu() when CRIU is first needed
-        self.settings = settings if settings is not None else environment.current()
+        self.settings = settings if settings is not None else environment.current()  # (ckpt as a library)
         self.started = clock()
         self._held = ExitStack()  # what the session holds to its end (locks): released last
         self._finished = False
