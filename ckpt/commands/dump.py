@@ -13,10 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ckpt.settings import StoreLocation
-from ckpt import settings
-from ckpt.criu.binary import find_criu
-from ckpt.criu.client import CriuClient
+from ckpt.commands.session import Criu, Session, host_criu
+from ckpt.settings import Settings, StoreLocation
 from ckpt.dump import incremental
 from ckpt.dump import unchanged
 from ckpt.dump.commit import DumpRecord, ingest_and_commit
@@ -126,7 +124,7 @@ def dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter = N
         return session.finish()
 
 
-class DumpSession:
+class DumpSession(Session[DumpRequest]):
     """One dump of one tree, as the phases a coordinator drives (a group checkpoint, a
     migration): prepare (checks, locks, staging: nothing frozen), capture (CRIU freezes the
     tree, dumps it and lets it go, or with --stop commits while it is frozen and then ends it),
@@ -140,26 +138,20 @@ class DumpSession:
     what capture and commit produced."""
 
     def __init__(self, store_root: StoreLocation, request: DumpRequest, reporter: Reporter = NullReporter(),
-                 around_freeze: Callable[[], AbstractContextManager[object]] | None = None):
-        self.store_root, self.request, self.reporter = store_root, request, reporter
+                 around_freeze: Callable[[], AbstractContextManager[object]] | None = None, *,
+                 store: Store | None = None, criu: Callable[[], Criu] = host_criu,
+                 clock: Callable[[], float] = time.monotonic, settings: Settings | None = None):
+        """store: the store to dump into (default: opened, or created, at store_root by
+        prepare); criu: makes the CRIU client (default: this host's, as root); clock: seconds,
+        monotonic (the dump's duration and freeze); settings: default from the environment."""
+        super().__init__(store_root, request, reporter, store, criu, clock, settings)
         self.around_freeze = around_freeze
-        self.started = time.monotonic()
-        self._held = ExitStack()  # the target lock, the sections gate, the store lock: released last
         self._window = ExitStack()  # sections and clients held off: released once CRIU lets the tree go
-        self.store: Store | None = None
         self.staging: DumpStaging | None = None
         self.stream: pagestream.PageStream | None = None
         self.earlier: unchanged.EarlierCheckpoint | None = None
         self.marks: dict[str, float] = {}  # CRIU's notifications, by when they came
         self.manifest: Manifest | None = None
-        self._finished = False
-
-    def __enter__(self) -> DumpSession:
-        return self
-
-    def __exit__(self, kind, value, traceback) -> None:
-        if kind is not None or not self._finished:
-            self.abort()
 
     # ---- prepare: nothing frozen --------------------------------------------------------
 
@@ -167,7 +159,8 @@ class DumpSession:
         """Checks the request, takes the target's lock, waits for its sections, inspects the
         tree and opens the store, then stages: every failure here leaves the tree untouched."""
         check_request(self.request)
-        procs.require_root()
+        self.criu = self.new_criu()  # as root (the default), or nothing is done
+        self.binary = self.criu.binary
         self._hold_target()
         self._inspect()
         self._stage()
@@ -176,7 +169,7 @@ class DumpSession:
         from ckpt.agent.sections import dump_gate
 
         request, reporter = self.request, self.reporter
-        current = settings.current()
+        current = self.settings
         timeout = current.section_timeout if request.section_timeout is None else request.section_timeout
         self._held.enter_context(dumping(request.pid, current.lock_timeout, lambda holder: reporter.info(
             f"waiting for another dump of PID {request.pid} (ckpt PID {holder}) to finish")))
@@ -194,8 +187,7 @@ class DumpSession:
         # CRIU would dump memory a lazy restore has not filled in yet as missing.
         wait_for_lazy_restores(set(self.facts.pids), lambda record: reporter.info(
             f"waiting for the lazy restore of checkpoint {record.get('checkpoint')} to bring back all of its memory"))
-        self.binary = find_criu()
-        self.store = store = Store.open(self.store_root, create=True)
+        store = self._open_store(create=True)
         options = _choose_options(request, self.facts)
         _report_findings(request, self.facts, options, reporter)
         self.tracking = _plan_tracking(store, request, self.binary, reporter)
@@ -209,8 +201,7 @@ class DumpSession:
 
     def _stage(self) -> None:
         store = self._store()
-        self._held.enter_context(store.lock(exclusive=False, on_wait=lambda h: self.reporter.info(
-            "waiting for the store lock")))
+        self._hold_store_lock()
         store.remove_leftovers()
         self.staging = store.begin_dump(self.checkpoint_id)
         self.log_dir = store.logs_dir(self.checkpoint_id)
@@ -222,7 +213,7 @@ class DumpSession:
         newest = store.newest_of(self.request.pid)
         if newest:
             self.earlier = unchanged.EarlierCheckpoint(newest, store, self.staging.root / "earlier")
-        self.stream = _page_stream(store, self.staging, self.tracking, self.earlier)
+        self.stream = _page_stream(store, self.staging, self.tracking, self.earlier, self.settings.page_stream)
         if self.stream is not None:
             self.criu_options.page_stream_fd = self.stream.start()
 
@@ -236,7 +227,7 @@ class DumpSession:
                            f"{self.binary.version_text}")
         phase("dump.staged")
         try:
-            CriuClient(self.binary).dump(self.criu_options, on_notify=self._notified, on_started=self._read_ahead)
+            self.criu.dump(self.criu_options, on_notify=self._notified, on_started=self._read_ahead)
         except CkptError:
             failure = self.stream.failure() if self.stream is not None else None
             if failure is not None:  # CRIU failed because ckpt stopped receiving
@@ -267,7 +258,7 @@ class DumpSession:
             self.staging.streamed = self.stream.finish()
 
     def _notified(self, script: str, _pid: int) -> None:
-        self.marks[script] = time.monotonic()
+        self.marks[script] = self.clock()
         if script != "post-dump":
             return
         phase("dump.frozen")
@@ -287,10 +278,52 @@ class DumpSession:
     def _commit(self, frozen_ms: float | None) -> Manifest:
         if self.staging is None:
             raise RuntimeError("commit before prepare")  # a coordinator's bug, not the user's
-        self.manifest = _ingest_and_commit(self._store(), self.staging, self.request, self.facts, self.binary,
-                                           self.options, self.checkpoint_id, self.started, self.reporter,
-                                           self.tracking, self.earlier, frozen_ms)
+        staging, images_dir = self.staging, self.staging.images_dir
+        before_commit = self._record_pending_copy if self.request.copy_to else None
+        self.manifest = ingest_and_commit(
+            self._store(), staging, self._record(frozen_ms), self.request.codec, self.reporter, self._completion(),
+            # (a streamed dump knows its unchanged pages already: see StreamedPages)
+            earlier=self.earlier.pieces(images_dir) if self.earlier and not staging.streamed else None,
+            before_commit=before_commit)
         return self.manifest
+
+    def _record(self, frozen_ms: float | None) -> DumpRecord:
+        """What CRIU's images and the pre-flight say of the tree: the manifest but its images."""
+        from ckpt.criu import images  # deferred: imports pycriu
+
+        facts, tracking, store = self.facts, self.tracking, self._store()
+        # CRIU writes its stats-dump image into the work directory, next to its log.
+        stats = images.dump_stats(store.logs_dir(self.checkpoint_id))
+        processes = images.process_tree(self._staging().images_dir)
+        commands = _commands(facts)
+        for proc in processes:
+            proc["command"] = commands.get(proc["pid"], proc.get("comm", "?"))
+        criu_facts = {"version": self.binary.version_text, "options": self.options.to_manifest(),
+                      "tty": facts.has_tty}
+        for outside in ("external_pipes", "external_sockets", "external_datagram_sockets"):
+            if getattr(facts, outside):
+                criu_facts[outside] = getattr(facts, outside)
+        return DumpRecord(
+            checkpoint_id=self.checkpoint_id, pid=self.request.pid, command=facts.command, processes=processes,
+            started=self.started, name=self.request.name, origin=self.request.origin, criu=criu_facts,
+            criu_stats={"freeze_ms": stats.get("frozen_ms", frozen_ms), "pages_written": stats.get("pages_written"),
+                        "pages_scanned": stats.get("pages_scanned")},
+            tracking={"target": tracking.target.key, "parent": tracking.parent.id if tracking.parent else None}
+            if tracking is not None else None, clock=self.clock)
+
+    def _completion(self):
+        """A dirty-tracking dump's completer of its page lists from the parent's (or None)."""
+        tracking, staging = self.tracking, self._staging()
+        if tracking is None or tracking.parent is None:
+            return None
+        return incremental.completer(staging.images_dir, staging.root / "parent",
+                                     {e.name: e for e in tracking.parent.files}, self._store().load_page_list)
+
+    def _record_pending_copy(self, manifest: Manifest) -> None:
+        """--copy-to: the pending-copy record, written right before the commit."""
+        from ckpt.store import pending
+
+        pending.add(self._store().root, manifest.id, self.request.copy_to or "", self.request.copy_origin)
 
     def finish(self) -> DumpResult:
         """After the commit: cleans up, waits for a --stop tree's PIDs, merges index files."""
@@ -329,10 +362,10 @@ class DumpSession:
                 self.staging.remove()
             self.stream = self.earlier = self.staging = None
 
-    def _store(self) -> Store:
-        if self.store is None:
-            raise RuntimeError("the store is opened by prepare")
-        return self.store
+    def _staging(self) -> DumpStaging:
+        if self.staging is None:
+            raise RuntimeError("the staging is made by prepare")
+        return self.staging
 
 
 def _new_checkpoint_id(store: Store, request: DumpRequest) -> str:
@@ -346,7 +379,7 @@ def _new_checkpoint_id(store: Store, request: DumpRequest) -> str:
 
 
 def _page_stream(store: Store, staging, tracking: TrackingPlan | None,
-                 earlier: unchanged.EarlierCheckpoint | None) -> pagestream.PageStream | None:
+                 earlier: unchanged.EarlierCheckpoint | None, wanted: bool) -> pagestream.PageStream | None:
     """The receiver of the pages CRIU streams (ckpt/dump/pagestream.py), or None: a dump with
     dirty-page tracking has CRIU write pages images (it needs their parent images), as does
     the first dump of a target (nothing to compare its pages with), and CKPT_PAGE_STREAM=0
@@ -355,7 +388,7 @@ def _page_stream(store: Store, staging, tracking: TrackingPlan | None,
     Everything the receiver compares pages with is read now, before CRIU freezes the tree:
     the earlier checkpoint's pages by address. With damage recorded in the store every page
     is kept: a page known only from a damaged segment must be stored again (BlockIndex.held)."""
-    if tracking is not None or earlier is None or not settings.current().page_stream:
+    if tracking is not None or earlier is None or not wanted:
         # A first dump keeps every page: streamed, they would be copied twice more while the
         # tree is frozen than CRIU's own pages image (which then becomes the pack as it is).
         return None
@@ -475,50 +508,6 @@ def _plan_tracking(store: Store, request: DumpRequest, binary, reporter: Reporte
     else:
         reporter.info("dirty-page tracking: first tracked dump of this process, all pages are read")
     return TrackingPlan(target, parent)
-
-
-def _ingest_and_commit(store: Store, staging, request: DumpRequest, facts: procs.TargetFacts, binary,  # noqa: PLR0913
-                       options: DumpOptions, checkpoint_id: str, started: float, reporter: Reporter,
-                       tracking: TrackingPlan | None, earlier: unchanged.EarlierCheckpoint | None,
-                       frozen_ms: float | None = None) -> Manifest:
-    """What CRIU's images and the pre-flight say of the tree, then the common ingest and commit."""
-    from ckpt.criu import images  # deferred: imports pycriu
-
-    image_dir = staging.images_dir
-    # CRIU writes its stats-dump image into the work directory, next to its log.
-    stats = images.dump_stats(store.logs_dir(checkpoint_id))
-    processes = images.process_tree(image_dir)
-    commands = _commands(facts)
-    for proc in processes:
-        proc["command"] = commands.get(proc["pid"], proc.get("comm", "?"))
-    completion = None
-    if tracking is not None and tracking.parent is not None:
-        completion = incremental.completer(image_dir, staging.root / "parent",
-                                           {e.name: e for e in tracking.parent.files}, store.load_page_list)
-    criu_facts = {"version": binary.version_text, "options": options.to_manifest(), "tty": facts.has_tty}
-    if facts.external_pipes:
-        criu_facts["external_pipes"] = facts.external_pipes
-    if facts.external_sockets:
-        criu_facts["external_sockets"] = facts.external_sockets
-    if facts.external_datagram_sockets:
-        criu_facts["external_datagram_sockets"] = facts.external_datagram_sockets
-    record = DumpRecord(
-        checkpoint_id=checkpoint_id, pid=request.pid, command=facts.command, processes=processes,
-        started=started, name=request.name, origin=request.origin, criu=criu_facts,
-        criu_stats={"freeze_ms": stats.get("frozen_ms", frozen_ms), "pages_written": stats.get("pages_written"),
-                    "pages_scanned": stats.get("pages_scanned")},
-        tracking={"target": tracking.target.key, "parent": tracking.parent.id if tracking.parent else None}
-        if tracking is not None else None)
-    before_commit = None
-    if request.copy_to:
-        from ckpt.store import pending
-
-        def before_commit(manifest: Manifest) -> None:
-            pending.add(store.root, manifest.id, request.copy_to or "", request.copy_origin)
-    return ingest_and_commit(store, staging, record, request.codec, reporter, completion,
-                             # (a streamed dump knows its unchanged pages already: see BlockStore.ingest)
-                             earlier=earlier.pieces(image_dir) if earlier and not staging.streamed else None,
-                             before_commit=before_commit)
 
 
 CRIU_GHOST_LIMIT = 1 << 20  # CRIU saves deleted files up to this size unless told otherwise

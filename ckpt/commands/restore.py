@@ -6,15 +6,13 @@ import os
 import socket
 import subprocess
 import time
-from contextlib import ExitStack
+from typing import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ckpt.settings import StoreLocation
-from ckpt import settings
-from ckpt.criu.binary import find_criu
-from ckpt.criu.client import CriuClient
+from ckpt.commands.session import Criu, Session, host_criu
+from ckpt.settings import Settings, StoreLocation
 from ckpt.dump.dump_options import DumpOptions
 from ckpt.errors import HookFailed, UsageError
 from ckpt.commands.cache_notes import tell_copies_read_again
@@ -83,7 +81,7 @@ def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Report
         return session.finish()
 
 
-class RestoreSession:
+class RestoreSession(Session[RestoreRequest]):
     """One restore of one checkpoint, as the phases a coordinator drives (a group restore, the
     destination side of a migration): prepare (the images verified and laid out, this host
     checked, the tree's PIDs free, relays and a lazy restore's page server started: nothing
@@ -93,38 +91,32 @@ class RestoreSession:
     restored tree (SIGKILL: a coordinator that aborts a move must never leave two copies
     running). Used as a context manager, an exception aborts."""
 
-    def __init__(self, store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter()):
-        self.store_root, self.request, self.reporter = store_root, request, reporter
-        self.started = time.monotonic()
-        self._held = ExitStack()  # the store lock
+    def __init__(self, store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter(), *,
+                 store: Store | None = None, criu: Callable[[], Criu] = host_criu,
+                 clock: Callable[[], float] = time.monotonic, settings: Settings | None = None):
+        """store: the store to restore from (default: opened at store_root by prepare); criu:
+        makes the CRIU client (default: this host's, as root); clock: seconds, monotonic (the
+        restore's duration); settings: default from the environment."""
+        super().__init__(store_root, request, reporter, store, criu, clock, settings)
         self.images_dir: Path | None = None
         self.inherit: list[tuple[str, int]] = []
         self.server: PageServer | None = None
         self.lazy_info: dict | None = None
         self.pid: int | None = None
         self.inner: int | None = None
-        self._finished = False
-
-    def __enter__(self) -> RestoreSession:
-        return self
-
-    def __exit__(self, kind, value, traceback) -> None:
-        if kind is not None or not self._finished:
-            self.abort()
 
     # ---- prepare: nothing runs yet ------------------------------------------------------
 
     def prepare(self) -> None:
-        procs.require_root()
-        self.binary = find_criu()
-        self.store = store = Store.open(self.store_root, create=False)
-        self._held.enter_context(store.lock(exclusive=False, on_wait=lambda h: self.reporter.info(
-            "waiting for the store lock")))
+        self.criu = self.new_criu()  # as root (the default), or nothing is done
+        self.binary = self.criu.binary
+        store = self._open_store(create=False)
+        self._hold_store_lock()
         self.manifest = manifest = store.load(store.resolve(self.request.ref))
         if any(entry.kind == "pages" for entry in manifest.files):
             store.blocks.preload_index()  # meanwhile, the other images are written and checked
-        self.images_dir, self.lazy, self.plan, self.host = _lay_out_images(store, manifest, self.request,
-                                                                           self.binary, self.reporter)
+        self.images_dir, self.lazy, self.plan, self.host = _ImageLayout(
+            store, manifest, self.request, self.binary, self.reporter, self.settings.lazy_min_bytes).lay_out()
         phase("restore.materialized")
         tell_copies_read_again(store, self.reporter)
         if not self.request.new_pidns:
@@ -147,7 +139,7 @@ class RestoreSession:
             raise UsageError(f"checkpoint {manifest.id} was taken of processes attached to a terminal",
                              hint="run 'ckpt restore' from a terminal: the restored processes take it over")
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        log_dir = self.store.logs_dir(manifest.id)
+        log_dir = self._store().logs_dir(manifest.id)
         self.output, self.inherit = _relays_to_output(manifest, request.output, log_dir / f"output-{stamp}.log")
         self.connections = _tcp_connections(manifest, images_dir, options.tcp_established, request.tcp_close,
                                             self.host, self.reporter)
@@ -183,7 +175,7 @@ class RestoreSession:
         self.reporter.step(f"restoring {len(self.manifest.processes)} process(es) with CRIU "
                            f"{self.binary.version_text}")
         phase("restore.before-criu")
-        client = CriuClient(self.binary)
+        client = self.criu
         if self.request.new_pidns:
             from ckpt.restore.pidns import run_in_new_pidns
 
@@ -217,7 +209,7 @@ class RestoreSession:
         self._finished = True  # from here on the tree is the user's: no failure ends it
         self._clean_up()
         hook_error = _run_post_restore_hook(self.request, self.pid, self.manifest, self.reporter)
-        return RestoreResult(self.manifest, self.pid, round((time.monotonic() - self.started) * 1000, 1),
+        return RestoreResult(self.manifest, self.pid, round((self.clock() - self.started) * 1000, 1),
                              self.criu_options.log_path, self.inner, hook_error, self.output, self.lazy_info,
                              self.host.another_host, self.tcp, self.connections, self.host.warnings)
 
@@ -250,50 +242,61 @@ class RestoreSession:
         return self.images_dir
 
 
-def _lay_out_images(store: Store, manifest: Manifest, request: RestoreRequest, binary, reporter: Reporter
-                    ) -> tuple[Path, bool, LazyPlan, hostcheck.HostReport]:
-    """Writes the checkpoint's images into a fresh staging directory for CRIU, verifying each.
+class _ImageLayout:
+    """Writes a checkpoint's images into a fresh staging directory for CRIU, verifying each.
     For a lazy restore the pages a page server will serve are checked but left out (plan says
     which and where). Before the pages images (the bulk), the host is checked against the
-    other images: a mismatch (HostMismatch) ends the restore before anything else is done.
-    Returns the directory, whether the restore is lazy after all, the plan and the host's report."""
-    lazy = _wants_lazy(request, manifest, binary)
-    reporter.step(f"verifying checkpoint {manifest.id}")
-    plan = LazyPlan()
-    reports: list[hostcheck.HostReport] = []
+    other images: a mismatch (HostMismatch) ends the restore before anything else is done."""
 
-    def check_host(directory: Path) -> None:
-        if not reports:
-            reporter.step("checking this host against the checkpoint")
-            reports.append(hostcheck.check(manifest, binary, directory))
-            hostcheck.require_match(manifest, reports[0])
-            hostcheck.let_written_files_grow(directory, reports[0])
+    def __init__(self, store: Store, manifest: Manifest, request: RestoreRequest, binary, reporter: Reporter,
+                 lazy_min_bytes: int):
+        self.store, self.manifest, self.request = store, manifest, request
+        self.binary, self.reporter, self.lazy_min_bytes = binary, reporter, lazy_min_bytes
+        self.plan = LazyPlan()
+        self.host: hostcheck.HostReport | None = None  # once checked
 
-    def checked(directory: Path) -> hostcheck.HostReport:
+    def lay_out(self) -> tuple[Path, bool, LazyPlan, hostcheck.HostReport]:
+        """Returns the directory, whether the restore is lazy after all, the plan and the host's report."""
+        lazy = _wants_lazy(self.request, self.manifest, self.binary, self.lazy_min_bytes)
+        self.reporter.step(f"verifying checkpoint {self.manifest.id}")
+        if not lazy:
+            images_dir = self.store.materialize(self.manifest, self.reporter, before_pages=self._check_host)
+            return images_dir, False, self.plan, self._checked(images_dir)
+        images_dir, self.plan.locations = self.store.materialize_lazily(self.manifest, self._holes_for,
+                                                                        self.reporter)
+        # none left out: nothing to serve
+        return images_dir, bool(self.plan.locations), self.plan, self._checked(images_dir)
+
+    def _check_host(self, directory: Path) -> None:
+        self._host_report(directory)
+
+    def _host_report(self, directory: Path) -> hostcheck.HostReport:
+        """Checked once, with the images but the pages laid out (a mismatch ends the restore)."""
+        if self.host is None:
+            self.reporter.step("checking this host against the checkpoint")
+            self.host = hostcheck.check(self.manifest, self.binary, directory)
+            hostcheck.require_match(self.manifest, self.host)
+            hostcheck.let_written_files_grow(directory, self.host)
+        return self.host
+
+    def _checked(self, directory: Path) -> hostcheck.HostReport:
         try:
-            check_host(directory)  # done already unless the checkpoint has no pages images
+            host = self._host_report(directory)  # done already unless the checkpoint has no pages images
         except BaseException:
             discard(directory)
             raise
-        for warning in reports[0].warnings:
-            reporter.warn(warning)
-        return reports[0]
+        for warning in host.warnings:
+            self.reporter.warn(warning)
+        return host
 
-    if not lazy:
-        images_dir = store.materialize(manifest, reporter, before_pages=check_host)
-        return images_dir, False, plan, checked(images_dir)
-
-    def holes_for(directory: Path) -> dict[str, list[tuple[int, int]]]:
-        check_host(directory)
-        minimum = settings.current().lazy_min_bytes if request.lazy is None else 1
-        holes = plan.prepare(directory, manifest, minimum)
+    def _holes_for(self, directory: Path) -> dict[str, list[tuple[int, int]]]:
+        self._check_host(directory)
+        minimum = self.lazy_min_bytes if self.request.lazy is None else 1
+        holes = self.plan.prepare(directory, self.manifest, minimum)
         if holes is None:
-            reporter.info("restoring all memory first: a mapping that may use huge pages holds pages "
-                          "that cannot come back lazily")
+            self.reporter.info("restoring all memory first: a mapping that may use huge pages holds pages "
+                               "that cannot come back lazily")
         return holes or {}
-
-    images_dir, plan.locations = store.materialize_lazily(manifest, holes_for, reporter)
-    return images_dir, bool(plan.locations), plan, checked(images_dir)  # none left out: nothing to serve
 
 
 def _run_post_restore_hook(request: RestoreRequest, pid: int, manifest: Manifest, reporter: Reporter) -> str | None:
@@ -341,7 +344,7 @@ def _tcp_connections(manifest: Manifest, images_dir: Path, saved: bool, close: b
     return plans
 
 
-def _wants_lazy(request: RestoreRequest, manifest: Manifest, binary) -> bool:
+def _wants_lazy(request: RestoreRequest, manifest: Manifest, binary, lazy_min_bytes: int) -> bool:
     """Whether to try a lazy restore (LazyPlan.prepare then decides from the images)."""
     if request.lazy is False:
         return False
@@ -350,7 +353,7 @@ def _wants_lazy(request: RestoreRequest, manifest: Manifest, binary) -> bool:
             raise UsageError("--lazy and --new-pidns cannot be combined",
                              hint="drop one of them (a restore into a new PID namespace is a full one)")
         return False
-    if request.lazy is None and manifest.bytes_total < settings.current().lazy_min_bytes:
+    if request.lazy is None and manifest.bytes_total < lazy_min_bytes:
         return False  # too small whatever its pages: spares the kernel check
     if not lazy_supported(binary):
         if request.lazy:

@@ -137,6 +137,13 @@ class PageStream:
         self._batches: queue.Queue = queue.Queue()
         self._storer: threading.Thread | None = None
         self._store_error: BaseException | None = None
+        # What the receiver fills (_serve): the buffer of slot, its batch of (vaddr, pages, row
+        # in the buffer), how many pages it holds, and the pagemap they belong to.
+        self._slot = 0
+        self._buffer = memoryview(b"")
+        self._batch: list[tuple[int, int, int]] = []
+        self._used = 0
+        self._image: _Image | None = None
 
     def start(self) -> int:
         """Starts receiving; returns the descriptor to give CRIU (RPC ps.fd)."""
@@ -277,29 +284,12 @@ class PageStream:
                 raise _StreamCut("CRIU closed the stream midway")
             got += n
 
-    def _serve(self) -> None:  # noqa: C901 - one branch per command, as CRIU's page_server_serve
+    def _serve(self) -> None:
+        """One branch per command, as CRIU's page_server_serve."""
         assert self._ours is not None
         header = bytearray(COMMAND.size)
-        slot = 0
-        self._free[slot].acquire()
-        buffer = memoryview(self._buffers[slot])
-        image: _Image | None = None
-        batch: list[tuple[int, int, int]] = []  # (vaddr, pages, row in the buffer)
-        used = 0
-
-        def hand_over() -> None:
-            """The filled buffer to the storer; the other one, once free, fills next."""
-            nonlocal slot, buffer, batch, used
-            if not used:
-                return
-            self._batches.put((image, batch, used, slot))
-            slot ^= 1
-            self._free[slot].acquire()
-            if self._store_error is not None:
-                raise self._store_error
-            buffer = memoryview(self._buffers[slot])
-            batch, used = [], 0
-
+        self._free[self._slot].acquire()
+        self._buffer = memoryview(self._buffers[self._slot])
         while True:
             self._recv_exactly(memoryview(header))
             cmd, nr_pages, vaddr, dst_id = COMMAND.unpack(header)
@@ -307,35 +297,56 @@ class PageStream:
             if command in (PS_IOV_ADD, PS_IOV_HOLE):
                 command, flags = PS_IOV_ADD_F, PE_PRESENT if command == PS_IOV_ADD else PE_PARENT
             if command == PS_IOV_OPEN2:
-                hand_over()
-                image = self._open(dst_id)
+                self._hand_over()
+                self._image = self._open(dst_id)
                 self._ours.sendall(b"\0")
             elif command == PS_IOV_ADD_F:
-                if image is None:
-                    raise PageStreamFailed("CRIU sent pages before opening a pagemap")
-                image.runs.append((vaddr, nr_pages, flags))
-                if not flags & PE_PRESENT or flags & PE_PARENT:
-                    continue
-                done = 0
-                while done < nr_pages:
-                    if used == BATCH_PAGES:
-                        hand_over()
-                    count = min(nr_pages - done, BATCH_PAGES - used)
-                    self._recv_exactly(buffer[used * PAGE:(used + count) * PAGE])
-                    batch.append((vaddr + done * PAGE, count, used))
-                    used += count
-                    done += count
+                self._add(vaddr, nr_pages, flags)
             elif command in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
-                if used:
-                    self._batches.put((image, batch, used, slot))
-                else:
-                    self._free[slot].release()
-                # Every page is in ckpt's buffers: CRIU may let the tree run while the last
-                # batch is stored (a failure there fails finish(): nothing is committed).
-                self._ours.sendall(struct.pack("<i", 0))
+                self._end()
                 return
             else:
                 raise PageStreamFailed(f"CRIU sent an unknown page-server command {command}")
+
+    def _add(self, vaddr: int, nr_pages: int, flags: int) -> None:
+        """A pagemap entry; its pages, if they follow, into the buffer filling."""
+        image = self._image
+        if image is None:
+            raise PageStreamFailed("CRIU sent pages before opening a pagemap")
+        image.runs.append((vaddr, nr_pages, flags))
+        if not flags & PE_PRESENT or flags & PE_PARENT:
+            return
+        done = 0
+        while done < nr_pages:
+            if self._used == BATCH_PAGES:
+                self._hand_over()
+            count = min(nr_pages - done, BATCH_PAGES - self._used)
+            self._recv_exactly(self._buffer[self._used * PAGE:(self._used + count) * PAGE])
+            self._batch.append((vaddr + done * PAGE, count, self._used))
+            self._used += count
+            done += count
+
+    def _hand_over(self) -> None:
+        """The filled buffer to the storer; the other one, once free, fills next."""
+        if not self._used:
+            return
+        self._batches.put((self._image, self._batch, self._used, self._slot))
+        self._slot ^= 1
+        self._free[self._slot].acquire()
+        if self._store_error is not None:
+            raise self._store_error
+        self._buffer = memoryview(self._buffers[self._slot])
+        self._batch, self._used = [], 0
+
+    def _end(self) -> None:
+        assert self._ours is not None
+        if self._used:
+            self._batches.put((self._image, self._batch, self._used, self._slot))
+        else:
+            self._free[self._slot].release()
+        # Every page is in ckpt's buffers: CRIU may let the tree run while the last batch is
+        # stored (a failure there fails finish(): nothing is committed).
+        self._ours.sendall(struct.pack("<i", 0))
 
     def _open(self, dst_id: int) -> _Image:
         kind, number = dst_id & 0xFF, dst_id >> 8

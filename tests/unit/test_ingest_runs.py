@@ -43,3 +43,39 @@ def test_runs_and_first_seen_match_the_loops():
         seen_b = set(earlier)
         assert _first_seen(positions, page_list, seen_a) == first_seen_by_loop(positions, page_list, seen_b), trial
         assert {bytes(row) for row in np.concatenate(seen_a)} == seen_b
+
+
+def test_a_streamed_image_and_the_pages_image_it_stands_for_are_stored_alike(tmp_path):
+    """The two PageSources of BlockStore.ingest: a pages image CRIU wrote, and the same pages
+    streamed with only some of them kept (the others known at their address). Same page list,
+    and only the kept pages the store lacks are new."""
+    import os
+
+    from ckpt.store.backends.local import LocalBackend
+    from ckpt.store.blocks.blockstore import BlockStore, PagesImage, StreamedPages, page_ids
+
+    page = 4096
+    blocks = BlockStore(LocalBackend(tmp_path / "blocks"))
+    first = os.urandom(page * 12)
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(first)
+    page_lists, stats, _ = blocks.ingest([PagesImage(image)], lambda _: "zstd")
+    assert page_lists["pages-1.img"] == page_ids(first, blocks.seed) and stats.new_pages == 12
+
+    # The next dump changed pages 3 and 7 (and 8 repeats 3): only those were kept from the stream.
+    second = bytearray(first)
+    second[3 * page:4 * page] = second[8 * page:9 * page] = os.urandom(page)
+    second[7 * page:8 * page] = os.urandom(page)
+    kept = tmp_path / "pages-2.kept"
+    rows = np.array([3, 7, 8])
+    kept.write_bytes(b"".join(bytes(second[r * page:(r + 1) * page]) for r in rows))
+    streamed = StreamedPages("pages-2.img", kept, page_ids(bytes(second), blocks.seed), rows)
+    nothing_kept = StreamedPages("pages-3.img", tmp_path / "none.kept", page_ids(first, blocks.seed),
+                                 np.zeros(0, dtype=np.int64))
+    page_lists, stats, _ = blocks.ingest([streamed, nothing_kept], lambda _: "zstd")
+    assert page_lists == {"pages-2.img": page_ids(bytes(second), blocks.seed),
+                          "pages-3.img": page_ids(first, blocks.seed)}
+    assert (stats.pages, stats.new_pages, stats.bytes_dedup) == (24, 2, 22 * page)
+    out = tmp_path / "rebuilt.img"
+    blocks.write_image("pages-2.img", page_lists["pages-2.img"], out, check_ids=True)
+    assert out.read_bytes() == bytes(second)

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import blake3
 import xxhash
@@ -75,6 +75,71 @@ def _decode(codec: int, data: bytes) -> bytes:
     return data
 
 
+class PageSource(Protocol):
+    """What BlockStore.ingest needs of a pages image: a pages image CRIU wrote (PagesImage)
+    and one it streamed to ckpt (StreamedPages) are its two kinds. Asked once per image, never
+    per page: the pages themselves are hashed, searched and encoded in bulk either way."""
+
+    @property
+    def name(self) -> str:
+        """The pages image's name (pages-<id>.img)."""
+        ...
+
+    @property
+    def path(self) -> Path:
+        """The file whose pages are stored: mapped, and adopted as a pack as it is."""
+        ...
+
+    @property
+    def size(self) -> int:
+        """The size of the pages image it stands for (a whole number of pages)."""
+        ...
+
+    def known_page_list(self) -> bytes | None:
+        """The page list when every page of it is known to be stored already (nothing to
+        read), else None."""
+        ...
+
+    def ids(self, mapped: mmap.mmap, seed: int) -> bytes:
+        """The image's page list, given its file mapped."""
+        ...
+
+    def candidates(self, index: BlockIndex, page_list: bytes, earlier: tuple | None) -> Sequence[int]:
+        """The rows of the page list that may be new to the store (BlockIndex.missing)."""
+        ...
+
+    def file_runs(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Where runs of rows lie in the file, as [start, end) pages."""
+        ...
+
+
+@dataclass
+class PagesImage:
+    """A pages image CRIU wrote: every page of it in the file, in the order of its pagemap."""
+
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def size(self) -> int:
+        return self.path.stat().st_size
+
+    def known_page_list(self) -> bytes | None:
+        return None
+
+    def ids(self, mapped: mmap.mmap, seed: int) -> bytes:
+        return page_ids(mapped, seed)
+
+    def candidates(self, index: BlockIndex, page_list: bytes, earlier: tuple | None) -> Sequence[int]:
+        return index.missing(page_list, earlier)
+
+    def file_runs(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return runs
+
+
 @dataclass
 class StreamedPages:
     """A pages image CRIU streamed to ckpt instead of writing it (ckpt/dump/pagestream.py):
@@ -91,6 +156,32 @@ class StreamedPages:
     def size(self) -> int:
         """The size of the pages image it stands for."""
         return len(self.page_list) // ID_LEN * PAGE
+
+    def known_page_list(self) -> bytes | None:
+        return None if len(self.rows) else self.page_list  # nothing kept: the stream knew every page
+
+    def ids(self, mapped: mmap.mmap, seed: int) -> bytes:
+        return self.page_list  # named as they came
+
+    def candidates(self, index: BlockIndex, page_list: bytes, earlier: tuple | None) -> Sequence[int]:
+        """Only the kept pages can be new (the others were known)."""
+        import numpy as np
+
+        kept = np.frombuffer(page_list, dtype="V16")[self.rows].tobytes()
+        return self.rows[index.missing(kept)].tolist()
+
+    def file_runs(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The runs are made of kept rows only (candidates looks up no other), so consecutive
+        rows lie one after the other in the file of kept pages too."""
+        import numpy as np
+
+        starts = np.searchsorted(self.rows, [start for start, _ in runs]).tolist()
+        return [(at, at + end - start) for at, (start, end) in zip(starts, runs, strict=True)]
+
+
+def page_source(image: Path | PageSource) -> PageSource:
+    """A path names a pages image CRIU wrote (the store's tests and older callers pass paths)."""
+    return PagesImage(image) if isinstance(image, Path) else image
 
 
 @dataclass
@@ -298,20 +389,6 @@ def _segments_under(locations: list[int], holes: Sequence[tuple[int, int]]) -> l
     return np.unique(np.concatenate([segment_key(located[first:first + count]) for first, count in holes])).tolist()
 
 
-def _image_size(image: Path | StreamedPages) -> int:
-    return image.size if isinstance(image, StreamedPages) else image.stat().st_size
-
-
-def _kept_runs(streamed: StreamedPages, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Where runs of rows of a streamed image lie in its file of kept pages. The runs are made
-    of kept rows only (the ingest looks up no other), so consecutive rows lie one after the
-    other there too."""
-    import numpy as np
-
-    starts = np.searchsorted(streamed.rows, [start for start, _ in runs]).tolist()
-    return [(at, at + end - start) for at, (start, end) in zip(starts, runs, strict=True)]
-
-
 def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
     """Sorted positions as [start, end) runs of consecutive ones, each at most `longest` long."""
     import numpy as np
@@ -325,6 +402,100 @@ def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
         first, count = int(p[begin]), end - begin
         runs.extend((first + k, first + min(k + longest, count)) for k in range(0, count, longest))
     return runs
+
+
+class _Ingest:
+    """One BlockStore.ingest, image after image into one pack: what it stored so far (a page
+    repeated in one dump is stored once, whichever images hold it) and its figures."""
+
+    def __init__(self, blocks: BlockStore, pack: PackWriter, codec_for: Callable[[Path], str],
+                 earlier: dict[str, tuple], told: _Told):
+        self.blocks, self.pack, self.codec_for, self.earlier, self.told = blocks, pack, codec_for, earlier, told
+        self.index = blocks.index()
+        self.stats = IngestStats()
+        self.page_lists: dict[str, bytes] = {}
+        self.seen: list = []  # the ids stored by this dump so far (_first_seen)
+        self.encoders = _Encoders()
+
+    def add(self, source: PageSource) -> None:
+        size = source.size
+        n = size // PAGE
+        if size % PAGE:
+            raise DamagedCheckpoint(f"{source.name} is not a whole number of pages")
+        if n == 0:
+            self.page_lists[source.name] = b""
+            return
+        known = source.known_page_list()
+        if known is not None:
+            self.page_lists[source.name] = known
+            self.stats.add(IngestStats(pages=n, bytes_dedup=n * PAGE))
+            self.told.image_done(size)
+            return
+        codec = self.codec_for(source.path)
+        # Mapped, not read: the pages are hashed where they lie in the page cache.
+        with open(source.path, "rb") as f, mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED,
+                                                     prot=mmap.PROT_READ) as mm:
+            view = memoryview(mm)  # slices of a view copy nothing
+            try:
+                image_stats = self._store_new_pages(source, mm, view, codec)
+            finally:
+                view.release()
+        image_stats.pages = n
+        image_stats.bytes_dedup = (n - image_stats.new_pages) * PAGE
+        self.stats.add(image_stats)
+        self.told.image_done(size)
+
+    def _store_new_pages(self, source: PageSource, mm: mmap.mmap, view: memoryview, codec: str) -> IngestStats:
+        """Most pages are known: finds the new ones in one search, then stores them as runs of
+        consecutive pages, each one segment."""
+        page_list = source.ids(mm, self.blocks.seed)
+        self.page_lists[source.name] = page_list
+        self.blocks.check_suspect(page_list)  # nothing to do in a store without damage
+        fresh = _first_seen(source.candidates(self.index, page_list, self.earlier.get(source.name)),
+                            page_list, self.seen)
+        runs = _runs(fresh, SEGMENT_PAGES)
+        at = source.file_runs(runs)  # where each run lies in the file
+        as_is = _stored_as_is(view, at, codec)
+        adopted = self.pack.adopt(source.path) if any(as_is) else None
+        encoded = _encoded_segments(view, [r for r, keep in zip(at, as_is, strict=True) if not keep],
+                                    codec, self.encoders)
+        image_stats = IngestStats()
+        try:
+            for (run_start, end), (file_start, file_end), keep in zip(runs, at, as_is, strict=True):
+                ids = page_list[run_start * ID_LEN:end * ID_LEN]
+                if keep and adopted:  # (adopted whenever a run is kept as is)
+                    raw = view[file_start * PAGE:file_end * PAGE]
+                    self.pack.add_adopted(adopted, file_start * PAGE, ids, xxhash.xxh3_128_digest(raw))
+                    raw.release()
+                    stored = (end - run_start) * PAGE
+                else:
+                    segment = next(encoded)
+                    self.pack.add(ids, *segment)
+                    stored = len(segment[0])
+                self.told.at(end * PAGE)
+                phase("dump.ingest")
+                image_stats.new_pages += end - run_start
+                image_stats.bytes_new += stored
+        finally:
+            # The mmap cannot close while a view of it exists, even on the way out of an
+            # error (a full disk): the encoders release theirs first.
+            encoded.close()
+        return image_stats
+
+
+def _stored_as_is(view: memoryview, at: list[tuple[int, int]], codec: str) -> list[bool]:
+    """For each run of pages (where it lies in the file), whether it is stored as it is:
+    segments that do not compress stay where they lie in the file (CRIU's pages image, or a
+    streamed image's kept pages), which becomes a pack itself (renamed into a local store: the
+    pages are not copied again). Only a file mostly made of such segments: the rest of it would
+    be dead bytes in the store until a prune repacked it (a quarter)."""
+    if not at:
+        return []
+    as_is = [True] * len(at) if codec == "none" else _incompressible(view, at)
+    named = sum(end - start for (start, end), keep in zip(at, as_is, strict=True) if keep)
+    if named * PAGE < ADOPT_AT_LEAST * len(view):
+        return [False] * len(at)
+    return as_is
 
 
 class PackWriter:
@@ -569,10 +740,11 @@ class BlockStore:
 
     # ---- writing --------------------------------------------------------------------------
 
-    def ingest(self, images: Sequence[Path | StreamedPages], codec_for, earlier: dict[str, tuple] | None = None,  # noqa: PLR0915
+    def ingest(self, images: Sequence[Path | PageSource], codec_for, earlier: dict[str, tuple] | None = None,
                progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, bytes], IngestStats, list[str]]:
         """Stores the new pages of each pages image in one new pack and an index file.
 
+        images: pages images CRIU wrote (paths, or PagesImage) or streamed (StreamedPages).
         earlier: by image name, the page list of a committed checkpoint of the same target and
         where the image's pages sat in it, by address (ckpt/dump/unchanged.py);
         only a shortcut (BlockIndex.missing), the pages stored are the same without it.
@@ -581,102 +753,20 @@ class BlockStore:
         written (pack, index file), durable when this returns. progress(done, total) hears, in
         bytes of the images, how far it got (every 16 MiB or so: a store in S3 takes a while).
         """
-        import numpy as np  # (loaded by the index already)
-
-        index = self.index()
-        stats = IngestStats()
-        total = sum(_image_size(image) for image in images)
-        told = _Told(progress, total)
-        page_lists: dict[str, bytes] = {}
-        seen: list = []  # the ids stored by this dump so far (_first_seen)
-        seed = self.seed
-        encoders = _Encoders()
+        sources = [page_source(image) for image in images]
         pack = PackWriter(self.backend)
+        run = _Ingest(self, pack, codec_for, earlier or {}, _Told(progress, sum(s.size for s in sources)))
         try:
-            for image in images:
-                size = _image_size(image)
-                n = size // PAGE
-                if size % PAGE:
-                    raise DamagedCheckpoint(f"{image.name} is not a whole number of pages")
-                streamed = image if isinstance(image, StreamedPages) else None
-                path = image.path if isinstance(image, StreamedPages) else image
-                if n == 0:
-                    page_lists[image.name] = b""
-                    continue
-                if streamed and not len(streamed.rows):  # nothing kept: the stream knew every page
-                    page_lists[image.name] = streamed.page_list
-                    stats.add(IngestStats(pages=n, bytes_dedup=n * PAGE))
-                    told.image_done(size)
-                    continue
-                codec = codec_for(path)
-                # Mapped, not read: the pages are hashed where they lie in the page cache.
-                with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED,
-                                                      prot=mmap.PROT_READ) as mm:
-                    view = memoryview(mm)  # slices of a view copy nothing
-                    encoded = None
-                    try:
-                        page_list = streamed.page_list if streamed else page_ids(mm, seed)
-                        page_lists[image.name] = page_list
-                        self.check_suspect(page_list)  # nothing to do in a store without damage
-                        image_stats = IngestStats(pages=n)
-                        # Most pages are known: find the new ones in one search, then store
-                        # them as runs of consecutive pages (a page repeated in this dump once).
-                        candidates: Sequence[int]
-                        if streamed:  # only the kept pages can be new (the others were known)
-                            kept = np.frombuffer(page_list, dtype="V16")[streamed.rows].tobytes()
-                            candidates = streamed.rows[index.missing(kept)].tolist()
-                        else:
-                            candidates = index.missing(page_list, (earlier or {}).get(image.name))
-                        fresh = _first_seen(candidates, page_list, seen)
-                        runs = _runs(fresh, SEGMENT_PAGES)
-                        at = _kept_runs(streamed, runs) if streamed else runs  # where each run lies in the file
-                        # Stored as they are: segments that do not compress stay where they
-                        # lie in the file (CRIU's pages image, or a streamed image's kept
-                        # pages), which becomes a pack itself (renamed into a local store: the
-                        # pages are not copied again).
-                        as_is = [False] * len(runs)
-                        if runs:
-                            as_is = [True] * len(runs) if codec == "none" else _incompressible(view, at)
-                            # Only a file mostly made of such segments: the rest of it would be
-                            # dead bytes in the store until a prune repacked it (a quarter).
-                            named = sum(end - start for (start, end), keep in zip(at, as_is, strict=True) if keep)
-                            if named * PAGE < ADOPT_AT_LEAST * len(view):
-                                as_is = [False] * len(runs)
-                        adopted = pack.adopt(path) if any(as_is) else None
-                        encoded = _encoded_segments(view, [r for r, keep in zip(at, as_is, strict=True) if not keep],
-                                                    codec, encoders)
-                        for (run_start, end), (file_start, file_end), keep in zip(runs, at, as_is, strict=True):
-                            ids = page_list[run_start * ID_LEN:end * ID_LEN]
-                            if keep and adopted:  # (adopted whenever a run is kept as is)
-                                raw = view[file_start * PAGE:file_end * PAGE]
-                                pack.add_adopted(adopted, file_start * PAGE, ids, xxhash.xxh3_128_digest(raw))
-                                raw.release()
-                                stored = (end - run_start) * PAGE
-                            else:
-                                segment = next(encoded)
-                                pack.add(ids, *segment)
-                                stored = len(segment[0])
-                            told.at(end * PAGE)
-                            phase("dump.ingest")
-                            image_stats.new_pages += end - run_start
-                            image_stats.bytes_new += stored
-                        image_stats.bytes_dedup = (n - image_stats.new_pages) * PAGE
-                        stats.add(image_stats)
-                        told.image_done(size)
-                    finally:
-                        # The mmap cannot close while a view of it exists, even on the way out of
-                        # an error (a full disk): the encoders release theirs first.
-                        if encoded is not None:
-                            encoded.close()
-                        view.release()
+            for source in sources:
+                run.add(source)
             written = pack.commit()
-            told.at(0, final=True)
+            run.told.at(0, final=True)
             if written:
                 self._index = None
         except BaseException:
             pack.abort()
             raise
-        return page_lists, stats, written
+        return run.page_lists, run.stats, written
 
     def add_pages(self, pack: PackWriter, pages, ids: bytes, codec: str, encoders: _Encoders | None = None) -> int:
         """Appends pages (a buffer of whole pages) with their ids to a new pack, as runs of at
@@ -708,7 +798,7 @@ class BlockStore:
             raise DamagedCheckpoint(f"image {image_name}: page {missing} is missing from the store{cause}")
         return locations
 
-    def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,  # noqa: C901
+    def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,
                     holes: Sequence[tuple[int, int]] = (), check_holes: bool = True) -> list[int]:
         """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
         Returns the location of each page (BlockIndex.pages).
@@ -719,77 +809,30 @@ class BlockStore:
         sendfile, so the bytes never pass through a Python buffer). holes are (first page,
         count) ranges that are checked but left as holes of the file: a lazy restore serves
         those pages from the packs (ckpt/restore/lazy.py) and CRIU never reads them from the image.
+        check_holes=False (a store in S3): reading every segment up front would download the
+        whole image before the tree runs; the page server checks each segment as it first
+        serves it, and damage met there ends the tree (a failed lazy restore).
         """
         index = self.index()
         locations = self.locate(image_name, page_list)
-        n = len(locations)
         holes = sorted(holes)
-        written, at = [], 0  # the ranges between the holes
-        for first, count in holes:
-            if first > at:
-                written.append((at, first))
-            at = max(at, first + count)
-        if at < n:
-            written.append((at, n))
-        reader = _SegmentReader(self, index)
-        out_fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE) if dest is not None else None
-        # Only checking (verify): every damaged segment is met and recorded, not just the first,
-        # so that no later dump names a page of any of them.
-        damaged: dict[int, DamagedCheckpoint] = {}
+        rebuild = _ImageRebuild(self, index, image_name, page_list, locations, check_ids, dest)
         try:
             # Under the holes, each segment is checked once (no run needs working out: most of a
             # large tree's memory is there).
-            # check_holes=False (a store in S3): reading every segment up front would download
-            # the whole image before the tree runs; the page server checks each segment as it
-            # first serves it, and damage met there ends the tree (a failed lazy restore).
             if holes and check_holes:
-                for key in _segments_under(locations, holes):
-                    reader.check(key, 0, 1)
-            for begin, end in written:
-                if out_fd is not None and holes:
-                    os.lseek(out_fd, begin * PAGE, os.SEEK_SET)
-                # Runs of pages that follow each other within one segment: location + 1 is the next page.
-                starts = [begin] + [i for i in range(begin + 1, end) if locations[i] != locations[i - 1] + 1]
-                for k, first in enumerate(starts):
-                    stop = starts[k + 1] if k + 1 < len(starts) else end
-                    key, within = split_location(locations[first])
-                    count = stop - first
-                    if key in damaged:
-                        continue
-                    try:
-                        if check_ids:
-                            with reader.view(key, within, count) as chunk:
-                                got = page_ids(chunk, self.seed)
-                                if got != page_list[first * ID_LEN:stop * ID_LEN]:
-                                    j = next(j for j in range(count) if got[j * ID_LEN:(j + 1) * ID_LEN]
-                                             != page_list[(first + j) * ID_LEN:(first + j + 1) * ID_LEN])
-                                    self.record_damage(index.segment_list[key])
-                                    raise DamagedCheckpoint(
-                                        f"image {image_name}: page {first + j} does not match its id")
-                                if out_fd is not None:
-                                    _write_all(out_fd, chunk)
-                        elif out_fd is None:
-                            reader.view(key, within, count).release()  # checks (and decodes) the segment
-                        else:
-                            reader.copy(key, within, count, out_fd)
-                    except DamagedCheckpoint as exc:
-                        if out_fd is not None:
-                            raise  # a restore stops at the first
-                        damaged[key] = exc
-            if damaged:
-                first_error = next(iter(damaged.values()))
-                more = f" (and {len(damaged) - 1} more damaged segments)" if len(damaged) > 1 else ""
-                raise DamagedCheckpoint(first_error.message + more)
-            if out_fd is not None and holes:
-                os.ftruncate(out_fd, n * PAGE)  # a hole at the end leaves the file short
+                rebuild.check_segments(_segments_under(locations, holes))
+            for begin, end in _between_holes(holes, len(locations)):
+                rebuild.write(begin, end, seek=bool(holes))
+            rebuild.raise_damage()
+            if holes:
+                rebuild.truncate()  # a hole at the end leaves the file short
         except DamagedCheckpoint as exc:
             if image_name in exc.message:
                 raise
             raise DamagedCheckpoint(f"image {image_name}: {exc.message}") from None
         finally:
-            reader.close()
-            if out_fd is not None:
-                os.close(out_fd)
+            rebuild.close()
         return locations
 
     def page_reader(self) -> PageReader:
@@ -798,6 +841,90 @@ class BlockStore:
 
     def page_sender(self) -> PageSender:
         return PageSender(_SegmentReader(self, self.index()))
+
+
+def _between_holes(holes: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The [begin, end) ranges of an image of n pages between its holes (sorted (first, count))."""
+    written, at = [], 0
+    for first, count in holes:
+        if first > at:
+            written.append((at, first))
+        at = max(at, first + count)
+    if at < n:
+        written.append((at, n))
+    return written
+
+
+class _ImageRebuild:
+    """One BlockStore.write_image: an image's pages out of the packs into its file (or only
+    checked, without a file), run by run."""
+
+    def __init__(self, blocks: BlockStore, index: BlockIndex, image_name: str, page_list: bytes,
+                 locations: list[int], check_ids: bool, dest: Path | None):
+        self.blocks, self.index, self.image_name = blocks, index, image_name
+        self.page_list, self.locations, self.check_ids = page_list, locations, check_ids
+        self.out_fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE) if dest is not None else None
+        self.reader = _SegmentReader(blocks, index)
+        # Only checking (verify): every damaged segment is met and recorded, not just the
+        # first, so that no later dump names a page of any of them.
+        self.damaged: dict[int, DamagedCheckpoint] = {}
+
+    def check_segments(self, keys: list[int]) -> None:
+        for key in keys:
+            self.reader.check(key, 0, 1)
+
+    def write(self, begin: int, end: int, seek: bool) -> None:
+        """Pages [begin, end): runs of pages that follow each other within one segment
+        (location + 1 is the next page), each read (and copied) at once."""
+        out_fd, locations, reader = self.out_fd, self.locations, self.reader
+        if out_fd is not None and seek:
+            os.lseek(out_fd, begin * PAGE, os.SEEK_SET)
+        starts = [begin] + [i for i in range(begin + 1, end) if locations[i] != locations[i - 1] + 1]
+        for k, first in enumerate(starts):
+            stop = starts[k + 1] if k + 1 < len(starts) else end
+            key, within = split_location(locations[first])
+            if key in self.damaged:
+                continue
+            try:
+                if self.check_ids:
+                    self._rehash(key, within, first, stop)
+                elif out_fd is None:
+                    reader.view(key, within, stop - first).release()  # checks (and decodes) the segment
+                else:
+                    reader.copy(key, within, stop - first, out_fd)
+            except DamagedCheckpoint as exc:
+                if out_fd is not None:
+                    raise  # a restore stops at the first
+                self.damaged[key] = exc
+
+    def _rehash(self, key: int, within: int, first: int, stop: int) -> None:
+        """Pages [first, stop), one run within segment key, checked against their ids (and written)."""
+        count, expected = stop - first, self.page_list[first * ID_LEN:stop * ID_LEN]
+        with self.reader.view(key, within, count) as chunk:
+            got = page_ids(chunk, self.blocks.seed)
+            if got != expected:
+                j = next(j for j in range(count) if got[j * ID_LEN:(j + 1) * ID_LEN]
+                         != expected[j * ID_LEN:(j + 1) * ID_LEN])
+                self.blocks.record_damage(self.index.segment_list[key])
+                raise DamagedCheckpoint(f"image {self.image_name}: page {first + j} does not match its id")
+            if self.out_fd is not None:
+                _write_all(self.out_fd, chunk)
+
+    def raise_damage(self) -> None:
+        if self.damaged:
+            first_error = next(iter(self.damaged.values()))
+            more = f" (and {len(self.damaged) - 1} more damaged segments)" if len(self.damaged) > 1 else ""
+            raise DamagedCheckpoint(first_error.message + more)
+
+    def truncate(self) -> None:
+        if self.out_fd is not None:
+            os.ftruncate(self.out_fd, len(self.locations) * PAGE)
+
+    def close(self) -> None:
+        self.reader.close()
+        if self.out_fd is not None:
+            os.close(self.out_fd)
+            self.out_fd = None
 
 
 class PageReader:
