@@ -1,9 +1,11 @@
 """ckpt's settings: one frozen object, built from flag > CKPT_* environment variable > default.
 
-The CLI builds it once, before any command runs, and installs it with use(); the core asks
-current() when it needs a value, never at import. Every value is checked when the object is
-built, so a bad one stops ckpt with a one-line usage error (exit 2) before anything is frozen
-or written, instead of a traceback or a silent fallback to the default.
+Built once at the edge, where ckpt meets its environment: by the CLI for each command
+(ckpt/cli/options.py, Invocation), or by the agent API in the program's own process; and passed
+down as an argument from there to whatever needs a value: the core never reads the environment
+(tests/unit/test_architecture.py keeps it so). Every value is checked when the object is built,
+so a bad one stops ckpt with a one-line usage error (exit 2) before anything is frozen or
+written, instead of a traceback or a silent fallback to the default.
 
 Each field names its environment variable in its metadata; docs/commands.md has a table of them
 (tests/unit/test_settings.py checks that the two agree). This is the only module that reads
@@ -257,18 +259,3 @@ def store_from_flag(flag: str | Path) -> StoreLocation:
     if str(flag).strip() == "":
         raise UsageError("--store '' names no directory", hint="give the store's directory, or leave --store out")
     return _store_location("--store", str(flag))
-
-
-_installed: Settings | None = None
-
-
-def use(settings: Settings | None) -> None:
-    """Installs the settings the CLI built (None: back to reading the environment)."""
-    global _installed  # noqa: PLW0603 (the one installed instance)
-    _installed = settings
-
-
-def current() -> Settings:
-    """The settings the CLI installed; otherwise (ckpt used as a library, unit tests) built from
-    the environment as it is now."""
-    return _installed if _installed is not None else Settings.from_environment()

@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ckpt.criu.binary import find_criu  # noqa: E402
+from ckpt.settings import Settings  # noqa: E402
 from tests.s3server import WeedServer, weed_binary  # noqa: E402
 
 TARGET = r"""
@@ -181,7 +182,7 @@ def bench_dump_restore(size_mib: int, runs: int, work: Path, criu: str) -> dict:
                 # The network lock ckpt takes for this target, which has no TCP connections:
                 # none (CRIU's default, iptables, is not installed here; nftables would add
                 # 0.1-0.2 s of freeze that ckpt does not pay).
-                elapsed, _ = timed([find_criu().path, "dump", "-t", str(pid), "-D", str(raw_dir), "--leave-running",
+                elapsed, _ = timed([find_criu(Settings.from_environment()).path, "dump", "-t", str(pid), "-D", str(raw_dir), "--leave-running",
                                     "-o", "dump.log", "--network-lock", "skip"])
                 rows["criu_dump_s"].append(elapsed)
                 rows["criu_freeze_ms"].append(raw_freeze_ms(raw_dir))
@@ -818,7 +819,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["growth", "dump", "scale", "s3", "cadence"], action="append")
     args = parser.parse_args()
     only = set(args.only or ["growth", "dump", "scale", "s3", "cadence"])
-    criu = find_criu().path
+    criu = find_criu(Settings.from_environment()).path
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir="/var/tmp"))
     results: dict = {}
     try:

@@ -182,3 +182,11 @@ def manifest_only_checkpoint(store, name: str | None, when, command: str = "agen
     store.commit(Manifest(id=checkpoint_id, created=when.isoformat(), pid=1234, command=command, processes=[],
                           files=[], name=name))
     return checkpoint_id
+
+
+def env_settings():
+    """ckpt's settings as the CLI would build them from this test's environment (isolated_env's
+    CKPT_STORE and CKPT_CACHE, and whatever the test set): what the test passes down to the core."""
+    from ckpt.settings import Settings
+
+    return Settings.from_environment()

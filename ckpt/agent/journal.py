@@ -82,7 +82,7 @@ class Journal:
 
     @property
     def agent(self) -> str:
-        agent = self._agent or settings.current().name
+        agent = self._agent or settings.Settings.from_environment().name
         if not agent:
             raise UsageError("the journal does not know the agent's name",
                              hint="set CKPT_NAME=NAME (the name of the agent's checkpoints) or call "
@@ -90,13 +90,16 @@ class Journal:
         return check_agent(agent)
 
     def _journal(self) -> StoreJournal:
+        # The program's own process: its settings are its environment, read at each call as the
+        # program may change it (the agent API's edge, as the CLI is ckpt's).
+        environment = settings.Settings.from_environment()
         location = (settings.store_from_flag(self._location) if self._location is not None
-                    else settings.current().store)
+                    else environment.store)
         agent = self.agent
         if self._opened is None or self._opened[:2] != (location, agent):
             # Opened once and kept: an encrypted store costs a key derivation (0.1 s) to open.
             # A local store holds no descriptor open between calls.
-            store = Store.open(location, create=not settings.is_remote(location))
+            store = Store.open(location, create=not settings.is_remote(location), settings=environment)
             self._opened = (location, agent, StoreJournal(store.backend, agent))
         return self._opened[2]
 

@@ -50,7 +50,7 @@ class ProtocolError(Exception):
 def socket_path() -> str | None:
     from ckpt import settings
 
-    path = settings.current().socket
+    path = settings.Settings.from_environment().socket
     return str(path) if path is not None else None
 
 

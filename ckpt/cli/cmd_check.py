@@ -2,7 +2,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, shared_flags, store_root
+from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, invocation, shared_flags, store_root
 from ckpt.cli.output import emit_json, stdout, styled
 from ckpt.commands.check import as_json, check_checkpoint, check_readiness, ready
 from ckpt.errors import CkptError, ExitCode
@@ -41,9 +41,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         reporter = flags.reporter()
         reporter.detail(f"store {store_root(flags.store)}")
-        findings = check_readiness(store_root(flags.store))
+        run = invocation()
+        findings = check_readiness(store_root(flags.store), run.settings(), run.passwords())
         if ref is not None:
-            findings += check_checkpoint(store_root(flags.store), ref)
+            findings += check_checkpoint(store_root(flags.store), ref, run.settings(), run.passwords())
         if flags.json_out:
             emit_json(as_json(findings))
         else:

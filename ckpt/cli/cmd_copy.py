@@ -2,7 +2,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import NO_FLAGS, REPORTING, NameFilterOption, SharedFlags, open_store, shared_flags
+from ckpt.cli.options import NO_FLAGS, REPORTING, NameFilterOption, SharedFlags, invocation, open_store, shared_flags
 from ckpt.cli.output import CliReporter, emit_json, human_bytes, stderr, styled
 from ckpt.commands.copy import copy, finish_pending, open_destination, select
 from ckpt.errors import DamagedCheckpoint, StoreError, UsageError
@@ -59,7 +59,8 @@ def register(app: typer.Typer) -> None:
         checkpoint_ids = select(source, refs or [], all_, name)
         reporter = flags.reporter()
         try:
-            report = copy(source, open_destination(to), checkpoint_ids, reporter)
+            destination = open_destination(to, source.settings, invocation().passwords())
+            report = copy(source, destination, checkpoint_ids, reporter)
         finally:
             reporter.close()
         if flags.json_out:
@@ -83,7 +84,7 @@ def register(app: typer.Typer) -> None:
 def _pending(store, json_out: bool, quiet: bool) -> None:
     reporter = CliReporter(quiet=quiet)
     try:
-        outcomes = finish_pending(open_store(store, create=False), None, reporter)
+        outcomes = finish_pending(open_store(store, create=False), None, reporter, invocation().passwords())
     finally:
         reporter.close()
     if json_out:

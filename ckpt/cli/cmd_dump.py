@@ -5,9 +5,8 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.text import Text
 
-from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, shared_flags, store_root
+from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, cli_settings, invocation, shared_flags, store_root
 from ckpt.cli.output import emit_json, human_bytes, stderr, styled
-from ckpt import settings
 from ckpt.agent import results
 from ckpt.commands.dump import DumpRequest, DumpResult, dump
 from ckpt.errors import CkptError, ExitCode, UsageError, to_record
@@ -100,7 +99,8 @@ def _dump(flags: SharedFlags, answer: "Optional[_Answer]", **request: Any) -> Du
         return dump(store_root(flags.store), DumpRequest(
             **request,
             # --result-file: the dumper that ckpt.checkpoint() started, not a person
-            origin=Origin("api" if answer is not None else "dump")), reporter)
+            origin=Origin("api" if answer is not None else "dump")), reporter,
+            settings=invocation().settings(), passwords=invocation().passwords())
     except BaseException as exc:
         if answer is not None:
             answer.failed(exc)
@@ -150,7 +150,7 @@ def _result_file(result_file: Optional[str], checkpoint_id: Optional[str], pid: 
         return None
     if checkpoint_id is None:
         raise UsageError("--result-file needs --id", hint="give the ID the result is for")
-    agent_dir = settings.current().agent_dir
+    agent_dir = cli_settings().agent_dir
     path = results.check_result_file(Path(result_file), agent_dir, ids.check_id(checkpoint_id))
     try:
         uid: Optional[int] = os.stat(f"/proc/{pid}").st_uid  # the user of the program that waits

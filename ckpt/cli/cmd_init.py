@@ -2,7 +2,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import JsonOption, PasswordFileOption, QuietOption, StoreOption, store_root, use_password_file
+from ckpt.cli.options import (JsonOption, PasswordFileOption, QuietOption, StoreOption, invocation, store_root,
+                              use_password_file)
 from ckpt.cli.output import emit_json, stderr
 from ckpt.commands.init import init
 
@@ -40,7 +41,9 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOption = False,
     ) -> None:
         use_password_file(password_file)
-        result = init(store_root(location if location is not None else store), encrypt=encrypt)
+        run = invocation()
+        result = init(store_root(location if location is not None else store), run.settings(), run.passwords(),
+                      encrypt=encrypt)
         if json_out:
             emit_json(result.to_json())
             return

@@ -3,7 +3,7 @@ from typing import Annotated, Callable, Optional
 import typer
 from rich.table import Table
 
-from ckpt.cli.options import JsonOption, StoreOption, open_store
+from ckpt.cli.options import JsonOption, StoreOption, invocation, open_store
 from ckpt.cli.output import emit_json, stderr, stdout
 from ckpt.commands import key as key_commands
 from ckpt.errors import UsageError
@@ -36,9 +36,10 @@ NewPasswordFile = Annotated[Optional[str], typer.Option(
 def _new_password(path: Optional[str]) -> bytes:
     if path is not None:
         return password.read_password_file(path)
-    if password.prompt is None:
+    ask = invocation().ask
+    if ask is None:
         raise UsageError("no new password given", hint="pass --new-password-file FILE (or run on a terminal)")
-    return password.prompt("new password", True).encode()
+    return ask("new password", True).encode()
 
 
 @key_app.command("list", help="List the store's keys (one per password).\n\nExamples:\n\n  ckpt key list")

@@ -2,7 +2,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, output_file_flag, shared_flags, store_root
+from ckpt.cli.options import (NO_FLAGS, REPORTING, SharedFlags, invocation, output_file_flag, shared_flags,
+                              store_root)
 from ckpt.cli.output import emit_json, stderr, styled
 from ckpt.commands.restore import RestoreRequest, restore
 
@@ -82,7 +83,8 @@ def register(app: typer.Typer) -> None:
             result = restore(store_root(flags.store), RestoreRequest(ref=ref, new_pidns=new_pidns,
                                                                post_restore_hook=post_restore,
                                                                output=output, tcp_close=tcp_close,
-                                                               lazy=lazy), reporter)
+                                                               lazy=lazy), reporter,
+                             settings=invocation().settings(), passwords=invocation().passwords())
         finally:
             reporter.close()
         if flags.json_out:

@@ -4,7 +4,7 @@ from typing import Annotated, Optional
 import typer
 
 from ckpt.cli.options import (NO_FLAGS, REPORTING, SharedFlags, count_flag, duration_flag, output_file_flag,
-                              shared_flags, store_root)
+                              invocation, shared_flags, store_root)
 from ckpt.cli.output import emit_json_line, outlive_readers
 from ckpt.commands.run import RunRequest, Supervisor, default_name
 from ckpt.commands.schedule import destination_spec
@@ -73,7 +73,9 @@ def register(app: typer.Typer) -> None:
         outlive_readers()  # a supervisor that died with its reader would leave the command unsupervised
         reporter = flags.reporter()
         try:
-            code = Supervisor(root, request, reporter, on_event=emit_json_line if flags.json_out else None).run()
+            code = Supervisor(root, request, invocation().settings(), reporter,
+                              on_event=emit_json_line if flags.json_out else None,
+                              passwords=invocation().passwords()).run()
         finally:
             reporter.close()
         raise typer.Exit(code)

@@ -1,16 +1,13 @@
 from typing import Annotated, Optional
 
-from pathlib import Path
-
 import typer
 
 from ckpt.cli.options import (JsonOption, KeepDailyOption, KeepHourlyOption, KeepLastOption, KeepWeeklyOption,
                               KeepWithinOption, PasswordFileOption, QuietOption, StoreOption, retention_policy,
-                              store_root, use_password_file)
+                              invocation, store_root, use_password_file)
 from ckpt.cli.output import CliReporter, emit_json, plain_table, said_all, shorten, stderr, stdout, styled
 from ckpt.commands.schedule import AddRequest, add, listing, remove, run
 from ckpt.schedule.book import ScheduleBook
-from ckpt import settings
 from ckpt.store import Store
 
 HELP = """Periodic snapshots with systemd timers or cron: add, list, rm, and run (what they run).
@@ -48,11 +45,12 @@ schedule_app = typer.Typer(help=HELP, no_args_is_help=True, rich_markup_mode=Non
 def _book(store, opened: bool = True) -> ScheduleBook:
     # Opened as a store so that schedules get the same ownership checks (a schedule names the
     # command cron runs as its owner); `add` makes the store once the schedule is valid.
-    location = store_root(store)
+    location, run = store_root(store), invocation()
     if opened:
-        return ScheduleBook(Store.open(location).root, location=location)
-    local_dir = Store.local_side(str(location)) if settings.is_remote(location) else Path(location)
-    return ScheduleBook(local_dir, location=location)
+        local_dir = Store.open(location, settings=run.settings(), passwords=run.passwords()).root
+    else:
+        local_dir = Store.local_dir(location, settings=run.settings())
+    return ScheduleBook(local_dir, run.settings(), location, run.passwords())
 
 
 @schedule_app.command("add", help=ADD_HELP)

@@ -17,9 +17,9 @@ from typer.exceptions import Abort, Exit, TyperException
 from ckpt import __version__, settings
 from ckpt.cli import (cmd_check, cmd_copy, cmd_diff, cmd_dump, cmd_forget, cmd_init, cmd_journal, cmd_key, cmd_list,
                       cmd_prune, cmd_restore, cmd_rm, cmd_run, cmd_schedule, cmd_show, cmd_verify)
+from ckpt.cli import options
 from ckpt.cli.options import DebugOption, PasswordFileOption, use_password_file
 from ckpt.errors import DISK_FULL_HINT, CkptError, CriuFailed, DiskFull, ExitCode, UsageError
-from ckpt.store import password
 
 app = typer.Typer(
     name="ckpt",
@@ -55,10 +55,8 @@ def root(
     # Built once, before the command parses its options: a bad CKPT_* value stops every
     # command here, before anything is frozen or written.
     built = settings.Settings.from_environment()
-    settings.use(built)
+    options.begin(built, _ask_password if sys.stdin.isatty() else None)
     use_password_file(password_file)
-    if sys.stdin.isatty():
-        password.prompt = _ask_password
     if debug or built.debug:
         _debug["on"] = True
 
@@ -171,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
             code = ExitCode.INTERNAL
     finally:
         # main() may run again in this process (tests), with another environment.
-        settings.use(None)
+        options.end()
         _debug["on"] = False
     sys.exit(int(code))
 

@@ -15,6 +15,7 @@ from typing import Annotated
 from ckpt import settings
 from ckpt.errors import InvalidReference
 from ckpt.store import Store, ids
+from ckpt.store.password import PasswordSource
 
 # No envvar= here: CKPT_STORE is read, with every other setting, by ckpt.settings.
 # A str, not a Path: Path('') would turn an empty --store into the current directory.
@@ -99,9 +100,53 @@ def _output_file(created_parent: bool):
     return check
 
 
+class Invocation:
+    """One run of the CLI: what its global flags said, and the settings and password source it
+    passes down to every use case (httpie's Environment). The settings are built once, from the
+    environment and those flags, when the command first asks for them: after every flag is
+    parsed, and never changed after."""
+
+    def __init__(self, environment: settings.Settings, ask: Callable[[str, bool], str] | None):
+        self.environment = environment  # built by the root callback: a bad CKPT_* value stops every command
+        self.ask = ask  # the terminal's password prompt (None: stdin is no terminal)
+        self.password_file: Path | None = None
+        self._settings: settings.Settings | None = None
+
+    def settings(self) -> settings.Settings:
+        if self._settings is None:
+            self._settings = self.environment if self.password_file is None else replace(
+                self.environment, password=None, password_file=self.password_file)
+        return self._settings
+
+    def passwords(self) -> PasswordSource:
+        return PasswordSource.from_settings(self.settings(), self.ask)
+
+
+_runs: list[Invocation] = []  # the one of this run of main() (a list: tests run main() again)
+
+
+def begin(environment: settings.Settings, ask: Callable[[str, bool], str] | None) -> None:
+    _runs[:] = [Invocation(environment, ask)]
+
+
+def end() -> None:
+    _runs.clear()
+
+
+def invocation() -> Invocation:
+    if not _runs:  # a command function called without main() (typer's test runner): as main() would
+        begin(settings.Settings.from_environment(), None)
+    return _runs[0]
+
+
+def cli_settings() -> settings.Settings:
+    """The settings of this run: what every use case gets passed."""
+    return invocation().settings()
+
+
 def store_root(flag: Optional[str]) -> settings.StoreLocation:
     """The store: --store, else CKPT_STORE, else the default (ckpt.settings)."""
-    return settings.store_from_flag(flag) if flag is not None else settings.current().store
+    return settings.store_from_flag(flag) if flag is not None else cli_settings().store
 
 
 def use_password_file(flag: Optional[str]) -> None:
@@ -109,12 +154,13 @@ def use_password_file(flag: Optional[str]) -> None:
     if flag is not None:
         if not flag.strip():
             raise typer.BadParameter("'' names no file; give the file holding the password")
-        settings.use(replace(settings.current(), password=None, password_file=Path(flag).expanduser().absolute()))
+        invocation().password_file = Path(flag).expanduser().absolute()
 
 
 def open_store(path: Optional[str], create: bool = False, reporter: Any = None) -> Store:
     """The store of --store (or CKPT_STORE...); --verbose says which (reporter.detail)."""
-    store = Store.open(store_root(path), create=create)
+    run = invocation()
+    store = Store.open(store_root(path), create=create, settings=run.settings(), passwords=run.passwords())
     if reporter is not None:
         reporter.detail(f"store {store.location}")
     return store

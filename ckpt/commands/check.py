@@ -7,7 +7,8 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass
 
-from ckpt.settings import StoreLocation
+from ckpt.settings import Settings, StoreLocation
+from ckpt.store.password import PasswordSource
 from ckpt.criu.binary import find_criu
 from ckpt.criu.client import bindings_version, check_verdict, run_check
 from ckpt.errors import CkptError
@@ -34,14 +35,15 @@ class Finding:
     tcp_connection: dict | None = None  # a finding about one TCP connection: it, and how it would come back
 
 
-def check_readiness(store_root: StoreLocation) -> list[Finding]:
+def check_readiness(store_root: StoreLocation, settings: Settings,
+                    passwords: PasswordSource | None = None) -> list[Finding]:
     findings: list[Finding] = []
     root = os.geteuid() == 0
     findings.append(Finding("privileges", root, "running as root" if root else f"running as uid {os.geteuid()}",
                             "" if root else "run ckpt with sudo: CRIU needs root"))
     criu = None
     try:
-        criu = find_criu()
+        criu = find_criu(settings)
         findings.append(Finding("criu", True, f"CRIU {criu.version_text} at {criu.path}"))
         if criu.version < (4, 2) and _kernel_version() >= (6, 16):
             findings.append(Finding(
@@ -68,8 +70,8 @@ def check_readiness(store_root: StoreLocation) -> list[Finding]:
             ok, out = run_check(criu, feature)
             findings.append(Finding(f"feature {feature}", ok, ("works: " if ok else "missing: ") + gives,
                                     "" if ok else fix, required=False))
-    findings.append(_store_writable(store_root))
-    findings.append(_scheduler())
+    findings.append(_store_writable(store_root, settings, passwords))
+    findings.append(_scheduler(settings.scheduler))
     if os.getsid(0) == 0:
         # Reads 0 when the session leader is in an ancestor PID namespace (a container started
         # by a runner outside it); every child of this shell inherits that session.
@@ -81,7 +83,8 @@ def check_readiness(store_root: StoreLocation) -> list[Finding]:
     return findings
 
 
-def check_checkpoint(store_root: StoreLocation, ref: str) -> list[Finding]:
+def check_checkpoint(store_root: StoreLocation, ref: str, settings: Settings,
+                     passwords: PasswordSource | None = None) -> list[Finding]:
     """Whether the checkpoint ref names can be restored on this host: what a restore checks
     before CRIU runs (ckpt/restore/hostcheck.py), each mismatch a finding of its own, and how
     its TCP connections would come back."""
@@ -92,8 +95,8 @@ def check_checkpoint(store_root: StoreLocation, ref: str) -> list[Finding]:
     from ckpt.criu.images import tcp_connections
     from ckpt.restore import tcppeers
 
-    binary = find_criu()
-    store = Store.open(store_root)
+    binary = find_criu(settings)
+    store = Store.open(store_root, settings=settings, passwords=passwords)
     with store.lock(exclusive=False):
         manifest = store.load(store.resolve(ref))
         image_dir = store.materialize(manifest, skip_pages=True)  # checked against the manifest, as a restore does
@@ -142,14 +145,14 @@ def _page_hashing() -> Finding:
                        "libxxhash-dev)", required=False)
 
 
-def _scheduler() -> Finding:
+def _scheduler(wanted: str) -> Finding:
     """Whether the scheduler `schedule add` installs for runs here (issue 24: schedules that never
     ran, silently, where no cron daemon runs)."""
     from ckpt.schedule import schedulers
 
     facts = schedulers.Facts.here()
     try:
-        chosen = schedulers.choose(facts)
+        chosen = schedulers.choose(facts, wanted)
     except CkptError as exc:
         return Finding("scheduler", False, exc.message, exc.hint or "", required=False)
     label = "systemd timers" if chosen == "systemd" else "cron"
@@ -160,12 +163,13 @@ def _scheduler() -> Finding:
                    found[1], required=False)
 
 
-def _store_writable(store_root: StoreLocation) -> Finding:
+def _store_writable(store_root: StoreLocation, settings: Settings, passwords: PasswordSource | None) -> Finding:
     from ckpt.errors import CheckpointNotFound, CkptError
     from ckpt.store import Store
 
     try:
-        Store.open(store_root)  # refuses a store another user owns or others may write
+        # refuses a store another user owns or others may write
+        Store.open(store_root, settings=settings, passwords=passwords)
     except CheckpointNotFound:
         pass  # none yet: the first dump makes it
     except CkptError as exc:

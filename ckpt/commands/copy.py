@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ckpt import settings
+from ckpt.settings import Settings, store_from_flag
+from ckpt.store.password import PasswordSource
 from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.errors import CheckpointNotFound, CkptError, DamagedCheckpoint, UsageError
 from ckpt.reporting import NullReporter, Reporter
@@ -35,9 +36,9 @@ class CopyReport:
                 "checkpoints": [r.to_json() for r in self.results]}
 
 
-def open_destination(spec: str) -> Store:
+def open_destination(spec: str, settings: Settings, passwords: PasswordSource | None = None) -> Store:
     """The store `--to`/`--copy-to` names, made if there is none (as a dump makes its store)."""
-    return Store.open(settings.store_from_flag(spec), create=True)
+    return Store.open(store_from_flag(spec), create=True, settings=settings, passwords=passwords)
 
 
 def select(store: Store, refs: list[str], all_: bool, name: str | None = None) -> list[str]:
@@ -93,12 +94,14 @@ def _copy(source: Store, dest: Store, checkpoint_ids: list[str], reporter: Repor
 # ---- pending copies (--copy-to of schedules and `ckpt run`) ------------------------------------
 
 
-def finish_pending(store: Store, origin: str | None, reporter: Reporter = NullReporter()) -> list[dict]:
+def finish_pending(store: Store, origin: str | None, reporter: Reporter = NullReporter(),
+                   passwords: PasswordSource | None = None) -> list[dict]:
     """Copies what the store's pending records (of origin, or all) name, oldest first, and
     deletes each record once its copy has committed. A record whose checkpoint is gone from
     the source (forgotten before it could be copied) is deleted with a warning; a failed copy
     leaves its record (with the error) for the next run. Returns one outcome per record:
-    {"id", "to", "status": "copied"/"present"/"gone"/"failed", "bytes_sent", "error"}."""
+    {"id", "to", "status": "copied"/"present"/"gone"/"failed", "bytes_sent", "error"}.
+    The destinations are opened with the store's settings and passwords (None: the settings')."""
     outcomes: list[dict] = []
     by_destination: dict[str, list[dict]] = {}
     for record in pending.records(store.root, origin):
@@ -114,7 +117,7 @@ def finish_pending(store: Store, origin: str | None, reporter: Reporter = NullRe
         if not records:
             continue
         try:
-            report = copy(store, open_destination(to), [r["id"] for r in records], reporter)
+            report = copy(store, open_destination(to, store.settings, passwords), [r["id"] for r in records], reporter)
         except (CkptError, OSError) as exc:
             for record in records:
                 pending.update(store.root, record, str(exc))

@@ -25,6 +25,7 @@ from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore.lazy import wait_for_lazy_restores
 from ckpt.store import Manifest, Origin, Store, ids
+from ckpt.store.password import PasswordSource
 from ckpt.store.blocks.blockstore import MERGE_ABOVE
 from ckpt.store.blocks.segments import CODECS
 from ckpt.system import procs
@@ -110,14 +111,15 @@ def check_request(request: DumpRequest) -> None:
 
 
 def dump(store_root: StoreLocation, request: DumpRequest, reporter: Reporter = NullReporter(),
-         around_freeze: Callable[[], AbstractContextManager[object]] | None = None) -> DumpResult:
+         around_freeze: Callable[[], AbstractContextManager[object]] | None = None, *,
+         settings: Settings, passwords: PasswordSource | None = None) -> DumpResult:
     """Checkpoints request.pid into the store at store_root (created if needed): the phases of a
     DumpSession in a row.
 
     Before anything is frozen, waits for the tree's no_checkpoint() sections to end (SectionTimeout
     when one outlasts the section timeout). around_freeze (`ckpt run`'s socket server) is entered
     once they have, before the pre-flight, and left as soon as CRIU is done."""
-    with DumpSession(store_root, request, reporter, around_freeze) as session:
+    with DumpSession(store_root, request, reporter, around_freeze, settings=settings, passwords=passwords) as session:
         session.prepare()
         session.capture()
         session.commit()
@@ -137,14 +139,14 @@ class DumpSession(Session[DumpRequest]):
     it holds (locks, staging, the read-ahead of the earlier checkpoint, the page stream) and
     what capture and commit produced."""
 
-    def __init__(self, store_root: StoreLocation, request: DumpRequest, reporter: Reporter = NullReporter(),
+    def __init__(self, store_root: StoreLocation, request: DumpRequest, reporter: Reporter = NullReporter(),  # noqa: PLR0913
                  around_freeze: Callable[[], AbstractContextManager[object]] | None = None, *,
-                 store: Store | None = None, criu: Callable[[], Criu] = host_criu,
-                 clock: Callable[[], float] = time.monotonic, settings: Settings | None = None):
-        """store: the store to dump into (default: opened, or created, at store_root by
-        prepare); criu: makes the CRIU client (default: this host's, as root); clock: seconds,
-        monotonic (the dump's duration and freeze); settings: default from the environment."""
-        super().__init__(store_root, request, reporter, store, criu, clock, settings)
+                 settings: Settings, passwords: PasswordSource | None = None, store: Store | None = None,
+                 criu: Callable[[Settings], Criu] = host_criu, clock: Callable[[], float] = time.monotonic):
+        """settings and passwords: the caller's (the CLI's), passed down; store: the store to dump
+        into (default: opened, or created, at store_root by prepare); criu: makes the CRIU client
+        (default: this host's, as root); clock: seconds, monotonic (the dump's duration and freeze)."""
+        super().__init__(store_root, request, settings, reporter, passwords, store, criu, clock)
         self.around_freeze = around_freeze
         self._window = ExitStack()  # sections and clients held off: released once CRIU lets the tree go
         self.staging: DumpStaging | None = None
@@ -159,7 +161,7 @@ class DumpSession(Session[DumpRequest]):
         """Checks the request, takes the target's lock, waits for its sections, inspects the
         tree and opens the store, then stages: every failure here leaves the tree untouched."""
         check_request(self.request)
-        self.criu = self.new_criu()  # as root (the default), or nothing is done
+        self.criu = self.new_criu(self.settings)  # as root (the default), or nothing is done
         self.binary = self.criu.binary
         self._hold_target()
         self._inspect()
@@ -186,7 +188,8 @@ class DumpSession(Session[DumpRequest]):
         self.facts = procs.preflight(request.pid)
         # CRIU would dump memory a lazy restore has not filled in yet as missing.
         wait_for_lazy_restores(set(self.facts.pids), lambda record: reporter.info(
-            f"waiting for the lazy restore of checkpoint {record.get('checkpoint')} to bring back all of its memory"))
+            f"waiting for the lazy restore of checkpoint {record.get('checkpoint')} to bring back all of its memory"),
+            self.settings.lazy_dir)
         store = self._open_store(create=True)
         options = _choose_options(request, self.facts)
         _report_findings(request, self.facts, options, reporter)
@@ -197,7 +200,8 @@ class DumpSession(Session[DumpRequest]):
             from ckpt.schedule.hooks import run_hook
 
             reporter.step("running the pre-dump hook")
-            run_hook(request.pre_dump_hook, "pre-dump", request.pid, self.checkpoint_id, request.name)
+            run_hook(request.pre_dump_hook, "pre-dump", request.pid, self.checkpoint_id, request.name,
+                     self.settings.hook_timeout)
 
     def _stage(self) -> None:
         store = self._store()
@@ -428,7 +432,7 @@ def _lay_out_parent(store: Store, staging, tracking: TrackingPlan | None, checkp
         return None, None
     # Recorded before CRIU clears the target's soft-dirty bits: if this dump is never
     # committed, the next one knows not to trust them (see ckpt/dump/incremental.py).
-    incremental.TrackingLog().record_attempt(tracking.target, store.root, checkpoint_id)
+    incremental.TrackingLog(store.settings.tracking_dir).record_attempt(tracking.target, store.root, checkpoint_id)
     if tracking.parent is None:
         return None, tracking
     try:
@@ -491,7 +495,7 @@ def _plan_tracking(store: Store, request: DumpRequest, binary, reporter: Reporte
     target = incremental.identify(request.pid)
     if target is None or not has_feature(binary, "mem_dirty_track"):
         return None  # no soft-dirty in this kernel: the block store still stores only new pages
-    log = incremental.TrackingLog()
+    log = incremental.TrackingLog(store.settings.tracking_dir)
     log.forget_gone()
     last = log.last_attempt(target)
     parent = None

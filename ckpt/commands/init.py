@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ckpt import settings
+from ckpt.settings import Settings, StoreLocation, is_remote
 from ckpt.errors import StoreError, UsageError
 from ckpt.store import Store
-from ckpt.store.password import password_for
+from ckpt.store.password import PasswordSource
 
 
 @dataclass
@@ -31,31 +31,36 @@ class InitResult:
                 "local_dir": self.local_dir}
 
 
-def init(location: settings.StoreLocation, encrypt: bool = False) -> InitResult:
+def init(location: StoreLocation, settings: Settings, passwords: PasswordSource | None = None,
+         encrypt: bool = False) -> InitResult:
+    """Makes the store at location (an s3:// store is always encrypted); the new password comes
+    from passwords (None: the settings', CKPT_PASSWORD or CKPT_PASSWORD_FILE)."""
     from ckpt.store import keys
     from ckpt.store.repository import FORMAT, STORE_META
 
+    passwords = passwords if passwords is not None else PasswordSource.from_settings(settings)
     meta = json.dumps({"format": FORMAT, "created": datetime.now(timezone.utc).isoformat()}).encode()
-    if settings.is_remote(location):
+    if is_remote(location):
         from ckpt.store.backends.s3 import S3Backend
 
         url = str(location)
-        remote = S3Backend.from_url(url, timeout=settings.current().s3_timeout)
+        remote = S3Backend.from_url(url, timeout=settings.s3_timeout)
         existing = [info.name for info in remote.list("")][:1]
         if existing:
             what = "a ckpt store" if existing[0] in (STORE_META,) or existing[0].startswith("keys/") else "objects"
             raise UsageError(f"{url} already holds {what} ({existing[0]})",
                              hint="choose another prefix (s3://BUCKET/PREFIX), or use the store that is there")
-        backend, key_id = keys.initialize(remote, password_for(url, confirm=True))
+        backend, key_id = keys.initialize(remote, passwords.password_for(url, confirm=True))
         backend.put_if_absent(STORE_META, meta)  # last: the store exists once this is there
-        return InitResult(url, True, key_id, str(Store.local_side(url)))
+        return InitResult(url, True, key_id, str(Store.local_side(url, settings=settings)))
     root = Path(location)
     if os.path.lexists(root / STORE_META):
         raise UsageError(f"{root} is already a ckpt store", hint="use it as it is, or choose another directory")
     if not encrypt:
-        store = Store.open_local(root, create=True)
+        store = Store.open_local(root, create=True, settings=settings)
         return InitResult(str(store.root), False, None, str(store.root))
-    store = Store.open_local(root, create=True, password=password_for(str(root), confirm=True))
+    store = Store.open_local(root, create=True, password=passwords.password_for(str(root), confirm=True),
+                             settings=settings)
     from ckpt.store.backends import LocalBackend
 
     key_ids = [key.id for key in keys.list_keys(LocalBackend(store.root))]

@@ -22,6 +22,7 @@ from ckpt.restore import hostcheck, tcppeers
 from ckpt.restore.lazy import LazyPlan, PageServer, lazy_processes, start_page_server
 from ckpt.restore.lazy import supported as lazy_supported
 from ckpt.store import Manifest, Store
+from ckpt.store.password import PasswordSource
 from ckpt.store.blocks.blockstore import PAGE
 from ckpt.store.staging import discard
 from ckpt.system import procs
@@ -72,10 +73,11 @@ class RestoreResult:
                 "host_warnings": self.host_warnings}
 
 
-def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter()) -> RestoreResult:
+def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter(), *,
+            settings: Settings, passwords: PasswordSource | None = None) -> RestoreResult:
     """Restores the checkpoint request.ref names from the store at store_root: the phases of a
     RestoreSession in a row."""
-    with RestoreSession(store_root, request, reporter) as session:
+    with RestoreSession(store_root, request, reporter, settings=settings, passwords=passwords) as session:
         session.prepare()
         session.restore()
         return session.finish()
@@ -92,12 +94,12 @@ class RestoreSession(Session[RestoreRequest]):
     running). Used as a context manager, an exception aborts."""
 
     def __init__(self, store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter(), *,
-                 store: Store | None = None, criu: Callable[[], Criu] = host_criu,
-                 clock: Callable[[], float] = time.monotonic, settings: Settings | None = None):
-        """store: the store to restore from (default: opened at store_root by prepare); criu:
-        makes the CRIU client (default: this host's, as root); clock: seconds, monotonic (the
-        restore's duration); settings: default from the environment."""
-        super().__init__(store_root, request, reporter, store, criu, clock, settings)
+                 settings: Settings, passwords: PasswordSource | None = None, store: Store | None = None,
+                 criu: Callable[[Settings], Criu] = host_criu, clock: Callable[[], float] = time.monotonic):
+        """settings and passwords: the caller's (the CLI's), passed down; store: the store to
+        restore from (default: opened at store_root by prepare); criu: makes the CRIU client
+        (default: this host's, as root); clock: seconds, monotonic (the restore's duration)."""
+        super().__init__(store_root, request, settings, reporter, passwords, store, criu, clock)
         self.images_dir: Path | None = None
         self.inherit: list[tuple[str, int]] = []
         self.server: PageServer | None = None
@@ -108,7 +110,7 @@ class RestoreSession(Session[RestoreRequest]):
     # ---- prepare: nothing runs yet ------------------------------------------------------
 
     def prepare(self) -> None:
-        self.criu = self.new_criu()  # as root (the default), or nothing is done
+        self.criu = self.new_criu(self.settings)  # as root (the default), or nothing is done
         self.binary = self.criu.binary
         store = self._open_store(create=False)
         self._hold_store_lock()
@@ -127,7 +129,7 @@ class RestoreSession(Session[RestoreRequest]):
             self.reporter.step(f"starting a page server: {self.plan.pages * PAGE / (1 << 20):.0f} MiB of memory "
                                "will come back while the tree runs")
             self.server = start_page_server(store, manifest.id, self.binary, self._images(), self.work_dir,
-                                            self.plan, manifest.all_pids, self.criu_options.log_level)
+                                            self.plan, manifest.all_pids, self.binary.log_level)
 
     def _options(self) -> None:
         """CRIU's options: the dump's, the relays to the output, each TCP connection's fate,
@@ -208,7 +210,8 @@ class RestoreSession(Session[RestoreRequest]):
             raise RuntimeError("finish before restore")  # a coordinator's bug, not the user's
         self._finished = True  # from here on the tree is the user's: no failure ends it
         self._clean_up()
-        hook_error = _run_post_restore_hook(self.request, self.pid, self.manifest, self.reporter)
+        hook_error = _run_post_restore_hook(self.request, self.pid, self.manifest, self.reporter,
+                                            self.settings.hook_timeout)
         return RestoreResult(self.manifest, self.pid, round((self.clock() - self.started) * 1000, 1),
                              self.criu_options.log_path, self.inner, hook_error, self.output, self.lazy_info,
                              self.host.another_host, self.tcp, self.connections, self.host.warnings)
@@ -299,7 +302,8 @@ class _ImageLayout:
         return holes or {}
 
 
-def _run_post_restore_hook(request: RestoreRequest, pid: int, manifest: Manifest, reporter: Reporter) -> str | None:
+def _run_post_restore_hook(request: RestoreRequest, pid: int, manifest: Manifest, reporter: Reporter,
+                           timeout: float) -> str | None:
     """Runs --post-restore once the tree runs; returns its failure, which leaves the tree alone."""
     if not request.post_restore_hook:
         return None
@@ -307,7 +311,7 @@ def _run_post_restore_hook(request: RestoreRequest, pid: int, manifest: Manifest
 
     reporter.step("running the post-restore hook")
     try:
-        run_hook(request.post_restore_hook, "post-restore", pid, manifest.id, manifest.name)
+        run_hook(request.post_restore_hook, "post-restore", pid, manifest.id, manifest.name, timeout)
     except HookFailed as exc:
         reporter.warn(f"{exc}; the restored tree keeps running")
         return str(exc)

@@ -39,8 +39,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ckpt import settings
-from ckpt.settings import StoreLocation
+from ckpt.settings import Settings, StoreLocation
+from ckpt.store.password import PasswordSource
 from ckpt.agent import protocol
 from ckpt.errors import CkptError, SectionTimeout, UsageError
 from ckpt.reporting import LogReporter, NullReporter, Reporter
@@ -48,7 +48,7 @@ from ckpt.system import procs
 from ckpt.system.textutil import human_bytes
 
 if TYPE_CHECKING:
-    from ckpt.store import Origin
+    from ckpt.store import Origin, Store
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -105,8 +105,9 @@ def describe_status(status: int) -> tuple[str, int, bool]:
 
 
 class Supervisor:
-    def __init__(self, store_root: StoreLocation, request: RunRequest, reporter: Reporter = NullReporter(),
-                 on_event: Callable[[dict], None] | None = None):
+    def __init__(self, store_root: StoreLocation, request: RunRequest, settings: Settings,
+                 reporter: Reporter = NullReporter(), on_event: Callable[[dict], None] | None = None,
+                 passwords: PasswordSource | None = None):
         if not request.command:
             raise UsageError("no command to run", hint="ckpt run [OPTIONS] -- COMMAND [ARGS...]")
         for flag, duration in (("--every", request.every), ("--first-after", request.first_after)):
@@ -117,6 +118,8 @@ class Supervisor:
                 raise UsageError(f"{flag} {count} is negative", hint="give 0 or more")
         self.store_root = store_root
         self.request = request
+        self.settings = settings
+        self.passwords = passwords if passwords is not None else PasswordSource.from_settings(settings)
         self.reporter = reporter
         self.on_event = on_event or (lambda _event: None)
         self.pid: int | None = None
@@ -135,7 +138,13 @@ class Supervisor:
         self.root_reaped = False  # self.pid died and was reaped: its number may be anyone's now
         self.log: Any = None  # ckpt's own log file, open from start() to the end of run()
 
+    def _open_store(self, create: bool = False) -> Store:
+        from ckpt.store import Store
+
+        return Store.open(self.store_root, create, settings=self.settings, passwords=self.passwords)
+
     # ---- protocol.Supervision (called from the server's thread) ----
+
     def checkpoint_requested(self, checkpoint_id: str, name: str | None, client: protocol.Client,
                              error: str | None, result_file: bool) -> None:
         self.results[checkpoint_id] = "PENDING" if error is None else f"FAILED {error}"
@@ -148,10 +157,9 @@ class Supervisor:
         return self.results.get(checkpoint_id, f"ERROR unknown checkpoint {checkpoint_id}")
 
     def journal_store(self):
-        from ckpt.store import Store
 
         if self._journal_store is None:
-            self._journal_store = Store.open(self.store_root, create=True)
+            self._journal_store = self._open_store(create=True)
         return self._journal_store
 
     def agent_name(self) -> str | None:
@@ -185,7 +193,7 @@ class Supervisor:
 
         # One output file and one log per run: a later run of the name starts its own.
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-%f")[:-3]
-        run_dir = Store.local_dir(self.store_root) / "logs" / f"run-{self.request.name}"
+        run_dir = Store.local_dir(self.store_root, settings=self.settings) / "logs" / f"run-{self.request.name}"
         output = self.request.output or run_dir / f"output-{stamp}.log"
         output.parent.mkdir(parents=True, exist_ok=True)
         log_path = run_dir / f"ckpt-{stamp}.log"
@@ -337,13 +345,12 @@ class Supervisor:
         if error is None:
             self._after_checkpoint()
 
-    @staticmethod
-    def _write_result(client: protocol.Client, checkpoint_id: str, error: str | None) -> None:
+    def _write_result(self, client: protocol.Client, checkpoint_id: str, error: str | None) -> None:
         from ckpt.agent import results
 
         record = {"id": checkpoint_id, "ok": True} if error is None else {"id": checkpoint_id, "ok": False,
                                                                            "error": error}
-        agent_dir = settings.current().agent_dir
+        agent_dir = self.settings.agent_dir
         try:
             results.ensure_dir(agent_dir)
             # Owner-only and the client's: it removes the file once read.
@@ -364,7 +371,8 @@ class Supervisor:
                                                        copy_to=self.request.copy_to,
                                                        copy_origin=self._copy_origin,
                                                        checkpoint_id=checkpoint_id, origin=self._origin),
-                          self.reporter, around_freeze=self.server.paused if self.server else None)
+                          self.reporter, around_freeze=self.server.paused if self.server else None,
+                          settings=self.settings, passwords=self.passwords)
         except SectionTimeout as exc:
             # The program asked not to be frozen now: this checkpoint is skipped, not failed.
             self.reporter.warn(f"checkpoint skipped: {exc.message}")
@@ -388,7 +396,6 @@ class Supervisor:
         """--copy-to and --keep-last, after a checkpoint (and after its requester was told)."""
         from ckpt.commands.forget import forget
         from ckpt.schedule.retention import Policy
-        from ckpt.store import Store
 
         if self.request.copy_to:
             self._copy()  # before retention, which could forget a checkpoint still to copy
@@ -396,7 +403,7 @@ class Supervisor:
             try:
                 # Only the checkpoints runs of this name made (those the program asked for over
                 # CKPT_SOCKET included): not one dumped by hand or by a schedule of the same name.
-                forgotten = forget(Store.open(self.store_root), Policy(keep_last=self.request.keep_last),
+                forgotten = forget(self._open_store(), Policy(keep_last=self.request.keep_last),
                                    name=self.request.name, prune=True, origin=self._origin, reporter=self.reporter)
             except CkptError as exc:
                 self.reporter.warn(f"retention failed: {exc}")
@@ -421,10 +428,9 @@ class Supervisor:
         """Copies this checkpoint, and those earlier copies failed to, to --copy-to. A failed
         copy leaves its record (ckpt/store/pending.py) for the next checkpoint's turn."""
         from ckpt.commands.copy import finish_pending
-        from ckpt.store import Store
 
         try:
-            outcomes = finish_pending(Store.open(self.store_root), self._copy_origin, self.reporter)
+            outcomes = finish_pending(self._open_store(), self._copy_origin, self.reporter, self.passwords)
         except CkptError as exc:
             outcomes = [{"id": self.checkpoints[-1], "to": self.request.copy_to, "status": "failed",
                          "bytes_sent": 0, "error": str(exc)}]
@@ -479,17 +485,16 @@ class Supervisor:
 
     def _restore(self) -> bool:
         from ckpt.commands.restore import RestoreRequest, restore
-        from ckpt.store import Store
 
         try:
-            manifest = Store.open(self.store_root, create=False).load(self.checkpoints[-1])
+            manifest = self._open_store().load(self.checkpoints[-1])
             self._end_old_tree(manifest.all_pids)
             # Set before CRIU runs: the restored tree may ask RESULT as soon as it runs, before
             # restore() returns; the old tree is dead by now, so whoever asks is the copy.
             self.restored_from = manifest.id
             result = restore(self.store_root, RestoreRequest(ref=manifest.id,
                                                              post_restore_hook=self.request.post_restore_hook),
-                             self.reporter)
+                             self.reporter, settings=self.settings, passwords=self.passwords)
         except CkptError as exc:
             self.reporter.warn(f"restore failed: {exc}")
             self._event("restore_failed", id=self.checkpoints[-1], error=str(exc))

@@ -62,16 +62,13 @@ def add(book: ScheduleBook, request: AddRequest, facts: schedulers.Facts | None 
     if copy_to is not None:
         copy_to = destination_spec(copy_to, book.store_root)
     facts = facts or schedulers.Facts.here()
-    scheduler = schedulers.choose(facts)
+    scheduler = schedulers.choose(facts, book.settings.scheduler)
     schedule = Schedule(name=name, target=target, cron=expr, every=every, retention=policy.to_json()
                         if not policy.empty() else {}, pre_dump=pre_dump,
                         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), copy_to=copy_to,
                         scheduler=scheduler)
-    from ckpt.store import Store
-
-    store = Store.open(book.store_root, create=True)  # made (and checked) only now that the schedule is valid
-    from ckpt import settings
-    if store.encryption is not None and settings.current().password_file is None:
+    store = book.open_store(create=True)  # made (and checked) only now that the schedule is valid
+    if store.encryption is not None and book.settings.password_file is None:
         # Scheduled runs have no terminal; cron files and units are world-readable: only a file works.
         raise UsageError(f"the store at {store.location} is encrypted, and scheduled runs need its password in a file",
                          hint="pass --password-file FILE (mode 600) or set CKPT_PASSWORD_FILE")
@@ -209,14 +206,14 @@ def resolve_target(target: dict) -> int:
     return matches[0]
 
 
-def _copy_pending(store_root: settings.StoreLocation, origin: str, outcome: dict, reporter: Reporter) -> None:
+def _copy_pending(book: ScheduleBook, origin: str, outcome: dict, reporter: Reporter) -> None:
     from ckpt.commands.copy import finish_pending
     from ckpt.store import Store, pending
 
-    if not pending.records(Store.local_dir(store_root), origin):
+    if not pending.records(Store.local_dir(book.store_root, settings=book.settings), origin):
         return
     try:
-        copies = finish_pending(Store.open(store_root), origin, reporter)
+        copies = finish_pending(book.open_store(), origin, reporter, book.passwords)
     except CkptError as exc:  # the source store itself
         outcome["copy_error"] = str(exc)
         return
@@ -255,7 +252,7 @@ def run(book: ScheduleBook, name: str, reporter: Reporter = NullReporter(),
         wait_s: float | None = None) -> ScheduleRunResult:
     """What cron runs: one dump of the target plus the schedule's retention. Records the outcome."""
     schedule = book.load(name)
-    wait_s = settings.current().schedule_wait if wait_s is None else wait_s
+    wait_s = book.settings.schedule_wait if wait_s is None else wait_s
     started = datetime.now(timezone.utc)
     outcome: dict = {"time": started.isoformat(timespec="seconds"), "outcome": None}
     make_private_dir(book.dir)
@@ -284,7 +281,7 @@ def _run_recorded(book: ScheduleBook, schedule: Schedule, outcome: dict, started
         _dump(book, schedule, outcome, reporter)
         # Copied before retention runs, which could forget an older checkpoint still to copy.
         copied = True
-        _copy_pending(book.store_root, origin, outcome, reporter)
+        _copy_pending(book, origin, outcome, reporter)
         if schedule.retention:
             _forget(book, schedule, outcome, reporter)
     except ProcessNotFound as exc:
@@ -301,7 +298,7 @@ def _run_recorded(book: ScheduleBook, schedule: Schedule, outcome: dict, started
         # The copies earlier runs could not make, even when this dump failed: a failed copy
         # leaves its record for the next run and never fails the dump.
         if not copied:
-            _copy_pending(book.store_root, origin, outcome, reporter)
+            _copy_pending(book, origin, outcome, reporter)
         outcome["duration_ms"] = round((datetime.now(timezone.utc) - started).total_seconds() * 1000)
         book.record(name, outcome)
 
@@ -314,7 +311,8 @@ def _dump(book: ScheduleBook, schedule: Schedule, outcome: dict, reporter: Repor
     outcome["pid"] = pid
     result = dump(book.store_root, DumpRequest(pid=pid, name=schedule.name, pre_dump_hook=schedule.pre_dump,
                                                copy_to=schedule.copy_to, copy_origin=f"schedule {schedule.name}",
-                                               origin=Origin("schedule", schedule.name)), reporter)
+                                               origin=Origin("schedule", schedule.name)), reporter,
+                  settings=book.settings, passwords=book.passwords)
     outcome.update(outcome="ok", id=result.manifest.id, bytes_stored=result.manifest.bytes_stored,
                    freeze_ms=result.manifest.stats.get("freeze_ms"))
 
@@ -323,8 +321,8 @@ def _forget(book: ScheduleBook, schedule: Schedule, outcome: dict, reporter: Rep
     """The schedule's retention. Only what this schedule made: a checkpoint of the same name
     dumped by hand, by `ckpt run` or before origins were recorded is not the schedule's to forget."""
     from ckpt.commands.forget import forget
-    from ckpt.store import Origin, Store
+    from ckpt.store import Origin
 
-    forgotten = forget(Store.open(book.store_root), schedule.policy, name=schedule.name, prune=True,
+    forgotten = forget(book.open_store(), schedule.policy, name=schedule.name, prune=True,
                        allow_remove_all=False, origin=Origin("schedule", schedule.name), reporter=reporter)
     outcome["forgot"] = [d.id for d in forgotten.removed]

@@ -8,10 +8,10 @@ import time
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Callable, Generic, Protocol, Self, TypeVar
 
-from ckpt import settings as environment
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.settings import Settings, StoreLocation
 from ckpt.store import Store
+from ckpt.store.password import PasswordSource
 
 if TYPE_CHECKING:
     from ckpt.criu.binary import CriuBinary
@@ -35,14 +35,14 @@ class Criu(Protocol):
         ...
 
 
-def host_criu() -> Criu:
+def host_criu(settings: Settings) -> Criu:
     """The CRIU of this host (CKPT_CRIU or the PATH's), driven as root: a session's default."""
     from ckpt.criu.binary import find_criu
     from ckpt.criu.client import CriuClient
     from ckpt.system import procs
 
     procs.require_root()
-    return CriuClient(find_criu())
+    return CriuClient(find_criu(settings))
 
 
 class Session(Generic[Request]):
@@ -50,13 +50,15 @@ class Session(Generic[Request]):
     aborted when the block ends by an exception or before the session finished: abort is safe
     from any phase and idempotent (each session says what it undoes)."""
 
-    def __init__(self, store_root: StoreLocation, request: Request, reporter: Reporter = NullReporter(),
-                 store: Store | None = None, criu: Callable[[], Criu] = host_criu,
-                 clock: Callable[[], float] = time.monotonic, settings: Settings | None = None):
+    def __init__(self, store_root: StoreLocation, request: Request, settings: Settings,  # noqa: PLR0913
+                 reporter: Reporter = NullReporter(), passwords: PasswordSource | None = None,
+                 store: Store | None = None, criu: Callable[[Settings], Criu] = host_criu,
+                 clock: Callable[[], float] = time.monotonic):
         self.store_root, self.request, self.reporter = store_root, request, reporter
+        self.settings = settings  # passed down from the edge (the CLI), never looked up
+        self.passwords = passwords if passwords is not None else PasswordSource.from_settings(settings)
         self.store = store  # opened by prepare unless given
-        self.new_criu, self.clock = criu, clock  # new_criu() when CRIU is first needed
-        self.settings = settings if settings is not None else environment.current()  # (ckpt as a library)
+        self.new_criu, self.clock = criu, clock  # new_criu(settings) when CRIU is first needed
         self.started = clock()
         self._held = ExitStack()  # what the session holds to its end (locks): released last
         self._finished = False
@@ -73,7 +75,7 @@ class Session(Generic[Request]):
 
     def _open_store(self, create: bool) -> Store:
         if self.store is None:
-            self.store = Store.open(self.store_root, create=create)
+            self.store = Store.open(self.store_root, create, settings=self.settings, passwords=self.passwords)
         return self.store
 
     def _hold_store_lock(self) -> None:

@@ -7,8 +7,9 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
-from ckpt import settings
+from ckpt.settings import Settings
 from ckpt.errors import CriuUnavailable
 
 MIN_VERSION = (4, 0)
@@ -23,6 +24,10 @@ class CriuBinary:
     path: str
     version: tuple[int, ...]
     version_text: str
+    # The settings that go with the binary wherever it is used (ckpt.settings: CKPT_CRIU_LOG_LEVEL,
+    # CKPT_FEATURE_CACHE); None: no cache of the kernel's features (each check runs CRIU).
+    log_level: int = 3
+    feature_cache: Path | None = None
 
 
 def read_version(path: str) -> tuple[tuple[int, ...], str] | None:
@@ -37,9 +42,9 @@ def read_version(path: str) -> tuple[tuple[int, ...], str] | None:
     return tuple(int(x) for x in re.findall(r"\d+", text)[:3]), text
 
 
-def find_criu() -> CriuBinary:
+def find_criu(settings: Settings) -> CriuBinary:
     """The first CRIU >= 4.0 found: $CKPT_CRIU, then the usual places, then PATH."""
-    override = settings.current().criu
+    override = settings.criu
     if override:
         candidates = [override]
     else:
@@ -54,7 +59,8 @@ def find_criu() -> CriuBinary:
             continue
         version, text = found
         if version >= MIN_VERSION:
-            return CriuBinary(os.path.abspath(path), version, text)
+            return CriuBinary(os.path.abspath(path), version, text, settings.criu_log_level,
+                              settings.feature_cache)
         too_old.append(f"{path} is {text}")
     if too_old:
         raise CriuUnavailable(f"CRIU is too old ({'; '.join(too_old)}); ckpt needs 4.0 or newer",

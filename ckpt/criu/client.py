@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ckpt import settings
 from ckpt.criu.binary import CriuBinary
 from ckpt.errors import DISK_FULL_HINT, CriuFailed, DiskFull, PidInUse
 from ckpt.system import procfs
@@ -48,10 +47,6 @@ def _die_with(parent: int) -> Callable[[], None]:
     return preexec
 
 
-def _log_level() -> int:
-    return settings.current().criu_log_level
-
-
 @dataclass
 class CriuOptions:
     """The options ckpt uses; names follow CRIU's command line."""
@@ -73,8 +68,8 @@ class CriuOptions:
     ghost_limit: int | None = None
     # 3 (errors, warnings, info) by default: debug (4) writes a few lines per MiB of memory
     # while the tree is frozen, about 5% of a large dump's freeze. CKPT_CRIU_LOG_LEVEL=4 for
-    # a full trace when investigating a failure.
-    log_level: int = field(default_factory=_log_level)
+    # a full trace when investigating a failure. None: the binary's (CKPT_CRIU_LOG_LEVEL).
+    log_level: int | None = None
     # Give CRIU ckpt's own stdin/stdout/stderr: a --shell-job restore takes its terminal from them.
     inherit_stdio: bool = False
     # (key, descriptor of ours): CRIU restores the file CRIU calls `key` (e.g. "pipe:[123]") as
@@ -107,11 +102,11 @@ def bindings_version() -> str:
     return __version__
 
 
-def _fill_opts(rpc, opts_msg, options: CriuOptions, images_fd: int, work_fd: int) -> None:
+def _fill_opts(rpc, opts_msg, options: CriuOptions, images_fd: int, work_fd: int, log_level: int) -> None:
     opts_msg.images_dir_fd = images_fd
     opts_msg.work_dir_fd = work_fd
     opts_msg.log_file = options.log_name
-    opts_msg.log_level = options.log_level
+    opts_msg.log_level = log_level if options.log_level is None else options.log_level
     if options.pid is not None:
         opts_msg.pid = options.pid
     opts_msg.leave_running = options.leave_running
@@ -276,7 +271,7 @@ class CriuClient:
             rpc = _rpc()
             req = rpc.criu_req()
             req.type = getattr(rpc, req_type)
-            _fill_opts(rpc, req.opts, options, images_fd, work_fd)
+            _fill_opts(rpc, req.opts, options, images_fd, work_fd, self.binary.log_level)
             ours.send(req.SerializeToString())
             if on_started is not None:
                 on_started()
@@ -340,7 +335,9 @@ def has_feature(binary: CriuBinary, feature: str) -> bool:
     running kernel supports does not change, and the check cost every dump and every restore
     40-60 ms. Keyed by boot id and by the binary (path, version, modification time); `ckpt
     check` always runs the checks afresh."""
-    path = settings.current().feature_cache  # tmpfs by default: forgotten at reboot, as the kernel is
+    path = binary.feature_cache  # tmpfs by default: forgotten at reboot, as the kernel is
+    if path is None:
+        return run_check(binary, feature)[0]
     try:
         boot_id = procfs.boot_id()
         key = f"{binary.path}|{binary.version_text}|{os.stat(binary.path).st_mtime_ns}|{feature}"

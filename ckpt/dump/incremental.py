@@ -21,7 +21,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt import settings
 from ckpt.criu.images import PE_PARENT, PE_PRESENT
 from ckpt.errors import DamagedCheckpoint
 from ckpt.store.blocks.blockstore import ID_LEN as PAGE_ID_SIZE, PAGE
@@ -53,8 +52,8 @@ def identify(pid: int) -> TargetIdentity | None:
 class TrackingLog:
     """Per process incarnation, the last tracked dump attempt: {"store": path, "checkpoint": id}."""
 
-    def __init__(self, root: Path | None = None):
-        self.root = root or settings.current().tracking_dir
+    def __init__(self, root: Path):
+        self.root = root  # CKPT_TRACKING_DIR
 
     def _path(self, target: TargetIdentity) -> Path:
         return self.root / f"{target.key}.json"

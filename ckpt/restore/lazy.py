@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt import settings
 from ckpt.criu import lazypages
 from ckpt.criu.binary import CriuBinary
 from ckpt.criu.client import error_lines, has_feature
@@ -42,10 +41,6 @@ from ckpt.store.staging import discard
 from ckpt.system.detach import detach_stdio
 
 READY_TIMEOUT_S = 30.0
-
-
-def records_dir() -> Path:
-    return settings.current().lazy_dir  # tmpfs by default: forgotten at reboot, as the servers are
 
 
 def thp_always() -> bool:
@@ -137,6 +132,7 @@ class PageServer:
     watcher_pid: int
     work_dir: Path
     log_path: Path
+    records: Path  # CKPT_LAZY_DIR, where the server's record is
     watcher: socket.socket | None = None
 
     def hand_over(self, processes: int) -> None:
@@ -170,7 +166,7 @@ class PageServer:
             os.killpg(self.group, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        (records_dir() / f"{self.pid}.json").unlink(missing_ok=True)
+        (self.records / f"{self.pid}.json").unlink(missing_ok=True)
         (self.work_dir / "lazy-pages.socket").unlink(missing_ok=True)
 
 
@@ -206,7 +202,7 @@ def start_page_server(store: Store, checkpoint_id: str, binary: CriuBinary, imag
         server_pid, watcher_pid, ready = _read_ready(ready_read)
     finally:
         os.close(ready_read)
-    server = PageServer(server_pid, child, watcher_pid, work_dir, log_path, control)
+    server = PageServer(server_pid, child, watcher_pid, work_dir, log_path, store.settings.lazy_dir, control)
     if not ready:
         server.stop()
         lines = error_lines(log_path)
@@ -301,11 +297,12 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
                  ready_write: int, status_fd: int) -> int:  # pragma: no cover - runs in the forked server
     _detach_stdio({ours_fd, theirs_fd, ready_write, status_fd})
     oom_refused = protect_from_oom()
-    record = records_dir() / f"{os.getpid()}.json"
+    records = store.settings.lazy_dir  # tmpfs by default: forgotten at reboot, as the servers are
+    record = records / f"{os.getpid()}.json"
     served = requests = 0
     try:
         with store.lock(exclusive=False, timeout=READY_TIMEOUT_S):
-            records_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
+            records.mkdir(mode=0o700, parents=True, exist_ok=True)
             record.write_text(json.dumps({"server_pid": os.getpid(), "checkpoint": checkpoint_id,
                                           "pids": tree_pids, "store": str(store.root)}))
             daemon = lazypages.start_daemon(binary, images_dir, work_dir, theirs_fd, ready_write,
@@ -347,13 +344,13 @@ def _tell(fd: int, message: bytes) -> None:  # pragma: no cover - runs in the fo
         pass  # the watcher is gone: nobody to tell
 
 
-def wait_for_lazy_restores(pids: set[int], on_wait, timeout: float = 600.0) -> None:
+def wait_for_lazy_restores(pids: set[int], on_wait, records: Path, timeout: float = 600.0) -> None:
     """Waits until no page server is still filling in memory of these processes: a dump taken
     before would miss the pages not there yet."""
     deadline = time.monotonic() + timeout
     told = False
     while True:
-        busy = [r for r in _live_records() if pids & set(r.get("pids", []))]
+        busy = [r for r in _live_records(records) if pids & set(r.get("pids", []))]
         if not busy:
             return
         if not told:
@@ -366,14 +363,15 @@ def wait_for_lazy_restores(pids: set[int], on_wait, timeout: float = 600.0) -> N
         time.sleep(0.1)
 
 
-def _live_records() -> list[dict]:
+def _live_records(directory: Path) -> list[dict]:
+    """The records (CKPT_LAZY_DIR) of the page servers still running."""
     try:
-        names = os.listdir(records_dir())
+        names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    records = []
+    live = []
     for name in names:
-        path = records_dir() / name
+        path = directory / name
         try:
             record = json.loads(path.read_text())
             os.kill(int(record["server_pid"]), 0)
@@ -382,5 +380,5 @@ def _live_records() -> list[dict]:
             continue
         except (OSError, ValueError, KeyError):
             continue
-        records.append(record)
-    return records
+        live.append(record)
+    return live

@@ -17,10 +17,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt import settings
+from ckpt.settings import Settings, StoreLocation, s3_location_environment
 from ckpt.errors import CkptError, ProcessNotFound, UsageError
 from ckpt.schedule import systemd
 from ckpt.schedule.retention import Policy
+from ckpt.store import Store
+from ckpt.store.password import PasswordSource
 from ckpt.system.files import atomic_write_bytes, make_private_dir
 
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")  # cron.d ignores file names with dots
@@ -63,14 +65,21 @@ def check_name(name: str) -> str:
 class ScheduleBook:
     """The schedules of one store, and their cron entries."""
 
-    def __init__(self, local_dir: Path, cron_dir: Path | None = None, location: settings.StoreLocation | None = None):
+    def __init__(self, local_dir: Path, settings: Settings, location: StoreLocation | None = None,
+                 passwords: PasswordSource | None = None):
         # The store as commands name it (its directory or s3:// URL), and the local directory
         # that holds its schedules (for a remote store: its local side in the cache).
-        self.store_root: settings.StoreLocation = location if location is not None else local_dir
+        self.store_root: StoreLocation = location if location is not None else local_dir
+        self.settings = settings
+        self.passwords = passwords if passwords is not None else PasswordSource.from_settings(settings)
         self.dir = local_dir / "schedules"
         self.log_dir = local_dir / "logs" / "schedules"
-        self.cron_dir = cron_dir or settings.current().cron_dir
-        self.systemd_dir = settings.current().systemd_dir
+        self.cron_dir = settings.cron_dir
+        self.systemd_dir = settings.systemd_dir
+
+    def open_store(self, create: bool = False) -> Store:
+        """The store these schedules are of, opened with the book's settings and passwords."""
+        return Store.open(self.store_root, create, settings=self.settings, passwords=self.passwords)
 
     def path(self, name: str) -> Path:
         return self.dir / f"{check_name(name)}.json"
@@ -112,22 +121,19 @@ class ScheduleBook:
         return (f"{sys.executable} -m ckpt schedule run {name} --store {self.store_root} "
                 f">> {self.log_path(name)} 2>&1")
 
-    @staticmethod
-    def run_environment() -> dict[str, str]:
+    def run_environment(self) -> dict[str, str]:
         """What a remote or encrypted store needs and the bare environment of cron and systemd
         lacks: where the cache, the password file and the S3 server are. Never a secret (cron
         files and units are world-readable): credentials belong in ~/.aws/credentials, the
         password in a file (schedule add refuses CKPT_PASSWORD alone for an encrypted store)."""
-        current = settings.current()
-        environment = {"CKPT_CACHE": str(current.cache)}
-        if current.password_file is not None:
-            environment["CKPT_PASSWORD_FILE"] = str(current.password_file)
-        return environment | settings.s3_location_environment()
+        environment = {"CKPT_CACHE": str(self.settings.cache)}
+        if self.settings.password_file is not None:
+            environment["CKPT_PASSWORD_FILE"] = str(self.settings.password_file)
+        return environment | s3_location_environment()
 
-    @classmethod
-    def cron_environment(cls) -> str:
+    def cron_environment(self) -> str:
         """run_environment() as cron's lines VAR=value."""
-        return "".join(f"{name}={value}\n" for name, value in cls.run_environment().items())
+        return "".join(f"{name}={value}\n" for name, value in self.run_environment().items())
 
     def cron_file(self, name: str) -> Path:
         return self.cron_dir / f"ckpt-{name}"

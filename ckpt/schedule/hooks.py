@@ -12,14 +12,13 @@ from __future__ import annotations
 import os
 import subprocess
 
-from ckpt import settings
 from ckpt.errors import HookFailed
 
 
-def run_hook(command: str, event: str, pid: int, checkpoint_id: str, name: str | None) -> None:
+def run_hook(command: str, event: str, pid: int, checkpoint_id: str, name: str | None, timeout: float) -> None:
+    """Runs a hook; timeout: CKPT_HOOK_TIMEOUT."""
     env = {**os.environ, "CKPT_EVENT": event, "CKPT_PID": str(pid), "CKPT_ID": checkpoint_id,
            "CKPT_NAME": name or ""}
-    timeout = settings.current().hook_timeout
     try:
         proc = subprocess.run(["/bin/sh", "-c", command], env=env, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ckpt import settings
 from ckpt.errors import UsageError
 from ckpt.system import daemons
 
@@ -44,9 +43,8 @@ class Facts:
         return f"a cron daemon runs (PID {self.cron_pid})" if self.cron_pid is not None else "no cron daemon runs"
 
 
-def choose(facts: Facts) -> str:
-    """The scheduler new schedules are installed for: CKPT_SCHEDULER, auto resolved with the facts."""
-    wanted = settings.current().scheduler
+def choose(facts: Facts, wanted: str) -> str:
+    """The scheduler new schedules are installed for: wanted (CKPT_SCHEDULER), auto resolved with the facts."""
     if wanted == "systemd" and os.geteuid() != 0:
         raise UsageError("CKPT_SCHEDULER=systemd installs system units, which only root can",
                          hint="run as root, or set CKPT_SCHEDULER=cron (your crontab)")

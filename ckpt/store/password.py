@@ -2,10 +2,8 @@
 (or --password-file), else a prompt on the terminal when there is one.
 
 A PasswordSource holds the three and is passed to what opens a store (ckpt/store/opening.py).
-The prompt is the CLI's; the core never talks to the terminal itself. Until every caller
-passes a source (issue 25), the CLI also installs its prompt as `prompt`, which current_source
-and password_for combine with the installed settings. A password is bytes from here on and is
-never logged or put in an error message.
+The prompt is the CLI's (passed in as `ask`); the core never talks to the terminal itself. A
+password is bytes from here on and is never logged or put in an error message.
 """
 
 from __future__ import annotations
@@ -16,14 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ckpt import settings
 from ckpt.settings import Settings
 from ckpt.errors import PasswordNeeded, UsageError
 from ckpt.store.fsutil import owner_name
-
-# Set by the CLI when stdin is a terminal: asks for a password (twice when confirm).
-prompt: Callable[[str, bool], str] | None = None
-
 
 @dataclass(frozen=True)
 class PasswordSource:
@@ -52,28 +45,6 @@ class PasswordSource:
             return text.encode()
         raise PasswordNeeded(f"the store at {location} is encrypted and no password was given",
                              hint="set CKPT_PASSWORD or CKPT_PASSWORD_FILE (or pass --password-file)")
-
-
-def current_source(passed: Settings | None = None) -> PasswordSource:
-    """The password source of these settings (else the installed ones) and of the CLI's prompt."""
-    # settings passed down: see issue 25 (the lookup of the installed settings is left to the lead)
-    return PasswordSource.from_settings(passed or settings.current(), prompt)
-
-
-@dataclass(frozen=True)
-class DeferredPasswordSource(PasswordSource):
-    """The password source of settings (None: the installed ones) and of the CLI's prompt,
-    looked up only when a password is needed: opening a plain store reads no setting."""
-
-    settings: Settings | None = None
-
-    def password_for(self, location: str, confirm: bool = False) -> bytes:
-        return current_source(self.settings).password_for(location, confirm)
-
-
-def password_for(location: str, confirm: bool = False) -> bytes:
-    """The password of the store at location, from the installed settings and the CLI's prompt."""
-    return current_source().password_for(location, confirm)
 
 
 def read_password_file(path: str | os.PathLike) -> bytes:

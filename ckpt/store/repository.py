@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from ckpt import settings as settings_module
 from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy, StoreError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.settings import Settings, StoreLocation, is_remote
@@ -29,7 +28,7 @@ from ckpt.store.fsutil import translate_os_error
 from ckpt.store.manifest import FORMAT, FileEntry, Manifest, Origin
 from ckpt.store.objects import OBJECTS_PREFIX, Objects, hash_file, object_name
 from ckpt.store.opening import STORE_META, OpenedStore
-from ckpt.store.password import DeferredPasswordSource, PasswordSource, current_source
+from ckpt.store.password import PasswordSource
 from ckpt.store.staging import DumpStaging, StagingArea
 from ckpt.store.verify import verify as verify_checkpoint
 from ckpt.system.files import make_private_dir
@@ -43,12 +42,6 @@ __all__ = ["FORMAT", "MANIFESTS_PREFIX", "OBJECTS_PREFIX", "STORE_META", "FileEn
            "did_you_mean", "hash_file"]
 
 MANIFESTS_PREFIX = "checkpoints/"
-
-
-def _passed_or_current(passed: Settings | None) -> Settings:
-    """The settings passed down, else the installed ones."""
-    # settings passed down: see issue 25 (the one lookup left in the store; the lead removes it)
-    return passed if passed is not None else settings_module.current()
 
 
 def did_you_mean(ref: str, names: Sequence[str], checkpoint_ids: Sequence[str] = ()) -> str:
@@ -65,8 +58,8 @@ def did_you_mean(ref: str, names: Sequence[str], checkpoint_ids: Sequence[str] =
 class Store:
     """A store: its blobs, through backend; root is its local directory, which holds what is
     local by nature (tmp/ for staging, logs/ for CRIU's logs) and, for the local backend, the
-    blobs themselves. settings: the lock timeout and the staging mode (None: the installed
-    settings, looked up when needed)."""
+    blobs themselves. settings: the lock timeout and the staging mode (None: the defaults, for
+    a store built by hand, as tests do; Store.open passes the caller's)."""
 
     def __init__(self, root: Path, backend: Backend | None = None, location: str | None = None, *,
                  settings: Settings | None = None):
@@ -77,14 +70,10 @@ class Store:
         self.location = location or str(root)
         self.logs_root = root / "logs"
         self.tmp_dir = root / "tmp"
-        self._settings = settings
+        self.settings = settings if settings is not None else Settings()
         self._blocks: BlockStore | None = None
         self._objects: Objects | None = None
         self._held_locks: list[object] = []
-
-    @property
-    def settings(self) -> Settings:
-        return _passed_or_current(self._settings)
 
     @property
     def blocks(self) -> BlockStore:
@@ -106,23 +95,21 @@ class Store:
         return self.location.startswith("s3://")
 
     @classmethod
-    def open(cls, location: StoreLocation, create: bool = False, *, settings: Settings | None = None,
+    def open(cls, location: StoreLocation, create: bool = False, *, settings: Settings,
              passwords: PasswordSource | None = None) -> Store:
         """Opens the store at location: a directory, or an s3:// URL (see opening.open_local and
-        opening.open_remote). An encrypted store (one with keys/) is unlocked with a password from passwords (by default
-        the settings' and the CLI's prompt)."""
+        opening.open_remote). An encrypted store (one with keys/) is unlocked with a password from
+        passwords (by default the settings' own: CKPT_PASSWORD or CKPT_PASSWORD_FILE, no prompt)."""
+        passwords = passwords if passwords is not None else PasswordSource.from_settings(settings)
         if not is_remote(location):
-            # A plain local store reads no setting: the password's are looked up only if it is encrypted.
             return cls.open_local(Path(location), create, settings=settings, passwords=passwords)
-        current = _passed_or_current(settings)
-        opened = opening.open_remote(str(location), current, passwords or current_source(current))
-        return cls.from_opened(opened, current)
+        return cls.from_opened(opening.open_remote(str(location), settings, passwords), settings)
 
     @classmethod
     def open_local(cls, root: Path, create: bool = False, password: bytes | None = None, *,
-                   settings: Settings | None = None, passwords: PasswordSource | None = None) -> Store:
+                   settings: Settings, passwords: PasswordSource | None = None) -> Store:
         """Opens (create=True: makes) the local store at root; see opening.open_local."""
-        source = passwords or DeferredPasswordSource(settings=settings)
+        source = passwords if passwords is not None else PasswordSource.from_settings(settings)
         return cls.from_opened(opening.open_local(root, source, create, password), settings)
 
     @classmethod
@@ -130,16 +117,14 @@ class Store:
         return cls(opened.root, opened.backend, location=opened.location, settings=settings)
 
     @staticmethod
-    def local_dir(location: StoreLocation, *, settings: Settings | None = None) -> Path:
+    def local_dir(location: StoreLocation, *, settings: Settings) -> Path:
         """Where the store at location keeps what is local by nature (see opening.local_dir)."""
-        if isinstance(location, str):
-            return opening.local_side(location, _passed_or_current(settings).cache)
-        return location
+        return opening.local_dir(location, settings.cache)
 
     @staticmethod
-    def local_side(url: str, *, settings: Settings | None = None) -> Path:
+    def local_side(url: str, *, settings: Settings) -> Path:
         """The local directory of the remote store at url (see opening.local_side)."""
-        return opening.local_side(url, _passed_or_current(settings).cache)
+        return opening.local_side(url, settings.cache)
 
     def copies_read_again(self) -> list[str]:
         """The blobs whose copy in the local cache failed its check during this command and
@@ -151,7 +136,7 @@ class Store:
         inner = opening.past_the_cache(self.backend)
         if inner is self.backend:
             return self
-        return Store(self.root, inner, location=self.location, settings=self._settings)
+        return Store(self.root, inner, location=self.location, settings=self.settings)
 
     @property
     def encryption(self) -> EncryptedBackend | None:

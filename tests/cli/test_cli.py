@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from ckpt.cli.main import app, main
-from tests.helpers import ROOT, manifest_only_checkpoint
+from tests.helpers import env_settings, ROOT, manifest_only_checkpoint
 
 COMMANDS = ["init", "check", "dump", "restore", "list", "show", "diff", "rm", "verify", "forget", "prune", "copy",
             "run"]
@@ -41,7 +41,7 @@ def test_every_command_is_registered_and_has_help_with_examples(capsys):
 def test_list_on_empty_store_is_an_empty_json_array(capsys, isolated_env):
     from ckpt.store import Store
 
-    Store.open(isolated_env, create=True)
+    Store.open(isolated_env, create=True, settings=env_settings())
     code, out, _ = run(capsys, "list", "--json")
     assert code == 0 and json.loads(out) == []
 
@@ -186,7 +186,7 @@ def test_examples_in_help_are_never_broken(capsys, monkeypatch, columns):
 def test_list_of_a_name_the_store_lacks_says_what_it_holds(capsys, isolated_env):
     from ckpt.store import Store
 
-    store = Store.open_local(isolated_env, create=True)
+    store = Store.open_local(isolated_env, create=True, settings=env_settings())
     now = datetime.now(timezone.utc)
     for n, name in enumerate(["agent"] * 3 + ["web", None]):
         manifest_only_checkpoint(store, name, now - timedelta(minutes=n))
@@ -201,7 +201,7 @@ def test_list_of_a_name_the_store_lacks_says_what_it_holds(capsys, isolated_env)
 def test_a_mistyped_checkpoint_gets_a_did_you_mean(capsys, isolated_env):
     from ckpt.store import Store
 
-    store = Store.open_local(isolated_env, create=True)
+    store = Store.open_local(isolated_env, create=True, settings=env_settings())
     now = datetime.now(timezone.utc)
     manifest_only_checkpoint(store, "nightly-report", now - timedelta(minutes=2))
     newest = manifest_only_checkpoint(store, "agent", now)
@@ -242,7 +242,7 @@ def test_quiet_and_verbose_are_on_every_command_that_reports(capsys, isolated_en
         assert "-q, --quiet" in out and "-v, --verbose" in out, command
     from ckpt.store import Store
 
-    store = Store.open_local(isolated_env, create=True)
+    store = Store.open_local(isolated_env, create=True, settings=env_settings())
     checkpoint_id = manifest_only_checkpoint(store, "agent", datetime.now(timezone.utc))
     code, out, err = run(capsys, "list")
     assert code == 0 and "1 checkpoint(s)" in err and f"store {isolated_env}" not in err
@@ -267,7 +267,8 @@ def test_schedule_list_shortens_an_error_the_json_keeps_whole(capsys, isolated_e
     code, out, err = run(capsys, "schedule", "add", "agent", "--pid", str(os.getpid()), "--every", "5m")
     assert code == 0, err
     error = "CRIU dump failed: " + "Error (criu/files-reg.c:1234): cannot dump a file " * 6
-    ScheduleBook(isolated_env).record("agent", {"time": "2026-12-03T10:00:00", "outcome": "failed", "error": error})
+    book = ScheduleBook(isolated_env, env_settings())
+    book.record("agent", {"time": "2026-12-03T10:00:00", "outcome": "failed", "error": error})
     code, out, err = run(capsys, "schedule", "list")
     assert code == 0 and error not in out and error[:39] + "…" in out, out
     assert "--json" in err, err  # where the whole error is

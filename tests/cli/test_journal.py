@@ -10,7 +10,7 @@ from ckpt.agent.journal import Journal
 from ckpt.cli.main import main
 from ckpt.store import Store
 from tests import jsonshape
-from tests.helpers import manifest_only_checkpoint
+from tests.helpers import env_settings, manifest_only_checkpoint
 
 
 def run(capsys, *argv):
@@ -22,7 +22,7 @@ def run(capsys, *argv):
 
 @pytest.fixture
 def store(isolated_env):
-    return Store.open_local(isolated_env, create=True)
+    return Store.open_local(isolated_env, create=True, settings=env_settings())
 
 
 def poster(store) -> Journal:

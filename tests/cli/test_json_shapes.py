@@ -8,6 +8,7 @@ import typer
 
 from ckpt.cli.main import app, main
 from tests import jsonshape
+from tests.helpers import env_settings
 
 
 def run(capsys, *argv):
@@ -73,7 +74,7 @@ def test_check(capsys):
 def test_list_and_schedule_list_of_an_empty_store(capsys, isolated_env):
     from ckpt.store import Store
 
-    Store.open(isolated_env, create=True)  # only dump and schedule add create a store
+    Store.open(isolated_env, create=True, settings=env_settings())  # only dump and schedule add create a store
     for command, schema in ((["list"], "list"), (["schedule", "list"], "schedule list")):
         code, out, err = run(capsys, *command, "--json")
         assert code == 0, err
@@ -84,7 +85,7 @@ def test_list_and_schedule_list_of_an_empty_store(capsys, isolated_env):
 def test_a_failing_command_prints_no_json(capsys, isolated_env):
     from ckpt.store import Store
 
-    Store.open(isolated_env, create=True)
+    Store.open(isolated_env, create=True, settings=env_settings())
     for argv in (["show", "latest"], ["rm", "nosuch"], ["schedule", "rm", "nosuch"], ["schedule", "run", "nosuch"]):
         code, out, err = run(capsys, *argv, "--json")
         assert code != 0 and out == "" and err.startswith("Error: "), argv

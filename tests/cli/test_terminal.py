@@ -18,7 +18,7 @@ from datetime import datetime, timedelta, timezone
 from rich.console import Console
 
 from ckpt.store import Store
-from tests.helpers import ROOT, manifest_only_checkpoint
+from tests.helpers import env_settings, ROOT, manifest_only_checkpoint
 
 LONG_COMMAND = "python3 /opt/agents/summarize-the-nightly-reports.py --config /etc/agents/nightly.toml --verbose"
 
@@ -60,7 +60,7 @@ def run_in_terminal(argv, env, columns=80, timeout=30.0):
 
 def test_no_color_means_no_escape_sequence_at_all(isolated_env):
     """rich drops colours under NO_COLOR but kept the dim of 'ckpt:' (ESC [2m)."""
-    store = Store.open_local(isolated_env, create=True)
+    store = Store.open_local(isolated_env, create=True, settings=env_settings())
     manifest_only_checkpoint(store, "agent", datetime.now(timezone.utc))
     code, shown = run_in_terminal(["verify", "latest"], {})
     assert code == 0 and b"ckpt:" in shown and b"\x1b[" in shown, shown  # styled on a terminal...
@@ -70,7 +70,7 @@ def test_no_color_means_no_escape_sequence_at_all(isolated_env):
 
 
 def test_list_fits_the_terminal_and_shortens_the_command(isolated_env):
-    store = Store.open_local(isolated_env, create=True)
+    store = Store.open_local(isolated_env, create=True, settings=env_settings())
     now = datetime.now(timezone.utc)
     for minutes in (30, 20, 10):
         manifest_only_checkpoint(store, "nightly-report", now - timedelta(minutes=minutes), command=LONG_COMMAND)

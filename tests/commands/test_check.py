@@ -1,6 +1,7 @@
 """ckpt/commands/check.py: the findings of `ckpt check` and the verdict drawn from them."""
 
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -8,6 +9,7 @@ from ckpt.commands.check import Finding, as_json, check_checkpoint, ready
 from ckpt.errors import CheckpointNotFound, CkptError
 from ckpt.store import Store
 from tests.unit.test_store import fake_dump
+from tests.helpers import env_settings
 
 
 def test_only_required_findings_decide_readiness():
@@ -21,16 +23,15 @@ def test_only_required_findings_decide_readiness():
 
 
 @pytest.fixture
-def local_store(isolated_env, monkeypatch) -> Store:
-    monkeypatch.setenv("CKPT_STAGING", "disk")
-    return Store.open_local(isolated_env, create=True)
+def local_store(isolated_env) -> Store:
+    return Store.open_local(isolated_env, create=True, settings=replace(env_settings(), staging="disk"))
 
 
 def criu_here() -> None:
     from ckpt.criu.binary import find_criu
 
     try:
-        find_criu()
+        find_criu(env_settings())
     except CkptError as exc:
         pytest.skip(f"check_checkpoint looks at CRIU itself: {exc.message}")
 
@@ -38,7 +39,7 @@ def criu_here() -> None:
 def test_a_checkpoint_of_this_host_matches_it(local_store):
     criu_here()
     made = fake_dump(local_store, {"core-4242.img": b"core"}, name="web")
-    (finding, *more) = check_checkpoint(local_store.root, "web")
+    (finding, *more) = check_checkpoint(local_store.root, "web", local_store.settings)
     assert finding.name == f"checkpoint {made.id}" and finding.ok, finding
     assert "everything a restore checks matches here" in finding.detail
     assert all(f.ok or not f.required for f in more)
@@ -49,4 +50,4 @@ def test_an_unknown_checkpoint_is_not_found(local_store):
     criu_here()
     fake_dump(local_store, {"core-4242.img": b"core"}, name="web")
     with pytest.raises(CheckpointNotFound, match="'wbe'"):
-        check_checkpoint(local_store.root, "wbe")
+        check_checkpoint(local_store.root, "wbe", local_store.settings)

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from ckpt import settings as ckpt_settings
 from ckpt.commands.dump import DumpRequest, DumpSession
 from ckpt.errors import CriuFailed, StoreBusy, UsageError
 from ckpt.store import Store, ids
 from tests.commands.fakes_dump import PAGE, FakeCriu, alive, end, pages, start_target
+from tests.helpers import env_settings
 
 
 @pytest.fixture
-def store(tmp_path) -> Store:
-    return Store.open(tmp_path / "store", create=True)
+def store(tmp_path, settings) -> Store:
+    return Store.open(tmp_path / "store", create=True, settings=settings)
 
 
 @pytest.fixture
@@ -33,12 +33,12 @@ def target():
 @pytest.fixture
 def settings():
     # The page stream needs a CRIU that streams: this fake writes a pages image.
-    return replace(ckpt_settings.Settings.from_environment(), page_stream=False)
+    return replace(env_settings(), page_stream=False)
 
 
 def session(store: Store, pid: int, criu: FakeCriu, settings, **request) -> DumpSession:
     return DumpSession(store.root, DumpRequest(pid=pid, dirty_tracking=False, **request), store=store,
-                       criu=lambda: criu, settings=settings)
+                       criu=lambda _settings: criu, settings=settings)
 
 
 def assert_nothing_left(store: Store, staged: list[Path]) -> None:

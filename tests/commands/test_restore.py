@@ -11,22 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from ckpt import settings as ckpt_settings
 from ckpt.commands.dump import DumpRequest, DumpSession
 from ckpt.commands.restore import RestoreRequest, RestoreSession
 from ckpt.errors import CheckpointNotFound, CriuFailed
 from ckpt.store import Manifest, Store
 from tests.commands.fakes_dump import FakeCriu, alive, end, pages, start_target
+from tests.helpers import env_settings
 
 
 @pytest.fixture
-def store(tmp_path) -> Store:
-    return Store.open(tmp_path / "store", create=True)
+def store(tmp_path, settings) -> Store:
+    return Store.open(tmp_path / "store", create=True, settings=settings)
 
 
 @pytest.fixture
 def settings():
-    return replace(ckpt_settings.Settings.from_environment(), page_stream=False)
+    return replace(env_settings(), page_stream=False)
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def checkpoint(store, settings) -> Manifest:
     target = start_target()
     try:
         with DumpSession(store.root, DumpRequest(pid=target.pid, dirty_tracking=False), store=store,
-                         criu=lambda: FakeCriu(memory=pages(16, 3)), settings=settings) as dump:
+                         criu=lambda _settings: FakeCriu(memory=pages(16, 3)), settings=settings) as dump:
             dump.prepare()
             dump.capture()
             dump.commit()
@@ -55,7 +55,7 @@ def restored():
 
 def session(store: Store, ref: str, criu: FakeCriu, settings, **request) -> RestoreSession:
     return RestoreSession(store.root, RestoreRequest(ref=ref, lazy=False, **request), store=store,
-                          criu=lambda: criu, settings=settings)
+                          criu=lambda _settings: criu, settings=settings)
 
 
 def assert_nothing_left(store: Store, staged: list[Path]) -> None:
@@ -127,7 +127,7 @@ def test_the_duration_is_read_from_the_sessions_clock(store, checkpoint, setting
     ticks = iter([10.0, 12.5])
     criu = FakeCriu()
     restore = RestoreSession(store.root, RestoreRequest(ref=checkpoint.id, lazy=False), store=store,
-                             criu=lambda: criu, clock=lambda: next(ticks), settings=settings)
+                             criu=lambda _settings: criu, clock=lambda: next(ticks), settings=settings)
     with restore:
         restore.prepare()
         restore.restore()

@@ -7,6 +7,8 @@ import pytest
 from ckpt.commands.rm import remove
 from ckpt.commands.verify import verify
 from ckpt.errors import CheckpointNotFound, StoreBusy
+from ckpt.settings import Settings
+from ckpt.store import Store
 from tests.commands.conftest import BASE, PAGE, Images, as_json, page
 
 
@@ -39,10 +41,11 @@ def test_one_unknown_reference_removes_nothing(store, checkpoints):
     assert store.checkpoint_ids() == [web.id]
 
 
-def test_rm_waits_for_a_command_holding_the_store_and_removes_nothing(store, checkpoints, monkeypatch):
+def test_rm_waits_for_a_command_holding_the_store_and_removes_nothing(store, checkpoints):
     """rm takes the exclusive lock: a dump or restore holding the shared one keeps it out."""
     made = checkpoints.make("web")
-    monkeypatch.setenv("CKPT_LOCK_TIMEOUT", "0.2")  # the lock's timeout comes from the settings today
+    # The lock's timeout comes from the store's settings: this handle on the same store waits 0.2 s.
+    impatient = Store(store.root, store.backend, store.location, settings=Settings(lock_timeout=0.2))
     held, release = threading.Event(), threading.Event()
 
     def restoring() -> None:
@@ -55,7 +58,7 @@ def test_rm_waits_for_a_command_holding_the_store_and_removes_nothing(store, che
     try:
         assert held.wait(5)
         with pytest.raises(StoreBusy, match="memory://mem"):
-            remove(store, [made.id])
+            remove(impatient, [made.id])
         assert store.checkpoint_ids() == [made.id]
     finally:
         release.set()

@@ -9,6 +9,7 @@ import pytest
 
 from ckpt.commands.run import RunRequest, Supervisor, default_name, describe_status
 from ckpt.errors import UsageError
+from tests.helpers import env_settings
 
 
 def request(**changes) -> RunRequest:
@@ -41,12 +42,12 @@ def test_how_the_tree_ended_is_told_and_handed_on():
 ])
 def test_a_request_that_cannot_run_is_refused_before_anything_starts(isolated_env, changes, refused):
     with pytest.raises(UsageError, match=refused):
-        Supervisor(isolated_env, request(**changes))
+        Supervisor(isolated_env, request(**changes), env_settings())
     assert not os.path.exists(isolated_env), "a refused run made the store"
 
 
 def test_a_program_asking_for_its_checkpoints_is_answered(isolated_env):
-    supervisor = Supervisor(isolated_env, request())
+    supervisor = Supervisor(isolated_env, request(), env_settings())
     supervisor.checkpoint_requested("20260101-000000-000-aaaaaa", None, client=None, error=None, result_file=False)
     supervisor.checkpoint_requested("20260101-000000-000-bbbbbb", None, client=None, error="frozen", result_file=False)
     assert supervisor.result("20260101-000000-000-aaaaaa") == "PENDING"

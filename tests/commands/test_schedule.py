@@ -3,6 +3,7 @@ directories (cron_dir), with the scheduler's facts given (no systemd, a cron dae
 
 import json
 import os
+from dataclasses import replace
 from datetime import datetime, timezone
 
 import pytest
@@ -12,6 +13,7 @@ from ckpt.errors import ProcessNotFound, UsageError
 from ckpt.schedule.book import ScheduleBook
 from ckpt.schedule.retention import Policy
 from ckpt.schedule.schedulers import Facts
+from tests.helpers import env_settings
 
 CRON_RUNS = Facts(systemd=None, cron_pid=os.getpid(), init="sh")
 NO_CRON = Facts(systemd=None, cron_pid=None, init="sh")
@@ -20,7 +22,7 @@ NOON = datetime(2026, 6, 1, 12, 7, tzinfo=timezone.utc)
 
 @pytest.fixture
 def book(isolated_env, tmp_path) -> ScheduleBook:
-    return ScheduleBook(isolated_env, cron_dir=tmp_path / "cron.d")
+    return ScheduleBook(isolated_env, replace(env_settings(), cron_dir=tmp_path / "cron.d"))
 
 
 def hourly(name: str = "web", **changes) -> schedule.AddRequest:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FIXTURES, ROOT, alive, ckpt, read_lines, wait_until
+from tests.helpers import env_settings, FIXTURES, ROOT, alive, ckpt, read_lines, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("socat") is None, reason="socat is missing: make setup installs it")
 
@@ -129,7 +129,8 @@ sleep 600
     from ckpt.store import Store
     from ckpt.store.journal import Journal as StoreJournal
 
-    entry = StoreJournal(Store.open(Path(os.environ["CKPT_STORE"])).backend, "mailer").entry("send-mail-7")
+    store = Store.open(Path(os.environ["CKPT_STORE"]), settings=env_settings())
+    entry = StoreJournal(store.backend, "mailer").entry("send-mail-7")
     assert entry is not None and entry.done and entry.outcome == "sent id=42"
 
 

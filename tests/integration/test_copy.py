@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ckpt, ckpt_json, read_lines, state, wait_until
+from tests.helpers import env_settings, ckpt, ckpt_json, read_lines, state, wait_until
 from tests.jsonshape import assert_shape
 
 MIB = 16
@@ -77,7 +77,7 @@ def test_copy_sends_only_changed_pages_and_every_copy_restores(seed, procs, tmp_
         # the two stores differ, so the copy hashes pages anew for it.
         from ckpt.store import Store
 
-        assert Store.open(dest, create=True).blocks.seed
+        assert Store.open(dest, create=True, settings=env_settings()).blocks.seed
     target = Dirty(procs, tmp_path)
     taken = take(target, 10)
     before = store_bytes(dest) if dest.exists() else 0
@@ -177,7 +177,7 @@ def test_copy_to_s3_and_back(procs, tmp_path, isolated_env, s3_url, s3_server):
 
     target = Dirty(procs, tmp_path)
     taken = take(target, 3)
-    source = Store.open(isolated_env)
+    source = Store.open(isolated_env, settings=env_settings())
     remote = Store(tmp_path / "s3-local", S3Backend.from_url(s3_url))
     first = copy(source, remote, source.checkpoint_ids()).to_json()
     assert first["same_seed"] and [c["status"] for c in first["checkpoints"]] == ["copied"] * 3
@@ -191,7 +191,7 @@ def test_copy_to_s3_and_back(procs, tmp_path, isolated_env, s3_url, s3_server):
     listed = s3_server.client().list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]
     in_bucket = sum(o["Size"] for o in listed if o["Key"].split("/")[1] in ("objects", "packs", "index", "checkpoints"))
     assert in_bucket == first["bytes_sent"] + second["bytes_sent"]
-    back = Store.open(tmp_path / "C", create=True)
+    back = Store.open(tmp_path / "C", create=True, settings=env_settings())
     returned = copy(remote, back, remote.checkpoint_ids()).to_json()
     assert [c["status"] for c in returned["checkpoints"]] == ["copied"] * 4
     assert ckpt("verify", "--all", "--store", back.root).returncode == 0

@@ -7,7 +7,7 @@ import os
 import signal
 import time
 
-from tests.helpers import ckpt, ckpt_json, read_lines, wait_until
+from tests.helpers import env_settings, ckpt, ckpt_json, read_lines, wait_until
 
 
 def test_ten_checkpoints_forget_prune_and_restore_each(procs, tmp_path, isolated_env):
@@ -117,10 +117,10 @@ def test_a_next_dump_looks_up_only_the_pages_its_target_changed(procs, tmp_path,
     out = tmp_path / "sums.txt"
     target = procs.start("bigmem.py", out, 32)
     original = wait_until(lambda: read_lines(out), timeout=60, what="bigmem")[0].split()[0]
-    dump(isolated_env, DumpRequest(pid=target.pid, dirty_tracking=False))
+    dump(isolated_env, DumpRequest(pid=target.pid, dirty_tracking=False), settings=env_settings())
     assert searched[-1] > 8192, "a first dump searches every page"
     time.sleep(0.3)  # the target's counter moves: a few of its pages change
-    second = dump(isolated_env, DumpRequest(pid=target.pid, dirty_tracking=False)).manifest
+    second = dump(isolated_env, DumpRequest(pid=target.pid, dirty_tracking=False), settings=env_settings()).manifest
     assert second.stats["pages"] > 8192
     assert searched[-1] < second.stats["pages"] // 20, (searched, second.stats["pages"])
     counter_then = int(read_lines(out)[-1].split()[1])

@@ -12,7 +12,7 @@ import pytest
 
 from ckpt.errors import CkptError
 from ckpt.schedule.book import Schedule, ScheduleBook
-from tests.helpers import ckpt, ckpt_json, read_lines, state, wait_until
+from tests.helpers import env_settings, ckpt, ckpt_json, read_lines, state, wait_until
 from tests.jsonshape import assert_shape
 
 
@@ -201,7 +201,7 @@ def users_crontab(tmp_path, monkeypatch):
 
 
 def test_a_users_crontab_keeps_its_other_lines(users_crontab, tmp_path):
-    book = ScheduleBook(tmp_path / "store")
+    book = ScheduleBook(tmp_path / "store", env_settings())
     book.install_cron(Schedule(name="agent", target={"pid": 1}, cron="@daily"))
     book.install_cron(Schedule(name="web", target={"pid": 1}, cron="0 9 * * mon-fri"))
     book.install_cron(Schedule(name="agent", target={"pid": 1}, cron="*/5 * * * *"))  # replaces, once
@@ -223,7 +223,7 @@ def test_a_crontab_that_cannot_be_read_is_not_replaced(users_crontab, tmp_path):
     wrapper = real.read_text()
     real.write_text('#!/bin/sh\n[ "$1" = -l ] && { echo "crontab: cannot open your crontab" >&2; exit 1; }\n'
                     + wrapper.split("\n", 1)[1])
-    book = ScheduleBook(tmp_path / "store")
+    book = ScheduleBook(tmp_path / "store", env_settings())
     with pytest.raises(CkptError, match="cannot read your crontab: crontab: cannot open your crontab"):
         book.install_cron(Schedule(name="agent", target={"pid": 1}, cron="@daily"))
     assert _crontab_of_nobody() == FOREIGN

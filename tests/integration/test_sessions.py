@@ -13,7 +13,7 @@ import pytest
 
 from ckpt.commands.dump import DumpRequest, DumpSession
 from ckpt.store import Store
-from tests.helpers import ckpt_json, read_lines, state, wait_until
+from tests.helpers import env_settings, ckpt_json, read_lines, state, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +36,7 @@ def test_a_session_aborted_after_any_phase_leaves_the_target_running_and_nothing
     wait_until(lambda: counted(out) >= 3, what="the counter")
     phases = ["prepare"] if stop else ["prepare", "capture"]  # --stop commits while frozen, in capture
     for last in phases:
-        session = DumpSession(isolated_env, DumpRequest(pid=target.pid, name="s", stop=stop))
+        session = DumpSession(isolated_env, DumpRequest(pid=target.pid, name="s", stop=stop), settings=env_settings())
         session.prepare()
         assert staged(isolated_env), "prepare staged nothing"
         if last == "capture":
@@ -49,14 +49,15 @@ def test_a_session_aborted_after_any_phase_leaves_the_target_running_and_nothing
         assert ckpt_json("list") == [], f"a checkpoint is visible after aborting at {last}"
         assert staged(isolated_env) == [], f"staging left after aborting at {last}"
 
-    with DumpSession(isolated_env, DumpRequest(pid=target.pid, name="s")) as session:  # the locks are free
+    # the locks are free
+    with DumpSession(isolated_env, DumpRequest(pid=target.pid, name="s"), settings=env_settings()) as session:
         session.prepare()
         session.capture()
         manifest = session.commit()
         session.abort()  # after the commit: the checkpoint stays, the rest is cleaned up
     assert [c["id"] for c in ckpt_json("list")] == [manifest.id]
     assert staged(isolated_env) == []
-    assert Store.open(isolated_env).verify(manifest) == []
+    assert Store.open(isolated_env, settings=env_settings()).verify(manifest) == []
 
 
 def test_an_exception_inside_the_session_aborts_it(procs, tmp_path, isolated_env):
@@ -64,7 +65,7 @@ def test_an_exception_inside_the_session_aborts_it(procs, tmp_path, isolated_env
     target = procs.start("counter.py", out)
     wait_until(lambda: counted(out) >= 3, what="the counter")
     with pytest.raises(KeyboardInterrupt):
-        with DumpSession(isolated_env, DumpRequest(pid=target.pid)) as session:
+        with DumpSession(isolated_env, DumpRequest(pid=target.pid), settings=env_settings()) as session:
             session.prepare()
             session.capture()
             raise KeyboardInterrupt  # Ctrl-C between capture and commit
@@ -88,13 +89,13 @@ def test_a_restore_session_aborted_after_any_phase_leaves_nothing_running(procs,
     at_dump = counted(out)
     request = RestoreRequest(ref=dumped["id"], lazy=lazy or None)
 
-    session = RestoreSession(isolated_env, request)
+    session = RestoreSession(isolated_env, request, settings=env_settings())
     session.prepare()
     session.abort()
     assert staged(isolated_env) == [] and not alive(target.pid)
 
     with pytest.raises(KeyboardInterrupt):
-        with RestoreSession(isolated_env, request) as session:
+        with RestoreSession(isolated_env, request, settings=env_settings()) as session:
             session.prepare()
             pid = session.restore()
             assert pid == target.pid and alive(pid)
@@ -103,7 +104,7 @@ def test_a_restore_session_aborted_after_any_phase_leaves_nothing_running(procs,
     # (a lazy restore's page server owns the images once the tree runs: it removes them as it ends)
     wait_until(lambda: staged(isolated_env) == [], timeout=30, what="the staged images to go")
 
-    with RestoreSession(isolated_env, request) as session:
+    with RestoreSession(isolated_env, request, settings=env_settings()) as session:
         session.prepare()
         session.restore()
         result = session.finish()

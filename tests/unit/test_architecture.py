@@ -144,3 +144,38 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     assert "ckpt.store" in found and "ckpt.criu.images" in found  # the latter is deferred
     assert third_party_importers("typer")
     assert any(internal_edges().values())
+
+
+# Functions longer than this are hard to read in one go (issue 25: the whole of ckpt/ fits).
+LONGEST_FUNCTION = 50
+# Exceptions, each with its reason: (module path, function name) -> why.
+LONG_FUNCTIONS_ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def functions_of(path: Path) -> list[tuple[str, int, int]]:
+    """(name, first line, length in lines) of every function and method of a module."""
+    return [(node.name, node.lineno, node.end_lineno - node.lineno + 1)
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_function_is_too_long():
+    too_long = [f"{path.relative_to(ROOT)}:{line} {name} ({length} lines)"
+                for path in MODULES.values() for name, line, length in functions_of(path)
+                if length > LONGEST_FUNCTION and (str(path.relative_to(ROOT)), name) not in LONG_FUNCTIONS_ALLOWED]
+    assert too_long == [], f"functions over {LONGEST_FUNCTION} lines (split them, or name the reason here):\n" \
+        + "\n".join(too_long)
+
+
+# Settings are built once at the edge (the CLI, or the agent API in the program's own process)
+# and passed down as arguments (issue 25): the core has no hidden inputs.
+SETTINGS_EDGES = ("ckpt/cli/", "ckpt/agent/checkpoint.py", "ckpt/agent/journal.py", "ckpt/agent/protocol.py")
+
+
+def test_settings_are_passed_down_not_looked_up():
+    lookups = [f"{path.relative_to(ROOT)}:{number}" for path in MODULES.values()
+               if not str(path.relative_to(ROOT)).startswith(SETTINGS_EDGES)
+               for number, line in enumerate(path.read_text().splitlines(), 1)
+               if "from_environment(" in line or "settings.current(" in line]
+    lookups = [where for where in lookups if not where.startswith("ckpt/settings.py")]
+    assert lookups == [], "settings looked up in the core instead of passed in:\n" + "\n".join(lookups)

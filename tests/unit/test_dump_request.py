@@ -4,6 +4,7 @@ import pytest
 
 from ckpt.commands.dump import DumpRequest, dump
 from ckpt.errors import CkptError, ExitCode
+from ckpt.settings import Settings
 
 NO_SUCH_PID = 4000000
 
@@ -17,6 +18,6 @@ NO_SUCH_PID = 4000000
 def test_bad_requests_are_usage_errors_and_touch_nothing(tmp_path, request_, words):
     store = tmp_path / "store"
     with pytest.raises(CkptError, match=words) as info:
-        dump(store, request_)
+        dump(store, request_, settings=Settings())
     assert info.value.exit_code == ExitCode.USAGE
     assert not store.exists()

@@ -16,6 +16,7 @@ from ckpt.store.keys import (KdfParams, add_key, change_password, initialize, is
                              unlock)
 from ckpt.store.prune import collect_garbage
 from tests.unit.test_store import PAGE, fake_dump, flip_byte
+from tests.helpers import env_settings
 
 MASTER = bytes(range(32))
 SMALL = 4096  # chunk size of most tests here: many chunks from little data
@@ -299,7 +300,7 @@ def encrypted_store(tmp_path, monkeypatch) -> Store:
     """A store as the lead's Store.open will make an encrypted one: the directories, key files,
     then store.json written through the encryption."""
     monkeypatch.setenv("CKPT_STAGING", "disk")
-    plain = Store.open(tmp_path / "store", create=True)
+    plain = Store.open(tmp_path / "store", create=True, settings=env_settings())
     os.unlink(plain.root / "store.json")
     enc, _ = initialize(LocalBackend(plain.root), b"pw", CHEAP)
     enc.put_if_absent("store.json", b'{"format": 2}')

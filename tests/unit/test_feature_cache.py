@@ -10,14 +10,13 @@ from ckpt.criu.client import has_feature
 
 
 @pytest.fixture
-def fake_criu(tmp_path, monkeypatch):
+def fake_criu(tmp_path):
     """A `criu` that counts its runs and passes only the feature 'present'."""
     calls = tmp_path / "calls"
     script = tmp_path / "criu"
     script.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n[ \"$3\" = present ]\n")
     script.chmod(0o755)
-    monkeypatch.setenv("CKPT_FEATURE_CACHE", str(tmp_path / "run" / "features.json"))
-    binary = CriuBinary(str(script), (4, 2, 1), "4.2.1")
+    binary = CriuBinary(str(script), (4, 2, 1), "4.2.1", feature_cache=tmp_path / "run" / "features.json")
     return binary, calls, tmp_path / "run" / "features.json"
 
 

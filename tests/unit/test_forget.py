@@ -10,6 +10,7 @@ from ckpt.commands.forget import forget
 from ckpt.dump.commit import DumpRecord, ingest_and_commit
 from ckpt.schedule.retention import Policy
 from ckpt.store import Origin, Store, ids
+from tests.helpers import env_settings
 
 HAND = Origin("dump")
 API = Origin("api")
@@ -56,7 +57,7 @@ def made(store: Store, name: str, origin: Origin | None) -> str:
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_STAGING", "disk")
-    return Store.open(tmp_path / "store", create=True)
+    return Store.open(tmp_path / "store", create=True, settings=env_settings())
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from ckpt.reporting import NullReporter
 from ckpt.store import Store
 from ckpt.store.backends import LocalBackend
 from ckpt.store.blocks.blockstore import ID_LEN, MERGE_ABOVE, MERGE_COUNT, PAGE, BlockStore
+from tests.helpers import env_settings
 
 
 def dump_pages(blocks: BlockStore, tmp_path, name: str, data: bytes) -> bytes:
@@ -97,7 +98,7 @@ def test_recorded_damage_leaves_the_files_to_prune(tmp_path):
 
 
 def test_a_dump_merges_only_if_the_store_is_free_at_once(tmp_path):
-    store = Store.open(tmp_path / "store", create=True)
+    store = Store.open(tmp_path / "store", create=True, settings=env_settings())
     for k in range(MERGE_ABOVE + 1):
         dump_pages(store.blocks, tmp_path, str(k), os.urandom(PAGE))
     with store.lock(exclusive=False):  # another command reading the store

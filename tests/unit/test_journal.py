@@ -17,7 +17,7 @@ from ckpt.errors import DamagedCheckpoint, InvalidReference, OutcomeUnknown, Usa
 from ckpt.store import Store, ids
 from ckpt.store.journal import Journal, blob_name, prunable
 from ckpt.store.repository import Manifest
-from tests.helpers import ckpt_json
+from tests.helpers import env_settings, ckpt_json
 from tests.unit.test_backends import OPEN, REPO, open_backend
 
 
@@ -186,7 +186,7 @@ def make_checkpoint(store: Store, name: str, when: datetime) -> str:
 
 
 def test_ckpt_prune_and_forget_prune_the_journal(isolated_env):
-    store = Store.open_local(isolated_env, create=True)
+    store = Store.open_local(isolated_env, create=True, settings=env_settings())
     now = datetime.now(timezone.utc)
     journal = Journal(store.backend, "agent")
     journal.record("before-first", 1, now=(now - timedelta(hours=3)).isoformat())
@@ -213,14 +213,14 @@ def test_the_library_journal_follows_ckpt_name_and_ckpt_store(isolated_env, monk
     monkeypatch.setenv("CKPT_NAME", "agent")
     assert journal.intent("k") is None  # creates the store, as a first dump would
     journal.record("k", "ok")
-    assert Journal(Store.open_local(isolated_env).backend, "agent").get("k") == "ok"
+    assert Journal(Store.open_local(isolated_env, settings=env_settings()).backend, "agent").get("k") == "ok"
     monkeypatch.setenv("CKPT_NAME", "bad/name")
     with pytest.raises(InvalidReference):
         journal.get("k")
     elsewhere = isolated_env.parent / "elsewhere"
     other = AgentJournal().use(agent="agent2", store=elsewhere)
     other.record("k", 1)
-    assert Journal(Store.open_local(elsewhere).backend, "agent2").get("k") == 1
+    assert Journal(Store.open_local(elsewhere, settings=env_settings()).backend, "agent2").get("k") == 1
 
 
 def test_once_does_an_action_once_and_reconciles_an_unknown_outcome(isolated_env):
@@ -246,7 +246,7 @@ def test_once_does_an_action_once_and_reconciles_an_unknown_outcome(isolated_env
 # ---- the CKPT_SOCKET verbs -------------------------------------------------------------------
 
 def test_journal_verbs_of_the_socket_protocol(isolated_env):
-    store = Store.open_local(isolated_env, create=True)
+    store = Store.open_local(isolated_env, create=True, settings=env_settings())
 
     def ask(line: str, agent: str | None = "agent") -> str:
         return handle_protocol(line.split(), store, agent)

@@ -13,6 +13,7 @@ from ckpt.errors import DamagedCheckpoint
 from ckpt.restore.lazy import LazyPlan, _StorePages
 from ckpt.store import Store
 from tests.unit.test_store import PAGE, fake_dump, flip_byte
+from tests.helpers import env_settings
 
 IOV = struct.Struct("=I4xQQQ")  # criu/page-xfer.c: struct page_server_iov
 
@@ -20,7 +21,7 @@ IOV = struct.Struct("=I4xQQQ")  # criu/page-xfer.c: struct page_server_iov
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_STAGING", "disk")
-    return Store.open(tmp_path / "store", create=True)
+    return Store.open(tmp_path / "store", create=True, settings=env_settings())
 
 
 def lazy_materialise(store, manifest, holes):

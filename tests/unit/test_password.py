@@ -7,7 +7,8 @@ import pwd
 import pytest
 
 from ckpt.errors import UsageError
-from ckpt.store.password import password_for, read_password_file
+from ckpt.settings import Settings
+from ckpt.store.password import PasswordSource, read_password_file
 
 NOBODY = pwd.getpwnam("nobody")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
@@ -24,7 +25,7 @@ def test_the_first_line_of_a_private_file_of_ones_own_is_the_password(tmp_path, 
     path = password_file(tmp_path)
     assert read_password_file(path) == b"correct horse"
     monkeypatch.setenv("CKPT_PASSWORD_FILE", str(path))
-    assert password_for("somewhere") == b"correct horse"
+    assert PasswordSource.from_settings(Settings.from_environment()).password_for("somewhere") == b"correct horse"
 
 
 @pytest.mark.parametrize("mode", [0o640, 0o604, 0o644])
@@ -46,9 +47,8 @@ def test_a_password_file_owned_by_another_user_is_refused(tmp_path, monkeypatch)
         read_password_file(path)
     message = str(info.value)
     assert f"chown {me} {path}" in message and "\n" not in message and "correct horse" not in message
-    monkeypatch.setenv("CKPT_PASSWORD_FILE", str(path))
     with pytest.raises(UsageError, match="belongs to"):
-        password_for("somewhere")
+        PasswordSource(password_file=path).password_for("somewhere")
 
 
 # ---- a password source passed in (no environment needed) ---------------------------------
@@ -73,15 +73,3 @@ def test_a_password_source_tries_the_password_then_the_file_then_the_prompt(tmp_
     with pytest.raises(PasswordNeeded, match="the store at here is encrypted"):
         PasswordSource().password_for("here")
     assert "given" not in repr(PasswordSource("given"))
-
-
-def test_a_deferred_source_reads_its_settings_only_when_a_password_is_needed(tmp_path, monkeypatch):
-    from ckpt.settings import Settings
-    from ckpt.store.password import DeferredPasswordSource
-
-    monkeypatch.setenv("CKPT_LOCK_TIMEOUT", "not a number")  # read now, it would be a usage error
-    deferred = DeferredPasswordSource(settings=Settings(password="passed"))
-    assert deferred.password_for("here") == b"passed"
-    monkeypatch.setenv("CKPT_LOCK_TIMEOUT", "5")
-    monkeypatch.setenv("CKPT_PASSWORD", "from the environment")
-    assert DeferredPasswordSource().password_for("here") == b"from the environment"

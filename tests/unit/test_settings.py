@@ -51,17 +51,26 @@ def test_a_bad_value_is_a_usage_error_naming_it(variable, value, message):
     assert "\n" not in str(info.value)
 
 
-def test_current_reads_the_environment_until_the_cli_installs_settings(monkeypatch):
+def test_a_run_of_the_cli_builds_its_settings_once_with_its_flags(monkeypatch, tmp_path):
+    """The CLI's settings: from the environment, with --password-file over CKPT_PASSWORD, built
+    when the command first asks and the same object from then on (nothing installs or changes
+    settings behind the core's back)."""
+    from ckpt.cli import options
+
     monkeypatch.setenv("CKPT_LOCK_TIMEOUT", "7")
-    assert settings.current().lock_timeout == 7.0
-    monkeypatch.setenv("CKPT_LOCK_TIMEOUT", "8")  # not cached: tests change the environment
-    assert settings.current().lock_timeout == 8.0
+    monkeypatch.setenv("CKPT_PASSWORD", "from the environment")
     try:
-        settings.use(Settings(lock_timeout=3.0))
-        assert settings.current().lock_timeout == 3.0
+        options.begin(Settings.from_environment(), None)
+        options.use_password_file(str(tmp_path / "pw"))
+        built = options.cli_settings()
+        assert (built.lock_timeout, built.password, built.password_file) == (7.0, None, tmp_path / "pw")
+        monkeypatch.setenv("CKPT_LOCK_TIMEOUT", "8")
+        assert options.cli_settings() is built
+        assert options.invocation().passwords().password_file == tmp_path / "pw"
+        options.begin(Settings.from_environment(), None)  # the next run reads the environment again
+        assert options.cli_settings().lock_timeout == 8.0 and options.cli_settings().password_file is None
     finally:
-        settings.use(None)
-    assert settings.current().lock_timeout == 8.0
+        options.end()
 
 
 def test_an_empty_store_flag_is_refused():

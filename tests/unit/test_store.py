@@ -13,6 +13,7 @@ from ckpt.dump.commit import DumpRecord, ingest_and_commit
 from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy, StoreError
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.prune import collect_garbage
+from tests.helpers import env_settings
 
 PAGE = 4096
 
@@ -37,7 +38,7 @@ def fake_dump(store: Store, files: dict[str, bytes], name=None, codec="zstd", pi
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_STAGING", "disk")  # keep these tests out of /dev/shm
-    return Store.open(tmp_path / "store", create=True)
+    return Store.open(tmp_path / "store", create=True, settings=env_settings())
 
 
 def modes(root):
@@ -189,7 +190,8 @@ def test_manifest_is_json_with_format_first(store):
 def test_exclusive_lock_waits_and_names_holder(store, tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from pathlib import Path; from ckpt.store import Store\n"
-        f"s = Store.open(Path({str(store.root)!r}))\n"
+        "from ckpt.settings import Settings\n"
+        f"s = Store.open(Path({str(store.root)!r}), settings=Settings.from_environment())\n"
         "with s.lock(exclusive=False):\n"
         "    print('held', flush=True); time.sleep(30)\n")], stdout=subprocess.PIPE, text=True)
     try:
@@ -612,7 +614,8 @@ def test_a_segment_recorded_damaged_whose_checksum_passes_is_not_repacked(store,
     (marker,) = store.blocks.damage_markers()
     store.remove([whole.id])
     collect_garbage(store)
-    assert Store.open(store.root).blocks.damage_markers() == [marker], "the record of the damage was lost"
-    again = fake_dump(Store.open(store.root), {"pages-1.img": b"".join(pages[256:])}, codec="zstd")
+    reopened = Store.open(store.root, settings=env_settings())
+    assert reopened.blocks.damage_markers() == [marker], "the record of the damage was lost"
+    again = fake_dump(reopened, {"pages-1.img": b"".join(pages[256:])}, codec="zstd")
     assert again.bytes_stored > 0, "a dump named the broken segment's pages again"
-    assert Store.open(store.root).verify(again) == []
+    assert Store.open(store.root, settings=env_settings()).verify(again) == []

@@ -14,7 +14,7 @@ from ckpt.errors import CheckpointNotFound, PermissionProblem, StoreError, Usage
 from ckpt.store import Store
 from ckpt.store import staging as staging_module
 from ckpt.store.staging import StagingArea
-from tests.helpers import ROOT
+from tests.helpers import env_settings, ROOT
 
 NOBODY = pwd.getpwnam("nobody")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
@@ -64,39 +64,39 @@ def test_a_store_is_created_only_where_nothing_or_an_empty_directory_is(tmp_path
     busy.mkdir()
     (busy / "notes.txt").write_text("x")
     with pytest.raises(UsageError, match="not a ckpt store and is not empty"):
-        Store.open(busy, create=True)
+        Store.open(busy, create=True, settings=env_settings())
     assert os.listdir(busy) == ["notes.txt"]
     empty = tmp_path / "empty"
     empty.mkdir(mode=0o755)
-    Store.open(empty, create=True)
+    Store.open(empty, create=True, settings=env_settings())
     assert (empty / "store.json").exists()
     assert os.lstat(empty).st_mode & 0o777 == 0o755, "the mode of a directory ckpt did not make is kept"
     new = tmp_path / "a" / "b" / "new"
-    Store.open(new, create=True)
+    Store.open(new, create=True, settings=env_settings())
     assert os.lstat(new).st_mode & 0o777 == 0o700
 
 
 def test_an_interrupted_creation_is_finished_by_the_next_dump(tmp_path):
     root = tmp_path / "store"
-    Store.open(root, create=True)
+    Store.open(root, create=True, settings=env_settings())
     (root / "store.json").unlink()
     with pytest.raises(CheckpointNotFound):
-        Store.open(root)
-    Store.open(root, create=True)
+        Store.open(root, settings=env_settings())
+    Store.open(root, create=True, settings=env_settings())
     assert json.loads((root / "store.json").read_text())["format"] == 2
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
 def test_a_store_others_can_write_is_refused(tmp_path, mode):
     root = tmp_path / "store"
-    Store.open(root, create=True)
+    Store.open(root, create=True, settings=env_settings())
     os.chmod(root, mode)
     with pytest.raises(PermissionProblem, match="writable by others"):
-        Store.open(root)
+        Store.open(root, settings=env_settings())
     os.chmod(root, 0o700)
     os.chmod(root / "checkpoints", mode)
     with pytest.raises(PermissionProblem, match="checkpoints is writable by others"):
-        Store.open(root)
+        Store.open(root, settings=env_settings())
     proc = run_cli("list", "--store", root)
     assert proc.returncode == 4 and "chmod go-w" in proc.stderr and proc.stderr.count("\n") == 1
 
@@ -109,55 +109,55 @@ def test_an_existing_cache_root_others_can_write_is_refused_not_chmoded(tmp_path
     os.chmod(chosen, 0o777)
     monkeypatch.setenv("CKPT_CACHE", str(chosen))
     with pytest.raises(PermissionProblem, match="writable by others") as info:
-        Store.local_side("s3://bucket/prefix")
+        Store.local_side("s3://bucket/prefix", settings=env_settings())
     assert f"chmod 700 {chosen}, or choose another CKPT_CACHE" in str(info.value)
     assert "\n" not in str(info.value)
     assert os.lstat(chosen).st_mode & 0o7777 == 0o777, "an existing cache root is only checked"
     assert os.listdir(chosen) == []
     made = tmp_path / "a" / "cache"
     monkeypatch.setenv("CKPT_CACHE", str(made))
-    local = Store.local_side("s3://bucket/prefix")
+    local = Store.local_side("s3://bucket/prefix", settings=env_settings())
     assert local.is_dir() and os.lstat(made).st_mode & 0o7777 == 0o700
 
 
 def test_a_store_directory_replaced_by_a_link_is_refused(tmp_path):
     root = tmp_path / "store"
-    Store.open(root, create=True)
+    Store.open(root, create=True, settings=env_settings())
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o700)
     shutil.rmtree(root / "checkpoints")
     os.symlink(elsewhere, root / "checkpoints")
     with pytest.raises(PermissionProblem, match="symbolic link"):
-        Store.open(root)
+        Store.open(root, settings=env_settings())
 
 
 def test_a_link_to_a_store_is_followed_to_a_store_that_passes_the_checks(tmp_path):
     real = tmp_path / "real"
-    Store.open(real, create=True)
+    Store.open(real, create=True, settings=env_settings())
     os.symlink(real, tmp_path / "link")
-    assert Store.open(tmp_path / "link").root == real
+    assert Store.open(tmp_path / "link", settings=env_settings()).root == real
 
 
 @needs_root
 def test_a_store_another_user_owns_or_sits_in_is_refused(tmp_path):
     root = tmp_path / "store"
-    Store.open(root, create=True)
+    Store.open(root, create=True, settings=env_settings())
     os.chown(root, NOBODY.pw_uid, NOBODY.pw_gid)
     with pytest.raises(PermissionProblem, match="belongs to nobody"):
-        Store.open(root)
+        Store.open(root, settings=env_settings())
     with pytest.raises(PermissionProblem, match="belongs to nobody"):
-        Store.open(root, create=True)
+        Store.open(root, create=True, settings=env_settings())
     os.chown(root, 0, 0)
     os.chown(root / "objects", NOBODY.pw_uid, NOBODY.pw_gid)
     with pytest.raises(PermissionProblem, match="objects belongs to nobody"):
-        Store.open(root)
+        Store.open(root, settings=env_settings())
     os.chown(root / "objects", 0, 0)
-    Store.open(root)
+    Store.open(root, settings=env_settings())
     home = tmp_path / "home"
     home.mkdir()
     os.chown(home, NOBODY.pw_uid, NOBODY.pw_gid)
     with pytest.raises(PermissionProblem, match="inside .*home, which belongs to nobody"):
-        Store.open(home / "store", create=True)
+        Store.open(home / "store", create=True, settings=env_settings())
     assert os.listdir(home) == []
 
 
@@ -174,7 +174,7 @@ def as_nobody(*argv):
 @pytest.fixture
 def ram_store(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_STAGING", "ram")
-    store = Store.open(tmp_path / "store", create=True)
+    store = Store.open(tmp_path / "store", create=True, settings=env_settings())
     area = StagingArea.in_ram(store.root)
     planted = []
     yield store, area, planted

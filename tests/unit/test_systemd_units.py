@@ -11,6 +11,7 @@ import pytest
 from ckpt.schedule import cron
 from ckpt.schedule.book import Schedule, ScheduleBook
 from ckpt.schedule.systemd import on_calendar
+from tests.helpers import env_settings
 
 needs_analyze = pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze")
 
@@ -62,7 +63,7 @@ def test_the_units_pass_systemd_analyze_verify(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_PASSWORD_FILE", str(tmp_path / "pass word"))
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:8333")
     store = tmp_path / "my store%d"
-    book = ScheduleBook(store)
+    book = ScheduleBook(store, env_settings())
     schedule = Schedule(name="agent", target={"match": r"python3 agent\.py $HOME 50%"}, cron="0 0 1,15 * mon",
                         scheduler="systemd")
     where = book.install_timer(schedule, systemd_runs=False)
