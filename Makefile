@@ -49,7 +49,7 @@ lint: setup
 	$(PY) -m mypy
 
 unit: setup
-	$(PY) -m pytest -ra tests/unit tests/cli
+	$(PY) -m pytest -ra tests/unit tests/commands tests/cli
 
 integration: setup
 	$(PY) -m pytest -ra tests/integration
