@@ -187,6 +187,13 @@ class OutcomeUnknown(CkptError):
     exit_code = ExitCode.ERROR
 
 
+class DumpAborted(CkptError):
+    """A coordinator (a group checkpoint, a migration) aborted a dump while it held the tree
+    frozen, or held it past its limit: CRIU thawed the tree and the dump failed."""
+
+    exit_code = ExitCode.ERROR
+
+
 class CheckpointCancelled(CkptError):
     """ckpt.checkpoint(): a before_checkpoint callback raised (the exception is the __cause__).
     Nothing was frozen or written; the after_restore callbacks of the layers whose

@@ -65,6 +65,7 @@ class FakeCriu:
     restored: list[subprocess.Popen] = field(default_factory=list)
     binary: CriuBinary = FAKE_BINARY
     streamed: bool = False  # the pages went through ckpt's page stream (RPC ps.fd)
+    finished: bool = False  # dump() went past post-dump: the tree was let go (or, --stop, ended)
 
     def dump(self, options, on_notify=None, on_started=None) -> None:
         stream = None
@@ -82,6 +83,7 @@ class FakeCriu:
         if self.fail_dump:
             raise CriuFailed("CRIU dump failed: a fake failure", log_path=str(options.log_dir / options.log_name))
         self._notify(on_notify, "post-dump", pid)
+        self.finished = True
         if not options.leave_running and self.target is not None:
             self.target.kill()
             self.target.wait()

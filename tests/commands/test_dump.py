@@ -6,13 +6,14 @@ in tests/integration (test_sessions.py, test_roundtrip.py, ...)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from ckpt.commands.dump import DumpRequest, DumpSession
-from ckpt.errors import CriuFailed, StoreBusy, UsageError
+from ckpt.errors import CriuFailed, DumpAborted, StoreBusy, UsageError
 from ckpt.store import Store, ids
 from tests.commands.fakes_dump import PAGE, FakeCriu, alive, end, pages, start_target
 from tests.helpers import env_settings
@@ -175,3 +176,66 @@ def test_a_next_dump_streams_its_pages_and_keeps_only_those_that_changed(store, 
     entry = next(e for e in manifest.files if e.name == "pages-1.img")
     store.blocks.write_image(entry.name, store.load_page_list(entry), out, check_ids=True)
     assert out.read_bytes() == criu.memory
+
+
+# ---- a coordinator's hold: capture_frozen(), then release() or abort() ----------------------
+
+def test_a_coordinator_holds_the_tree_frozen_until_it_releases_it(store, target, settings):
+    """capture_frozen() returns while CRIU sits in its post-dump notification (the tree frozen,
+    its memory dumped); only release() lets CRIU go on; the commit comes after, as capture's."""
+    criu = FakeCriu()
+    with session(store, target.pid, criu, settings, name="member") as dump:
+        dump.prepare()
+        dump.capture_frozen()
+        assert criu.notified == ["pre-dump", "post-dump"] and not criu.finished, "CRIU was let go before release"
+        assert store.checkpoint_ids() == []
+        dump.release()
+        assert criu.finished
+        manifest = dump.commit()
+        dump.finish()
+    assert store.checkpoint_ids() == [manifest.id] and alive(target.pid)
+
+
+def test_an_abort_while_the_tree_is_held_refuses_criu_and_commits_nothing(store, target, settings):
+    criu = FakeCriu()
+    dump = session(store, target.pid, criu, settings)
+    dump.prepare()
+    staged = [dump.staging.root]
+    dump.capture_frozen()
+    dump.abort()  # from another member's failure, say
+    assert not criu.finished, "the post-dump notification was answered as a success"
+    assert store.checkpoint_ids() == [] and alive(target.pid)
+    assert_nothing_left(store, staged)
+
+
+def test_a_hold_past_its_limit_ends_as_an_abort(store, target, settings):
+    criu = FakeCriu()
+    with session(store, target.pid, criu, settings) as dump:
+        dump.prepare()
+        dump.capture_frozen(hold_limit=0.2)
+        time.sleep(0.5)  # the coordinator stalls past the limit
+        with pytest.raises(DumpAborted, match="held frozen for 0.2 s without being released"):
+            dump.release()  # too late: the notification was refused
+    assert not criu.finished and store.checkpoint_ids() == [] and alive(target.pid)
+
+
+def test_a_held_stop_dump_commits_first_and_ends_the_tree_only_once_released(store, target, settings):
+    criu = FakeCriu(target=target)
+    with session(store, target.pid, criu, settings, stop=True) as dump:
+        dump.prepare()
+        dump.capture_frozen()
+        assert dump.manifest is not None and store.checkpoint_ids() == [dump.manifest.id]
+        assert alive(target.pid), "the tree was ended before the coordinator released it"
+        dump.release()
+        dump.finish()
+    assert not alive(target.pid)
+
+
+def test_a_criu_failure_before_the_hold_is_raised_by_capture_frozen(store, target, settings):
+    criu = FakeCriu(fail_dump=True)
+    with pytest.raises(CriuFailed), session(store, target.pid, criu, settings) as dump:
+        dump.prepare()
+        staged = [dump.staging.root]
+        dump.capture_frozen()
+    assert store.checkpoint_ids() == [] and criu.notified == ["pre-dump"]
+    assert_nothing_left(store, staged)

@@ -115,3 +115,33 @@ def test_a_restore_session_aborted_after_any_phase_leaves_nothing_running(procs,
     # (the aborted restore's tree ran for a moment, from the same checkpoint, before it was ended)
     last_run = values[len(values) - 1 - values[::-1].index(at_dump + 1):]
     assert last_run[:3] == [at_dump + 1, at_dump + 2, at_dump + 3], "the restored counter did not go on"
+
+
+def test_a_held_dump_keeps_the_tree_frozen_until_released_or_aborted(procs, tmp_path, isolated_env):
+    """What a group checkpoint does with each member: capture_frozen() returns with the tree
+    frozen and dumped by real CRIU; the count does not move until release(); an abort instead
+    thaws it with nothing committed."""
+    import time
+
+    out = tmp_path / "count.txt"
+    target = procs.start("counter.py", out)
+    wait_until(lambda: counted(out) >= 3, what="the counter")
+    with DumpSession(isolated_env, DumpRequest(pid=target.pid, name="held"), settings=env_settings()) as session:
+        session.prepare()
+        session.capture_frozen()
+        frozen_at = counted(out)
+        time.sleep(1.0)  # the counter writes every 0.1 s when it runs
+        assert counted(out) == frozen_at and state(target.pid) in ("t", "T"), "the tree ran while held"
+        session.release()
+        manifest = session.commit()
+        session.finish()
+    wait_until(lambda: counted(out) > frozen_at + 2, what="the count to go on after release")
+    assert [c["id"] for c in ckpt_json("list")] == [manifest.id]
+
+    session = DumpSession(isolated_env, DumpRequest(pid=target.pid, name="held"), settings=env_settings())
+    session.prepare()
+    session.capture_frozen()
+    held_at = counted(out)
+    session.abort()
+    wait_until(lambda: counted(out) > held_at + 2, what="the count to go on after the abort")
+    assert [c["id"] for c in ckpt_json("list")] == [manifest.id] and staged(isolated_env) == []
