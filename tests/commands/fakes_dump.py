@@ -82,7 +82,7 @@ class FakeCriu:
         if self.fail_dump:
             raise CriuFailed("CRIU dump failed: a fake failure", log_path=str(options.log_dir / options.log_name))
         self._notify(on_notify, "post-dump", pid)
-        if not options.leave_running and self.target is not None:
+        if not options.flags.leave_running and self.target is not None:
             self.target.kill()
             self.target.wait()
 
