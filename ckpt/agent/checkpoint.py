@@ -45,36 +45,73 @@ class CheckpointResult:
     name: str | None = None
 
 
-# Registration order of both kinds together: ("before" | "after", fn). An after_restore
-# callback belongs to the layer of the before_checkpoint callback registered last before it
-# (what a cancelled checkpoint undoes; see _cancel).
-_callbacks: list[tuple[str, Callable[[], object]]] = []
-_callbacks_lock = threading.Lock()
-# One checkpoint at a time per process: a second caller (another thread) waits for the first.
-_checkpoint_lock = threading.Lock()
 _settings: settings_module.Settings | None = None
+
+Take = Callable[[str | None, str | None], CheckpointResult]
+
+
+class Checkpointer:
+    """A program's callbacks and the checkpoints it takes with them: the program's own one is
+    behind before_checkpoint(), after_restore() and checkpoint() below. take(name, store) takes
+    one checkpoint (default: asks `ckpt run` or starts `ckpt dump`, see _take)."""
+
+    def __init__(self, take: Take | None = None):
+        self.take: Take = take if take is not None else _take
+        # Registration order of both kinds together: ("before" | "after", fn). An after_restore
+        # callback belongs to the layer of the before_checkpoint callback registered last before
+        # it (what a cancelled checkpoint undoes; see _run_before).
+        self._callbacks: list[tuple[str, Callable[[], object]]] = []
+        self._callbacks_lock = threading.Lock()
+        # One checkpoint at a time per process: a second caller (another thread) waits for the first.
+        self._checkpoint_lock = threading.Lock()
+
+    def before_checkpoint(self, fn: Callback) -> Callback:
+        """See the module's before_checkpoint()."""
+        return self._register("before", fn)
+
+    def after_restore(self, fn: Callback) -> Callback:
+        """See the module's after_restore()."""
+        return self._register("after", fn)
+
+    def _register(self, kind: str, fn: Callback) -> Callback:
+        if not callable(fn):
+            raise TypeError(f"ckpt callbacks must be callable, not {type(fn).__name__}")
+        with self._callbacks_lock:
+            self._callbacks.append((kind, fn))
+        return fn
+
+    def checkpoint(self, name: str | None = None, store: str | Path | None = None) -> CheckpointResult:
+        """See the module's checkpoint()."""
+        name = arguments.optional_str(name, "ckpt.checkpoint(): name")
+        store = arguments.optional_store(store, "ckpt.checkpoint(): store")
+        if name is not None:
+            ids.check_name(name)
+        location = str(settings_module.store_from_flag(store)) if store is not None else None
+        with self._checkpoint_lock:
+            with self._callbacks_lock:
+                registered = list(self._callbacks)
+            _run_before(registered)
+            try:
+                result = self.take(name, location)
+            except BaseException as exc:
+                _run_after(registered, len(registered), exc)
+                raise
+            _run_after(registered, len(registered))
+            return result
 
 
 def before_checkpoint(fn: Callback) -> Callback:
     """Registers fn to run before every checkpoint this process asks for, in reverse
     registration order (the last registered runs first). If it raises, the checkpoint is
     cancelled: see checkpoint(). Usable as a decorator; returns fn."""
-    return _register("before", fn)
+    return _program.before_checkpoint(fn)
 
 
 def after_restore(fn: Callback) -> Callback:
     """Registers fn to run after every checkpoint this process asks for, in registration order,
     on both sides: in the original once the checkpoint is committed (or failed), and in a copy
     restored from it. Usable as a decorator; returns fn."""
-    return _register("after", fn)
-
-
-def _register(kind: str, fn: Callback) -> Callback:
-    if not callable(fn):
-        raise TypeError(f"ckpt callbacks must be callable, not {type(fn).__name__}")
-    with _callbacks_lock:
-        _callbacks.append((kind, fn))
-    return fn
+    return _program.after_restore(fn)
 
 
 def checkpoint(name: str | None = None, store: str | Path | None = None) -> CheckpointResult:
@@ -99,22 +136,7 @@ def checkpoint(name: str | None = None, store: str | Path | None = None) -> Chec
     (`await asyncio.to_thread(ckpt.checkpoint)`), not on the event loop.
 
     Raises TypeError when name is not a str (or None), or store not a str or path (or None)."""
-    name = arguments.optional_str(name, "ckpt.checkpoint(): name")
-    store = arguments.optional_store(store, "ckpt.checkpoint(): store")
-    if name is not None:
-        ids.check_name(name)
-    location = str(settings_module.store_from_flag(store)) if store is not None else None
-    with _checkpoint_lock:
-        with _callbacks_lock:
-            registered = list(_callbacks)
-        _run_before(registered)
-        try:
-            result = _take(name, location)
-        except BaseException as exc:
-            _run_after(registered, len(registered), exc)
-            raise
-        _run_after(registered, len(registered))
-        return result
+    return _program.checkpoint(name, store)
 
 
 def _run_before(registered: list[tuple[str, Callable[[], object]]]) -> None:
@@ -280,7 +302,7 @@ def _start_dumper(pid: int, checkpoint_id: str, name: str | None, store: str | N
 
 
 def _wait(before: tuple[str, int], result_file: Path, dumper: int | None, timeout: float | None,
-          log_file: Path | None) -> dict | None:
+          log_file: Path | None, incarnation: Callable[[], tuple[str, int]] = _incarnation) -> dict | None:
     """Polls until this is a restored copy (None) or the result file exists (its record).
 
     No descriptor is held across the freeze: the result file is looked for with stat, and
@@ -288,29 +310,32 @@ def _wait(before: tuple[str, int], result_file: Path, dumper: int | None, timeou
     a read is harmless (CRIU restores an open /proc/PID file of the tree; the next turn reads
     afresh). Every conclusion is checked against the incarnation after it was drawn: a copy
     restored in the middle of a turn finds the result its original left behind (or none, and its
-    dumper gone), and must not take either for its own."""
+    dumper gone), and must not take either for its own. incarnation reads (boot id, start time) afresh."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        if _incarnation() != before:
+        if incarnation() != before:
             return None
         record = results.read(result_file)
         if record is not None:
-            return None if _incarnation() != before else record
+            return None if incarnation() != before else record
         # A zombie dumper counts until init reaps it: its answer is only late.
         if dumper is not None and not procfs.pid_exists(dumper):
             record = results.read(result_file)  # written just before it ended
-            if _incarnation() != before:
+            if incarnation() != before:
                 return None  # restored meanwhile: the dumper is long gone, its result taken
             if record is not None:
                 return record
             raise CheckpointFailed(f"checkpoint failed: ckpt dump (PID {dumper}) ended without a result",
                                    hint=f"its output is in {log_file}" if log_file else None,
                                    log_path=str(log_file) if log_file else None)
-        if deadline is not None and time.monotonic() > deadline and _incarnation() == before:
+        if deadline is not None and time.monotonic() > deadline and incarnation() == before:
             raise CheckpointFailed(f"checkpoint failed: no result from `ckpt run` after {timeout:.0f} s",
                                    hint="see the supervisor's output")
         time.sleep(POLL_SECONDS)
 
+
+# The program's own callbacks and checkpoints (before_checkpoint, after_restore, checkpoint).
+_program = Checkpointer()
 
 __all__ = ["CheckpointResult", "after_restore", "before_checkpoint", "checkpoint", "CheckpointCancelled",
            "CheckpointFailed", "CkptError"]

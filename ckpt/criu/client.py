@@ -47,6 +47,30 @@ def _die_with(parent: int) -> Callable[[], None]:
     return preexec
 
 
+@dataclass(frozen=True)
+class CriuFlags:
+    """What CRIU is told about the tree's state: declared here once, held by CriuOptions and
+    extended by the dump's DumpOptions (ckpt/dump/dump_options.py), which records them in the
+    manifest. Names follow CRIU's command line; the defaults are CRIU's."""
+
+    # A job of a terminal session it does not lead (--shell-job).
+    shell_job: bool = False
+    # Established TCP connections are saved and restored (--tcp-established).
+    tcp_established: bool = False
+    # UNIX datagram sockets sending outside the tree are saved and connected again (--ext-unix-sk).
+    ext_unix_sk: bool = False
+    # File locks are saved and restored (--file-locks).
+    file_locks: bool = False
+    # The tree keeps running after the dump (False: CRIU ends it, `ckpt dump --stop`).
+    leave_running: bool = True
+    # How CRIU keeps TCP connections quiet: "nftables", "iptables", or "skip" when there are none.
+    network_lock: str = "nftables"
+    # The size up to which deleted files the tree holds are saved (None: CRIU's 1 MiB).
+    ghost_limit: int | None = None
+    # The kernel's dirty-page tracking (--track-mem).
+    track_mem: bool = False
+
+
 @dataclass
 class CriuOptions:
     """The options ckpt uses; names follow CRIU's command line."""
@@ -55,17 +79,9 @@ class CriuOptions:
     log_dir: Path
     log_name: str
     pid: int | None = None
-    leave_running: bool = True
-    shell_job: bool = False
-    tcp_established: bool = False
-    ext_unix_sk: bool = False
-    file_locks: bool = False
-    network_lock: str = "nftables"
-    track_mem: bool = False
+    flags: CriuFlags = field(default_factory=CriuFlags)
     parent_img: str | None = None
     rst_sibling: bool = False
-    # The size up to which deleted files the tree holds are saved (None: CRIU's 1 MiB).
-    ghost_limit: int | None = None
     # 3 (errors, warnings, info) by default: debug (4) writes a few lines per MiB of memory
     # while the tree is frozen, about 5% of a large dump's freeze. CKPT_CRIU_LOG_LEVEL=4 for
     # a full trace when investigating a failure. None: the binary's (CKPT_CRIU_LOG_LEVEL).
@@ -109,20 +125,21 @@ def _fill_opts(rpc, opts_msg, options: CriuOptions, images_fd: int, work_fd: int
     opts_msg.log_level = log_level if options.log_level is None else options.log_level
     if options.pid is not None:
         opts_msg.pid = options.pid
-    opts_msg.leave_running = options.leave_running
-    opts_msg.shell_job = options.shell_job
-    opts_msg.tcp_established = options.tcp_established
-    opts_msg.ext_unix_sk = options.ext_unix_sk
-    opts_msg.file_locks = options.file_locks
-    if options.track_mem:
+    flags = options.flags
+    opts_msg.leave_running = flags.leave_running
+    opts_msg.shell_job = flags.shell_job
+    opts_msg.tcp_established = flags.tcp_established
+    opts_msg.ext_unix_sk = flags.ext_unix_sk
+    opts_msg.file_locks = flags.file_locks
+    if flags.track_mem:
         opts_msg.track_mem = True
     if options.parent_img:
         opts_msg.parent_img = options.parent_img
     if options.rst_sibling:
         opts_msg.rst_sibling = True
-    if options.ghost_limit:
-        opts_msg.ghost_limit = options.ghost_limit
-    lock = {"nftables": rpc.NFTABLES, "iptables": rpc.IPTABLES, "skip": rpc.SKIP}[options.network_lock]
+    if flags.ghost_limit:
+        opts_msg.ghost_limit = flags.ghost_limit
+    lock = {"nftables": rpc.NFTABLES, "iptables": rpc.IPTABLES, "skip": rpc.SKIP}[flags.network_lock]
     opts_msg.network_lock = lock
     opts_msg.notify_scripts = True
     for key in options.external:
@@ -322,7 +339,7 @@ class CriuClient:
         CRIU is not: killed midway it would leave half-restored processes waiting for it; left
         alone it aborts when it cannot notify ckpt and kills what it restored."""
         self._call("DUMP", options, on_notify, on_started,
-                   die_with_us=options.network_lock == "skip" and not options.tcp_established)
+                   die_with_us=options.flags.network_lock == "skip" and not options.flags.tcp_established)
 
     def restore(self, options: CriuOptions, on_notify: NotifyHandler | None = None) -> int:
         """Restores the tree; returns the PID of its root."""

@@ -10,54 +10,40 @@ manifests written before a key existed live in `from_manifest` and nowhere else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import ClassVar
 
-from ckpt.criu.client import CriuOptions
+from ckpt.criu.client import CriuFlags, CriuOptions
 
 
 @dataclass(frozen=True)
-class DumpOptions:
-    # A job of a terminal session it does not lead (CRIU's --shell-job).
-    shell_job: bool = False
-    # Established TCP connections are saved (--tcp-established).
-    tcp_established: bool = False
-    # UNIX datagram sockets sending outside the tree are saved and connected again (--ext-unix-sk).
-    ext_unix_sk: bool = False
-    # File locks are saved (--file-locks).
-    file_locks: bool = False
-    # The tree kept running after the dump (False: `ckpt dump --stop` ended it).
-    leave_running: bool = True
-    # How CRIU kept TCP connections quiet: "nftables", or "skip" when there were none.
-    network_lock: str = "nftables"
-    # The size up to which CRIU saved deleted files (None: CRIU's default of 1 MiB).
-    ghost_limit: int | None = None
-    # The dump used the kernel's dirty-page tracking (--track-mem).
-    track_mem: bool = False
+class DumpOptions(CriuFlags):
+    """CRIU's flags (criu/client.py CriuFlags, where each is described) as a dump chose them:
+    leave_running is False after `ckpt dump --stop`, network_lock is "skip" when the tree had no
+    TCP connection, ghost_limit is None for CRIU's default."""
 
     # The options `ckpt dump` detects when the user does not force them (--X/--no-X).
     DETECTED: ClassVar[tuple[str, ...]] = ("shell_job", "tcp_established", "ext_unix_sk", "file_locks")
+
+    def criu_flags(self) -> CriuFlags:
+        """The same flags, as CRIU's options hold them."""
+        return CriuFlags(**{f.name: getattr(self, f.name) for f in fields(CriuFlags)})
 
     def to_criu_dump(self, images_dir: Path, log_dir: Path, log_name: str, pid: int, parent_img: str | None,
                      external: list[str]) -> CriuOptions:
         """CRIU's options for the dump itself."""
         return CriuOptions(images_dir=images_dir, log_dir=log_dir, log_name=log_name, pid=pid,
-                           parent_img=parent_img, external=external,
-                           shell_job=self.shell_job, tcp_established=self.tcp_established,
-                           ext_unix_sk=self.ext_unix_sk, file_locks=self.file_locks,
-                           leave_running=self.leave_running, network_lock=self.network_lock,
-                           ghost_limit=self.ghost_limit, track_mem=self.track_mem)
+                           parent_img=parent_img, external=external, flags=self.criu_flags())
 
     def to_criu_restore(self, images_dir: Path, log_dir: Path, log_name: str, inherit_stdio: bool,
                         inherit_fds: list[tuple[str, int]], extra: dict) -> CriuOptions:
         """CRIU's options for restoring what was dumped with these: the ones the tree's state
-        needs back (leave_running, ghost_limit and track_mem concern the dump alone)."""
-        return CriuOptions(images_dir=images_dir, log_dir=log_dir, log_name=log_name,
-                           shell_job=self.shell_job, tcp_established=self.tcp_established,
-                           ext_unix_sk=self.ext_unix_sk, file_locks=self.file_locks,
-                           network_lock=self.network_lock, inherit_stdio=inherit_stdio, inherit_fds=inherit_fds,
-                           extra=extra)
+        needs back (leave_running, ghost_limit and track_mem concern the dump alone, and keep
+        CRIU's defaults)."""
+        flags = replace(self.criu_flags(), leave_running=True, ghost_limit=None, track_mem=False)
+        return CriuOptions(images_dir=images_dir, log_dir=log_dir, log_name=log_name, flags=flags,
+                           inherit_stdio=inherit_stdio, inherit_fds=inherit_fds, extra=extra)
 
     def to_manifest(self) -> dict:
         """The manifest's `criu.options` (docs/design.md): these keys, in this order."""

@@ -84,7 +84,7 @@ class FakeCriu:
             raise CriuFailed("CRIU dump failed: a fake failure", log_path=str(options.log_dir / options.log_name))
         self._notify(on_notify, "post-dump", pid)
         self.finished = True
-        if not options.leave_running and self.target is not None:
+        if not options.flags.leave_running and self.target is not None:
             self.target.kill()
             self.target.wait()
 

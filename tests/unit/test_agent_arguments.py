@@ -13,13 +13,13 @@ from ckpt.agent.journal import Journal
 
 
 @pytest.fixture
-def taken(monkeypatch, tmp_path):
-    """checkpoint() with a _take that records its call instead of dumping; run in tmp_path."""
-    calls: list[tuple] = []
-    monkeypatch.setattr(agent, "_callbacks", [])
-    monkeypatch.setattr(agent, "_take", lambda name, store: calls.append((name, store)))
+def program(monkeypatch, tmp_path):
+    """A Checkpointer of its own whose take records its call instead of dumping; run in tmp_path."""
     monkeypatch.chdir(tmp_path)
-    return calls
+    calls: list[tuple] = []
+    program = agent.Checkpointer(take=lambda name, store: calls.append((name, store)))
+    program.taken = calls
+    return program
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -29,20 +29,22 @@ def taken(monkeypatch, tmp_path):
     ({"name": 7}, "ckpt.checkpoint(): name must be a str or None, not int"),
     ({"name": Path("agent")}, "name must be a str or None, not PosixPath"),
 ])
-def test_checkpoint_refuses_arguments_of_the_wrong_type_before_anything(taken, tmp_path, kwargs, message):
+def test_checkpoint_refuses_arguments_of_the_wrong_type_before_anything(program, tmp_path, kwargs, message):
     before: list[str] = []
-    ckpt.before_checkpoint(lambda: before.append("ran"))
+    program.before_checkpoint(lambda: before.append("ran"))
     with pytest.raises(TypeError) as raised:
-        ckpt.checkpoint(**kwargs)
+        program.checkpoint(**kwargs)
     assert message in str(raised.value)
-    assert taken == [] and before == []
+    assert program.taken == [] and before == []
+    with pytest.raises(TypeError, match=r"^ckpt\.checkpoint\(\): "):
+        ckpt.checkpoint(**kwargs)  # the program's own Checkpointer: refused before it takes anything
     assert list(tmp_path.iterdir()) == []  # no ./12345
 
 
-def test_checkpoint_takes_a_str_or_a_path_as_store(taken, tmp_path):
-    ckpt.checkpoint(name="agent", store=tmp_path / "store")
-    ckpt.checkpoint(store=str(tmp_path / "store"))
-    assert taken == [("agent", str(tmp_path / "store")), (None, str(tmp_path / "store"))]
+def test_checkpoint_takes_a_str_or_a_path_as_store(program, tmp_path):
+    program.checkpoint(name="agent", store=tmp_path / "store")
+    program.checkpoint(store=str(tmp_path / "store"))
+    assert program.taken == [("agent", str(tmp_path / "store")), (None, str(tmp_path / "store"))]
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -19,95 +19,101 @@ from ckpt.store import ids
 from tests.helpers import ROOT
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    """A clean registry, and a _take that records where it ran instead of dumping."""
-    log: list[str] = []
-    monkeypatch.setattr(agent, "_callbacks", [])
+class Recorded(agent.Checkpointer):
+    """A Checkpointer of its own (a clean registry) whose take records where it ran instead of
+    dumping."""
 
-    def take(name, store):
-        log.append("dump")
+    def __init__(self):
+        super().__init__(take=self.record)
+        self.log: list[str] = []
+
+    def record(self, name, store):
+        self.log.append("dump")
         return agent.CheckpointResult("20261202-000000-000-abcdef", False, name)
 
-    monkeypatch.setattr(agent, "_take", take)
-    return log
+
+@pytest.fixture
+def program():
+    return Recorded()
 
 
-def layer(log: list[str], label: str, fail: bool = False) -> None:
-    @ckpt.before_checkpoint
+def layer(program: Recorded, label: str, fail: bool = False) -> None:
+    @program.before_checkpoint
     def before():
-        log.append(f"before {label}")
+        program.log.append(f"before {label}")
         if fail:
             raise ValueError(f"{label} says no")
 
-    @ckpt.after_restore
+    @program.after_restore
     def after():
-        log.append(f"after {label}")
+        program.log.append(f"after {label}")
 
 
-def test_before_in_reverse_order_after_in_order(calls):
+def test_before_in_reverse_order_after_in_order(program):
     for label in "ABC":
-        layer(calls, label)
-    result = ckpt.checkpoint(name="agent")
-    assert calls == ["before C", "before B", "before A", "dump", "after A", "after B", "after C"]
+        layer(program, label)
+    result = program.checkpoint(name="agent")
+    assert program.log == ["before C", "before B", "before A", "dump", "after A", "after B", "after C"]
     assert result == agent.CheckpointResult("20261202-000000-000-abcdef", False, "agent")
 
 
-def test_a_failing_before_callback_undoes_the_layers_above_it_and_dumps_nothing(calls):
-    layer(calls, "A")
-    layer(calls, "B", fail=True)
-    layer(calls, "C")
-    layer(calls, "D")
+def test_a_failing_before_callback_undoes_the_layers_above_it_and_dumps_nothing(program):
+    layer(program, "A")
+    layer(program, "B", fail=True)
+    layer(program, "C")
+    layer(program, "D")
     with pytest.raises(CheckpointCancelled) as info:
-        ckpt.checkpoint()
-    assert calls == ["before D", "before C", "before B", "after C", "after D"]
+        program.checkpoint()
+    assert program.log == ["before D", "before C", "before B", "after C", "after D"]
     assert isinstance(info.value.__cause__, ValueError) and info.value.exit_code == ExitCode.ERROR
     assert "raised ValueError: B says no" in str(info.value) and "nothing was frozen or written" in str(info.value)
 
 
-def test_the_first_before_callback_failing_undoes_nothing(calls):
-    layer(calls, "A")
-    layer(calls, "B", fail=True)
+def test_the_first_before_callback_failing_undoes_nothing(program):
+    layer(program, "A")
+    layer(program, "B", fail=True)
     with pytest.raises(CheckpointCancelled):
-        ckpt.checkpoint()
-    assert calls == ["before B"]
+        program.checkpoint()
+    assert program.log == ["before B"]
 
 
-def test_a_failed_dump_runs_every_after_callback_then_raises(calls, monkeypatch):
-    layer(calls, "A")
-    layer(calls, "B")
+def test_a_failed_dump_runs_every_after_callback_then_raises(program):
+    layer(program, "A")
+    layer(program, "B")
 
     def take(name, store):
-        calls.append("dump")
+        program.log.append("dump")
         raise CheckpointFailed("checkpoint failed: CRIU said no")
 
-    monkeypatch.setattr(agent, "_take", take)
+    program.take = take
     with pytest.raises(CheckpointFailed, match="CRIU said no"):
-        ckpt.checkpoint()
-    assert calls == ["before B", "before A", "dump", "after A", "after B"]
+        program.checkpoint()
+    assert program.log == ["before B", "before A", "dump", "after A", "after B"]
 
 
-def test_every_after_callback_runs_even_if_one_raises(calls):
-    @ckpt.after_restore
+def test_every_after_callback_runs_even_if_one_raises(program):
+    @program.after_restore
     def broken():
         raise OSError("cannot reconnect")
 
-    layer(calls, "A")
+    layer(program, "A")
     with pytest.raises(OSError, match="cannot reconnect"):
-        ckpt.checkpoint()
-    assert calls == ["before A", "dump", "after A"]
+        program.checkpoint()
+    assert program.log == ["before A", "dump", "after A"]
 
 
-def test_a_bad_name_is_refused_before_any_callback(calls):
-    layer(calls, "A")
+def test_a_bad_name_is_refused_before_any_callback(program):
+    layer(program, "A")
     with pytest.raises(InvalidReference):
-        ckpt.checkpoint(name="not a name")
-    assert calls == []
+        program.checkpoint(name="not a name")
+    assert program.log == []
 
 
 def test_callbacks_must_be_callable():
     with pytest.raises(TypeError):
         ckpt.before_checkpoint("close")
+    with pytest.raises(TypeError):
+        agent.Checkpointer().after_restore("close")
 
 
 ORIGINAL, RESTORED = ("boot", 100), ("boot", 200)
@@ -116,13 +122,13 @@ ORIGINAL, RESTORED = ("boot", 100), ("boot", 200)
 def wait_with(monkeypatch, tmp_path, incarnations, record=None, dumper_alive=True):
     """agent._wait with the incarnation read in turn from `incarnations` (the last repeats)."""
     seen = list(incarnations)
-    monkeypatch.setattr(agent, "_incarnation", lambda: seen.pop(0) if len(seen) > 1 else seen[0])
     monkeypatch.setattr(agent.procfs, "pid_exists", lambda pid: dumper_alive)
     monkeypatch.setattr(agent, "POLL_SECONDS", 0.001)
     path = tmp_path / "1-20261202-000000-000-abcdef.json"
     if record is not None:
         results.write(path, record)
-    return agent._wait(ORIGINAL, path, 4242, None, tmp_path / "x.log")
+    return agent._wait(ORIGINAL, path, 4242, None, tmp_path / "x.log",
+                       incarnation=lambda: seen.pop(0) if len(seen) > 1 else seen[0])
 
 
 def test_the_wait_returns_the_result_of_the_original(monkeypatch, tmp_path):

@@ -216,11 +216,20 @@ def test_an_index_loaded_ahead_is_the_one_used(tmp_path):
     assert blocks.index() is index
 
 
-def test_an_index_that_fails_to_load_ahead_fails_where_it_is_used(tmp_path, monkeypatch):
+def test_an_index_that_fails_to_load_ahead_fails_where_it_is_used(tmp_path):
     from ckpt.store.blocks.blockstore import BlockStore
 
-    blocks = BlockStore(LocalBackend(tmp_path / "blocks"))
-    monkeypatch.setattr(BlockStore, "_load_index", lambda self: (_ for _ in ()).throw(PermissionError("no")))
+    from ckpt.store.blocks.segments import INDEX_PREFIX
+
+    class IndexesRefused(LocalBackend):
+        """Its index files cannot be listed: loading the index raises."""
+
+        def list(self, prefix, incomplete=False):
+            if prefix == INDEX_PREFIX:
+                raise PermissionError("no")
+            return super().list(prefix, incomplete)
+
+    blocks = BlockStore(IndexesRefused(tmp_path / "blocks"))
     blocks.preload_index()  # the thread says nothing...
     with pytest.raises(PermissionError):
         blocks.index()  # ...the caller loads again and gets the error

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.criu.client import CriuOptions
+from ckpt.criu.client import CriuFlags, CriuOptions
 from ckpt.dump.dump_options import DumpOptions
 
 DESIGN = Path(__file__).parent.parent.parent / "docs" / "design.md"
@@ -49,14 +49,15 @@ def test_unknown_keys_are_ignored():
     # DumpOptions: bool() of each flag, network_lock defaulting to nftables
     ({}, CriuOptions(**WHERE)),
     ({"shell_job": True, "tcp_established": True, "ext_unix_sk": False, "file_locks": True, "leave_running": False},
-     CriuOptions(**WHERE, shell_job=True, tcp_established=True, file_locks=True, network_lock="nftables")),
+     CriuOptions(**WHERE, flags=CriuFlags(shell_job=True, tcp_established=True, file_locks=True,
+                                          network_lock="nftables"))),
     ({"tcp_established": False, "network_lock": "skip", "track_mem": True, "ghost_limit": 4 << 20},
-     CriuOptions(**WHERE, network_lock="skip")),
+     CriuOptions(**WHERE, flags=CriuFlags(network_lock="skip"))),
 ])
 def test_a_restore_of_an_older_manifest_gets_the_criu_options_it_always_got(old, expected):
     got = DumpOptions.from_manifest(old).to_criu_restore(**WHERE, inherit_stdio=False, inherit_fds=[], extra={})
     assert got == expected
-    assert got.leave_running is True and got.track_mem is False and got.ghost_limit is None, \
+    assert got.flags.leave_running is True and got.flags.track_mem is False and got.flags.ghost_limit is None, \
         "dump-only options stay out of a restore"
 
 
@@ -64,6 +65,7 @@ def test_every_option_reaches_criu_on_dump():
     options = DumpOptions(shell_job=True, tcp_established=True, ext_unix_sk=True, file_locks=True,
                           leave_running=False, network_lock="nftables", ghost_limit=4 << 20, track_mem=True)
     got = options.to_criu_dump(**WHERE, pid=42, parent_img="../parent", external=["unix[7]"])
-    assert got == CriuOptions(**WHERE, pid=42, parent_img="../parent", external=["unix[7]"], shell_job=True,
-                              tcp_established=True, ext_unix_sk=True, file_locks=True, leave_running=False,
-                              network_lock="nftables", ghost_limit=4 << 20, track_mem=True)
+    assert got == CriuOptions(**WHERE, pid=42, parent_img="../parent", external=["unix[7]"],
+                              flags=CriuFlags(shell_job=True, tcp_established=True, ext_unix_sk=True,
+                                              file_locks=True, leave_running=False, network_lock="nftables",
+                                              ghost_limit=4 << 20, track_mem=True))

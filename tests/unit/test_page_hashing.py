@@ -28,8 +28,7 @@ def test_ids_are_xxhashs(pages, seed, monkeypatch):
     assert blocks.page_ids(data, seed) == want
     monkeypatch.setattr(blocks, "HASH_THREADS", 5)  # more threads than shares of 4096 pages
     assert blocks.page_ids(memoryview(data), seed) == want
-    monkeypatch.setattr(blocks, "_page_ids_in_c", None)  # the fallback in Python
-    assert blocks.page_ids(data, seed) == want
+    assert blocks.page_ids(data, seed, in_c=False) == want  # the fallback in Python
 
 
 def test_a_mapped_image_is_hashed_where_it_lies(tmp_path):

@@ -207,13 +207,14 @@ except ImportError:  # not built: `make setup` builds it (a C compiler, Python's
 HASH_THREADS = max(1, min(len(os.sched_getaffinity(0)), 8))
 
 
-def page_ids(buffer, seed: int) -> bytes:
+def page_ids(buffer, seed: int, in_c: bool = True) -> bytes:
     """The ids of the pages of a buffer (a whole number of pages), one after the other.
 
-    In C where it is built (ckpt/_pagehash.c): without the GIL, one thread per core, each
-    mapping in and hashing its share, about 0.25 s for 2 GiB here (bound by memory). The fallback, one xxhash
-    call per page from Python, costs 0.35-0.45 s of one core per GiB."""
-    if _page_ids_in_c is not None:
+    In C where it is built (ckpt/_pagehash.c) and in_c is left True: without the GIL, one
+    thread per core, each mapping in and hashing its share, about 0.25 s for 2 GiB here (bound
+    by memory). The fallback, one xxhash call per page from Python, costs 0.35-0.45 s of one
+    core per GiB."""
+    if in_c and _page_ids_in_c is not None:
         return _page_ids_in_c(buffer, seed, HASH_THREADS)
     view = memoryview(buffer)
     try:
