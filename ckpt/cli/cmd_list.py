@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
             shrink=4, optional=(5, 3, 2))
         if flags.quiet:
             return
-        stderr.print(f"{len(rows)} checkpoint(s); the store holds {human_bytes(st.total_bytes())} in all "
+        stderr.print(f"{len(rows)} checkpoint(s); the store holds {human_bytes(st.objects.total_bytes())} in all "
                      f"(STORED: what each checkpoint added when it was taken)"
                      + (f"; {', '.join(left_out)} left out to fit the terminal ('ckpt list | cat' has all)"
                         if left_out else ""))

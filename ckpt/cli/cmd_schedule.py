@@ -8,7 +8,7 @@ from ckpt.cli.options import (JsonOption, KeepDailyOption, KeepHourlyOption, Kee
 from ckpt.cli.output import CliReporter, emit_json, plain_table, said_all, shorten, stderr, stdout, styled
 from ckpt.commands.schedule import AddRequest, add, listing, remove, run
 from ckpt.schedule.book import ScheduleBook
-from ckpt.store import Store
+from ckpt.store import Store, opening
 
 HELP = """Periodic snapshots with systemd timers or cron: add, list, rm, and run (what they run).
 
@@ -49,7 +49,7 @@ def _book(store, opened: bool = True) -> ScheduleBook:
     if opened:
         local_dir = Store.open(location, settings=run.settings(), passwords=run.passwords()).root
     else:
-        local_dir = Store.local_dir(location, settings=run.settings())
+        local_dir = opening.local_dir(location, run.settings().cache)
     return ScheduleBook(local_dir, run.settings(), location, run.passwords())
 
 

@@ -8,7 +8,7 @@ from ckpt.store import Store
 
 
 def tell_copies_read_again(store: Store, reporter: Reporter) -> None:
-    names = store.copies_read_again()
+    names = store.backend.copies_read_again()
     if not names:
         return
     shown = ", ".join(name.rpartition("/")[2][:12] for name in names[:3]) + (", ..." if len(names) > 3 else "")

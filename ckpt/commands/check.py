@@ -90,6 +90,7 @@ def check_checkpoint(store_root: StoreLocation, ref: str, settings: Settings,
     its TCP connections would come back."""
     from ckpt.restore import hostcheck
     from ckpt.store import Store
+    from ckpt.store.materialize import materialize
     from ckpt.store.staging import discard
 
     from ckpt.criu.images import tcp_connections
@@ -99,7 +100,8 @@ def check_checkpoint(store_root: StoreLocation, ref: str, settings: Settings,
     store = Store.open(store_root, settings=settings, passwords=passwords)
     with store.lock(exclusive=False):
         manifest = store.load(store.resolve(ref))
-        image_dir = store.materialize(manifest, skip_pages=True)  # checked against the manifest, as a restore does
+        # Checked against the manifest, as a restore does.
+        image_dir = materialize(store.objects, store.staging_area(), manifest, skip_pages=True)
         try:
             report = hostcheck.check(manifest, binary, image_dir)
             connections = tcp_connections(image_dir) if manifest.criu.get("options", {}).get("tcp_established") \

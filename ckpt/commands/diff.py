@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ckpt.commands.results import JsonResult
 from ckpt.store import Manifest, Store
 from ckpt.store.blocks.blockstore import ID_LEN, PAGE
+from ckpt.store.materialize import materialize
 from ckpt.store.staging import discard
 
 
@@ -39,10 +40,10 @@ class DiffResult(JsonResult):
 def _snapshot(store: Store, manifest: Manifest) -> _Snapshot:
     from ckpt.criu import images  # deferred: imports pycriu
 
-    image_dir = store.materialize(manifest, skip_pages=True)
+    image_dir = materialize(store.objects, store.staging_area(), manifest, skip_pages=True)
     try:
         processes = {p["pid"]: p for p in images.describe(image_dir, manifest.processes)}
-        page_lists = {e.name: store.load_page_list(e) for e in manifest.files if e.kind == "pages"}
+        page_lists = {e.name: store.objects.load_page_list(e) for e in manifest.files if e.kind == "pages"}
         pages = {}
         for pid in processes:
             image, addresses = images.page_addresses(image_dir, pid)

@@ -27,6 +27,7 @@ from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore.lazy import wait_for_lazy_restores
 from ckpt.store import Manifest, Origin, Store, ids
+from ckpt.store.materialize import materialize_parent
 from ckpt.store.password import PasswordSource
 from ckpt.store.blocks.blockstore import MERGE_ABOVE
 from ckpt.store.blocks.segments import CODECS
@@ -352,7 +353,7 @@ class DumpSession(Session[DumpRequest]):
         if tracking is None or tracking.parent is None:
             return None
         return incremental.completer(staging.images_dir, staging.root / "parent",
-                                     {e.name: e for e in tracking.parent.files}, self._store().load_page_list)
+                                     {e.name: e for e in tracking.parent.files}, self._store().objects.load_page_list)
 
     def _record_pending_copy(self, manifest: Manifest) -> None:
         """--copy-to: the pending-copy record, written right before the commit."""
@@ -504,7 +505,7 @@ def _lay_out_parent(store: Store, staging, tracking: TrackingPlan | None, checkp
     if tracking.parent is None:
         return None, tracking
     try:
-        store.materialize_parent(tracking.parent, staging.root / "parent")
+        materialize_parent(store.objects, tracking.parent, staging.root / "parent")
     except DamagedCheckpoint as exc:
         # A damaged older checkpoint must not stop a new one: read every page.
         reporter.warn(f"{exc.message}; dirty-page tracking reads every page this time")

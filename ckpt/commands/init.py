@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ckpt.settings import Settings, StoreLocation, is_remote
 from ckpt.errors import StoreError, UsageError
-from ckpt.store import Store
+from ckpt.store import Store, opening
 from ckpt.store.password import PasswordSource
 
 
@@ -52,7 +52,7 @@ def init(location: StoreLocation, settings: Settings, passwords: PasswordSource 
                              hint="choose another prefix (s3://BUCKET/PREFIX), or use the store that is there")
         backend, key_id = keys.initialize(remote, passwords.password_for(url, confirm=True))
         backend.put_if_absent(STORE_META, meta)  # last: the store exists once this is there
-        return InitResult(url, True, key_id, str(Store.local_side(url, settings=settings)))
+        return InitResult(url, True, key_id, str(opening.local_side(url, settings.cache)))
     root = Path(location)
     if os.path.lexists(root / STORE_META):
         raise UsageError(f"{root} is already a ckpt store", hint="use it as it is, or choose another directory")

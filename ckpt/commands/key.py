@@ -9,16 +9,16 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ckpt.errors import UsageError
-from ckpt.store import Store
+from ckpt.store import Store, opening
 from ckpt.store.keys import Keyring
 
 
 def _keyring(store: Store) -> Keyring:
-    keyring = store.keyring
-    if keyring is None:
+    encryption = opening.find_encryption(store.backend)
+    if encryption is None:
         raise UsageError(f"the store at {store.location} is not encrypted, so it has no keys",
                          hint="`ckpt init` makes encrypted stores (remote ones always, local ones with --encrypt)")
-    return keyring
+    return Keyring(encryption)
 
 
 def list_keys(store: Store) -> list[dict]:

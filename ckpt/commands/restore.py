@@ -24,6 +24,7 @@ from ckpt.restore.lazy import supported as lazy_supported
 from ckpt.store import Manifest, Store
 from ckpt.store.password import PasswordSource
 from ckpt.store.blocks.blockstore import PAGE
+from ckpt.store.materialize import materialize, materialize_lazily
 from ckpt.store.staging import discard
 from ckpt.system import procs
 from ckpt.system.files import can_punch_holes, make_private_dir
@@ -263,10 +264,11 @@ class _ImageLayout:
         lazy = _wants_lazy(self.request, self.manifest, self.binary, self.lazy_min_bytes)
         self.reporter.step(f"verifying checkpoint {self.manifest.id}")
         if not lazy:
-            images_dir = self.store.materialize(self.manifest, self.reporter, before_pages=self._check_host)
+            images_dir = materialize(self.store.objects, self.store.staging_area(), self.manifest, self.reporter,
+                                     before_pages=self._check_host)
             return images_dir, False, self.plan, self._checked(images_dir)
-        images_dir, self.plan.locations = self.store.materialize_lazily(self.manifest, self._holes_for,
-                                                                        self.reporter)
+        images_dir, self.plan.locations = materialize_lazily(self.store.objects, self.store.staging_area(),
+                                                             self.manifest, self._holes_for, self.reporter)
         # none left out: nothing to serve
         return images_dir, bool(self.plan.locations), self.plan, self._checked(images_dir)
 

@@ -189,11 +189,11 @@ class Supervisor:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise CkptError("cannot become a child subreaper (prctl failed)")
-        from ckpt.store import Store
+        from ckpt.store import opening
 
         # One output file and one log per run: a later run of the name starts its own.
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-%f")[:-3]
-        run_dir = Store.local_dir(self.store_root, settings=self.settings) / "logs" / f"run-{self.request.name}"
+        run_dir = opening.local_dir(self.store_root, self.settings.cache) / "logs" / f"run-{self.request.name}"
         output = self.request.output or run_dir / f"output-{stamp}.log"
         output.parent.mkdir(parents=True, exist_ok=True)
         log_path = run_dir / f"ckpt-{stamp}.log"

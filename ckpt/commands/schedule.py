@@ -23,6 +23,7 @@ from ckpt.reporting import NullReporter, Reporter
 from ckpt.schedule import cron, schedulers
 from ckpt.schedule.book import Schedule, ScheduleBook, TargetAmbiguous, check_name
 from ckpt.schedule.retention import Policy
+from ckpt.store import opening
 from ckpt.system import procs
 from ckpt.system.files import atomic_write_bytes, make_private_dir
 from ckpt.system.locks import wait_for_flock
@@ -68,7 +69,7 @@ def add(book: ScheduleBook, request: AddRequest, facts: schedulers.Facts | None 
                         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), copy_to=copy_to,
                         scheduler=scheduler)
     store = book.open_store(create=True)  # made (and checked) only now that the schedule is valid
-    if store.encryption is not None and book.settings.password_file is None:
+    if opening.find_encryption(store.backend) is not None and book.settings.password_file is None:
         # Scheduled runs have no terminal; cron files and units are world-readable: only a file works.
         raise UsageError(f"the store at {store.location} is encrypted, and scheduled runs need its password in a file",
                          hint="pass --password-file FILE (mode 600) or set CKPT_PASSWORD_FILE")
@@ -208,9 +209,9 @@ def resolve_target(target: dict) -> int:
 
 def _copy_pending(book: ScheduleBook, origin: str, outcome: dict, reporter: Reporter) -> None:
     from ckpt.commands.copy import finish_pending
-    from ckpt.store import Store, pending
+    from ckpt.store import opening, pending
 
-    if not pending.records(Store.local_dir(book.store_root, settings=book.settings), origin):
+    if not pending.records(opening.local_dir(book.store_root, book.settings.cache), origin):
         return
     try:
         copies = finish_pending(book.open_store(), origin, reporter, book.passwords)

@@ -8,6 +8,7 @@ from ckpt.commands.results import JsonResult
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore.lazywatch import failures
 from ckpt.store import Manifest, Store
+from ckpt.store.materialize import materialize
 from ckpt.store.staging import discard
 
 
@@ -28,7 +29,7 @@ def inspect(store: Store, ref: str, reporter: Reporter = NullReporter()) -> Chec
 
     with store.lock(exclusive=False):
         manifest = store.load(store.resolve(ref))
-        image_dir = store.materialize(manifest, reporter, skip_pages=True)
+        image_dir = materialize(store.objects, store.staging_area(), manifest, reporter, skip_pages=True)
         try:
             processes = images.describe(image_dir, manifest.processes)
         finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ckpt.errors import DamagedCheckpoint
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Store
+from ckpt.store.verify import verify as verify_checkpoint
 
 
 def verify(store: Store, ref: str | None, reporter: Reporter = NullReporter()) -> list[dict]:
@@ -20,6 +21,6 @@ def verify(store: Store, ref: str | None, reporter: Reporter = NullReporter()) -
                 results.append({"id": checkpoint_id, "files": 0, "problems": [exc.message]})
                 continue
             reporter.step(f"verifying {checkpoint_id}")
-            problems = store.verify(manifest, reporter)
+            problems = verify_checkpoint(store.objects, manifest, reporter)
             results.append({"id": checkpoint_id, "files": len(manifest.files), "problems": problems})
     return results

@@ -15,6 +15,7 @@ from typing import Callable
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Origin, Store
+from ckpt.store.ingest import ingest
 from ckpt.store.blocks.segments import PAGE
 from ckpt.store.staging import DumpStaging
 from ckpt.system import procfs
@@ -44,10 +45,11 @@ def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, co
                       earlier: dict | None = None, before_commit=None) -> Manifest:
     """Ingests every staged image (only pages the store lacks are written), then commits the
     manifest: the checkpoint exists from that moment on, and not before. complete_page_lists
-    and earlier are Store.ingest's (dirty-page tracking; the read-ahead of an earlier checkpoint).
+    and earlier are ingest.ingest's (dirty-page tracking; the read-ahead of an earlier checkpoint).
     before_commit(manifest), when given, runs right before the commit (a dump with --copy-to
     writes its pending-copy record there: no committed checkpoint is without it)."""
-    entries, added, block_stats = store.ingest(staging, codec, reporter, complete_page_lists, earlier=earlier)
+    entries, added, block_stats = ingest(store.objects, staging, codec, reporter, complete_page_lists,
+                                         earlier=earlier)
     criu = dict(record.criu)
     if record.tracking is not None:
         criu["tracking"] = {**record.tracking, "pages_from_parent": block_stats.pages_from_parent}

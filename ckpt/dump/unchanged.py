@@ -63,9 +63,9 @@ class EarlierCheckpoint:
             try:
                 self._scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
                 path = self._scratch / name
-                self._store.check_entry(entry, path)
+                self._store.objects.check_entry(entry, path)
                 pages_id, runs = images.read_pagemap(path)
-                self._processes[name] = (runs, self._store.load_page_list(files[f"pages-{pages_id}.img"]))
+                self._processes[name] = (runs, self._store.objects.load_page_list(files[f"pages-{pages_id}.img"]))
             except Exception:  # noqa: BLE001 - a shortcut only (see the module's docstring)
                 continue
 

@@ -325,7 +325,7 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
             (work_dir / "lazy-pages.socket").unlink(missing_ok=True)
             with open(os.open(work_dir / "page-server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
                       "w") as log:
-                read_again = store.copies_read_again()
+                read_again = store.backend.copies_read_again()
                 log.write(f"{status}; {served} pages served of {plan.pages} in {requests} requests in "
                           f"{time.monotonic() - began:.2f} s; daemon exit code {daemon.returncode}"
                           + (f"; {len(read_again)} damaged cache copies read again from the store (intact)"

@@ -87,7 +87,12 @@ class Manifest:
         return {"format": data.pop("format"), "id": data.pop("id"), **data}
 
     @classmethod
-    def from_json(cls, data: dict) -> Manifest:
+    def from_json(cls, data: object) -> Manifest:
+        """The manifest in a manifest file's JSON. Raises KeyError for a missing field, and
+        TypeError or ValueError for JSON that is not a manifest (not an object, a field of the
+        wrong type): Store.load makes each a DamagedCheckpoint; StoreError for a newer format."""
+        if not isinstance(data, dict):
+            raise TypeError(f"its JSON is {_json_kind(data)}, not an object")
         if int(data.get("format", 0)) > FORMAT:
             raise StoreError(f"checkpoint {data.get('id')} has format {data['format']}, newer than this ckpt "
                              f"understands ({FORMAT})", hint="upgrade ckpt")
@@ -111,3 +116,16 @@ class Manifest:
             pids.add(int(proc["pid"]))
             pids.update(int(t) for t in proc.get("threads", []))
         return sorted(pids)
+
+
+def _json_kind(data: object) -> str:
+    """What a JSON value is, in JSON's words."""
+    if data is None:
+        return "null"
+    if isinstance(data, bool):
+        return "a boolean"
+    if isinstance(data, (int, float)):
+        return "a number"
+    if isinstance(data, str):
+        return "a string"
+    return "an array" if isinstance(data, list) else type(data).__name__

@@ -19,12 +19,34 @@ HolesFor = Callable[[Path], dict[str, list[tuple[int, int]]]]
 
 
 def materialize(objects: Objects, area: StagingArea, manifest: Manifest, reporter: Reporter = NullReporter(),
-                skip_pages: bool = False, holes_for: HolesFor | None = None) -> tuple[Path, dict[str, list[int]]]:
-    """Writes the checkpoint's images into a fresh restore-* directory of area, verifying each.
+                skip_pages: bool = False, before_pages: Callable[[Path], None] | None = None) -> Path:
+    """Writes the checkpoint's images into a fresh restore-* directory of area (the store's
+    staging area, Store.staging_area), verifying each.
 
     skip_pages leaves out the page data (for inspection, which needs only the metadata).
-    holes_for(directory), called once every image but the pages images is written, names
-    the page ranges to verify but leave out. Returns the directory and, per pages image with
+    before_pages(directory) is called once every other image is written, before the pages
+    images (the bulk): a restore checks the host there, and what it raises ends the layout."""
+    def no_holes(directory: Path) -> dict[str, list[tuple[int, int]]]:
+        if before_pages is not None:
+            before_pages(directory)
+        return {}
+
+    return _lay_out(objects, area, manifest, reporter, skip_pages, no_holes)[0]
+
+
+def materialize_lazily(objects: Objects, area: StagingArea, manifest: Manifest, holes_for: HolesFor,
+                       reporter: Reporter = NullReporter()) -> tuple[Path, dict[str, list[int]]]:
+    """Like materialize, for a lazy restore: holes_for(directory), called once every image
+    but the pages images is written, names per pages image the page ranges a page server
+    is to serve; they are verified but left out. Returns the directory and, per pages
+    image, the location of each page (what the page server reads)."""
+    return _lay_out(objects, area, manifest, reporter, False, holes_for)
+
+
+def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: Reporter, skip_pages: bool,
+             holes_for: HolesFor) -> tuple[Path, dict[str, list[int]]]:
+    """The images into a fresh restore-* directory of area, each verified; holes_for names the
+    page ranges to verify but leave out. Returns the directory and, per pages image with
     holes, the location of each page (what a page server reads)."""
     dest = area.new_dir("restore")
     total = manifest.bytes_total or 1
@@ -38,7 +60,7 @@ def materialize(objects: Objects, area: StagingArea, manifest: Manifest, reporte
                 if skip_pages:
                     continue
                 if holes is None:
-                    holes = holes_for(dest) if holes_for is not None else {}
+                    holes = holes_for(dest)
                 found = objects.check_entry(entry, dest / entry.name, holes=holes.get(entry.name, ()))
                 if holes.get(entry.name) and found is not None:
                     locations[entry.name] = found

@@ -140,7 +140,7 @@ def _live_pages(store: Store, index, manifests, young) -> set[bytes]:
     for m in manifests:
         for e in m.files:
             if e.kind == "pages":
-                page_list = store.load_page_list(e)
+                page_list = store.objects.load_page_list(e)
                 live_pages.update(page_list[i:i + ID_LEN] for i in range(0, len(page_list), ID_LEN))
     return live_pages
 

@@ -4,9 +4,12 @@ See docs/design.md for the format and its invariants. Everything the store holds
 written through its backend (ckpt/store/backends/) by blob name; only what is local by nature
 is a path here: the staging and restore directories CRIU works in, and CRIU's logs.
 
-Store is the facade: manifests, names, the commit point, locks and leftovers are its own;
-opening a location is ckpt/store/opening.py, objects ckpt/store/objects.py (and ingest.py),
-laying out images materialize.py, checking them verify.py, passwords keys.py (Keyring).
+Store is the facade: manifests, names, the commit point, locks, staging areas and leftovers
+are its own. The rest is reached through it, not by it: opening a location is
+ckpt/store/opening.py (the backend stack: find_encryption, past_the_cache, local_dir), objects
+store.objects (ckpt/store/objects.py), a dump's images into the store ingest.ingest(store.objects,
+...), laying images out materialize.materialize(store.objects, store.staging_area(), ...),
+checking them verify.verify(store.objects, ...), passwords keys.Keyring.
 """
 
 from __future__ import annotations
@@ -16,26 +19,20 @@ import json
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy, StoreError
-from ckpt.reporting import NullReporter, Reporter
 from ckpt.settings import Settings, StoreLocation, is_remote
-from ckpt.store import ids, ingest as ingest_module, materialize as materialize_module, opening
+from ckpt.store import ids, opening
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, LocalBackend
-from ckpt.store.blocks.blockstore import BlockStore, IngestStats
+from ckpt.store.blocks.blockstore import BlockStore
 from ckpt.store.fsutil import translate_os_error
 from ckpt.store.manifest import FORMAT, FileEntry, Manifest, Origin
-from ckpt.store.objects import OBJECTS_PREFIX, Objects, hash_file, object_name
+from ckpt.store.objects import OBJECTS_PREFIX, Objects, hash_file
 from ckpt.store.opening import STORE_META, OpenedStore
 from ckpt.store.password import PasswordSource
 from ckpt.store.staging import DumpStaging, StagingArea
-from ckpt.store.verify import verify as verify_checkpoint
 from ckpt.system.files import make_private_dir
-
-if TYPE_CHECKING:  # imported when needed: the encryption's (cryptography) costs a plain store's commands
-    from ckpt.store.backends.encrypted import EncryptedBackend
-    from ckpt.store.keys import Keyring
 
 # What other modules import from here (the facade's vocabulary).
 __all__ = ["FORMAT", "MANIFESTS_PREFIX", "OBJECTS_PREFIX", "STORE_META", "FileEntry", "Manifest", "Origin", "Store",
@@ -116,40 +113,12 @@ class Store:
     def from_opened(cls, opened: OpenedStore, settings: Settings | None = None) -> Store:
         return cls(opened.root, opened.backend, location=opened.location, settings=settings)
 
-    @staticmethod
-    def local_dir(location: StoreLocation, *, settings: Settings) -> Path:
-        """Where the store at location keeps what is local by nature (see opening.local_dir)."""
-        return opening.local_dir(location, settings.cache)
-
-    @staticmethod
-    def local_side(url: str, *, settings: Settings) -> Path:
-        """The local directory of the remote store at url (see opening.local_side)."""
-        return opening.local_side(url, settings.cache)
-
-    def copies_read_again(self) -> list[str]:
-        """The blobs whose copy in the local cache failed its check during this command and
-        were read again from the store itself (which was intact)."""
-        return self.backend.copies_read_again()
-
     def uncached(self) -> Store:
         """The same store read past the local cache: what `verify` checks is the remote copy."""
         inner = opening.past_the_cache(self.backend)
         if inner is self.backend:
             return self
         return Store(self.root, inner, location=self.location, settings=self.settings)
-
-    @property
-    def encryption(self) -> EncryptedBackend | None:
-        """The store's EncryptedBackend (behind the cache, for a remote store), or None."""
-        return opening.find_encryption(self.backend)
-
-    @property
-    def keyring(self) -> Keyring | None:
-        """The passwords of an encrypted store (ckpt/store/keys.py), or None for a plain one."""
-        from ckpt.store.keys import Keyring
-
-        encryption = self.encryption
-        return Keyring(encryption) if encryption is not None else None
 
     # ---- locks ------------------------------------------------------------------------------
 
@@ -197,8 +166,10 @@ class Store:
             raise DamagedCheckpoint(f"checkpoint {checkpoint_id}: manifest {path} is not valid JSON ({exc})") from exc
         try:
             return Manifest.from_json(data)
-        except (KeyError, TypeError) as exc:
+        except KeyError as exc:
             raise DamagedCheckpoint(f"checkpoint {checkpoint_id}: manifest {path} lacks {exc}") from exc
+        except (TypeError, ValueError) as exc:  # valid JSON, but not a manifest ([], 3, a field of the wrong type)
+            raise DamagedCheckpoint(f"checkpoint {checkpoint_id}: manifest {path} is not a manifest ({exc})") from exc
 
     def manifests(self, on_damaged=None) -> list[Manifest]:
         """Every readable manifest, oldest first. on_damaged(id, error) hears of the others."""
@@ -252,7 +223,8 @@ class Store:
             raise translate_os_error(exc, "writing the manifest") from exc
 
     def staging_area(self) -> StagingArea:
-        """Where images are written before they enter the store, or before CRIU restores them.
+        """Where images are written before they enter the store, or before CRIU restores them
+        (ckpt/store/materialize.py lays a checkpoint out in it); the store's tmp/ is made here.
 
         <store>/tmp by default (CKPT_STAGING=disk or auto): CRIU writes and reads a disk
         filesystem's page cache (large folios) faster than tmpfs (4 KiB pages). Measured here,
@@ -265,11 +237,12 @@ class Store:
         """
         if self.settings.staging == "ram":
             return StagingArea.in_ram(self.root)
+        make_private_dir(self.tmp_dir)
         return StagingArea(self.tmp_dir)
 
     def begin_dump(self, checkpoint_id: str) -> DumpStaging:
         try:
-            return self._prepared_staging_area().begin_dump(ids.check_id(checkpoint_id))
+            return self.staging_area().begin_dump(ids.check_id(checkpoint_id))
         except OSError as exc:
             raise translate_os_error(exc, "creating the staging directory") from exc
 
@@ -277,70 +250,6 @@ class Store:
         path = self.logs_root / ids.check_id(checkpoint_id)
         make_private_dir(path)
         return path
-
-    def _prepared_staging_area(self) -> StagingArea:
-        """The staging area, its directory made when it is the store's own tmp/."""
-        area = self.staging_area()
-        if area.base == self.tmp_dir:
-            make_private_dir(area.base)
-        return area
-
-    # ---- objects, layout and verification (objects.py, ingest.py, materialize.py, verify.py) ----
-
-    @staticmethod
-    def object_name(digest: str, codec: str) -> str:
-        return object_name(digest, codec)
-
-    def find_object(self, digest: str) -> tuple[str, str] | None:
-        """(blob name, codec) of the object holding that content, or None."""
-        return self.objects.find(digest)
-
-    def ingest(self, staging: DumpStaging, codec: str, reporter: Reporter = NullReporter(),
-               complete_page_lists: ingest_module.CompletePageLists | None = None,
-               earlier: dict | None = None) -> tuple[list[FileEntry], int, IngestStats]:
-        """Moves every image file of the staging area into the store, durably (see ingest.ingest)."""
-        return ingest_module.ingest(self.objects, staging, codec, reporter, complete_page_lists, earlier)
-
-    def load_page_list(self, entry: FileEntry) -> bytes:
-        return self.objects.load_page_list(entry)
-
-    def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False,
-                    holes: Sequence[tuple[int, int]] = ()) -> list[int] | None:
-        """Checks one image (writing it to dest if given); see Objects.check_entry."""
-        return self.objects.check_entry(entry, dest, thorough, holes)
-
-    def materialize_parent(self, manifest: Manifest, dest: Path) -> None:
-        """Lays out a checkpoint as the parent images of a dirty-tracking dump (see
-        materialize.materialize_parent)."""
-        materialize_module.materialize_parent(self.objects, manifest, dest)
-
-    def materialize(self, manifest: Manifest, reporter: Reporter = NullReporter(), skip_pages: bool = False,
-                    before_pages: Callable[[Path], None] | None = None) -> Path:
-        """Writes the checkpoint's images into a fresh restore-* directory, verifying each.
-
-        skip_pages leaves out the page data (for inspection, which needs only the metadata).
-        before_pages(directory) is called once every other image is written, before the pages
-        images (the bulk): a restore checks the host there, and what it raises ends the layout."""
-        def no_holes(directory: Path) -> dict[str, list[tuple[int, int]]]:
-            if before_pages is not None:
-                before_pages(directory)
-            return {}
-
-        area = self._prepared_staging_area()
-        return materialize_module.materialize(self.objects, area, manifest, reporter, skip_pages, no_holes)[0]
-
-    def materialize_lazily(self, manifest: Manifest, holes_for: materialize_module.HolesFor,
-                           reporter: Reporter = NullReporter()) -> tuple[Path, dict[str, list[int]]]:
-        """Like materialize, for a lazy restore: holes_for(directory), called once every image
-        but the pages images is written, names per pages image the page ranges a page server
-        is to serve; they are verified but left out. Returns the directory and, per pages
-        image, the location of each page (what the page server reads)."""
-        area = self._prepared_staging_area()
-        return materialize_module.materialize(self.objects, area, manifest, reporter, False, holes_for)
-
-    def verify(self, manifest: Manifest, reporter: Reporter = NullReporter()) -> list[str]:
-        """Recomputes every file's hash. Returns the problems found (empty: the checkpoint is intact)."""
-        return verify_checkpoint(self.objects, manifest, reporter)
 
     # ---- the newest checkpoint of a target -------------------------------------------------
 
@@ -386,11 +295,3 @@ class Store:
         """Removes restore directories too: only under the exclusive lock (restores hold the shared one)."""
         for area in self._staging_areas():
             area.sweep(restores=True)
-
-    def iter_object_bytes(self) -> Iterator[int]:
-        """The size of each object, pack and index file."""
-        return self.objects.iter_sizes()
-
-    def total_bytes(self) -> int:
-        return self.objects.total_bytes()
-

@@ -32,6 +32,7 @@ from ckpt.reporting import Reporter
 from ckpt.store.backends import BlobExists, BlobNotFound, BlobStream
 from ckpt.store.blocks.blockstore import KEY, PackWriter, page_ids
 from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, PAGE
+from ckpt.store.objects import object_name
 from ckpt.store.repository import STORE_META, Manifest, Store
 
 BATCH_PAGES = 2048  # pages read, hashed and looked up at a time (8 MiB)
@@ -109,7 +110,7 @@ class CheckpointCopier:
         try:
             for entry in manifest.files:
                 if entry.kind == "pages":
-                    src_list = self.source.load_page_list(entry)
+                    src_list = self.source.objects.load_page_list(entry)
                     dest_list = self._pages(entry.name, src_list, translation, pack, in_pack,
                                             result, lambda n, base=done: self.reporter.progress(
                                                 base + n * PAGE, total, f"copying {checkpoint_id}"))
@@ -139,8 +140,8 @@ class CheckpointCopier:
         """Stores the page list (in the destination's ids) unless the destination has it; returns
         what its manifest entry then says of it."""
         digest = blake3.blake3(dest_list).hexdigest()
-        if self.dest.find_object(digest) is None:
-            self.dest.backend.put(Store.object_name(digest, "none"), dest_list)
+        if self.dest.objects.find(digest) is None:
+            self.dest.backend.put(object_name(digest, "none"), dest_list)
             result.bytes_sent += len(dest_list)
             result.objects_sent += 1
         return {"hash": digest, "stored_size": len(dest_list)}
@@ -162,9 +163,9 @@ class CheckpointCopier:
     def _object(self, image: str, digest: str) -> int:
         """Copies one object unless the destination has it; returns the bytes sent. Its content
         is checked against its hash on the way: damage is not spread to the copy."""
-        if self.dest.find_object(digest) is not None:
+        if self.dest.objects.find(digest) is not None:
             return 0
-        found = self.source.find_object(digest)
+        found = self.source.objects.find(digest)
         if found is None:
             raise DamagedCheckpoint(f"image {image}: object {digest[:16]}… is missing from the source store")
         name, codec = found
@@ -209,8 +210,8 @@ class CheckpointCopier:
                 for entry in theirs.files:
                     if entry.kind != "pages" or entry.name not in dest_files:
                         continue
-                    src_list = self.source.load_page_list(entry)
-                    dest_list = self.dest.load_page_list(dest_files[entry.name])
+                    src_list = self.source.objects.load_page_list(entry)
+                    dest_list = self.dest.objects.load_page_list(dest_files[entry.name])
                     if len(src_list) == len(dest_list):
                         pairs.update(zip(_ids(src_list), _ids(dest_list), strict=True))
                 return pairs

@@ -15,6 +15,7 @@ import pytest
 from ckpt.commands.dump import DumpRequest, DumpSession
 from ckpt.errors import CriuFailed, DumpAborted, StoreBusy, UsageError
 from ckpt.store import Store, ids
+from ckpt.store.verify import verify
 from tests.commands.fakes_dump import PAGE, FakeCriu, alive, end, pages, start_target
 from tests.helpers import env_settings
 
@@ -61,10 +62,10 @@ def test_the_phases_in_a_row_commit_the_pages_criu_dumped(store, target, setting
     assert manifest.name == "web" and manifest.pid == target.pid and manifest.stats["pages"] == 8
     assert criu.notified == ["pre-dump", "post-dump"]
     assert alive(target.pid), "a dump without --stop leaves the tree running"
-    assert store.verify(manifest) == []
+    assert verify(store.objects, manifest) == []
     out = tmp_path / "pages-1.img"
     entry = next(e for e in manifest.files if e.name == "pages-1.img")
-    store.blocks.write_image(entry.name, store.load_page_list(entry), out, check_ids=True)
+    store.blocks.write_image(entry.name, store.objects.load_page_list(entry), out, check_ids=True)
     assert out.read_bytes() == criu.memory
     assert_nothing_left(store, staged)
 
@@ -174,7 +175,7 @@ def test_a_next_dump_streams_its_pages_and_keeps_only_those_that_changed(store, 
     assert (manifest.stats["pages"], manifest.stats["pages_new"]) == (8, 1)
     out = tmp_path / "pages-1.img"
     entry = next(e for e in manifest.files if e.name == "pages-1.img")
-    store.blocks.write_image(entry.name, store.load_page_list(entry), out, check_ids=True)
+    store.blocks.write_image(entry.name, store.objects.load_page_list(entry), out, check_ids=True)
     assert out.read_bytes() == criu.memory
 
 

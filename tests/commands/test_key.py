@@ -5,7 +5,7 @@ import pytest
 
 from ckpt.commands import key
 from ckpt.errors import KeyNotFound, UsageError
-from ckpt.store import Store, keys
+from ckpt.store import Store, keys, opening
 from ckpt.store.backends.memory import MemoryBackend
 from tests.commands.conftest import Checkpoints
 
@@ -30,7 +30,7 @@ def test_an_added_password_opens_the_same_data(encrypted, tmp_path):
     added = key.add_key(encrypted, b"second password")
     listed = {row["id"]: row["current"] for row in key.list_keys(encrypted)}
     assert listed[added] is False and sorted(listed.values()) == [False, True]
-    inner = encrypted.encryption.inner
+    inner = opening.find_encryption(encrypted.backend).inner
     reopened = Store(encrypted.root, keys.unlock(inner, b"second password"), location="memory://encrypted")
     assert reopened.load(made.id).files == made.files
     assert not any(b'"web"' in inner.get(info.name) for info in inner.list("")), "a manifest stored in clear"
@@ -52,7 +52,7 @@ def test_the_key_in_use_and_the_last_key_are_never_removed(encrypted):
 def test_a_changed_password_replaces_the_old_one(encrypted):
     new_id = key.change_password(encrypted, b"new password")
     assert [(row["id"], row["current"]) for row in key.list_keys(encrypted)] == [(new_id, True)]
-    inner = encrypted.encryption.inner
+    inner = opening.find_encryption(encrypted.backend).inner
     keys.unlock(inner, b"new password")
     with pytest.raises(Exception, match="password"):
         keys.unlock(inner, b"first password")

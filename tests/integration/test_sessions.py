@@ -13,6 +13,7 @@ import pytest
 
 from ckpt.commands.dump import DumpRequest, DumpSession
 from ckpt.store import Store
+from ckpt.store.verify import verify
 from tests.helpers import env_settings, ckpt_json, read_lines, state, wait_until
 
 pytestmark = pytest.mark.integration
@@ -57,7 +58,7 @@ def test_a_session_aborted_after_any_phase_leaves_the_target_running_and_nothing
         session.abort()  # after the commit: the checkpoint stays, the rest is cleaned up
     assert [c["id"] for c in ckpt_json("list")] == [manifest.id]
     assert staged(isolated_env) == []
-    assert Store.open(isolated_env, settings=env_settings()).verify(manifest) == []
+    assert verify(Store.open(isolated_env, settings=env_settings()).objects, manifest) == []
 
 
 def test_an_exception_inside_the_session_aborts_it(procs, tmp_path, isolated_env):

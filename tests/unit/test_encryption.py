@@ -15,7 +15,8 @@ from ckpt.store.backends.encrypted import CHUNK, HEADER_LEN, TAG_LEN, EncryptedB
 from ckpt.store.keys import (KdfParams, add_key, change_password, initialize, is_encrypted, list_keys, remove_key,
                              unlock)
 from ckpt.store.prune import collect_garbage
-from tests.unit.test_store import PAGE, fake_dump, flip_byte
+from ckpt.store.verify import verify
+from tests.unit.test_store import PAGE, fake_dump, flip_byte, laid_out
 from tests.helpers import env_settings
 
 MASTER = bytes(range(32))
@@ -314,15 +315,15 @@ def test_a_store_ingests_restores_and_hides_its_data(encrypted_store):
     second = fake_dump(store, {"pages-1.img": pages, "core-1.img": MARKER * 41}, codec="none")
     assert second.bytes_stored < PAGE, "pages dedup through the encryption"
     for m, core in ((first, MARKER * 40), (second, MARKER * 41)):
-        assert store.verify(m) == []
-        dest = store.materialize(m)
+        assert verify(store.objects, m) == []
+        dest = laid_out(store, m)
         assert (dest / "pages-1.img").read_bytes() == pages and (dest / "core-1.img").read_bytes() == core
     for name, data in raw_files(store.root).items():
         if not name.startswith(("tmp/", "logs/")):
             assert MARKER not in data, name
     store.remove([first.id])
     collect_garbage(store)
-    assert store.verify(second) == [] and (store.materialize(second) / "pages-1.img").read_bytes() == pages
+    assert verify(store.objects, second) == [] and (laid_out(store, second) / "pages-1.img").read_bytes() == pages
 
 
 def test_a_tampered_pack_is_a_recorded_damaged_segment_not_a_crash(encrypted_store):
@@ -331,27 +332,27 @@ def test_a_tampered_pack_is_a_recorded_damaged_segment_not_a_crash(encrypted_sto
     first = fake_dump(store, {"pages-1.img": pages}, codec="none")
     (pack,) = [p for p in (store.root / "packs").rglob("*") if p.is_file()]
     flip_byte(pack, HEADER_LEN + 10)  # in the first segment
-    (problem,) = store.verify(first)
+    (problem,) = verify(store.objects, first)
     assert "pages-1.img" in problem and "fails authentication" in problem
     assert [offset for _, offset in store.blocks.damage_markers()] == [0]
     with pytest.raises(DamagedCheckpoint, match="pages-1.img"):
-        store.materialize(first)
+        laid_out(store, first)
     second = fake_dump(store, {"pages-1.img": pages}, codec="none")
     assert second.bytes_stored >= 256 * PAGE, "the damaged segment's pages are stored again"
-    assert store.verify(first) == [] and (store.materialize(first) / "pages-1.img").read_bytes() == pages
+    assert verify(store.objects, first) == [] and (laid_out(store, first) / "pages-1.img").read_bytes() == pages
     collect_garbage(store)  # repacks past the damaged chunk
-    assert store.verify(second) == []
+    assert verify(store.objects, second) == []
 
 
 def test_a_swapped_object_is_damaged_and_healed_by_the_next_dump(encrypted_store):
     store = encrypted_store
     m = fake_dump(store, {"core-1.img": b"a" * 5000, "mm-1.img": b"b" * 5000}, codec="none")
-    core, mm = (Path(store.backend.where(store.find_object(e.hash)[0])) for e in m.files)
+    core, mm = (Path(store.backend.where(store.objects.find(e.hash)[0])) for e in m.files)
     mm.write_bytes(core.read_bytes())
-    (problem,) = store.verify(m)
-    assert store.find_object(m.files[1].hash)[0] in problem and "fails authentication" in problem
+    (problem,) = verify(store.objects, m)
+    assert store.objects.find(m.files[1].hash)[0] in problem and "fails authentication" in problem
     fake_dump(store, {"core-1.img": b"a" * 5000, "mm-1.img": b"b" * 5000}, codec="none")
-    assert store.verify(m) == []
+    assert verify(store.objects, m) == []
 
 
 def test_prune_never_copies_a_live_tampered_segment_and_keeps_its_pack(encrypted_store):
@@ -364,23 +365,24 @@ def test_prune_never_copies_a_live_tampered_segment_and_keeps_its_pack(encrypted
     tail = fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
     (pack,) = [p for p in (store.root / "packs").rglob("*") if p.is_file()]
     flip_byte(pack, pack.stat().st_size - 10 * PAGE)
-    assert store.verify(tail)
+    assert verify(store.objects, tail)
     store.remove([whole.id])
     collect_garbage(store)
     assert pack.exists(), "the pack holding the only copy of a live segment was deleted"
     assert [p for p in (store.root / "packs").rglob("*") if p.is_file()] == [pack], "something was repacked"
     (marker,) = store.blocks.damage_markers()
-    assert store.verify(tail), "still damaged where it was"
+    assert verify(store.objects, tail), "still damaged where it was"
     fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
-    assert store.verify(tail) == [], "healed by a dump of the same pages"
+    assert verify(store.objects, tail) == [], "healed by a dump of the same pages"
 
 
 # ---- opening an encrypted store, and its keyring ----------------------------------------------
 
 def test_an_encrypted_store_opens_with_a_password_source_and_manages_its_keys(tmp_path):
-    """The seams of ckpt/store/opening.py and Store.keyring: no CKPT_* variable steers them."""
+    """The seams of ckpt/store/opening.py and Keyring: no CKPT_* variable steers them."""
     from ckpt.settings import Settings
     from ckpt.store import opening
+    from ckpt.store.keys import Keyring
     from ckpt.store.password import PasswordSource
 
     root = tmp_path / "store"
@@ -392,8 +394,8 @@ def test_an_encrypted_store_opens_with_a_password_source_and_manages_its_keys(tm
     with pytest.raises(WrongPassword):
         opening.open_store(root, passed, PasswordSource("two"))
     store = Store.open(root, settings=passed, passwords=PasswordSource("one"))
-    keyring = store.keyring
-    assert keyring is not None and [key.id for key in keyring.list()] == [keyring.in_use]
+    keyring = Keyring(opening.find_encryption(store.backend))
+    assert [key.id for key in keyring.list()] == [keyring.in_use]
     first = keyring.in_use
     second = keyring.add(b"two")
     assert {key.id for key in keyring.list()} == {first, second}
@@ -402,6 +404,7 @@ def test_an_encrypted_store_opens_with_a_password_source_and_manages_its_keys(tm
     third = keyring.change_password(b"three")
     assert keyring.in_use == third and {key.id for key in keyring.list()} == {second, third}
     assert keyring.remove(second) == second
-    assert Store.open(root, settings=passed, passwords=PasswordSource("three")).keyring.in_use == third
+    reopened = Store.open(root, settings=passed, passwords=PasswordSource("three"))
+    assert Keyring(opening.find_encryption(reopened.backend)).in_use == third
     plain = Store.open(tmp_path / "plain", create=True, settings=passed, passwords=PasswordSource())
-    assert plain.keyring is None and plain.encryption is None
+    assert opening.find_encryption(plain.backend) is None

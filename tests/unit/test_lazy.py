@@ -12,6 +12,7 @@ from ckpt.criu import lazypages
 from ckpt.errors import DamagedCheckpoint
 from ckpt.restore.lazy import LazyPlan, _StorePages
 from ckpt.store import Store
+from ckpt.store.materialize import materialize_lazily
 from tests.unit.test_store import PAGE, fake_dump, flip_byte
 from tests.helpers import env_settings
 
@@ -25,7 +26,7 @@ def store(tmp_path, monkeypatch):
 
 
 def lazy_materialise(store, manifest, holes):
-    return store.materialize_lazily(manifest, lambda directory: holes)
+    return materialize_lazily(store.objects, store.staging_area(), manifest, lambda directory: holes)
 
 
 @pytest.mark.parametrize("codec", ["zstd", "none"])

@@ -12,7 +12,9 @@ import pytest
 from ckpt.dump.commit import DumpRecord, ingest_and_commit
 from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy, StoreError
 from ckpt.store import Manifest, Store, ids
+from ckpt.store.materialize import materialize, materialize_parent
 from ckpt.store.prune import collect_garbage
+from ckpt.store.verify import verify
 from tests.helpers import env_settings
 
 PAGE = 4096
@@ -59,7 +61,7 @@ def test_round_trip_dedup_and_owner_only(store, codec, tmp_path):
     for path, mode, want in modes(store.root):
         if not path.endswith("lock"):
             assert mode == want, path
-    dest = store.materialize(second)
+    dest = laid_out(store, second)
     assert (dest / "pages-1.img").read_bytes() == big and (dest / "core-1.img").read_bytes() == b"core2"
     assert second.all_pids == [4242, 4243]
 
@@ -83,10 +85,10 @@ def test_remove_never_breaks_a_remaining_checkpoint(store):
     store.remove([a.id])
     removed, freed = collect_garbage(store)
     assert removed == 1  # only a's own "x"
-    assert store.verify(store.load(b.id)) == []
+    assert verify(store.objects, store.load(b.id)) == []
     store.remove([b.id])
     collect_garbage(store)
-    assert list(store.iter_object_bytes()) == []
+    assert list(store.objects.iter_sizes()) == []
 
 
 def test_uncommitted_dump_is_invisible_and_cleaned(store):
@@ -100,6 +102,11 @@ def test_uncommitted_dump_is_invisible_and_cleaned(store):
     assert list(store.tmp_dir.iterdir()) == []
 
 
+def laid_out(store: Store, manifest: Manifest):
+    """The checkpoint's images in a fresh directory of the store's staging area, as a restore lays them out."""
+    return materialize(store.objects, store.staging_area(), manifest)
+
+
 def flip_byte(path, at):
     data = bytearray(path.read_bytes())
     data[at] ^= 1
@@ -109,11 +116,11 @@ def flip_byte(path, at):
 def test_damage_is_detected_and_named(store):
     m = fake_dump(store, {"pages-1.img": os.urandom(PAGE * 12), "core-1.img": b"c" * 5000}, codec="none")
     core = next(e for e in m.files if e.name == "core-1.img")
-    flip_byte(store.root / store.find_object(core.hash)[0], 100)
-    problems = store.verify(m)
+    flip_byte(store.root / store.objects.find(core.hash)[0], 100)
+    problems = verify(store.objects, m)
     assert len(problems) == 1 and "core-1.img" in problems[0]
     with pytest.raises(DamagedCheckpoint, match="core-1.img"):
-        store.materialize(m)
+        laid_out(store, m)
     assert list(store.tmp_dir.glob("restore-*")) == []
 
 
@@ -121,10 +128,10 @@ def test_damaged_pack_is_detected(store):
     m = fake_dump(store, {"pages-1.img": os.urandom(PAGE * 12)}, codec="zstd")
     (pack,) = list((store.root / "packs").glob("*/*"))
     flip_byte(pack, PAGE * 5)
-    problems = store.verify(m)
+    problems = verify(store.objects, m)
     assert len(problems) == 1 and "damaged" in problems[0] and "pages-1.img" in problems[0]
     with pytest.raises(DamagedCheckpoint):
-        store.materialize(m)
+        laid_out(store, m)
 
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])
@@ -133,15 +140,15 @@ def test_damaged_or_truncated_pack_is_refused_whatever_the_codec(store, codec, d
     """Uncompressed segments are copied by the kernel: their checksum is still checked first."""
     data = os.urandom(PAGE * 300) if codec == "none" else bytes(PAGE * 150) + os.urandom(PAGE * 150)
     m = fake_dump(store, {"pages-1.img": data}, codec=codec)
-    assert store.materialize(m).joinpath("pages-1.img").read_bytes() == data
+    assert laid_out(store, m).joinpath("pages-1.img").read_bytes() == data
     (pack,) = list((store.root / "packs").glob("*/*"))  # half compresses: not adopted as it is
     if damage == "flip":
         flip_byte(pack, pack.stat().st_size - PAGE)
     else:
         os.truncate(pack, pack.stat().st_size - 100)
-    assert store.verify(m)
+    assert verify(store.objects, m)
     with pytest.raises(DamagedCheckpoint, match="pages-1.img"):
-        store.materialize(m)
+        laid_out(store, m)
 
 
 def test_pages_dedup_even_when_mappings_move(store):
@@ -154,7 +161,7 @@ def test_pages_dedup_even_when_mappings_move(store):
     second = fake_dump(store, {"pages-1.img": b"".join(moved)}, codec="none")
     page_list_bytes = 65 * 16
     assert second.bytes_stored == 2 * PAGE + page_list_bytes
-    dest = store.materialize(second)
+    dest = laid_out(store, second)
     assert (dest / "pages-1.img").read_bytes() == b"".join(moved)
 
 
@@ -168,12 +175,12 @@ def test_prune_repacks_and_keeps_every_remaining_checkpoint(store):
         made.append((fake_dump(store, {"pages-1.img": b"".join(pages), "core-1.img": bytes([k]) * 100},
                                codec="zstd"), b"".join(pages)))
     store.remove([m.id for m, _ in made[:4]])
-    before = store.total_bytes()
+    before = store.objects.total_bytes()
     removed, freed = collect_garbage(store)
-    assert removed > 0 and freed > 0 and store.total_bytes() < before
+    assert removed > 0 and freed > 0 and store.objects.total_bytes() < before
     for m, content in made[4:]:
-        assert store.verify(m) == []
-        dest = store.materialize(m)
+        assert verify(store.objects, m) == []
+        dest = laid_out(store, m)
         assert (dest / "pages-1.img").read_bytes() == content
     assert len(store.blocks.index_file_names()) == 1
     # A second prune finds nothing more to do.
@@ -185,6 +192,20 @@ def test_manifest_is_json_with_format_first(store):
     m = fake_dump(store, {"a": b"1"})
     data = json.loads((store.root / store.manifest_name(m.id)).read_text())
     assert list(data)[:2] == ["format", "id"] and data["format"] == 2
+
+
+@pytest.mark.parametrize("content", [b"[]", b"3", b'"a manifest"', b"null", b'{"format": "two", "files": []}',
+                                     b'{"id": "x", "files": [3]}'])
+def test_a_manifest_that_is_valid_json_but_no_manifest_is_a_damaged_checkpoint(store, content):
+    """Valid JSON that is not a manifest object is damage like any unreadable manifest: the
+    checkpoint is named, `list` and the others go on (it was an AttributeError, an internal error)."""
+    good = fake_dump(store, {"a": b"1"})
+    bad = fake_dump(store, {"a": b"2"})
+    (store.root / store.manifest_name(bad.id)).write_bytes(content)
+    with pytest.raises(DamagedCheckpoint, match=f"checkpoint {bad.id}: manifest .* is not a manifest"):
+        store.load(bad.id)
+    damaged = []
+    assert [m.id for m in store.manifests(lambda i, e: damaged.append(i))] == [good.id] and damaged == [bad.id]
 
 
 def test_exclusive_lock_waits_and_names_holder(store, tmp_path):
@@ -242,22 +263,22 @@ def test_a_damaged_object_is_replaced_by_the_next_dump_that_holds_it(store, code
     core = os.urandom(3000) * 3  # compressible: stored as zstd when asked
     first = fake_dump(store, {"core-1.img": core, "pages-1.img": os.urandom(PAGE * 4)}, codec=codec)
     entry = next(e for e in first.files if e.name == "core-1.img")
-    flip_byte(store.root / store.find_object(entry.hash)[0], 50)
-    assert store.verify(first), "the damage must be seen"
+    flip_byte(store.root / store.objects.find(entry.hash)[0], 50)
+    assert verify(store.objects, first), "the damage must be seen"
     second = fake_dump(store, {"core-1.img": core, "pages-1.img": os.urandom(PAGE * 4)}, codec=codec)
     assert second.bytes_stored > len(core) // 10, "the damaged object must be stored again"
-    assert store.verify(second) == []
-    assert store.verify(first) == [], "replacing the object heals the older checkpoint too"
-    assert (store.materialize(first) / "core-1.img").read_bytes() == core
+    assert verify(store.objects, second) == []
+    assert verify(store.objects, first) == [], "replacing the object heals the older checkpoint too"
+    assert (laid_out(store, first) / "core-1.img").read_bytes() == core
 
 
 def test_a_damaged_page_list_is_replaced_by_the_next_dump_with_the_same_pages(store):
     pages = os.urandom(PAGE * 8)
     first = fake_dump(store, {"pages-1.img": pages, "core-1.img": b"a"}, codec="none")
     entry = next(e for e in first.files if e.kind == "pages")
-    flip_byte(store.root / store.find_object(entry.hash)[0], 3)
+    flip_byte(store.root / store.objects.find(entry.hash)[0], 3)
     second = fake_dump(store, {"pages-1.img": pages, "core-1.img": b"b"}, codec="none")
-    assert store.verify(second) == [] and store.verify(first) == []
+    assert verify(store.objects, second) == [] and verify(store.objects, first) == []
 
 
 @pytest.mark.parametrize("codec", ["zstd", "none"])
@@ -266,17 +287,17 @@ def test_a_damaged_segment_once_seen_is_stored_again_and_prune_drops_it(store, c
     first = fake_dump(store, {"pages-1.img": pages}, codec=codec)
     (pack,) = list((store.root / "packs").glob("*/*"))
     flip_byte(pack, pack.stat().st_size - 10)
-    assert store.verify(first), "verify finds the damage"
+    assert verify(store.objects, first), "verify finds the damage"
     assert store.blocks.damage_markers(), "and records it"
     second = fake_dump(store, {"pages-1.img": pages}, codec=codec)
     assert second.bytes_stored > PAGE, "pages known only from a damaged segment are stored again"
-    assert store.verify(second) == []
-    assert store.verify(first) == [], "the older checkpoint reads the healthy copy"
+    assert verify(store.objects, second) == []
+    assert verify(store.objects, first) == [], "the older checkpoint reads the healthy copy"
     collect_garbage(store)
     assert not pack.exists(), "the damaged segment was dead: its pack is gone"
     assert store.blocks.damage_markers() == []
     for m in (first, second):
-        assert (store.materialize(m) / "pages-1.img").read_bytes() == pages
+        assert (laid_out(store, m) / "pages-1.img").read_bytes() == pages
     # Without a record of the damage, a dump reuses pages as it always did.
     assert fake_dump(store, {"pages-1.img": pages}, codec=codec).bytes_stored < PAGE
 
@@ -287,7 +308,7 @@ def test_verify_records_every_damaged_segment_not_just_the_first(store):
     (pack,) = list((store.root / "packs").glob("*/*"))
     flip_byte(pack, 10 * PAGE)  # two flips in one pack: segments 0 and 2
     flip_byte(pack, 590 * PAGE)
-    (problem,) = store.verify(first)
+    (problem,) = verify(store.objects, first)
     assert "pages-1.img" in problem and "1 more damaged segment" in problem
     assert sorted(offset for _, offset in store.blocks.damage_markers()) == [0, 512 * PAGE]
 
@@ -297,10 +318,10 @@ def test_verify_records_every_segment_of_a_truncated_pack(store):
     first = fake_dump(store, {"pages-1.img": pages}, codec="none")
     (pack,) = list((store.root / "packs").glob("*/*"))
     os.truncate(pack, pack.stat().st_size // 2)  # cuts segment 1 and all of segment 2 off
-    assert store.verify(first)
+    assert verify(store.objects, first)
     assert sorted(offset for _, offset in store.blocks.damage_markers()) == [256 * PAGE, 512 * PAGE]
     second = fake_dump(store, {"pages-1.img": pages}, codec="none")
-    assert store.verify(second) == [] and store.verify(first) == []
+    assert verify(store.objects, second) == [] and verify(store.objects, first) == []
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
@@ -318,7 +339,7 @@ def test_a_dump_checks_the_segments_it_would_reuse_in_a_pack_with_recorded_damag
     else:
         flip_byte(pack, 10 * PAGE)
         os.truncate(pack, 300 * PAGE)
-    assert store.verify(part)
+    assert verify(store.objects, part)
     assert [offset for _, offset in store.blocks.damage_markers()] == [0], "verify met only segment 0"
     store.blocks.forget_index()  # as a new command sees the store
     again = fake_dump(store, {"pages-1.img": shared + own}, codec="none")
@@ -328,10 +349,10 @@ def test_a_dump_checks_the_segments_it_would_reuse_in_a_pack_with_recorded_damag
     else:  # segment 1 cut short, segment 2 past the end
         assert sorted(offset for _, offset in store.blocks.damage_markers()) == [0, 256 * PAGE, 512 * PAGE]
         assert again.bytes_stored >= PAGE * 556
-    assert store.verify(again) == []
+    assert verify(store.objects, again) == []
     for m in (both, part, again):
-        assert store.verify(m) == [], "older checkpoints read the fresh copies"
-        assert (store.materialize(m) / "pages-1.img").read_bytes() == (shared if m is part else shared + own)
+        assert verify(store.objects, m) == [], "older checkpoints read the fresh copies"
+        assert (laid_out(store, m) / "pages-1.img").read_bytes() == (shared if m is part else shared + own)
     collect_garbage(store)
     assert not pack.exists() and store.blocks.damage_markers() == []
 
@@ -366,7 +387,7 @@ def test_prune_without_room_to_repack_still_drops_what_is_dead(store, monkeypatc
     assert [p for p in (store.root / "packs").glob("*/*")] == [old_pack], \
         "the pack to repack stays, the dead one and the half-written copy are gone"
     assert len(store.blocks.index_file_names()) == 1
-    assert (store.materialize(tail) / "pages-1.img").read_bytes() == b"".join(pages[256:])
+    assert (laid_out(store, tail) / "pages-1.img").read_bytes() == b"".join(pages[256:])
 
 
 def test_a_damaged_segment_is_never_repacked_and_keeps_its_pack(store):
@@ -377,28 +398,28 @@ def test_a_damaged_segment_is_never_repacked_and_keeps_its_pack(store):
     tail = fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
     (pack,) = list((store.root / "packs").glob("*/*"))
     flip_byte(pack, 280 * PAGE)
-    assert store.verify(tail)
+    assert verify(store.objects, tail)
     store.remove([whole.id])
     collect_garbage(store)  # the 256-page segment is dead, the damaged one live: the pack stays
     assert list((store.root / "packs").glob("*/*")) == [pack]
     (marker,) = store.blocks.damage_markers()
     assert marker == (pack.name, 256 * PAGE)
-    assert store.verify(tail), "still damaged where it was"
+    assert verify(store.objects, tail), "still damaged where it was"
     fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="none")
-    assert store.verify(tail) == [], "healed by a dump of the same pages"
+    assert verify(store.objects, tail) == [], "healed by a dump of the same pages"
 
 
 def test_a_parent_with_pages_recorded_damaged_is_not_used(store, tmp_path):
     pages = os.urandom(PAGE * 8)
     parent = fake_dump(store, {"pages-1.img": pages, "pagemap-1.img": b"pm", "inventory.img": b"inv"},
                        codec="none")
-    store.materialize_parent(parent, tmp_path / "ok")
+    materialize_parent(store.objects, parent, tmp_path / "ok")
     assert (tmp_path / "ok" / "pagemap-1.img").read_bytes() == b"pm"
     (pack,) = list((store.root / "packs").glob("*/*"))
     flip_byte(pack, 100)
-    assert store.verify(parent)
+    assert verify(store.objects, parent)
     with pytest.raises(DamagedCheckpoint, match="recorded as damaged"):
-        store.materialize_parent(parent, tmp_path / "damaged")
+        materialize_parent(store.objects, parent, tmp_path / "damaged")
 
 
 def test_a_parent_in_a_pack_with_recorded_damage_is_checked_before_it_is_used(store, tmp_path):
@@ -412,10 +433,10 @@ def test_a_parent_in_a_pack_with_recorded_damage_is_checked_before_it_is_used(st
     (pack,) = list((store.root / "packs").glob("*/*"))
     flip_byte(pack, 100)
     flip_byte(pack, 260 * PAGE)
-    assert store.verify(other)  # records segment 0 only: `parent` names none of its pages
+    assert verify(store.objects, other)  # records segment 0 only: `parent` names none of its pages
     store.blocks.forget_index()
     with pytest.raises(DamagedCheckpoint, match="recorded as damaged"):
-        store.materialize_parent(parent, tmp_path / "parent")
+        materialize_parent(store.objects, parent, tmp_path / "parent")
 
 
 def test_a_damaged_index_file_is_named_healed_by_the_next_dump_and_stops_prune(store):
@@ -424,18 +445,19 @@ def test_a_damaged_index_file_is_named_healed_by_the_next_dump_and_stops_prune(s
     (index_file,) = list((store.root / "index").iterdir())
     flip_byte(index_file, index_file.stat().st_size - 3)  # in the last entry: a page's place
     store.blocks.forget_index()
-    (problem,) = store.verify(first)
+    (problem,) = verify(store.objects, first)
     assert "missing from the store" in problem and index_file.name in problem and "damaged" in problem
     with pytest.raises(StoreError, match="index file .* is damaged"):
         collect_garbage(store)
     second = fake_dump(store, {"pages-1.img": pages}, codec="none")
     assert second.bytes_stored >= 30 * PAGE, "pages named only by the damaged index are stored again"
-    assert store.verify(second) == [] and store.verify(first) == [], "and the first checkpoint is whole again"
+    assert verify(store.objects, second) == [] and verify(store.objects, first) == [], \
+        "and the first checkpoint is whole again"
     index_file.unlink()  # what prune's hint says to do
     store.blocks.forget_index()  # as a new command would see the store
     collect_garbage(store)
     for m in (first, second):
-        assert (store.materialize(m) / "pages-1.img").read_bytes() == pages
+        assert (laid_out(store, m) / "pages-1.img").read_bytes() == pages
 
 
 def test_a_second_checkpoint_never_replaces_one_with_the_same_id(store):
@@ -443,7 +465,7 @@ def test_a_second_checkpoint_never_replaces_one_with_the_same_id(store):
     twin = Manifest(id=first.id, created=first.created, pid=1, command="twin", processes=[], files=[])
     with pytest.raises(StoreError, match="already exists"):
         store.commit(twin)
-    assert store.load(first.id).command == "x" and store.verify(store.load(first.id)) == []
+    assert store.load(first.id).command == "x" and verify(store.objects, store.load(first.id)) == []
     assert [p.name for p in (store.root / "checkpoints").iterdir()] == [f"{first.id}.json"]
 
 
@@ -493,7 +515,7 @@ def test_a_dump_looks_up_only_pages_not_at_their_address_in_its_pids_newest_chec
                                "pagemap-10.img": (staging / "pagemap-10.img").read_bytes()}, pid=10, earlier=earlier)
     assert searched[-1] == 4, "only the new heap pages and the rewritten ones are looked up"
     assert second.bytes_stored < 8 * PAGE, "only those 4 pages (and the page list) are stored"
-    assert (store.materialize(second) / "pages-1.img").read_bytes() == bytes(pages)
+    assert (laid_out(store, second) / "pages-1.img").read_bytes() == bytes(pages)
 
 
 def test_an_earlier_checkpoint_that_cannot_be_read_only_costs_a_lookup(store, monkeypatch, tmp_path):
@@ -503,7 +525,7 @@ def test_an_earlier_checkpoint_that_cannot_be_read_only_costs_a_lookup(store, mo
     pages = os.urandom(32 * PAGE)
     pagemap = pagemap_bytes(tmp_path, 1, [(0x10000, 32)])
     first = fake_dump(store, {"pages-1.img": pages, "pagemap-10.img": pagemap}, pid=10)
-    page_list = store.root / store.find_object(next(e for e in first.files if e.kind == "pages").hash)[0]
+    page_list = store.root / store.objects.find(next(e for e in first.files if e.kind == "pages").hash)[0]
     os.chmod(page_list, 0o600)
     page_list.write_bytes(b"\xff" * page_list.stat().st_size)
     staging = tmp_path / "images"
@@ -512,7 +534,7 @@ def test_an_earlier_checkpoint_that_cannot_be_read_only_costs_a_lookup(store, mo
     assert unchanged.EarlierCheckpoint(first, store, tmp_path / "scratch").pieces(staging) == {}
     second = fake_dump(store, {"pages-1.img": pages, "pagemap-10.img": pagemap}, pid=10, earlier={})
     assert searched[-1] == 32
-    assert (store.materialize(second) / "pages-1.img").read_bytes() == pages
+    assert (laid_out(store, second) / "pages-1.img").read_bytes() == pages
 
 
 @pytest.mark.parametrize("now_runs,want", [
@@ -555,8 +577,8 @@ def test_an_image_of_pages_that_do_not_compress_becomes_the_pack_as_it_is(store)
     packs = sorted((store.root / "packs").glob("*/*"), key=lambda p: p.stat().st_size)
     assert len(packs) == 2 and packs[-1].read_bytes() == data  # the image itself
     assert packs[0].stat().st_size < 120 * PAGE  # the zeros compressed, the rest as is
-    assert store.verify(m) == []
-    dest = store.materialize(m)
+    assert verify(store.objects, m) == []
+    dest = laid_out(store, m)
     assert (dest / "pages-1.img").read_bytes() == data
     # Pages repeated within the image are named once; the copies are bytes no segment names.
     again = fake_dump(store, {"pages-1.img": data[:PAGE * 500] * 2})
@@ -579,7 +601,7 @@ def test_prune_counts_the_bytes_of_an_adopted_image_no_segment_names(store):
         collect_garbage(store)
     (repacked,) = list((store.root / "packs").glob("*/*"))
     assert repacked.stat().st_size == 750 * PAGE
-    assert (store.materialize(m) / "pages-1.img").read_bytes() == image
+    assert (laid_out(store, m) / "pages-1.img").read_bytes() == image
 
 
 def test_prune_dry_run_changes_nothing_not_even_staging_leftovers(store):
@@ -610,7 +632,7 @@ def test_a_segment_recorded_damaged_whose_checksum_passes_is_not_repacked(store,
     whole = fake_dump(store, {"pages-1.img": b"".join(pages)}, codec="zstd")
     monkeypatch.setattr(blockstore._Encoders, "encode", encode)
     tail = fake_dump(store, {"pages-1.img": b"".join(pages[256:])}, codec="zstd")
-    assert "cannot be decoded" in store.verify(tail)[0]
+    assert "cannot be decoded" in verify(store.objects, tail)[0]
     (marker,) = store.blocks.damage_markers()
     store.remove([whole.id])
     collect_garbage(store)
@@ -618,4 +640,4 @@ def test_a_segment_recorded_damaged_whose_checksum_passes_is_not_repacked(store,
     assert reopened.blocks.damage_markers() == [marker], "the record of the damage was lost"
     again = fake_dump(reopened, {"pages-1.img": b"".join(pages[256:])}, codec="zstd")
     assert again.bytes_stored > 0, "a dump named the broken segment's pages again"
-    assert Store.open(store.root, settings=env_settings()).verify(again) == []
+    assert verify(Store.open(store.root, settings=env_settings()).objects, again) == []

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ckpt.errors import CheckpointNotFound, PermissionProblem, StoreError, UsageError
-from ckpt.store import Store
+from ckpt.store import Store, opening
 from ckpt.store import staging as staging_module
 from ckpt.store.staging import StagingArea
 from tests.helpers import env_settings, ROOT
@@ -109,14 +109,14 @@ def test_an_existing_cache_root_others_can_write_is_refused_not_chmoded(tmp_path
     os.chmod(chosen, 0o777)
     monkeypatch.setenv("CKPT_CACHE", str(chosen))
     with pytest.raises(PermissionProblem, match="writable by others") as info:
-        Store.local_side("s3://bucket/prefix", settings=env_settings())
+        opening.local_side("s3://bucket/prefix", env_settings().cache)
     assert f"chmod 700 {chosen}, or choose another CKPT_CACHE" in str(info.value)
     assert "\n" not in str(info.value)
     assert os.lstat(chosen).st_mode & 0o7777 == 0o777, "an existing cache root is only checked"
     assert os.listdir(chosen) == []
     made = tmp_path / "a" / "cache"
     monkeypatch.setenv("CKPT_CACHE", str(made))
-    local = Store.local_side("s3://bucket/prefix", settings=env_settings())
+    local = opening.local_side("s3://bucket/prefix", env_settings().cache)
     assert local.is_dir() and os.lstat(made).st_mode & 0o7777 == 0o700
 
 
@@ -267,13 +267,9 @@ def test_a_dev_shm_without_the_sticky_bit_is_not_used_for_staging(tmp_path, monk
 
 def test_the_local_side_of_a_remote_store_is_under_the_cache_passed_in(tmp_path, monkeypatch):
     """Opening takes its settings as arguments (ckpt/store/opening.py): CKPT_CACHE is not read."""
-    from ckpt.settings import Settings
-    from ckpt.store import opening
-
     monkeypatch.setenv("CKPT_CACHE", str(tmp_path / "not-this-one"))
     local = opening.local_side("s3://bucket/prefix", tmp_path / "cache")
     assert local.parent.parent == tmp_path / "cache" and (local / "url").read_text() == "s3://bucket/prefix\n"
     assert sorted(p.name for p in local.iterdir()) == ["logs", "schedules", "tmp", "url"]
-    assert Store.local_side("s3://bucket/prefix", settings=Settings(cache=tmp_path / "cache")) == local
     assert opening.local_dir(tmp_path / "store", tmp_path / "cache") == tmp_path / "store"
     assert not (tmp_path / "not-this-one").exists()
