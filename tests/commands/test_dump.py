@@ -95,12 +95,14 @@ def test_an_abort_after_any_phase_commits_nothing_and_leaves_nothing_behind(stor
     assert len(store.checkpoint_ids()) == 1
 
 
-def test_a_criu_failure_during_capture_aborts_the_dump(store, target, settings):
+@pytest.mark.parametrize("capture", ["capture", "capture_frozen"])
+def test_a_criu_failure_during_capture_aborts_the_dump(store, target, settings, capture):
+    """capture_frozen() raises CRIU's failure too when it comes before the hold."""
     criu = FakeCriu(fail_dump=True)
     with pytest.raises(CriuFailed), session(store, target.pid, criu, settings) as dump:
         dump.prepare()
         staged = [dump.staging.root]
-        dump.capture()
+        getattr(dump, capture)()
     assert criu.notified == ["pre-dump"]
     assert store.checkpoint_ids() == []
     assert_nothing_left(store, staged)
@@ -231,12 +233,3 @@ def test_a_held_stop_dump_commits_first_and_ends_the_tree_only_once_released(sto
         dump.finish()
     assert not alive(target.pid)
 
-
-def test_a_criu_failure_before_the_hold_is_raised_by_capture_frozen(store, target, settings):
-    criu = FakeCriu(fail_dump=True)
-    with pytest.raises(CriuFailed), session(store, target.pid, criu, settings) as dump:
-        dump.prepare()
-        staged = [dump.staging.root]
-        dump.capture_frozen()
-    assert store.checkpoint_ids() == [] and criu.notified == ["pre-dump"]
-    assert_nothing_left(store, staged)
