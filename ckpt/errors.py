@@ -187,9 +187,10 @@ class OutcomeUnknown(CkptError):
     exit_code = ExitCode.ERROR
 
 
-class DumpAborted(CkptError):
-    """A coordinator (a group checkpoint, a migration) aborted a dump while it held the tree
-    frozen, or held it past its limit: CRIU thawed the tree and the dump failed."""
+class SessionAborted(CkptError):
+    """A coordinator (a group checkpoint, a migration) aborted a dump or a restore while it held
+    the tree (frozen and dumped, or restored and not yet running), or held it past its limit:
+    CRIU thawed the dumped tree, or ended the restored one, and the session failed."""
 
     exit_code = ExitCode.ERROR
 

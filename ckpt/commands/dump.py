@@ -7,7 +7,6 @@ the tree is still frozen, so the target is killed only once its checkpoint exist
 
 from __future__ import annotations
 
-import threading
 import time
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, replace
@@ -21,8 +20,7 @@ from ckpt.dump import unchanged
 from ckpt.dump.commit import DumpRecord, ingest_and_commit
 from ckpt.dump.dump_options import DumpOptions
 from ckpt.dump.target_lock import dumping
-from ckpt.errors import (CkptError, DamagedCheckpoint, DumpAborted, ProcessNotFound, StoreBusy, TargetRefused,
-                         UsageError)
+from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, StoreBusy, TargetRefused, UsageError
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore.lazy import wait_for_lazy_restores
@@ -157,7 +155,6 @@ class DumpSession(Session[DumpRequest]):
         self.earlier: unchanged.EarlierCheckpoint | None = None
         self.marks: dict[str, float] = {}  # CRIU's notifications, by when they came
         self.manifest: Manifest | None = None
-        self._hold: _Hold | None = None  # capture_frozen()'s, until release() or abort()
 
     # ---- prepare: nothing frozen --------------------------------------------------------
 
@@ -254,26 +251,11 @@ class DumpSession(Session[DumpRequest]):
         group checkpoint) or acts between the dump and the tree's release (a migration): CRIU
         runs in a thread, and this returns once the tree is frozen and dumped (CRIU's post-dump
         notification; with --stop, the checkpoint is committed by then). The tree stays frozen
-        until release(); abort() instead refuses the notification, and CRIU thaws the tree and
-        fails the dump (a --stop checkpoint already committed stays). After hold_limit seconds
-        the hold ends as an abort would: a coordinator that died must not leave a tree frozen."""
-        hold = self._hold = _Hold(hold_limit)
-        hold.thread = threading.Thread(target=hold.run, args=(self.capture,), name="ckpt-dump", daemon=True)
-        hold.thread.start()
-        while not hold.frozen.wait(0.05):
-            if not hold.thread.is_alive():  # CRIU ended before its post-dump notification
-                self._hold = None
-                hold.thread.join()
-                raise hold.error if hold.error is not None else RuntimeError("CRIU ended without dumping")
-
-    def release(self) -> None:
-        """Lets the tree that capture_frozen() holds go: CRIU thaws it (--stop: ends it)."""
-        hold, self._hold = self._hold, None
-        if hold is None:
-            raise RuntimeError("release without capture_frozen")  # a coordinator's bug, not the user's
-        hold.end(release=True)
-        if hold.error is not None:
-            raise hold.error
+        until release() (CRIU thaws it; --stop: ends it); abort() instead refuses the
+        notification, and CRIU thaws the tree and fails the dump (a --stop checkpoint already
+        committed stays). After hold_limit seconds the hold ends as an abort would: a
+        coordinator that died must not leave a tree frozen."""
+        self._run_held(self.capture, "the tree was held frozen", hold_limit)
 
     def _read_ahead(self) -> None:
         """Once CRIU has its request: the index and the earlier checkpoint are read from the
@@ -302,8 +284,7 @@ class DumpSession(Session[DumpRequest]):
             frozen_ms = round((self.marks["post-dump"] - self.marks.get("pre-dump", self.started)) * 1000, 1)
             self._commit(frozen_ms)
             self.reporter.step("checkpoint committed; CRIU ends the target")
-        if self._hold is not None:
-            self._hold.wait_for_release()
+        self._held_here()
 
     # ---- commit, finish, abort ----------------------------------------------------------
 
@@ -383,9 +364,7 @@ class DumpSession(Session[DumpRequest]):
         The tree is never frozen here: CRIU thaws it when its dump fails or is cut short, or
         when the hold of capture_frozen() is refused."""
         self._finished = True
-        hold, self._hold = self._hold, None
-        if hold is not None:
-            hold.end(release=False)  # its DumpAborted is this abort's own doing
+        self._drop_hold()
         try:
             self._release_staging()
         finally:
@@ -406,39 +385,6 @@ class DumpSession(Session[DumpRequest]):
         if self.staging is None:
             raise RuntimeError("the staging is made by prepare")
         return self.staging
-
-
-class _Hold:
-    """The handshake between capture_frozen() and CRIU's thread: CRIU's post-dump notification
-    waits in wait_for_release() for the coordinator's decision; refused, CRIU thaws the tree."""
-
-    def __init__(self, limit: float):
-        self.limit = limit
-        self.frozen = threading.Event()  # CRIU is in its post-dump notification: the tree is frozen
-        self.decided = threading.Event()
-        self.released = False
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None  # what capture() raised in the thread
-
-    def run(self, capture: Callable[[], None]) -> None:
-        try:
-            capture()
-        except BaseException as exc:  # handed to release() (or dropped by abort)
-            self.error = exc
-
-    def wait_for_release(self) -> None:
-        self.frozen.set()
-        if not self.decided.wait(self.limit):
-            raise DumpAborted(f"the tree was held frozen for {self.limit:g} s without being released",
-                              hint="the coordinator of the dump did not go on; nothing was committed")
-        if not self.released:
-            raise DumpAborted("the dump was aborted while the tree was frozen; the tree runs on")
-
-    def end(self, release: bool) -> None:
-        self.released = release
-        self.decided.set()
-        if self.thread is not None:
-            self.thread.join()
 
 
 def _new_checkpoint_id(store: Store, request: DumpRequest) -> str:

@@ -195,6 +195,19 @@ class RestoreSession(Session[RestoreRequest]):
             self.images_dir = None  # the page server owns the images now, and removes them when done
         return self.pid
 
+    def restore_held(self, hold_limit: float = 300.0) -> None:
+        """restore() in two steps, for a coordinator that must have several trees back before
+        any of them runs (a group restore) or act before the tree runs (a migration): CRIU
+        runs in a thread, and this returns once every process is restored and none runs yet
+        (CRIU's post-restore notification). release() lets the tree run (then self.pid is
+        its root); abort() refuses the notification, and CRIU ends what it restored. After
+        hold_limit seconds the hold ends as an abort would."""
+        if self.request.new_pidns:
+            # CRIU runs in a forked init there: its notifications are answered in that process.
+            raise UsageError("a held restore cannot go into a new PID namespace yet",
+                             hint="restore the group's members without --new-pidns")
+        self._run_held(self.restore, "the restored tree was held before it ran", hold_limit)
+
     def _notified(self, script: str, _pid: int) -> None:
         if script == "post-restore":
             phase("restore.post-restore")
@@ -202,6 +215,7 @@ class RestoreSession(Session[RestoreRequest]):
                 # Every process has registered its lazy memory and none runs yet: the watcher
                 # takes hold of it now, or CRIU aborts the restore.
                 self.server.hand_over(lazy_processes(self.plan))
+            self._held_here()
 
     # ---- finish, abort ------------------------------------------------------------------
 
@@ -221,6 +235,7 @@ class RestoreSession(Session[RestoreRequest]):
         """From any phase; after restore, the restored tree is ended (SIGKILL, every process
         of it: none of it may run on when a coordinator gives the restore up)."""
         finished, self._finished = self._finished, True
+        self._drop_hold()  # CRIU ends what it restored, and restore() fails: no PID to end here
         try:
             if self.pid is not None and not finished:
                 procs.kill_tree(self.pid)

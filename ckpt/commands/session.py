@@ -4,10 +4,12 @@ leaves unfinished is aborted."""
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Callable, Generic, Protocol, Self, TypeVar
 
+from ckpt.errors import SessionAborted
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.settings import Settings, StoreLocation
 from ckpt.store import Store
@@ -61,6 +63,7 @@ class Session(Generic[Request]):
         self.new_criu, self.clock = criu, clock  # new_criu(settings) when CRIU is first needed
         self.started = clock()
         self._held = ExitStack()  # what the session holds to its end (locks): released last
+        self._hold: Hold | None = None  # a coordinator's hold on the tree (see _run_held)
         self._finished = False
 
     def __enter__(self) -> Self:
@@ -72,6 +75,41 @@ class Session(Generic[Request]):
 
     def abort(self) -> None:
         raise NotImplementedError
+
+    # ---- a coordinator's hold on the tree ---------------------------------------------------
+
+    def _run_held(self, step: Callable[[], object], what: str, hold_limit: float) -> None:
+        """Runs step (CRIU's dump or restore) in a thread and returns once CRIU waits in the
+        session's notification where it calls _held_here(): the tree frozen and dumped, or
+        restored and not yet running. release() lets CRIU go on; abort() refuses the
+        notification (CRIU then thaws, or ends, the tree and fails)."""
+        hold = self._hold = Hold(what, hold_limit)
+        hold.start(step)
+        try:
+            hold.wait_until_held()
+        except BaseException:
+            self._hold = None
+            raise
+
+    def _held_here(self) -> None:
+        """In CRIU's notification: waits for the coordinator's decision (no hold: goes on)."""
+        if self._hold is not None:
+            self._hold.wait_for_release()
+
+    def release(self) -> None:
+        """Lets the tree the coordinator holds go on; raises what CRIU's step raised after."""
+        hold, self._hold = self._hold, None
+        if hold is None:
+            raise RuntimeError("release without a hold")  # a coordinator's bug, not the user's
+        hold.end(release=True)
+        if hold.error is not None:
+            raise hold.error
+
+    def _drop_hold(self) -> None:
+        """abort()'s first step: a held tree is refused (CRIU undoes what it did) and waited for."""
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.end(release=False)  # its SessionAborted is this abort's own doing
 
     def _open_store(self, create: bool) -> Store:
         if self.store is None:
@@ -88,3 +126,50 @@ class Session(Generic[Request]):
         if self.store is None:
             raise RuntimeError("the store is opened by prepare")  # a coordinator's bug, not the user's
         return self.store
+
+
+class Hold:
+    """The handshake between a coordinator and CRIU's thread: the notification where the
+    session holds the tree waits in wait_for_release() for the coordinator's decision (or for
+    `limit` seconds at most: a coordinator that died must not leave a tree frozen); refused,
+    CRIU undoes what it did (thaws a dumped tree, ends a restored one)."""
+
+    def __init__(self, what: str, limit: float):
+        self.what, self.limit = what, limit
+        self.held = threading.Event()  # CRIU waits in the notification: the tree is held
+        self.decided = threading.Event()
+        self.released = False
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # what the step raised in the thread
+
+    def start(self, step: Callable[[], object]) -> None:
+        self.thread = threading.Thread(target=self._run, args=(step,), name="ckpt-criu", daemon=True)
+        self.thread.start()
+
+    def _run(self, step: Callable[[], object]) -> None:
+        try:
+            step()
+        except BaseException as exc:  # handed to release() or wait_until_held() (dropped by abort)
+            self.error = exc
+
+    def wait_until_held(self) -> None:
+        """Returns once the tree is held; raises the step's error when it ended first."""
+        thread = self.thread
+        while thread is not None and not self.held.wait(0.05):
+            if not thread.is_alive():  # CRIU ended before the notification
+                thread.join()
+                raise self.error if self.error is not None else RuntimeError("CRIU ended without holding the tree")
+
+    def wait_for_release(self) -> None:
+        self.held.set()
+        if not self.decided.wait(self.limit):
+            raise SessionAborted(f"{self.what} for {self.limit:g} s without being released",
+                                 hint="the coordinator did not go on; nothing was committed")
+        if not self.released:
+            raise SessionAborted(f"{self.what} and the coordinator aborted")
+
+    def end(self, release: bool) -> None:
+        self.released = release
+        self.decided.set()
+        if self.thread is not None:
+            self.thread.join()

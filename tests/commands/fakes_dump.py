@@ -66,6 +66,7 @@ class FakeCriu:
     binary: CriuBinary = FAKE_BINARY
     streamed: bool = False  # the pages went through ckpt's page stream (RPC ps.fd)
     finished: bool = False  # dump() went past post-dump: the tree was let go (or, --stop, ended)
+    resumed: bool = False  # restore() went past post-restore: the restored tree runs
 
     def dump(self, options, on_notify=None, on_started=None) -> None:
         stream = None
@@ -96,7 +97,13 @@ class FakeCriu:
             stand_in.kill()  # CRIU kills what it restored when it fails
             stand_in.wait()
             raise CriuFailed("CRIU restore failed: a fake failure", log_path=str(options.log_dir / options.log_name))
-        self._notify(on_notify, "post-restore", stand_in.pid)
+        try:
+            self._notify(on_notify, "post-restore", stand_in.pid)
+        except BaseException:
+            stand_in.kill()  # CRIU ends what it restored when a notification is refused
+            stand_in.wait()
+            raise
+        self.resumed = True
         return stand_in.pid
 
     def _notify(self, on_notify, script: str, pid: int) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ckpt.commands.dump import DumpRequest, DumpSession
-from ckpt.errors import CriuFailed, DumpAborted, StoreBusy, UsageError
+from ckpt.errors import CriuFailed, SessionAborted, StoreBusy, UsageError
 from ckpt.store import Store, ids
 from ckpt.store.verify import verify
 from tests.commands.fakes_dump import PAGE, FakeCriu, alive, end, pages, start_target
@@ -217,7 +217,7 @@ def test_a_hold_past_its_limit_ends_as_an_abort(store, target, settings):
         dump.prepare()
         dump.capture_frozen(hold_limit=0.2)
         time.sleep(0.5)  # the coordinator stalls past the limit
-        with pytest.raises(DumpAborted, match="held frozen for 0.2 s without being released"):
+        with pytest.raises(SessionAborted, match="held frozen for 0.2 s without being released"):
             dump.release()  # too late: the notification was refused
     assert not criu.finished and store.checkpoint_ids() == [] and alive(target.pid)
 

@@ -6,6 +6,7 @@ tests/integration (test_sessions.py, test_roundtrip.py, test_lazy.py, ...)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from ckpt.commands.dump import DumpRequest, DumpSession
 from ckpt.commands.restore import RestoreRequest, RestoreSession
-from ckpt.errors import CheckpointNotFound, CriuFailed
+from ckpt.errors import CheckpointNotFound, CriuFailed, SessionAborted
 from ckpt.store import Manifest, Store
 from tests.commands.fakes_dump import FakeCriu, alive, end, pages, start_target
 from tests.helpers import env_settings
@@ -134,3 +135,38 @@ def test_the_duration_is_read_from_the_sessions_clock(store, checkpoint, setting
         result = restore.finish()
     restored.extend(criu.restored)
     assert result.duration_ms == 2500.0
+
+
+# ---- a coordinator's hold: restore_held(), then release() or abort() ------------------------
+
+def test_a_held_restore_runs_the_tree_only_once_released(store, checkpoint, settings, restored):
+    criu = FakeCriu()
+    with session(store, checkpoint.id, criu, settings) as restore:
+        restore.prepare()
+        restore.restore_held()
+        restored.extend(criu.restored)
+        assert criu.notified == ["post-restore"] and not criu.resumed and restore.pid is None
+        restore.release()
+        assert criu.resumed and restore.pid == criu.restored[0].pid
+        result = restore.finish()
+    assert alive(result.pid)
+
+
+@pytest.mark.parametrize("how", ["abort", "past the limit"])
+def test_a_held_restore_given_up_ends_what_criu_restored(store, checkpoint, settings, restored, how):
+    criu = FakeCriu()
+    restore = session(store, checkpoint.id, criu, settings)
+    restore.prepare()
+    staged = [restore.images_dir]
+    restore.restore_held(hold_limit=0.2 if how == "past the limit" else 300)
+    restored.extend(criu.restored)
+    if how == "abort":
+        restore.abort()
+    else:
+        time.sleep(0.5)  # the coordinator stalls past the limit
+        with pytest.raises(SessionAborted, match="held before it ran for 0.2 s"):
+            restore.release()
+        restore.abort()
+    assert not criu.resumed and [p.pid for p in criu.restored if alive(p.pid)] == []
+    assert restore.pid is None
+    assert_nothing_left(store, staged)

@@ -146,3 +146,40 @@ def test_a_held_dump_keeps_the_tree_frozen_until_released_or_aborted(procs, tmp_
     session.abort()
     wait_until(lambda: counted(out) > held_at + 2, what="the count to go on after the abort")
     assert [c["id"] for c in ckpt_json("list")] == [manifest.id] and staged(isolated_env) == []
+
+
+def test_a_held_restore_runs_nothing_until_released_or_aborted(procs, tmp_path, isolated_env):
+    """What a group restore does with each member: restore_held() returns with every process
+    restored by real CRIU and none running (the count stands at the checkpoint's); an abort
+    ends them; release() lets the tree count on from its checkpoint."""
+    import time
+
+    from ckpt.commands.restore import RestoreRequest, RestoreSession
+
+    out = tmp_path / "count.txt"
+    target = procs.start("counter.py", out)
+    wait_until(lambda: counted(out) >= 3, what="the counter")
+    dumped = ckpt_json("dump", target.pid, "--stop")
+    target.wait(timeout=10)  # --stop ended it
+    at_dump = counted(out)
+    request = RestoreRequest(ref=dumped["id"], lazy=False)
+
+    session = RestoreSession(isolated_env, request, settings=env_settings())
+    session.prepare()
+    session.restore_held()
+    time.sleep(0.5)  # the counter writes every 0.05 s once it runs
+    assert counted(out) == at_dump, "the held tree ran"
+    session.abort()
+    wait_until(lambda: state(target.pid) in (None, "Z"), what="the aborted restore's tree to be ended")
+    assert counted(out) == at_dump and staged(isolated_env) == []
+
+    with RestoreSession(isolated_env, request, settings=env_settings()) as session:
+        session.prepare()
+        session.restore_held()
+        time.sleep(0.5)
+        assert counted(out) == at_dump, "the held tree ran"
+        session.release()
+        result = session.finish()
+    procs.adopt(result.pid)
+    wait_until(lambda: counted(out) > at_dump + 3, what="the released counter")
+    assert [int(line) for line in read_lines(out)][at_dump - 1:at_dump + 3] == list(range(at_dump, at_dump + 4))
