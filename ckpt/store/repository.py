@@ -110,7 +110,7 @@ class Store:
         return cls.from_opened(opening.open_local(root, source, create, password), settings)
 
     @classmethod
-    def from_opened(cls, opened: OpenedStore, settings: Settings | None = None) -> Store:
+    def from_opened(cls, opened: OpenedStore, settings: Settings) -> Store:
         return cls(opened.root, opened.backend, location=opened.location, settings=settings)
 
     def uncached(self) -> Store:
