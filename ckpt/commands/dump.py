@@ -278,6 +278,7 @@ class DumpSession(Session[DumpRequest]):
         if script != "post-dump":
             return
         phase("dump.frozen")
+        self._not_given_up()
         if self.request.stop:
             self._pages_received()
             # CRIU writes its stats only after this point: the freeze so far is measured here.

@@ -88,6 +88,10 @@ class Session(Generic[Request]):
         try:
             hold.wait_until_held()
         except BaseException:
+            # CRIU failed, or the coordinator was interrupted while CRIU works: CRIU's thread is
+            # ended before anything (the staging, the locks) is let go, and a notification that
+            # comes later is refused (CRIU thaws, or ends, the tree).
+            hold.end(release=False)
             self._hold = None
             raise
 
@@ -95,6 +99,12 @@ class Session(Generic[Request]):
         """In CRIU's notification: waits for the coordinator's decision (no hold: goes on)."""
         if self._hold is not None:
             self._hold.wait_for_release()
+
+    def _not_given_up(self) -> None:
+        """In CRIU's notification, before the session commits anything there (--stop): a hold
+        the coordinator already gave up is refused at once."""
+        if self._hold is not None and self._hold.decided.is_set() and not self._hold.released:
+            self._hold.wait_for_release()  # raises SessionAborted
 
     def release(self) -> None:
         """Lets the tree the coordinator holds go on; raises what CRIU's step raised after."""

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import struct
+import time
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,7 @@ class FakeCriu:
     streamed: bool = False  # the pages went through ckpt's page stream (RPC ps.fd)
     finished: bool = False  # dump() went past post-dump: the tree was let go (or, --stop, ended)
     resumed: bool = False  # restore() went past post-restore: the restored tree runs
+    stop_for: float = 0.0  # seconds the dump takes between its images and post-dump (a slow CRIU)
 
     def dump(self, options, on_notify=None, on_started=None) -> None:
         stream = None
@@ -83,6 +85,7 @@ class FakeCriu:
             self.streamed = True
         if self.fail_dump:
             raise CriuFailed("CRIU dump failed: a fake failure", log_path=str(options.log_dir / options.log_name))
+        time.sleep(self.stop_for)
         self._notify(on_notify, "post-dump", pid)
         self.finished = True
         if not options.flags.leave_running and self.target is not None:

@@ -233,3 +233,26 @@ def test_a_held_stop_dump_commits_first_and_ends_the_tree_only_once_released(sto
         dump.finish()
     assert not alive(target.pid)
 
+
+
+def test_a_coordinator_interrupted_before_the_hold_leaves_criu_nothing_to_go_on_with(store, target, settings):
+    """Ctrl-C (or another member's failure) while CRIU is still dumping: the interrupted
+    capture_frozen() waits for CRIU's thread and refuses its post-dump notification, so the
+    abort after it never removes the staging under a running CRIU, and nothing is committed."""
+    import signal
+    import threading
+
+    criu = FakeCriu(stop_for=0.5)
+    with pytest.raises(KeyboardInterrupt), session(store, target.pid, criu, settings, stop=True) as dump:
+        dump.prepare()
+        staged = [dump.staging.root]
+        signal.signal(signal.SIGALRM, signal.default_int_handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        try:
+            dump.capture_frozen()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    assert [t.name for t in threading.enumerate() if t.name == "ckpt-criu"] == []
+    assert not criu.finished and store.checkpoint_ids() == [] and alive(target.pid)
+    assert_nothing_left(store, staged)
