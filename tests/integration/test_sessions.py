@@ -24,6 +24,15 @@ def counted(out: Path) -> int:
     return int(lines[-1]) if lines else 0
 
 
+def stopped_counter(procs, out: Path):
+    """A counter checkpointed with --stop (ended by it): (its process, the dump's JSON, its count then)."""
+    target = procs.start("counter.py", out)
+    wait_until(lambda: counted(out) >= 3, what="the counter")
+    dumped = ckpt_json("dump", target.pid, "--stop")
+    target.wait(timeout=10)  # --stop ended it
+    return target, dumped, counted(out)
+
+
 def staged(store_dir: Path) -> list[str]:
     tmp = store_dir / "tmp"
     return sorted(os.listdir(tmp)) if tmp.is_dir() else []
@@ -83,11 +92,7 @@ def test_a_restore_session_aborted_after_any_phase_leaves_nothing_running(procs,
     from tests.helpers import alive
 
     out = tmp_path / "count.txt"
-    target = procs.start("counter.py", out)
-    wait_until(lambda: counted(out) >= 3, what="the counter")
-    dumped = ckpt_json("dump", target.pid, "--stop")
-    target.wait(timeout=10)  # --stop ended it
-    at_dump = counted(out)
+    target, dumped, at_dump = stopped_counter(procs, out)
     request = RestoreRequest(ref=dumped["id"], lazy=lazy or None)
 
     session = RestoreSession(isolated_env, request, settings=env_settings())
@@ -157,11 +162,7 @@ def test_a_held_restore_runs_nothing_until_released_or_aborted(procs, tmp_path, 
     from ckpt.commands.restore import RestoreRequest, RestoreSession
 
     out = tmp_path / "count.txt"
-    target = procs.start("counter.py", out)
-    wait_until(lambda: counted(out) >= 3, what="the counter")
-    dumped = ckpt_json("dump", target.pid, "--stop")
-    target.wait(timeout=10)  # --stop ended it
-    at_dump = counted(out)
+    target, dumped, at_dump = stopped_counter(procs, out)
     request = RestoreRequest(ref=dumped["id"], lazy=False)
 
     session = RestoreSession(isolated_env, request, settings=env_settings())
