@@ -38,7 +38,7 @@ def init(location: StoreLocation, settings: Settings, passwords: PasswordSource 
     from ckpt.store import keys
     from ckpt.store.repository import FORMAT, STORE_META
 
-    passwords = passwords if passwords is not None else PasswordSource.from_settings(settings)
+    passwords = PasswordSource.passed_or_settings(passwords, settings)
     meta = json.dumps({"format": FORMAT, "created": datetime.now(timezone.utc).isoformat()}).encode()
     if is_remote(location):
         from ckpt.store.backends.s3 import S3Backend

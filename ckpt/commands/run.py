@@ -119,7 +119,7 @@ class Supervisor:
         self.store_root = store_root
         self.request = request
         self.settings = settings
-        self.passwords = passwords if passwords is not None else PasswordSource.from_settings(settings)
+        self.passwords = PasswordSource.passed_or_settings(passwords, settings)
         self.reporter = reporter
         self.on_event = on_event or (lambda _event: None)
         self.pid: int | None = None

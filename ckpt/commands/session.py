@@ -58,7 +58,7 @@ class Session(Generic[Request]):
                  clock: Callable[[], float] = time.monotonic):
         self.store_root, self.request, self.reporter = store_root, request, reporter
         self.settings = settings  # passed down from the edge (the CLI), never looked up
-        self.passwords = passwords if passwords is not None else PasswordSource.from_settings(settings)
+        self.passwords = PasswordSource.passed_or_settings(passwords, settings)
         self.store = store  # opened by prepare unless given
         self.new_criu, self.clock = criu, clock  # new_criu(settings) when CRIU is first needed
         self.started = clock()

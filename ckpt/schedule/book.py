@@ -71,7 +71,7 @@ class ScheduleBook:
         # that holds its schedules (for a remote store: its local side in the cache).
         self.store_root: StoreLocation = location if location is not None else local_dir
         self.settings = settings
-        self.passwords = passwords if passwords is not None else PasswordSource.from_settings(settings)
+        self.passwords = PasswordSource.passed_or_settings(passwords, settings)
         self.dir = local_dir / "schedules"
         self.log_dir = local_dir / "logs" / "schedules"
         self.cron_dir = settings.cron_dir

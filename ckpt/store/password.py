@@ -32,6 +32,12 @@ class PasswordSource:
     def from_settings(cls, current: Settings, ask: Callable[[str, bool], str] | None = None) -> PasswordSource:
         return cls(current.password, current.password_file, ask)
 
+    @classmethod
+    def passed_or_settings(cls, passed: PasswordSource | None, current: Settings) -> PasswordSource:
+        """The source a caller passed, else the settings' own (CKPT_PASSWORD, CKPT_PASSWORD_FILE;
+        no prompt: only the CLI has a terminal to ask on)."""
+        return passed if passed is not None else cls.from_settings(current)
+
     def password_for(self, location: str, confirm: bool = False) -> bytes:
         """The password of the store at location; PasswordNeeded when none is given anywhere."""
         if self.password:

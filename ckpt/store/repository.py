@@ -97,7 +97,7 @@ class Store:
         """Opens the store at location: a directory, or an s3:// URL (see opening.open_local and
         opening.open_remote). An encrypted store (one with keys/) is unlocked with a password from
         passwords (by default the settings' own: CKPT_PASSWORD or CKPT_PASSWORD_FILE, no prompt)."""
-        passwords = passwords if passwords is not None else PasswordSource.from_settings(settings)
+        passwords = PasswordSource.passed_or_settings(passwords, settings)
         if not is_remote(location):
             return cls.open_local(Path(location), create, settings=settings, passwords=passwords)
         return cls.from_opened(opening.open_remote(str(location), settings, passwords), settings)
@@ -106,7 +106,7 @@ class Store:
     def open_local(cls, root: Path, create: bool = False, password: bytes | None = None, *,
                    settings: Settings, passwords: PasswordSource | None = None) -> Store:
         """Opens (create=True: makes) the local store at root; see opening.open_local."""
-        source = passwords if passwords is not None else PasswordSource.from_settings(settings)
+        source = PasswordSource.passed_or_settings(passwords, settings)
         return cls.from_opened(opening.open_local(root, source, create, password), settings)
 
     @classmethod
