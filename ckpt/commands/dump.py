@@ -62,6 +62,9 @@ class DumpRequest:
     checkpoint_id: str | None = None
     # Seconds to wait for the tree's no_checkpoint() sections (None: CKPT_SECTION_TIMEOUT).
     section_timeout: float | None = None
+    # A member of a group checkpoint (ckpt/commands/group.py): {"id", "name"} of the group, in
+    # the member's manifest.
+    group: dict | None = None
 
 
 @dataclass
@@ -327,7 +330,7 @@ class DumpSession(Session[DumpRequest]):
             criu_stats={"freeze_ms": stats.get("frozen_ms", frozen_ms), "pages_written": stats.get("pages_written"),
                         "pages_scanned": stats.get("pages_scanned")},
             tracking={"target": tracking.target.key, "parent": tracking.parent.id if tracking.parent else None}
-            if tracking is not None else None, clock=self.clock)
+            if tracking is not None else None, group=self.request.group, clock=self.clock)
 
     def _completion(self):
         """A dirty-tracking dump's completer of its page lists from the parent's (or None)."""

@@ -37,6 +37,7 @@ class DumpRecord:
     criu_stats: dict = field(default_factory=dict)
     # Dirty-page tracking: {"target": key, "parent": id or None}; the ingest adds pages_from_parent.
     tracking: dict | None = None
+    group: dict | None = None  # a member of a group checkpoint: {"id", "name"} of the group
     clock: Callable[[], float] = time.monotonic  # the one `started` was read from (a test's own)
 
 
@@ -65,6 +66,7 @@ def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, co
         processes=record.processes,
         files=entries,
         criu=criu,
+        group=record.group,
         stats={"freeze_ms": record.criu_stats.get("freeze_ms"),
                "pages_written": record.criu_stats.get("pages_written"),
                "pages_scanned": record.criu_stats.get("pages_scanned"),

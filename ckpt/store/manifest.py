@@ -79,6 +79,9 @@ class Manifest:
     stats: dict = field(default_factory=dict)
     bytes_total: int = 0
     bytes_stored: int = 0
+    # A member of a group checkpoint: {"id": the group's ID, "name": its name or null}; a reader
+    # sees the member only once that group's manifest exists (ckpt/store/groups.py).
+    group: dict | None = None
     format: int = FORMAT
 
     def to_json(self) -> dict:

@@ -27,6 +27,7 @@ from ckpt.store import ids, opening
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, LocalBackend
 from ckpt.store.blocks.blockstore import BlockStore
 from ckpt.store.fsutil import translate_os_error
+from ckpt.store.groups import Groups
 from ckpt.store.manifest import FORMAT, FileEntry, Manifest, Origin
 from ckpt.store.objects import OBJECTS_PREFIX, Objects, hash_file
 from ckpt.store.opening import STORE_META, OpenedStore
@@ -77,6 +78,11 @@ class Store:
         if self._blocks is None:
             self._blocks = BlockStore(self.backend)
         return self._blocks
+
+    @property
+    def groups(self) -> Groups:
+        """The store's group manifests (ckpt/store/groups.py)."""
+        return Groups(self.backend)
 
     @property
     def objects(self) -> Objects:
