@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreError
+from ckpt.errors import CheckpointNotFound, CkptError, DamagedCheckpoint, StoreError
 from ckpt.store import ids
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound
 from ckpt.store.manifest import Manifest, Origin
@@ -147,3 +147,24 @@ class Groups:
     def remove(self, group_id: str) -> None:
         """Removes the group manifest: its members become unfinished (removed by rm or prune)."""
         self.backend.delete([self.blob_name(group_id)])
+
+    def resolve(self, ref: str) -> str | None:
+        """The group a reference names (its ID, a unique prefix of one, or a name: the newest
+        group of that name), or None when it names no group (then it may name a checkpoint)."""
+        try:
+            kind = ids.classify_reference(ref)
+        except CkptError:
+            return None
+        if kind == "latest":
+            return None  # 'latest' is the newest checkpoint; a group is named
+        all_ids = self.ids()
+        if kind == "id":
+            return ref if ref in all_ids else None
+        if kind == "prefix":
+            matches = [i for i in all_ids if i.startswith(ref)]
+            if len(matches) > 1:
+                raise CheckpointNotFound(f"'{ref}' matches {len(matches)} group checkpoints",
+                                         hint="give more of the ID")
+            return matches[0] if matches else None
+        named = [g.id for g in self.all() if g.name == ref]
+        return named[-1] if named else None
