@@ -7,7 +7,8 @@ from ckpt.commands.prune import PruneResult, prune
 HELP = """Reclaim the space of data no checkpoint references any more.
 
 Computes a plan (packs to drop, packs to repack, unreferenced objects, the members of group
-checkpoints that never committed), prints it, and executes it under the store's exclusive lock. An interrupted prune leaves every checkpoint intact.
+checkpoints that never committed), prints it, and executes it under the store's exclusive lock.
+An interrupted prune leaves every checkpoint intact.
 
 Examples:
 

@@ -26,7 +26,8 @@ def register(app: typer.Typer) -> None:
     @app.command("rm", help=HELP)
     @shared_flags(CHANGING)
     def rm_command(
-        refs: Annotated[list[str], typer.Argument(help="Checkpoint or group checkpoint IDs or names (a name removes its newest).")],
+        refs: Annotated[list[str], typer.Argument(help="Checkpoint or group checkpoint IDs or names (a name "
+                                                       "removes its newest).")],
         flags: SharedFlags = NO_FLAGS,
     ) -> None:
         reporter = flags.reporter()
