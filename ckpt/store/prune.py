@@ -30,7 +30,7 @@ from ckpt.store.blocks.blockstore import BlockStore
 from ckpt.store.blocks.index import BlockIndex, render_index
 from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, Segment, pack_name, segment_key, split_location
 from ckpt.store.fsutil import translate_os_error
-from ckpt.store.repository import MANIFESTS_PREFIX, OBJECTS_PREFIX, Store
+from ckpt.store.repository import MANIFESTS_PREFIX, OBJECTS_PREFIX, Manifest, Store
 
 PACKS_PREFIX = "packs/"
 
@@ -127,14 +127,15 @@ def _readable_manifests_and_index(store: Store):
     return finished, unfinished, index
 
 
-def _split_unfinished(store: Store, unfinished: list, young) -> tuple[list, list]:
+def _split_unfinished(store: Store, unfinished: list[Manifest], young) -> tuple[list[Manifest], list[Manifest]]:
     """The unfinished members to remove, and those to keep: on a store whose locks can be lost,
     a member committed less than the margin ago may belong to a group checkpoint still being
     taken (its group manifest not written yet), so it stays, and so does what it names."""
     if not unfinished:
         return [], []
     blobs = {info.name: info for info in store.backend.list(MANIFESTS_PREFIX)}
-    stale, kept = [], []
+    stale: list[Manifest] = []
+    kept: list[Manifest] = []
     for manifest in unfinished:
         info = blobs.get(Store.manifest_name(manifest.id))
         (kept if info is None or young(info) else stale).append(manifest)

@@ -188,7 +188,8 @@ class Store:
         """Every readable manifest, oldest first, split in two: those a reader sees, and those of
         unfinished members (their group manifest does not exist), which only prune looks at."""
         visibility = self.visibility()
-        finished, unfinished = [], []
+        finished: list[Manifest] = []
+        unfinished: list[Manifest] = []
         for checkpoint_id in self.checkpoint_ids():
             try:
                 manifest = self.load(checkpoint_id)
