@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ckpt.settings import Settings, store_from_flag
 from ckpt.store.password import PasswordSource
 from ckpt.commands.cache_notes import tell_copies_read_again
-from ckpt.errors import CheckpointNotFound, CkptError, DamagedCheckpoint, UsageError
+from ckpt.errors import CheckpointNotFound, CkptError, DamagedCheckpoint, StoreError, UsageError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Store, pending
 from ckpt.store.fsutil import translate_os_error
@@ -90,7 +90,7 @@ def _not_a_member(store: Store, checkpoint_id: str) -> str:
     """A member alone would be an unfinished member in the destination (hidden, then pruned)."""
     try:
         group = store.group_of_checkpoint(checkpoint_id)
-    except DamagedCheckpoint:
+    except (DamagedCheckpoint, StoreError):
         return checkpoint_id  # copy reports it failed
     if group is not None:
         named = group.name if group.name and store.groups.resolve(group.name) == group.id else group.id

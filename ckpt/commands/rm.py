@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.commands.results import JsonResult
-from ckpt.errors import DamagedCheckpoint, UsageError
+from ckpt.errors import DamagedCheckpoint, StoreError, UsageError
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Store
-from ckpt.store.groups import GroupManifest
+from ckpt.store.groups import GroupManifest, GroupMember, group_of
 from ckpt.store.prune import collect_garbage
 
 
@@ -59,15 +59,26 @@ def _target(store: Store, ref: str) -> tuple[GroupManifest | None, str]:
     """(the group ref names, its ID) or (None, the checkpoint ref names); a member is refused."""
     group_id = store.resolve_group(ref)
     if group_id is not None:
-        return store.groups.load(group_id), group_id
+        return _group_to_remove(store, group_id), group_id
     checkpoint_id = store.resolve(ref)
     try:
         group = store.group_of_checkpoint(checkpoint_id)
-    except DamagedCheckpoint:
-        group = None  # a manifest that cannot be read: it names no group anyone can see
+    except (DamagedCheckpoint, StoreError):
+        group = None  # a manifest (or its group's) that cannot be read: rm is how it goes
     if group is not None:
         # The name removes the newest group of that name: give it only when that is this one.
         named = group.name if group.name and store.groups.resolve(group.name) == group.id else group.id
         raise UsageError(f"checkpoint {checkpoint_id} is a member of group {group.label}: remove the group "
                          f"with 'ckpt rm {named}'")
     return None, checkpoint_id
+
+
+def _group_to_remove(store: Store, group_id: str) -> GroupManifest:
+    """The group manifest; one that cannot be read goes all the same (verify's hint is rm), with
+    the members whose manifests name it."""
+    try:
+        return store.groups.load(group_id)
+    except DamagedCheckpoint:
+        finished, unfinished = store.manifests_by_visibility()
+        return GroupManifest(id=group_id, created="", members=[
+            GroupMember(m.id, m.pid) for m in finished + unfinished if group_of(m) == group_id])

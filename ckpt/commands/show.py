@@ -9,7 +9,8 @@ from ckpt.commands.results import JsonResult
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore.lazywatch import failures
 from ckpt.store import Manifest, Store
-from ckpt.store.groups import GroupManifest
+from ckpt.errors import DamagedCheckpoint, StoreError
+from ckpt.store.groups import GroupManifest, group_of
 from ckpt.store.materialize import materialize
 from ckpt.store.staging import discard
 
@@ -47,10 +48,20 @@ def inspect(store: Store, ref: str, reporter: Reporter = NullReporter()) -> Chec
         if group_id is not None:
             return GroupDescription(store.groups.load(group_id))
         manifest = store.load(store.resolve(ref))
-        group = store.group_of_checkpoint(manifest.id)
+        group = _group(store, manifest)
         image_dir = materialize(store.objects, store.staging_area(), manifest, reporter, skip_pages=True)
         try:
             processes = images.describe(image_dir, manifest.processes)
         finally:
             discard(image_dir)
     return CheckpointDescription(manifest, processes, failures(store.logs_root / manifest.id), group)
+
+
+def _group(store: Store, manifest: Manifest) -> GroupManifest | None:
+    """The group a member belongs to; None for a plain checkpoint, and for a member whose group
+    manifest cannot be read (its manifest's own "group" still names it; verify reports it)."""
+    group_id = group_of(manifest)
+    try:
+        return store.groups.load(group_id) if group_id is not None else None
+    except (DamagedCheckpoint, StoreError):
+        return None

@@ -48,9 +48,10 @@ def _verify_all(store: Store, reporter: Reporter) -> list[dict]:
         if seen:
             results.append(_verify_one(store, checkpoint_id, reporter))
     damaged_groups: list[dict] = []
+    present = set(store.checkpoint_ids())
     for group in store.groups.all(on_damaged=lambda group_id, exc: damaged_groups.append(
             {"id": group_id, "files": 0, "problems": [str(exc)]})):
-        problems = _group_problems(store, group)
+        problems = _group_problems(store, group, present)
         if problems:
             results.append({"id": group.id, "files": 0, "problems": problems})
     return results + damaged_groups
@@ -59,17 +60,17 @@ def _verify_all(store: Store, reporter: Reporter) -> list[dict]:
 def _verify_group(store: Store, group: GroupManifest, reporter: Reporter) -> list[dict]:
     """The group's own problems (a member missing, or naming another group) under its ID, then
     each member there, verified."""
-    problems = _group_problems(store, group)
-    results = [{"id": group.id, "files": 0, "problems": problems}] if problems else []
     present = set(store.checkpoint_ids())
+    problems = _group_problems(store, group, present)
+    results = [{"id": group.id, "files": 0, "problems": problems}] if problems else []
     return results + [_verify_one(store, checkpoint_id, reporter) for checkpoint_id in group.checkpoint_ids
                       if checkpoint_id in present]
 
 
-def _group_problems(store: Store, group: GroupManifest) -> list[str]:
-    """What makes a group checkpoint less than whole: a member's manifest missing, or naming
-    another group (a member that cannot be read is its own result)."""
-    present = set(store.checkpoint_ids())
+def _group_problems(store: Store, group: GroupManifest, present: set[str]) -> list[str]:
+    """What makes a group checkpoint less than whole: a member's manifest missing (not among
+    present, the store's checkpoint IDs), or naming another group (a member that cannot be read
+    is its own result)."""
     problems = []
     for checkpoint_id in group.checkpoint_ids:
         if checkpoint_id not in present:

@@ -107,3 +107,12 @@ def test_a_ref_naming_a_group_and_a_checkpoint_is_refused(store, groups, checkpo
         remove(store, ["agent"])
     assert as_json(remove(store, [group.id], dry_run=True))["groups"] == [group.id]
     assert as_json(remove(store, [plain.id], dry_run=True))["removed"] == [plain.id]
+
+
+def test_a_group_whose_manifest_cannot_be_read_is_removed_with_the_members_naming_it(store, groups):
+    kept = groups.make("other")
+    broken = groups.make("agent")
+    store.backend.put(f"groups/{broken.id}.json", b"{not json")
+    result = as_json(remove(store, [broken.id]))
+    assert (result["groups"], result["removed"]) == ([broken.id], broken.checkpoint_ids)
+    assert store.groups.ids() == [kept.id] and store.checkpoint_ids() == kept.checkpoint_ids

@@ -63,3 +63,10 @@ def test_a_ref_naming_both_a_group_and_a_checkpoint_is_refused(store, checkpoint
     assert "give the ID" in raised.value.message and "\n" not in raised.value.message
     assert as_json(inspect(store, plain.id))["id"] == plain.id
     assert as_json(inspect(store, group.id))["id"] == group.id
+
+
+def test_a_member_whose_group_manifest_is_damaged_is_still_shown(store, groups):
+    group = groups.make("agent")
+    store.backend.put(f"groups/{group.id}.json", b"[]")
+    member = inspect(store, group.checkpoint_ids[0])
+    assert member.group is None and as_json(member)["group"] == {"id": group.id, "name": "agent"}
