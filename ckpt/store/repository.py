@@ -265,7 +265,8 @@ class Store:
         return group_id
 
     def group_of_checkpoint(self, checkpoint_id: str) -> GroupManifest | None:
-        """The group a checkpoint is a finished member of, or None (not a member)."""
+        """The group manifest of the group a checkpoint is a member of, or None (not a member);
+        CheckpointNotFound for an unfinished member (callers pass what resolve() found)."""
         group_id = group_of(self.load(checkpoint_id))
         return self.groups.load(group_id) if group_id is not None else None
 
