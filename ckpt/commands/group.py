@@ -150,7 +150,7 @@ class Coordinator:
         deadline = time.monotonic() + self.phase_timeout
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        late = [m.label for m, t in zip(self.members, threads) if t.is_alive()]
+        late = [m.label for m, t in zip(self.members, threads, strict=True) if t.is_alive()]
         if failures:
             index = min(failures)
             raise _member_failed(self.members[index].label, what, failures[index])
@@ -296,11 +296,24 @@ class _GroupDump:
             raise RuntimeError("the group was not committed")
         if not self.request.stop:
             return self.group
-        members = [replace(m, thawed_at=r.released_at) for m, r in zip(self.group.members, self.released)]
+        members = [replace(m, thawed_at=r.released_at) for m, r in zip(self.group.members, self.released, strict=True)]
         return replace(self.group, members=members, stats=skew_stats(members))
 
 
 # ---- group restore --------------------------------------------------------------------------
+
+
+def named_group(store_root: StoreLocation, ref: str, *, settings: Settings,
+                passwords: PasswordSource | None = None) -> str | None:
+    """The group ref names in the store (its ID, a prefix of one, its name), or None: then ref
+    may name a checkpoint. A missing store names no group."""
+    from ckpt.errors import StoreNotFound
+
+    try:
+        store = Store.open(store_root, False, settings=settings, passwords=passwords)
+    except StoreNotFound:
+        return None
+    return store.groups.resolve(ref)
 
 
 def group_restore(store_root: StoreLocation, request: GroupRestoreRequest, reporter: Reporter = NullReporter(), *,
@@ -357,7 +370,7 @@ def _restore_members(group: GroupManifest, specs: list[MemberSpec], factory: Mem
             coordinator.abort_all()
         raise
     rows = [{"label": s.label, "checkpoint": s.checkpoint, "pid": r.pid, "frozen_at": h.frozen_at,
-             "held_at": h.held_at, "released_at": r.released_at} for s, h, r in zip(specs, held, released)]
+             "held_at": h.held_at, "released_at": r.released_at} for s, h, r in zip(specs, held, released, strict=True)]
     times = [r.released_at for r in released]
     return GroupRestoreResult(group, rows, {"release_skew_ms": round((max(times) - min(times)) * 1000, 1)},
                               [c.result or {} for c in committed])

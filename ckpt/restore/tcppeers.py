@@ -24,6 +24,7 @@ decide() is a pure function of the connections and this host's sockets and addre
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckpt.criu.images import TcpConnection
@@ -78,7 +79,7 @@ Pair = tuple[tuple[str, int], tuple[str, int]]  # (local, remote) address and po
 
 def decide(connections: list[TcpConnection], *, another_host: bool, close: bool | None,  # noqa: PLR0913
            sockets: SocketTable, addresses: set[inetdiag.Address], unchecked: str | None = None,
-           group_peers: list[Pair] = ()) -> list[ConnectionPlan]:
+           group_peers: Sequence[Pair] = ()) -> list[ConnectionPlan]:
     """How each connection comes back (see the module's doc). close: --tcp-close (True),
     --tcp-established (False) or neither (None); sockets: this host's TCP sockets
     (inetdiag.tcp_sockets()); addresses: this host's (inetdiag.local_addresses()); unchecked:
@@ -121,7 +122,7 @@ def _local_peer(dumped: int, states: set[int]) -> tuple[str, str]:
 
 
 def plan(connections: list[TcpConnection], another_host: bool, close: bool | None,
-         group_peers: list[Pair] = ()) -> list[ConnectionPlan]:
+         group_peers: Sequence[Pair] = ()) -> list[ConnectionPlan]:
     """decide() against this host's sockets and addresses, looked up now (only where needed)."""
     if not connections:
         return []
