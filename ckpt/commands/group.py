@@ -24,6 +24,7 @@ from ckpt.commands.results import JsonResult
 from ckpt.errors import CheckpointNotFound, CkptError, GroupFailed, UsageError
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.restore.netlock import ConnectionLock, Pair, locked_connections
 from ckpt.settings import Settings, StoreLocation
 from ckpt.store import Origin, Store, ids
 from ckpt.store.groups import GroupManifest, GroupMember, skew_stats
@@ -329,18 +330,36 @@ def group_restore(store_root: StoreLocation, request: GroupRestoreRequest, repor
         if group_id is None:
             raise CheckpointNotFound(f"no group checkpoint '{request.ref}'", hint="see 'ckpt list'")
         group = store.groups.load(group_id)
-        specs = restore_specs(store, group, request)
+        connections = member_connections(store, group)
+        specs = restore_specs(group, connections, request)
         factory = member_factory or local_member_factory(store_root, reporter, settings=settings,
                                                          passwords=passwords, restore=True)
-        return _restore_members(group, specs, factory, request, reporter)
+        between = _between_members(group, connections)
+        with locked_connections(group.id, between, reporter) as lock:
+            return _restore_members(group, specs, factory, request, reporter, lock)
 
 
-def restore_specs(store: Store, group: GroupManifest, request: GroupRestoreRequest) -> list[MemberSpec]:
-    """Each member to restore, with the TCP connections of the others (its intra-group peers)."""
+def _between_members(group: GroupManifest, connections: list[list[Pair]]) -> list[Pair]:
+    """The connections of this host's members whose peer is another member (a connection is
+    recorded by both of its ends: once here)."""
+    local = [pairs for member, pairs in zip(group.members, connections, strict=True) if not member.host]
+    ends = {pair for pairs in local for pair in pairs}
+    return sorted(pair for pair in ends if (pair[1], pair[0]) in ends and pair < (pair[1], pair[0]))
+
+
+def member_connections(store: Store, group: GroupManifest) -> list[list[Pair]]:
+    """Each member's TCP connections, as its dump recorded them (none in older checkpoints)."""
     connections = []
     for member in group.members:
         recorded = store.load(member.checkpoint).criu.get("tcp_connections", [])
-        connections.append([(tuple(c["local"]), tuple(c["remote"])) for c in recorded])
+        connections.append([((c["local"][0], int(c["local"][1])), (c["remote"][0], int(c["remote"][1])))
+                            for c in recorded])
+    return connections
+
+
+def restore_specs(group: GroupManifest, connections: list[list[Pair]],
+                  request: GroupRestoreRequest) -> list[MemberSpec]:
+    """Each member to restore, with the TCP connections of the others (its intra-group peers)."""
     specs = []
     for index, member in enumerate(group.members):
         others = tuple(pair for i, pairs in enumerate(connections) if i != index for pair in pairs)
@@ -351,8 +370,8 @@ def restore_specs(store: Store, group: GroupManifest, request: GroupRestoreReque
     return specs
 
 
-def _restore_members(group: GroupManifest, specs: list[MemberSpec], factory: MemberFactory,
-                     request: GroupRestoreRequest, reporter: Reporter) -> GroupRestoreResult:
+def _restore_members(group: GroupManifest, specs: list[MemberSpec], factory: MemberFactory,  # noqa: PLR0913
+                     request: GroupRestoreRequest, reporter: Reporter, lock: ConnectionLock) -> GroupRestoreResult:
     members: list[Member] = []
     coordinator = Coordinator(members, request.phase_timeout, reporter)
     running = False
@@ -362,6 +381,9 @@ def _restore_members(group: GroupManifest, specs: list[MemberSpec], factory: Mem
         coordinator.each("prepare", lambda m: m.prepare())
         reporter.step(f"restoring {len(members)} member(s)")
         held = coordinator.each("restore", lambda m: m.capture())
+        # Every member's sockets exist again, in repair mode (nothing is sent): the connections
+        # between members may flow as soon as CRIU lets the members run.
+        lock.lift()
         released = coordinator.each("run", lambda m: m.release())
         running = True
         committed = coordinator.each("finish", lambda m: m.commit())
