@@ -21,6 +21,9 @@ from tests.helpers import ROOT, alive, ckpt, ckpt_json, env_settings, state, wai
 pytestmark = pytest.mark.integration
 
 
+PEERS: list[int] = []  # every peer's PID, for a failure's message
+
+
 class Peer:
     """One end of the stream: its process and what its status file says."""
 
@@ -28,6 +31,7 @@ class Peer:
         self.status = tmp_path / f"{role}.status"
         self.popen = procs.start("stream_peer.py", role, where, self.status)
         self.pid, self.procs = self.popen.pid, procs
+        PEERS.append(self.pid)
 
     def read(self) -> dict:
         """{"sent": N, "received": M, "bad": "-" or what went wrong}"""
@@ -43,7 +47,7 @@ class Peer:
         wait_until(lambda: self.read()["received"] > beyond + by or self.read()["bad"] != "-", timeout=20,
                    what=f"PID {self.pid} to receive past {beyond + by}")
         seen = self.read()
-        assert seen["bad"] == "-", f"PID {self.pid}: {seen}"
+        assert seen["bad"] == "-", f"PID {self.pid}: {seen}; states: {[(p, state(p)) for p in PEERS]}"
         assert state(self.pid) not in ("t", "T", None)
         return seen
 
@@ -90,6 +94,7 @@ def test_a_group_restored_carries_on_with_no_number_lost_or_repeated(procs, tmp_
     else:
         for peer in (server, client):  # they ran on after the dump
             peer.progresses(at_dump[peer.pid]["received"])
+        for peer in (server, client):
             procs.kill_tree(peer.pid)
     restored = ckpt_json("restore", "g")
     assert [m["pid"] for m in restored["members"]] == [server.pid, client.pid]
