@@ -17,6 +17,7 @@ import pytest
 from ckpt.phases import PAUSE_AT, PAUSE_FILE
 from ckpt.store import Store
 from tests.helpers import ROOT, alive, ckpt, ckpt_json, env_settings, state, wait_until
+from tests.jsonshape import assert_shape
 
 pytestmark = pytest.mark.integration
 
@@ -78,6 +79,7 @@ def test_a_group_restored_carries_on_with_no_number_lost_or_repeated(procs, tmp_
     tables_before = criu_tables()
     dumped = ckpt_json("dump", "--group", "g", server.pid, client.pid, *(["--stop"] if stop else []))
     at_dump = {p.pid: p.read() for p in (server, client)}
+    assert_shape(dumped, "dump: group")
     assert dumped["name"] == "g" and dumped["stopped"] == stop
     members = dumped["members"]
     assert [m["pid"] for m in members] == [server.pid, client.pid]
@@ -97,6 +99,7 @@ def test_a_group_restored_carries_on_with_no_number_lost_or_repeated(procs, tmp_
         for peer in (server, client):
             procs.kill_tree(peer.pid)
     restored = ckpt_json("restore", "g")
+    assert_shape(restored, "restore: group")
     assert [m["pid"] for m in restored["members"]] == [server.pid, client.pid]
     for peer in (server, client):
         procs.adopt(peer.pid)
