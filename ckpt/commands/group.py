@@ -31,6 +31,7 @@ from ckpt.store.groups import GroupManifest, GroupMember, skew_stats
 from ckpt.store.password import PasswordSource
 
 T = TypeVar("T")
+COMMIT_SLACK = 10.0  # the commit phase (storing each member's images) has this many phase timeouts
 MemberFactory = Callable[[MemberSpec], Member]
 
 
@@ -131,10 +132,10 @@ class Coordinator:
     def __init__(self, members: list[Member], phase_timeout: float, reporter: Reporter):
         self.members, self.phase_timeout, self.reporter = members, phase_timeout, reporter
 
-    def each(self, what: str, step: Callable[[Member], T]) -> list[T]:
+    def each(self, what: str, step: Callable[[Member], T], slack: float = 1.0) -> list[T]:
         """step(member) for every member at once; returns their answers in the members' order.
-        The first failure, or a member still working after phase_timeout, raises GroupFailed
-        (after every other member's step has ended or timed out)."""
+        The first failure, or a member still working after phase_timeout (times slack),
+        raises GroupFailed (after every other member's step has ended or timed out)."""
         answers: dict[int, T] = {}
         failures: dict[int, BaseException] = {}
 
@@ -148,7 +149,8 @@ class Coordinator:
                    for i, m in enumerate(self.members)]
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + self.phase_timeout
+        timeout = self.phase_timeout * slack
+        deadline = time.monotonic() + timeout
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         late = [m.label for m, t in zip(self.members, threads, strict=True) if t.is_alive()]
@@ -156,7 +158,7 @@ class Coordinator:
             index = min(failures)
             raise _member_failed(self.members[index].label, what, failures[index])
         if late:
-            raise GroupFailed(f"member {', '.join(late)} did not {what} within {self.phase_timeout:g} s",
+            raise GroupFailed(f"member {', '.join(late)} did not {what} within {timeout:g} s",
                               hint="the group was aborted: nothing was committed (--timeout gives more time)")
         return [answers[i] for i in range(len(self.members))]
 
@@ -248,7 +250,8 @@ class _GroupDump:
             self.released = coordinator.each("let its tree go", lambda m: m.release())
             phase("group.released")
             self.reporter.step("committing each member's checkpoint")
-            self.committed = coordinator.each("commit", lambda m: m.commit())
+            # Storing a large tree's memory takes longer than a freeze; the trees run meanwhile.
+            self.committed = coordinator.each("commit", lambda m: m.commit(), slack=COMMIT_SLACK)
             phase("group.members-committed")
             if not self.request.stop:
                 self._commit_group()
