@@ -129,9 +129,10 @@ def _show(flags: SharedFlags, result: DumpResult, stop: bool) -> None:
 
 
 def _single_pid(text: str) -> int:
-    if not text.isdigit():
-        raise UsageError(f"'{text}' is not a PID", hint="HOST:PID members are for --group")
-    return int(text)
+    try:
+        return int(text)  # a bad number is refused by the dump, with the others
+    except ValueError:
+        raise UsageError(f"'{text}' is not a PID", hint="HOST:PID members are for --group") from None
 
 
 def _refuse_for_groups(group: Optional[str], pids: list[str], **given: Any) -> None:
