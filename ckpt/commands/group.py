@@ -265,6 +265,7 @@ class _GroupDump:
         count = len(coordinator.members)
         self.reporter.step(f"preparing {count} member(s)")
         self.prepared = coordinator.each("prepare", lambda m: m.prepare())
+        _warn_of_unix_connections(self.specs, self.prepared, self.reporter)
         phase("group.prepared")
         self.reporter.step(f"freezing and dumping {count} member(s)")
         self.held = coordinator.each("freeze and dump", lambda m: m.capture())
@@ -302,6 +303,25 @@ class _GroupDump:
             return self.group
         members = [replace(m, thawed_at=r.released_at) for m, r in zip(self.group.members, self.released, strict=True)]
         return replace(self.group, members=members, stats=skew_stats(members))
+
+
+def _warn_of_unix_connections(specs: list[MemberSpec], prepared: list[Prepared], reporter: Reporter) -> None:
+    """CRIU cannot dump one end of a UNIX stream connection whose other end is in another dump:
+    each member's end is dumped as a connection to outside its tree, and a restore connects
+    each end to a file instead (README, "Groups"). Said once for each pair of members."""
+    ends = {}
+    for spec, report in zip(specs, prepared, strict=True):
+        for inode, _ in report.unix_connections:
+            ends[(report.hostname, inode)] = spec.label
+    told = set()
+    for spec, report in zip(specs, prepared, strict=True):
+        for _, peer in report.unix_connections:
+            other = ends.get((report.hostname, peer))
+            if other is not None and other != spec.label and (other, spec.label) not in told:
+                told.add((spec.label, other))
+                reporter.warn(f"members {spec.label} and {other} are connected by a UNIX stream socket: it is not "
+                              "restored (after a restore each end writes into a file); use TCP on 127.0.0.1 "
+                              "between members, or make them one tree")
 
 
 # ---- group restore --------------------------------------------------------------------------

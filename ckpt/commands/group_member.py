@@ -9,7 +9,7 @@ Every report is plain data that goes over the wire as one JSON object (to_json/f
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
@@ -39,6 +39,9 @@ class Prepared(_Wire):
 
     hostname: str  # the member host's own name
     command: str = ""  # the tree's command line (dump) or the checkpoint's (restore)
+    # dump: the tree's UNIX stream sockets connected outside it, [inode, peer's inode] each: the
+    # coordinator warns of a connection between two members (it is not restored)
+    unix_connections: list = field(default_factory=list)
 
 
 @dataclass
@@ -142,7 +145,9 @@ class LocalDumpMember:
 
     def prepare(self) -> Prepared:
         self.session.prepare()
-        return Prepared(hostname=_hostname(), command=self.session.facts.command)
+        facts = self.session.facts
+        return Prepared(hostname=_hostname(), command=facts.command,
+                        unix_connections=[[s["inode"], s["peer_inode"]] for s in facts.external_sockets])
 
     def capture(self) -> Held:
         self.session.capture_frozen(self.hold_limit)

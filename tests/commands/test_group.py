@@ -14,6 +14,7 @@ from ckpt.errors import GroupFailed, ProcessNotFound, UsageError
 from ckpt.restore import tcppeers
 from ckpt.store import Store
 from ckpt.system.inetdiag import ESTABLISHED
+from tests.commands.conftest import Heard
 from tests.helpers import env_settings
 
 PHASES = ("prepare", "capture", "release", "commit")
@@ -39,7 +40,9 @@ class FakeMember:
 
     def prepare(self) -> Prepared:
         self._phase("prepare")
-        return Prepared(hostname="here", command=f"tree {self.index}")
+        # members 0 and 1 share a UNIX stream connection (inodes 100 and 101)
+        unix = {0: [[100, 101]], 1: [[101, 100], [7, 8]]}.get(self.index, [])
+        return Prepared(hostname="here", command=f"tree {self.index}", unix_connections=unix)
 
     def capture(self) -> Held:
         self._phase("capture")
@@ -79,10 +82,10 @@ class Members:
         return [i for i, (name, _) in enumerate(self.journal) if name == phase]
 
 
-def run(members: Members, labels=("11", "22", "33"), **request) -> object:
+def run(members: Members, labels=("11", "22", "33"), reporter=None, **request) -> object:
     settings = env_settings()
     return group_dump(settings.store, GroupDumpRequest(members=list(labels), name="g", **request),
-                      settings=settings, member_factory=members)
+                      reporter or Heard(), settings=settings, member_factory=members)
 
 
 def groups_in_store() -> list[str]:
@@ -103,6 +106,14 @@ def test_phases_in_order_and_the_group_committed_last():
     assert group["stats"] == {"freeze_skew_ms": 20.0, "span_ms": 220.0, "longest_freeze_ms": 200.0}
     assert [m["frozen_at"] for m in group["members"]] == [100.0, 100.01, 100.02]
     assert groups_in_store() == [group["id"]]
+
+
+def test_a_unix_connection_between_members_is_warned_of_once():
+    heard = Heard()
+    run(Members(), reporter=heard)
+    assert heard.of("warn") == ["members 11 and 22 are connected by a UNIX stream socket: it is not restored "
+                                "(after a restore each end writes into a file); use TCP on 127.0.0.1 between "
+                                "members, or make them one tree"]
 
 
 def test_stop_commits_the_group_before_any_member_is_let_go():
