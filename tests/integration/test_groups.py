@@ -68,6 +68,12 @@ def groups_in_store(store_dir: Path) -> list[str]:
     return Store.open(store_dir, False, settings=settings).groups.ids()
 
 
+def nft_tables() -> list[str]:
+    """Every CRIU table of the ruleset, as `nft list ruleset` prints it."""
+    ruleset = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True, check=True).stdout
+    return ["table " + t for t in ruleset.split("table ")[1:] if t.startswith("inet CRIU-")]
+
+
 def criu_tables() -> list[str]:
     listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True).stdout
     return [line for line in listed.splitlines() if "CRIU" in line]
@@ -93,6 +99,11 @@ def test_a_group_restored_carries_on_with_no_number_lost_or_repeated(procs, tmp_
     if stop:
         for peer in (server, client):
             peer.popen.wait(timeout=10)
+        # CRIU's lock stays until the restore: both directions of the connection dropped, in
+        # each member's table (in the host's network namespace, per connection).
+        port = (tmp_path / "port").read_text()
+        locked = [t for t in nft_tables() if port in t]
+        assert len(locked) == 2 and all(t.count(f"127.0.0.1 . {port} . 127.0.0.1") == 1 for t in locked), locked
     else:
         for peer in (server, client):  # they ran on after the dump
             peer.progresses(at_dump[peer.pid]["received"])
