@@ -33,15 +33,17 @@ def run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 @dataclass
-class TestHost:
+class NetHost:
     alias: str  # its name in the ssh client config: host-a, host-b
     netns: str
     address: str
     workdir: Path
 
     def command(self, *argv: object) -> list[str]:
-        """argv run inside this host's network namespace."""
-        return ["ip", "netns", "exec", self.netns, *map(str, argv)]
+        """argv run inside this host's network namespace, and nothing else's: not `ip netns
+        exec`, whose mount namespace of its own (for /sys) CRIU would have to dump, and cannot
+        ("has unreachable sharing"). nsenter execs argv: its PID is argv's."""
+        return ["nsenter", f"--net=/run/netns/{self.netns}", *map(str, argv)]
 
     def nft_tables(self) -> list[str]:
         listed = run(*self.command("nft", "list", "tables")).stdout
@@ -50,6 +52,25 @@ class TestHost:
     def criu_tables(self) -> list[str]:
         """CRIU's network lock tables left in this host's namespace (its names hold "CRIU")."""
         return [t for t in self.nft_tables() if "CRIU" in t]
+
+
+class OneHost:
+    """A network namespace of its own (loopback only): a host whose nftables no other test touches."""
+
+    def __init__(self, workdir: Path):
+        self.host = NetHost("host", f"ckpt-t1-{secrets.token_hex(3)}", "127.0.0.1", workdir)
+
+    def __enter__(self) -> NetHost:
+        run("ip", "netns", "add", self.host.netns)
+        try:
+            run("ip", "-n", self.host.netns, "link", "set", "lo", "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self.host
+
+    def __exit__(self, *_exc) -> None:
+        run("ip", "netns", "del", self.host.netns, check=False)
 
 
 class NamespacedWeed(WeedServer):
@@ -72,14 +93,14 @@ class NamespacedWeed(WeedServer):
         return False
 
 
-class TestHosts:
+class TwoHosts:
     """host-a and host-b (see the module's docstring); a context manager that tears all down."""
 
     def __init__(self, workdir: Path, processes: Processes):
         self.workdir, self.processes = workdir, processes
         tag = secrets.token_hex(3)
         subnet = f"10.213.{os.getpid() % 250 + 1}"
-        self.hosts = [TestHost(f"host-{x}", f"ckpt-t{x}-{tag}", f"{subnet}.{i}", workdir / f"host-{x}")
+        self.hosts = [NetHost(f"host-{x}", f"ckpt-t{x}-{tag}", f"{subnet}.{i}", workdir / f"host-{x}")
                       for i, x in ((1, "a"), (2, "b"))]
         self.a, self.b = self.hosts
         self.veth = (f"ck{tag}a", f"ck{tag}b")
@@ -87,7 +108,7 @@ class TestHosts:
         self.weed: NamespacedWeed | None = None
         self.sshd: list[subprocess.Popen] = []
 
-    def __enter__(self) -> TestHosts:
+    def __enter__(self) -> TwoHosts:
         try:
             self._network()
             self._keys()
@@ -116,9 +137,10 @@ class TestHosts:
     def store_url(self) -> str:
         return f"s3://{BUCKET}/t-{secrets.token_hex(4)}"
 
-    def ssh(self, via: TestHost) -> str:
-        """CKPT_SSH for a coordinator anywhere: ssh run inside via's namespace, with the config."""
-        return shlex.join([*via.command("ssh"), "-F", str(self.ssh_config)])
+    def ssh(self, via: NetHost | None = None) -> str:
+        """CKPT_SSH with the hosts' client config: for a coordinator inside a test host, or
+        (via) for one outside them all, ssh run inside via's namespace."""
+        return shlex.join([*(via.command() if via else []), "ssh", "-F", str(self.ssh_config)])
 
     def remote_ckpt(self) -> str:
         """CKPT_REMOTE_CKPT: this tree's ckpt, by the interpreter of the tests."""
@@ -131,7 +153,7 @@ class TestHosts:
                 "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1",
                 "AWS_EC2_METADATA_DISABLED": "true"}
 
-    def ckpt(self, host: TestHost, *args: object, env: dict | None = None, check: bool = True,
+    def ckpt(self, host: NetHost, *args: object, env: dict | None = None, check: bool = True,
              timeout: float = 120) -> subprocess.CompletedProcess:
         """The real CLI run inside host's namespace, with its cache and the S3 server's variables."""
         environment = {**os.environ, **self.s3_environment(), "CKPT_CACHE": str(host.workdir / "cache"),
@@ -172,7 +194,7 @@ class TestHosts:
         (self.workdir / "known_hosts").write_text("\n".join(known) + "\n")
         self.ssh_config.write_text("\n".join(config) + "\n")
 
-    def _start_sshd(self, host: TestHost) -> None:
+    def _start_sshd(self, host: NetHost) -> None:
         # sshd's privilege separation needs this directory (made by its service, which is not run here).
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
         environment = {**self.s3_environment(), "CKPT_CACHE": str(host.workdir / "cache"), "PYTHONPATH": str(ROOT)}

@@ -52,7 +52,7 @@ def _free_ports(count: int) -> list[int]:
 class WeedServer:
     def __init__(self, workdir: Path, ip: str = "127.0.0.1", run_in: tuple[str, ...] = ()):
         """ip: the address it listens on; run_in: a prefix of its command (a test host's
-        `ip netns exec NAME`: tests/netns.py)."""
+        `nsenter --net=...`: tests/netns.py)."""
         self.workdir, self.ip, self.run_in = workdir, ip, run_in
         self.process: subprocess.Popen | None = None
         self.ports: list[int] = []
