@@ -117,7 +117,7 @@ class TwoHosts:
             self.weed.start()
             for host in self.hosts:
                 self._start_sshd(host)
-            for host, sshd in zip(self.hosts, self.sshd):
+            for host, sshd in zip(self.hosts, self.sshd, strict=True):
                 log = host.workdir / "sshd.log"
                 wait_until(lambda: sshd.poll() is not None or "Server listening" in log.read_text(),
                            timeout=READY_TIMEOUT, what=f"the sshd of {host.alias}")
@@ -173,7 +173,7 @@ class TwoHosts:
             run("ip", "netns", "add", host.netns)
         run("ip", "link", "add", self.veth[0], "netns", self.a.netns, "type", "veth",
             "peer", "name", self.veth[1], "netns", self.b.netns)
-        for host, veth in zip(self.hosts, self.veth):
+        for host, veth in zip(self.hosts, self.veth, strict=True):
             run("ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", veth)
             run("ip", "-n", host.netns, "link", "set", veth, "up")
             run("ip", "-n", host.netns, "link", "set", "lo", "up")

@@ -239,7 +239,8 @@ def test_a_group_across_two_hosts_goes_on_with_no_number_lost_or_repeated(hosts,
                                          checkpoint_id=checkpoints[h]), remote) for h in ("host-a", "host-b")]
     held = drive(dumps, ("prepare", "capture"))["capture"]
     members = [{"checkpoint": checkpoints[m.host], "pid": streams.pids[m.host], "host": m.host,
-                "hostname": m.hostname, "frozen_at": h.frozen_at, "dumped_at": h.held_at} for m, h in zip(dumps, held)]
+                "hostname": m.hostname, "frozen_at": h.frozen_at, "dumped_at": h.held_at}
+               for m, h in zip(dumps, held, strict=True)]
     commit_group(hosts, store, group, members)
     drive(dumps, ("release", "commit"))
     for popen in (streams.a, streams.b):
@@ -311,7 +312,8 @@ from ckpt.store import ids
 settings = Settings.from_environment()
 link = RemoteLink.of(settings, sys.argv[1], password=settings.password, hold_limit=60)
 group = {"id": ids.new_id(), "name": "killed"}
-members = [RemoteMember(h, DumpRequest(pid=p, group=group), link) for h, p in map(split_member, json.loads(sys.argv[2]))]
+specs = map(split_member, json.loads(sys.argv[2]))
+members = [RemoteMember(host, DumpRequest(pid=pid, group=group), link) for host, pid in specs]
 for phase in ("prepare", "capture"):
     for m in members:
         getattr(m, phase)()
