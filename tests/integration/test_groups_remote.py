@@ -64,15 +64,20 @@ def ends_of_stream(log: Path) -> list[str]:
 class Agent:
     """`ckpt _member` on a pipe, as ssh would start it on the member's host."""
 
-    def __init__(self, host: NetHost, tmp_path: Path):
+    def __init__(self, host: NetHost | None, tmp_path: Path):
         self.stderr = open(tmp_path / "agent.stderr", "wb")
-        self.process = subprocess.Popen(host.command(sys.executable, "-m", "ckpt", "_member"), stdin=subprocess.PIPE,
+        command = [sys.executable, "-m", "ckpt", "_member"]
+        self.process = subprocess.Popen(host.command(*command) if host else command, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self.stderr, cwd=ROOT, start_new_session=True)
 
-    def ask(self, **request) -> dict:
-        assert self.process.stdin is not None and self.process.stdout is not None
+    def send(self, **request) -> None:
+        assert self.process.stdin is not None
         self.process.stdin.write(json.dumps(request).encode() + b"\n")
         self.process.stdin.flush()
+
+    def ask(self, **request) -> dict:
+        self.send(**request)
+        assert self.process.stdout is not None
         answer = json.loads(self.process.stdout.readline())
         assert answer["ok"], answer
         return answer
@@ -120,6 +125,31 @@ def test_end_of_file_lets_a_held_dump_go_at_once(procs, tmp_path, isolated_env, 
     assert host.criu_tables() == []
     assert ckpt_json("list") == [] and not list((isolated_env / "checkpoints").glob("*.json"))
     assert "the coordinator is gone" in (tmp_path / "agent.stderr").read_text()
+
+
+def test_end_of_file_cuts_a_phase_short(procs, tmp_path, isolated_env):
+    """End of file while prepare waits (here for another dump of the same PID, up to the 60 s
+    lock timeout hello passed): the agent does not wait on, it aborts at once and ends."""
+    from ckpt.dump.target_lock import dumping
+
+    out = tmp_path / "count.txt"
+    target = procs.start("counter.py", out)
+    wait_until(lambda: read_lines(out), what="the counter")
+    with dumping(target.pid, timeout=5):
+        agent = Agent(None, tmp_path)
+        try:
+            agent.ask(op="hello", version=1, store=str(isolated_env), settings={"lock_timeout": 60})
+            agent.send(op="prepare", kind="dump", request={"pid": target.pid}, hold_limit=60)
+            wait_until(lambda: "waiting for another dump" in (tmp_path / "agent.stderr").read_text(),
+                       what="the agent to wait for the dump lock")
+            closed = time.monotonic()
+            agent.process.stdin.close()
+            assert agent.process.wait(10) == 1 and time.monotonic() - closed < 3.0
+            assert agent.process.stdout.read() == b"", "a phase cut short has nothing to answer"
+        finally:
+            agent.end()
+    assert "while a phase ran" in (tmp_path / "agent.stderr").read_text()
+    assert ckpt_json("dump", target.pid)["pid"] == target.pid  # nothing left held: the next dump works
 
 
 # ---- across two hosts ------------------------------------------------------------------------
