@@ -22,7 +22,7 @@ from typing import IO, Callable, Mapping
 
 from ckpt.commands.dump import DumpRequest
 from ckpt.commands.group_member import PROTOCOL_VERSION, Committed, Held, Member, Prepared, Released
-from ckpt.commands.member_agent import request_to_wire, settings_for_members
+from ckpt.commands.member_agent import request_to_wire, settings_for_members, store_identity
 from ckpt.commands.restore import RestoreRequest
 from ckpt.errors import CkptError, MemberLost, UsageError, from_record
 from ckpt.reporting import NullReporter, Reporter
@@ -53,12 +53,21 @@ class RemoteLink:
     settings: dict = field(default_factory=dict)  # member_agent.PASSED_SETTINGS
     timeout: float = 120.0  # seconds a member has to answer one request (the phase timeout)
     hold_limit: float = 60.0  # seconds a member holds its tree at most, whatever happens
+    store_identity: str | None = None  # member_agent.store_identity: the agent checks it is the same store
 
     @classmethod
     def of(cls, settings: Settings, store: str, password: str | None = None, timeout: float = 120.0,
-           hold_limit: float = 60.0) -> RemoteLink:
+           hold_limit: float = 60.0, store_identity: str | None = None) -> RemoteLink:
         return cls(tuple(shlex.split(settings.ssh)), tuple(shlex.split(settings.remote_ckpt)), str(store),
-                   password, settings_for_members(settings), timeout, hold_limit)
+                   password, settings_for_members(settings), timeout, hold_limit, store_identity)
+
+    @classmethod
+    def for_store(cls, store: Store, settings: Settings, passwords: PasswordSource, timeout: float = 120.0,
+                  hold_limit: float = 60.0) -> RemoteLink:
+        """The link of a coordinator that opened store: its location, its password (encrypted),
+        its identity (so that a host with another store of that name is refused)."""
+        return cls.of(settings, store.location, members_password(store, passwords), timeout, hold_limit,
+                      store_identity(store))
 
     def command(self, host: str) -> list[str]:
         """The ssh command line that starts the member agent on host."""
@@ -109,7 +118,8 @@ class RemoteMember:
         """Starts ssh and the agent, says hello (the store, its password, the settings), prepares."""
         self._start()
         hello = self._ask({"op": "hello", "version": PROTOCOL_VERSION, "store": self.link.store,
-                           "password": self.link.password, "settings": self.link.settings})
+                           "store_identity": self.link.store_identity, "password": self.link.password,
+                           "settings": self.link.settings})
         self.hostname = str(hello.get("hostname", ""))
         answer = self._ask({"op": "prepare", "kind": self.kind, "request": request_to_wire(self.request),
                             "hold_limit": self.link.hold_limit})

@@ -12,6 +12,7 @@ would be), and a held tree is let go (CRIU thaws a dumped one, ends a restored o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -25,10 +26,10 @@ from typing import IO, Any, Callable
 from ckpt.commands.dump import DumpRequest, DumpSession
 from ckpt.commands.group_member import PROTOCOL_VERSION, Committed, Held, Member, Prepared, Released
 from ckpt.commands.restore import RestoreRequest, RestoreSession
-from ckpt.errors import CkptError, ExitCode, UsageError, to_record
+from ckpt.errors import CkptError, ExitCode, StoreError, UsageError, to_record
 from ckpt.reporting import Reporter
 from ckpt.settings import Settings, store_from_flag
-from ckpt.store import Origin
+from ckpt.store import Origin, Store
 
 # The settings a coordinator passes to its members' agents: how long to wait and how much to
 # log, which are the user's choice for the whole group. Where things are on a host (its cache,
@@ -87,6 +88,24 @@ def settings_from_hello(base: Settings, hello: dict) -> Settings:
     return replace(base, **passed)
 
 
+def store_identity(store: Store) -> str:
+    """What tells one store from another of the same location on another host (the default
+    /var/lib/ckpt of every host): a digest of the seed of its page ids, made at random with it."""
+    return hashlib.sha256(b"ckpt store " + store.blocks.seed.to_bytes(8, "little")).hexdigest()[:32]
+
+
+def open_members_store(settings: Settings, identity: object) -> Store:
+    """The store hello names, opened (never created: a member writes into the coordinator's
+    store or nowhere) and checked to be the coordinator's when it sent its identity."""
+    store = Store.open(settings.store, create=False, settings=settings)
+    if isinstance(identity, str) and identity and store_identity(store) != identity:
+        raise StoreError(f"the store at {store.location} on {socket.gethostname()} is another store than the "
+                         "coordinator's of that name",
+                         hint="every host of a group must reach the same store: an S3 store, or a directory "
+                              "shared at the same path")
+    return store
+
+
 def settings_for_members(settings: Settings) -> dict:
     """What hello passes of the coordinator's settings (settings_from_hello takes it)."""
     return {name: getattr(settings, name) for name in PASSED_SETTINGS}
@@ -139,17 +158,17 @@ class SessionMember:
         self.session.abort()
 
 
-MemberMaker = Callable[[DumpRequest | RestoreRequest, Settings, Reporter, float], Member]
+MemberMaker = Callable[[DumpRequest | RestoreRequest, Store, Reporter, float], Member]
 
 
-def session_member(request: DumpRequest | RestoreRequest, settings: Settings, reporter: Reporter,
+def session_member(request: DumpRequest | RestoreRequest, store: Store, reporter: Reporter,
                    hold_limit: float) -> Member:
-    """The local member of a request, on the store of the settings (the agent's default)."""
-    hostname = socket.gethostname()
+    """The local member of a request, on the store hello named (the agent's default)."""
+    hostname, settings = socket.gethostname(), store.settings
     if isinstance(request, DumpRequest):
-        dump = DumpSession(settings.store, request, reporter, settings=settings)
+        dump = DumpSession(store.location, request, reporter, settings=settings, store=store)
         return SessionMember(dump, str(request.pid), hold_limit, hostname)
-    restore = RestoreSession(settings.store, request, reporter, settings=settings)
+    restore = RestoreSession(store.location, request, reporter, settings=settings, store=store)
     return SessionMember(restore, request.ref, hold_limit, hostname)
 
 
@@ -163,7 +182,7 @@ class ChannelClosed(BaseException):
 
 @dataclass
 class AgentState:
-    settings: Settings | None = None  # from hello
+    store: Store | None = None  # hello's, opened
     member: Member | None = None  # from prepare
     done: tuple[str, ...] = ()  # the phases answered, in order
 
@@ -304,14 +323,16 @@ class MemberAgent:
         if message.get("version") != PROTOCOL_VERSION:
             raise UsageError(f"the coordinator speaks version {message.get('version')} of the group protocol, "
                              f"this ckpt {PROTOCOL_VERSION}", hint="run the same ckpt version on every host")
-        self.state.settings = settings_from_hello(self.base, message)
+        settings = settings_from_hello(self.base, message)
+        self.state.store = open_members_store(settings, message.get("store_identity"))
         return {"version": PROTOCOL_VERSION, "hostname": socket.gethostname(), "pid": os.getpid()}
 
     def _prepare(self, message: dict) -> dict:
         request = request_from_wire(str(message.get("kind")), message.get("request"))
         hold_limit = float(message.get("hold_limit") or 60.0)
-        settings = self.state.settings or self.base
-        self.state.member = self.make_member(request, settings, self.reporter, hold_limit)
+        if self.state.store is None:
+            raise UsageError("prepare before hello")
+        self.state.member = self.make_member(request, self.state.store, self.reporter, hold_limit)
         return self.state.member.prepare().to_json()
 
     def _capture(self, _message: dict) -> dict:

@@ -111,7 +111,14 @@ def link_through(tmp_path, body: str, timeout: float = 30.0) -> RemoteLink:
     return replace(RemoteLink.of(settings, str(tmp_path / "store")), timeout=timeout)
 
 
+def a_store(path):
+    from ckpt.store import Store
+
+    return Store.open(path, create=True, settings=Settings(store=path))
+
+
 def test_the_agents_error_arrives_as_its_typed_error_with_the_host_in_front(tmp_path):
+    a_store(tmp_path / "store")
     gone = subprocess.Popen(["true"])
     gone.wait()
     member = RemoteMember("host-a", DumpRequest(pid=gone.pid), link_through(tmp_path, 'exec sh -c "$1"'))
@@ -142,3 +149,22 @@ def test_a_member_that_does_not_answer_in_time_is_lost_and_its_abort_is_quick(tm
     started = time.monotonic()
     member.abort()  # its stdin closed: the stand-in ends
     assert time.monotonic() - started < 3.0 and member.process is not None and member.process.poll() is not None
+
+
+def test_a_host_whose_store_of_that_name_is_another_is_refused(tmp_path):
+    """Every host has a /var/lib/ckpt: a member must not write into its own host's."""
+    from ckpt.commands.member_agent import store_identity
+    from ckpt.errors import StoreError
+
+    theirs, ours = a_store(tmp_path / "store"), a_store(tmp_path / "another")
+    link = replace(link_through(tmp_path, 'exec sh -c "$1"'), store_identity=store_identity(ours))
+    member = RemoteMember("host-a", DumpRequest(pid=42), link)
+    with pytest.raises(StoreError, match="host-a: the store at .* is another store than the coordinator's"):
+        member.prepare()
+    member.abort()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    good = RemoteMember("host-a", DumpRequest(pid=gone.pid), replace(link, store_identity=store_identity(theirs)))
+    with pytest.raises(ProcessNotFound):  # past hello: the store is the same
+        good.prepare()
+    good.abort()

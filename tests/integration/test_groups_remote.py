@@ -28,7 +28,7 @@ from ckpt.commands.group_remote import RemoteLink, RemoteMember
 from ckpt.commands.restore import RestoreRequest
 from ckpt.errors import MemberLost
 from ckpt.store import ids
-from tests.helpers import FIXTURES, ROOT, Processes, ckpt_json, env_settings, read_lines, wait_until
+from tests.helpers import FIXTURES, ROOT, Processes, ckpt, ckpt_json, env_settings, read_lines, wait_until
 from tests.netns import NetHost, OneHost, TwoHosts
 
 pytestmark = pytest.mark.integration
@@ -105,6 +105,7 @@ def test_end_of_file_lets_a_held_dump_go_at_once(procs, tmp_path, isolated_env, 
     # an established connection: CRIU holds it behind its nftables lock
     client = procs.start_program(host.command(sys.executable, FIXTURES / "tcp_client.py", port, out), "client")
     wait_until(lambda: len(read_lines(out)) >= 3, what="the client's echoes")
+    ckpt("init")  # a member writes into an existing store only
     agent = Agent(host, tmp_path)
     try:
         agent.ask(op="hello", version=1, store=str(isolated_env))
@@ -135,6 +136,7 @@ def test_end_of_file_cuts_a_phase_short(procs, tmp_path, isolated_env):
     out = tmp_path / "count.txt"
     target = procs.start("counter.py", out)
     wait_until(lambda: read_lines(out), what="the counter")
+    ckpt("init")
     with dumping(target.pid, timeout=5):
         agent = Agent(None, tmp_path)
         try:
@@ -309,7 +311,8 @@ def test_a_members_ssh_killed_while_held_lets_every_tree_go(hosts, store, procs,
 def test_the_coordinator_killed_while_both_are_held_lets_every_tree_go(hosts, store, procs, tmp_path, monkeypatch):
     streams = StreamPair(hosts, procs, tmp_path)
     for name, value in {"CKPT_SSH": hosts.ssh(), "CKPT_REMOTE_CKPT": hosts.remote_ckpt(), "CKPT_PASSWORD": PASSWORD,
-                        "PYTHONPATH": str(ROOT)}.items():
+                        "CKPT_CACHE": str(hosts.a.workdir / "cache"), "PYTHONPATH": str(ROOT),
+                        **hosts.s3_environment()}.items():
         monkeypatch.setenv(name, value)  # the coordinator's, in host A
     coordinator = procs.start_program(hosts.a.command(sys.executable, "-c", COORDINATOR, store, json.dumps(
         [f"host-a:{streams.pids['host-a']}", f"host-b:{streams.pids['host-b']}"])), "coordinator")
@@ -339,8 +342,11 @@ from ckpt.commands.dump import DumpRequest
 from ckpt.commands.group_remote import RemoteLink, RemoteMember, split_member
 from ckpt.settings import Settings
 from ckpt.store import ids
+from ckpt.store import Store
+from ckpt.store.password import PasswordSource
 settings = Settings.from_environment()
-link = RemoteLink.of(settings, sys.argv[1], password=settings.password, hold_limit=60)
+store = Store.open(sys.argv[1], settings=settings)
+link = RemoteLink.for_store(store, settings, PasswordSource.from_settings(settings), hold_limit=60)
 group = {"id": ids.new_id(), "name": "killed"}
 specs = map(split_member, json.loads(sys.argv[2]))
 members = [RemoteMember(host, DumpRequest(pid=pid, group=group), link) for host, pid in specs]
