@@ -40,6 +40,9 @@ ABORT_WAIT = 5.0
 # Seconds a channel that ended has to tell why (ssh's exit code and last words on stderr).
 LAST_WORDS_WAIT = 2.0
 STDERR_KEPT = 20  # lines of the channel's stderr kept for the error of a lost member
+# Storing a large tree's memory takes longer than a freeze: commit may take this many phase
+# timeouts (as the coordinator allows its members: ckpt/commands/group.py).
+COMMIT_SLACK = 10.0
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ class RemoteMember:
         return Released.from_json(self._ask({"op": "release"}))
 
     def commit(self) -> Committed:
-        committed = Committed.from_json(self._ask({"op": "commit"}))
+        committed = Committed.from_json(self._ask({"op": "commit"}, slack=COMMIT_SLACK))
         self._close(wait=ABORT_WAIT)  # the agent is done and ends
         return committed
 
@@ -206,14 +209,15 @@ class RemoteMember:
         except (OSError, ValueError):
             raise self._lost(str(message.get("op"))) from None
 
-    def _ask(self, message: dict) -> dict:
-        """One request and its answer; the agent's error as its typed error, or MemberLost."""
-        op = str(message["op"])
+    def _ask(self, message: dict, slack: float = 1.0) -> dict:
+        """One request and its answer (within slack phase timeouts); the agent's error as its
+        typed error, or MemberLost."""
+        op, timeout = str(message["op"]), self.link.timeout * slack
         self._send(message)
         try:
-            line = self._answers.get(timeout=self.link.timeout)
+            line = self._answers.get(timeout=timeout)
         except queue.Empty:
-            raise MemberLost(f"{self.host}: no answer to {op} within {self.link.timeout:g} s",
+            raise MemberLost(f"{self.host}: no answer to {op} within {timeout:g} s",
                              hint="every member was aborted; a slow host may need a longer --timeout") from None
         if line is None:
             raise self._lost(op)
