@@ -214,6 +214,9 @@ class MemberAgent:
         reader.start()
         try:
             return self._loop()
+        except BaseException:
+            self._abort()  # interrupted (SIGINT) or a bug: nothing held is left behind
+            raise
         finally:
             for number, handler in signals.items():
                 signal.signal(number, handler)
