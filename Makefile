@@ -1,4 +1,4 @@
-# `make setup` installs everything (CRIU, nftables, the virtualenv with ckpt and pycriu);
+# `make setup` installs everything (CRIU, nftables, OpenSSH's server, the virtualenv with ckpt and pycriu);
 # `make test` runs the whole suite. Both are idempotent.
 PYTHON ?= python3
 VENV := .venv
@@ -10,6 +10,9 @@ CRIU_LIB_FILE := $(VENV)/.criu-lib
 MAN_DIR ?= /usr/local/share/man/man1
 
 setup: $(VENV)/.installed
+	@# OpenSSH's server: the group tests run one sshd per test host (tests/netns.py).
+	@test -x /usr/sbin/sshd || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends openssh-server >/dev/null; }
 	@# The page hashing extension is built in place (ckpt/): rebuilt if it went missing.
 	@$(PY) -c 'import ckpt._pagehash' 2>/dev/null || $(PY) -m pip install -q --no-deps -e .
 	@# ckpt(1), generated from the CLI itself (ckpt/cli/manpage.py): `man ckpt`.

@@ -19,6 +19,7 @@ class ExitCode(IntEnum):
     NOT_READY = 8  # `ckpt check` found a blocking problem
     UNREACHABLE = 9  # the store's server cannot be reached or keeps refusing for now (retry later)
     HOST_MISMATCH = 10  # this host lacks what a checkpoint needs (files, CRIU version, architecture)
+    MEMBER_LOST = 11  # a group member on another host stopped answering (ssh lost, its agent died)
     INTERNAL = 70
 
 
@@ -206,6 +207,14 @@ class GroupFailed(CkptError):
         super().__init__(message, hint=hint)
         if exit_code is not None:
             self.exit_code = ExitCode(exit_code)
+
+class MemberLost(CkptError):
+    """A member of a group checkpoint on another host stopped answering: its ssh channel
+    ended (the connection was lost, ssh or the member agent died) or it did not answer within
+    the phase's timeout. The coordinator aborts every member: nothing is committed, every tree
+    runs on (dump) or none runs (restore)."""
+
+    exit_code = ExitCode.MEMBER_LOST
 
 
 class CheckpointCancelled(CkptError):

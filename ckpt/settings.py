@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -132,6 +133,19 @@ def _text(variable: str, raw: str) -> str:
     return raw
 
 
+def _command(example: str) -> Callable[[str, str], str]:
+    # Kept as the text the user wrote; split as a shell would (shlex) where it is run.
+    def parse(variable: str, raw: str) -> str:
+        try:
+            words = shlex.split(raw)
+        except ValueError:
+            words = []
+        if not words:
+            raise _bad(variable, raw, "a command (words split as a shell would)", example)
+        return raw
+    return parse
+
+
 def _switch(variable: str, raw: str) -> bool:
     word = raw.strip().lower()
     if word in TRUE_WORDS:
@@ -214,6 +228,11 @@ class Settings:
     # Dumps stream their pages out of CRIU into ckpt (ckpt/dump/pagestream.py) rather than
     # have CRIU write a pages image first; off: the pages image (the path of dirty tracking).
     page_stream: bool = field(default=True, metadata=_env("CKPT_PAGE_STREAM", _switch))
+    # The ssh client, with any options of its own, that a group checkpoint reaches its members on
+    # other hosts (HOST:PID) with; the user's ~/.ssh/config, keys and known_hosts apply.
+    ssh: str = field(default="ssh", metadata=_env("CKPT_SSH", _command("'ssh -F /root/.ssh/ckpt_config'")))
+    # ckpt on those hosts, as their shell runs it (`ckpt _member` there: the member agent).
+    remote_ckpt: str = field(default="ckpt", metadata=_env("CKPT_REMOTE_CKPT", _command("/opt/ckpt/bin/ckpt")))
     # Tracebacks of internal errors, as --debug.
     debug: bool = field(default=False, metadata=_env("CKPT_DEBUG", _switch))
 

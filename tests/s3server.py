@@ -50,8 +50,10 @@ def _free_ports(count: int) -> list[int]:
 
 
 class WeedServer:
-    def __init__(self, workdir: Path):
-        self.workdir = workdir
+    def __init__(self, workdir: Path, ip: str = "127.0.0.1", run_in: tuple[str, ...] = ()):
+        """ip: the address it listens on; run_in: a prefix of its command (a test host's
+        `nsenter --net=...`: tests/netns.py)."""
+        self.workdir, self.ip, self.run_in = workdir, ip, run_in
         self.process: subprocess.Popen | None = None
         self.ports: list[int] = []
         self.endpoint = ""
@@ -82,9 +84,9 @@ class WeedServer:
         if not keep:
             self.ports = _free_ports(8)
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = self.ports
-        self.endpoint = f"http://127.0.0.1:{s3}"
+        self.endpoint = f"http://{self.ip}:{s3}"
         command = [
-            weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            *self.run_in, weed_binary(), "server", f"-dir={data}", f"-ip={self.ip}", f"-ip.bind={self.ip}",
             f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.telemetry=false",
             "-master.volumeSizeLimitMB=64", "-volume.max=0",
             f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",

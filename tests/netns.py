@@ -1,0 +1,226 @@
+"""Two test hosts on this one kernel, for what crosses hosts (group checkpoints over ssh):
+network namespaces A and B joined by a veth pair (10.213.N.1 and .2, only inside them; each
+with its loopback up), an sshd in each on its address (its host key, a client key and
+authorized_keys made here), a client config (`ssh -F`) naming them host-a and host-b, and a
+SeaweedFS S3 server in A on A's address, which both reach. The hosts share the PIDs and the
+filesystem of this kernel; each has its own network (so its own nftables tables), its own
+ckpt cache and its own sshd.
+
+Everything started here is ended by PID, and the namespaces deleted, even when a test fails.
+Nothing is sent anywhere but to the addresses of these namespaces."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.helpers import ROOT, Processes, wait_until
+from tests.s3server import ACCESS_KEY, SECRET_KEY, WeedServer
+
+SSHD = "/usr/sbin/sshd"
+READY_TIMEOUT = 20.0
+BUCKET = "ckpt-hosts"
+
+
+def run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, check=check, timeout=60)
+
+
+@dataclass
+class NetHost:
+    alias: str  # its name in the ssh client config: host-a, host-b
+    netns: str
+    address: str
+    workdir: Path
+
+    def command(self, *argv: object) -> list[str]:
+        """argv run inside this host's network namespace, and nothing else's: not `ip netns
+        exec`, whose mount namespace of its own (for /sys) CRIU would have to dump, and cannot
+        ("has unreachable sharing"). nsenter execs argv: its PID is argv's."""
+        return ["nsenter", f"--net=/run/netns/{self.netns}", *map(str, argv)]
+
+    def nft_tables(self) -> list[str]:
+        listed = run(*self.command("nft", "list", "tables")).stdout
+        return [line for line in listed.splitlines() if line.strip()]
+
+    def criu_tables(self) -> list[str]:
+        """CRIU's network lock tables left in this host's namespace (its names hold "CRIU")."""
+        return [t for t in self.nft_tables() if "CRIU" in t]
+
+
+class OneHost:
+    """A network namespace of its own (loopback only): a host whose nftables no other test touches."""
+
+    def __init__(self, workdir: Path):
+        self.host = NetHost("host", f"ckpt-t1-{secrets.token_hex(3)}", "127.0.0.1", workdir)
+
+    def __enter__(self) -> NetHost:
+        run("ip", "netns", "add", self.host.netns)
+        try:
+            run("ip", "-n", self.host.netns, "link", "set", "lo", "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self.host
+
+    def __exit__(self, *_exc) -> None:
+        run("ip", "netns", "del", self.host.netns, check=False)
+
+
+class NamespacedWeed(WeedServer):
+    """SeaweedFS in a test host's namespace: its readiness is asked from inside it too."""
+
+    def _wait_ready(self) -> bool:
+        script = ("import sys, boto3\n"
+                  "c = boto3.client('s3', endpoint_url=sys.argv[1], aws_access_key_id=sys.argv[2], "
+                  "aws_secret_access_key=sys.argv[3], region_name='us-east-1')\n"
+                  "c.create_bucket(Bucket=sys.argv[4])\n")
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                return False
+            made = subprocess.run([*self.run_in, sys.executable, "-c", script, self.endpoint, ACCESS_KEY,
+                                   SECRET_KEY, BUCKET], capture_output=True, timeout=30)
+            if made.returncode == 0 or b"BucketAlreadyOwnedByYou" in made.stderr:
+                return True
+            time.sleep(0.2)
+        return False
+
+
+class TwoHosts:
+    """host-a and host-b (see the module's docstring); a context manager that tears all down."""
+
+    def __init__(self, workdir: Path, processes: Processes):
+        self.workdir, self.processes = workdir, processes
+        tag = secrets.token_hex(3)
+        subnet = f"10.213.{os.getpid() % 250 + 1}"
+        self.hosts = [NetHost(f"host-{x}", f"ckpt-t{x}-{tag}", f"{subnet}.{i}", workdir / f"host-{x}")
+                      for i, x in ((1, "a"), (2, "b"))]
+        self.a, self.b = self.hosts
+        self.veth = (f"ck{tag}a", f"ck{tag}b")
+        self.ssh_config = workdir / "ssh_config"
+        self.weed: NamespacedWeed | None = None
+        self.sshd: list[subprocess.Popen] = []
+
+    def __enter__(self) -> TwoHosts:
+        try:
+            self._network()
+            self._keys()
+            self.weed = NamespacedWeed(self.workdir / "weed", self.a.address, tuple(self.a.command()))
+            (self.workdir / "weed").mkdir()
+            self.weed.start()
+            for host in self.hosts:
+                self._start_sshd(host)
+            for host, sshd in zip(self.hosts, self.sshd, strict=True):
+                log = host.workdir / "sshd.log"
+                wait_until(lambda: sshd.poll() is not None or "Server listening" in log.read_text(),
+                           timeout=READY_TIMEOUT, what=f"the sshd of {host.alias}")
+                if sshd.poll() is not None:
+                    raise RuntimeError(f"the sshd of {host.alias} ended: {log.read_text()}")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+    # ---- what the tests use ---------------------------------------------------------------
+
+    @property
+    def store_url(self) -> str:
+        return f"s3://{BUCKET}/t-{secrets.token_hex(4)}"
+
+    def ssh(self, via: NetHost | None = None) -> str:
+        """CKPT_SSH with the hosts' client config: for a coordinator inside a test host, or
+        (via) for one outside them all, ssh run inside via's namespace."""
+        return shlex.join([*(via.command() if via else []), "ssh", "-F", str(self.ssh_config)])
+
+    def remote_ckpt(self) -> str:
+        """CKPT_REMOTE_CKPT: this tree's ckpt, by the interpreter of the tests."""
+        return shlex.join([sys.executable, "-m", "ckpt"])
+
+    def s3_environment(self) -> dict[str, str]:
+        if self.weed is None:
+            raise RuntimeError("not started")
+        return {"AWS_ENDPOINT_URL": self.weed.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+                "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_EC2_METADATA_DISABLED": "true"}
+
+    def ckpt(self, host: NetHost, *args: object, env: dict | None = None, check: bool = True,
+             timeout: float = 120) -> subprocess.CompletedProcess:
+        """The real CLI run inside host's namespace, with its cache and the S3 server's variables."""
+        environment = {**os.environ, **self.s3_environment(), "CKPT_CACHE": str(host.workdir / "cache"),
+                       "PYTHONPATH": str(ROOT), **(env or {})}
+        done = subprocess.run(host.command(sys.executable, "-m", "ckpt", *args), capture_output=True, text=True,
+                              env=environment, timeout=timeout, cwd=ROOT)
+        if check and done.returncode != 0:
+            raise AssertionError(f"ckpt {' '.join(map(str, args))} on {host.alias} failed ({done.returncode}):\n"
+                                 f"{done.stderr}")
+        return done
+
+    # ---- setting up -------------------------------------------------------------------------
+
+    def _network(self) -> None:
+        for host in self.hosts:
+            host.workdir.mkdir(parents=True)
+            run("ip", "netns", "add", host.netns)
+        run("ip", "link", "add", self.veth[0], "netns", self.a.netns, "type", "veth",
+            "peer", "name", self.veth[1], "netns", self.b.netns)
+        for host, veth in zip(self.hosts, self.veth, strict=True):
+            run("ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", veth)
+            run("ip", "-n", host.netns, "link", "set", veth, "up")
+            run("ip", "-n", host.netns, "link", "set", "lo", "up")
+
+    def _keys(self) -> None:
+        self.client_key = self.workdir / "client_key"
+        run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ckpt-tests", "-f", self.client_key)
+        (self.workdir / "authorized_keys").write_text(Path(f"{self.client_key}.pub").read_text())
+        known, config = [], ["Host *", "  User root", f"  IdentityFile {self.client_key}", "  IdentitiesOnly yes",
+                             f"  UserKnownHostsFile {self.workdir / 'known_hosts'}",
+                             "  GlobalKnownHostsFile /dev/null", "  StrictHostKeyChecking yes",
+                             "  LogLevel ERROR", "  ConnectTimeout 10"]
+        for host in self.hosts:
+            key = host.workdir / "host_key"
+            run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", host.alias, "-f", key)
+            known.append(f"{host.address} {Path(f'{key}.pub').read_text().strip()}")
+            config[:0] = [f"Host {host.alias}", f"  HostName {host.address}"]
+        (self.workdir / "known_hosts").write_text("\n".join(known) + "\n")
+        self.ssh_config.write_text("\n".join(config) + "\n")
+
+    def _start_sshd(self, host: NetHost) -> None:
+        # sshd's privilege separation needs this directory (made by its service, which is not run here).
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        environment = {**self.s3_environment(), "CKPT_CACHE": str(host.workdir / "cache"), "PYTHONPATH": str(ROOT)}
+        config = host.workdir / "sshd_config"
+        config.write_text("\n".join([
+            f"ListenAddress {host.address}", "Port 22", f"HostKey {host.workdir / 'host_key'}",
+            f"AuthorizedKeysFile {self.workdir / 'authorized_keys'}", "PermitRootLogin prohibit-password",
+            "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
+            "UseDNS no", f"PidFile {host.workdir / 'sshd.pid'}", "LogLevel INFO",
+            # what the member's `ckpt` needs of its host: this tree, its own cache, the S3 server
+            "SetEnv " + " ".join(f"{k}={v}" for k, v in environment.items()),
+        ]) + "\n")
+        log = open(host.workdir / "sshd.log", "wb")
+        try:
+            self.sshd.append(subprocess.Popen(host.command(SSHD, "-D", "-e", "-f", config), stdin=subprocess.DEVNULL,
+                                              stdout=log, stderr=log, start_new_session=True))
+        finally:
+            log.close()
+
+    def close(self) -> None:
+        """Ends the sshds and the S3 server (by PID), then deletes the namespaces."""
+        for sshd in self.sshd:
+            if sshd.poll() is None:
+                sshd.kill()
+            sshd.wait(10)
+        if self.weed is not None:
+            self.weed.stop()
+        for host in self.hosts:
+            run("ip", "netns", "del", host.netns, check=False)  # its veth end goes with it
