@@ -367,7 +367,9 @@ def _group_dump(book: ScheduleBook, schedule: Schedule, outcome: dict, reporter:
 
 def _forget(book: ScheduleBook, schedule: Schedule, outcome: dict, reporter: Reporter) -> None:
     """The schedule's retention. Only what this schedule made: a checkpoint of the same name
-    dumped by hand, by `ckpt run` or before origins were recorded is not the schedule's to forget."""
+    dumped by hand, by `ckpt run` or before origins were recorded is not the schedule's to forget.
+    A group schedule's group checkpoints go through the same call: forget judges each group as
+    one item by its name, time and origin, and keeps or removes it whole."""
     from ckpt.commands.forget import forget
     from ckpt.store import Origin
 

@@ -344,9 +344,15 @@ def test_a_group_run_restores_every_member_when_one_dies(procs, tmp_path):
     # The client waits (bounded) for the server's port, then becomes the peer (exec: same PID).
     client = (f'i=0; while [ ! -s {port} ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done; '
               f'exec {sys.executable} {FIXTURES / "stream_peer.py"} client "$(cat {port})" {client_status}')
-    supervisor = start_run(tmp_path, procs, "--every", "2s", "--first-after", "1s", "--name", "pair", "--keep-last",
-                           "2", "--", sys.executable, FIXTURES / "stream_peer.py", "server", port, server_status,
-                           ":::", "sh", "-c", client)
+    events_file = tmp_path / "events.jsonl"
+    with open(events_file, "wb") as stdout, open(tmp_path / "run.stderr", "wb") as stderr:
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "ckpt", "run", "--json", "--every", "2s", "--first-after", "1s", "--name", "pair",
+             "--keep-last", "2", "--output", str(tmp_path / "run.out"), "--", sys.executable,
+             str(FIXTURES / "stream_peer.py"), "server", str(port), str(server_status), ":::", "sh", "-c", client],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
+    procs.popens.append(supervisor)
+    procs.pids.add(supervisor.pid)
     started = wait_until(lambda: len([e for e in events(tmp_path) if "started PID" in e]) == 2 and
                          [e for e in events(tmp_path) if "started PID" in e], what="both members to start")
     server, client_pid = (int(e.split("started PID ")[1].split(":")[0]) for e in started)
@@ -368,3 +374,13 @@ def test_a_group_run_restores_every_member_when_one_dies(procs, tmp_path):
     assert supervisor.wait(timeout=30) == 128 + signal.SIGTERM
     assert state(server) in (None, "Z") and state(client_pid) in (None, "Z")
     assert "supervision ends" in " ".join(events(tmp_path)[-3:])
+    told = assert_events(read_lines(events_file))
+    kinds = [e["event"] for e in told]
+    assert kinds[:3] == ["started", "started", "group_checkpoint"], kinds
+    # (after the restore, more group checkpoints and what retention forgot, as time goes)
+    died, restored_event, ended = [e for e in told[kinds.index("died"):]
+                                   if e["event"] not in ("group_checkpoint", "forgot")]
+    assert [e["event"] for e in (died, restored_event, ended)] == ["died", "group_restored", "exit"], kinds
+    assert died["pid"] == client_pid and restored_event["pids"] == [server, client_pid]
+    assert restored_event["id"] == [e for e in told if e["event"] == "group_checkpoint"][-1]["id"]
+    assert ended["reason"] == "stopped" and ended["exit_code"] == 128 + signal.SIGTERM
