@@ -337,7 +337,7 @@ def named_group(store_root: StoreLocation, ref: str, *, settings: Settings,
         store = Store.open(store_root, False, settings=settings, passwords=passwords)
     except StoreNotFound:
         return None
-    return store.groups.resolve(ref)
+    return store.resolve_group(ref)
 
 
 def group_restore(store_root: StoreLocation, request: GroupRestoreRequest, reporter: Reporter = NullReporter(), *,
@@ -349,7 +349,7 @@ def group_restore(store_root: StoreLocation, request: GroupRestoreRequest, repor
     restored so far: none of them ran."""
     store = Store.open(store_root, False, settings=settings, passwords=passwords)
     with store.lock(exclusive=False, on_wait=lambda holders: reporter.info("waiting for the store lock")):
-        group_id = store.groups.resolve(request.ref)
+        group_id = store.resolve_group(request.ref)
         if group_id is None:
             raise CheckpointNotFound(f"no group checkpoint '{request.ref}'", hint="see 'ckpt list'")
         group = store.groups.load(group_id)
