@@ -196,6 +196,18 @@ class SessionAborted(CkptError):
     exit_code = ExitCode.ERROR
 
 
+class GroupFailed(CkptError):
+    """A group checkpoint or restore failed in one member (or a member did not answer in time):
+    every member was aborted (dump: every tree runs on, nothing committed; restore: none runs).
+    The exit code is the failing member's."""
+
+    exit_code = ExitCode.ERROR
+
+    def __init__(self, message: str, *, hint: str | None = None, exit_code: int | None = None):
+        super().__init__(message, hint=hint)
+        if exit_code is not None:
+            self.exit_code = ExitCode(exit_code)
+
 class MemberLost(CkptError):
     """A member of a group checkpoint on another host stopped answering: its ssh channel
     ended (the connection was lost, ssh or the member agent died) or it did not answer within

@@ -33,6 +33,11 @@ PHASES = {
     "dump.before-commit": "pack, index and objects durable; the manifest not written yet",
     "dump.committed": "manifest committed, staging not removed (--stop: the tree is still frozen)",
     "dump.after-criu": "CRIU has exited (plain: tree running, nothing stored yet; --stop: tree gone)",
+    # group dump (plain and --stop) of two trees
+    "group.prepared": "every member prepared (staged, locked): nothing frozen",
+    "group.held": "every member frozen, dumped and held (--stop: each member's checkpoint committed)",
+    "group.released": "every member let go (plain: thawed, nothing committed; --stop: group committed, ended)",
+    "group.members-committed": "every member's checkpoint committed (plain: the group manifest not yet)",
     # restore (eager and lazy)
     "restore.materialized": "images verified and written to the staging area; CRIU not started",
     "restore.before-criu": "PIDs free (lazy: page server started); CRIU not started",

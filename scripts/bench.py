@@ -21,11 +21,14 @@
                 the freeze from CRIU's own stats-dump on both sides, the phases from its log;
                 first and next dump wall time (raw also with a sync of its images), restores
                 (lazy, --eager, raw `criu restore -d`); the machine's free page reporting
+  group         a group checkpoint of two --group-mib targets next to single dumps of the
+                same two trees: each member's freeze, how long each stayed frozen, the skew
 
 Prints a table of medians and ratios (and every sample) and writes JSON to bench-results/. Run
 as root after `make setup`:  .venv/bin/python scripts/bench.py [--size-mib 2048]
 [--growth-mib 1024] [--runs 3] [--s3-mib 512] [--s3-target-mib 1024] [--cadence-mib 2048]
-[--cadence-interval 30] [--cadence-dumps 5] [--cadence-series 3] [--only growth|dump|scale|s3|cadence]
+[--cadence-interval 30] [--cadence-dumps 5] [--cadence-series 3] [--group-mib 1024]
+[--only growth|dump|scale|s3|cadence|group]
 """
 
 from __future__ import annotations
@@ -805,6 +808,72 @@ def print_s3(r: dict) -> None:
           f" s; raw {_samples(s['criu_restore_s'])} s")
 
 
+# ---- a group checkpoint ------------------------------------------------------------------------
+
+def bench_group(size_mib: int, runs: int, work: Path) -> dict:
+    """Two --group-mib targets (DirtyTarget), each rewriting 1% of its pages before every
+    measured dump: single dumps of each (one after the other) next to one group checkpoint of
+    both, alternating which comes first. Per member: CRIU's freeze and, in the group, how long
+    it was frozen (from its freeze to its thaw, which waits for the other member); the group's
+    skew (first freeze to last) and span (first freeze to last thaw); wall times."""
+    env = {**os.environ, "CKPT_STORE": str(work / "group-store")}
+    targets = [DirtyTarget(size_mib, work), DirtyTarget(size_mib, work)]
+    rows: dict[str, list[float]] = {k: [] for k in (
+        "single_freeze_a_ms", "single_freeze_b_ms", "single_wall_s", "group_freeze_a_ms", "group_freeze_b_ms",
+        "group_frozen_a_ms", "group_frozen_b_ms", "group_skew_ms", "group_span_ms", "group_wall_s")}
+    try:
+        for target in targets:  # the first dumps store every page: not measured
+            timed(CKPT + ["dump", str(target.proc.pid), "-q"], env)
+        for run in range(runs):
+            for kind in (("single", "group") if run % 2 == 0 else ("group", "single")):
+                for target in targets:
+                    target.rewrite_one_percent()
+                if kind == "single":
+                    wall = 0.0
+                    for letter, target in zip("ab", targets, strict=True):
+                        elapsed, out = timed(CKPT + ["dump", str(target.proc.pid), "--json"], env)
+                        wall += elapsed
+                        rows[f"single_freeze_{letter}_ms"].append(json.loads(out)["freeze_ms"])
+                    rows["single_wall_s"].append(wall)
+                    continue
+                elapsed, out = timed(CKPT + ["dump", "--group", "bench", "--json"]
+                                     + [str(t.proc.pid) for t in targets], env)
+                group = json.loads(out)
+                rows["group_wall_s"].append(elapsed)
+                by_pid = {m["pid"]: m for m in group["members"]}
+                for letter, target in zip("ab", targets, strict=True):
+                    member = by_pid[target.proc.pid]
+                    rows[f"group_freeze_{letter}_ms"].append(member["freeze_ms"])
+                    rows[f"group_frozen_{letter}_ms"].append((member["thawed_at"] - member["frozen_at"]) * 1000)
+                rows["group_skew_ms"].append(group["stats"]["freeze_skew_ms"])
+                rows["group_span_ms"].append(group["stats"]["span_ms"])
+    finally:
+        for target in targets:
+            target.end()
+    return {"size_mib": size_mib, "runs": runs, "samples": rows,
+            "medians": {k: statistics.median(v) for k, v in rows.items()}}
+
+
+def print_group(r: dict) -> None:
+    m, s = r["medians"], r["samples"]
+    print(f"group checkpoint of 2 x {r['size_mib']} MiB targets (1% of pages rewritten before each dump), "
+          f"{r['runs']} runs, medians:")
+    print(f"  {'':38} {'single dumps':>12} {'group':>9} {'ratio':>6}")
+    for letter in "ab":
+        single, grouped = m[f"single_freeze_{letter}_ms"], m[f"group_freeze_{letter}_ms"]
+        print(f"  {'member ' + letter.upper() + ': freeze (CRIU)':38} {single:10.0f}ms {grouped:7.0f}ms "
+              f"{grouped / single:6.2f}")
+        frozen = m[f"group_frozen_{letter}_ms"]
+        print(f"  {'member ' + letter.upper() + ': frozen until thawed':38} {single:10.0f}ms {frozen:7.0f}ms "
+              f"{frozen / single:6.2f}")
+    print(f"  {'freeze skew (first freeze to last)':38} {'-':>12} {m['group_skew_ms']:7.0f}ms")
+    print(f"  {'span (first freeze to last thaw)':38} {'-':>12} {m['group_span_ms']:7.0f}ms")
+    print(f"  {'wall (both trees)':38} {m['single_wall_s']:11.2f}s {m['group_wall_s']:8.2f}s "
+          f"{m['group_wall_s'] / m['single_wall_s']:6.2f}")
+    print(f"    samples: skew {_samples(s['group_skew_ms'], '%.0f')} ms, "
+          f"span {_samples(s['group_span_ms'], '%.0f')} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=int, default=2048)
@@ -816,9 +885,10 @@ def main() -> None:
     parser.add_argument("--cadence-interval", type=float, default=30.0, help="seconds between a side's dumps")
     parser.add_argument("--cadence-dumps", type=int, default=5, help="dumps at the cadence after the first")
     parser.add_argument("--cadence-series", type=int, default=3, help="dumps back to back per side")
-    parser.add_argument("--only", choices=["growth", "dump", "scale", "s3", "cadence"], action="append")
+    parser.add_argument("--group-mib", type=int, default=1024, help="each of the group's two targets, in MiB")
+    parser.add_argument("--only", choices=["growth", "dump", "scale", "s3", "cadence", "group"], action="append")
     args = parser.parse_args()
-    only = set(args.only or ["growth", "dump", "scale", "s3", "cadence"])
+    only = set(args.only or ["growth", "dump", "scale", "s3", "cadence", "group"])
     criu = find_criu(Settings.from_environment()).path
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir="/var/tmp"))
     results: dict = {}
@@ -857,6 +927,8 @@ def main() -> None:
             print_cadence(results.setdefault("cadence", bench_cadence(
                 args.cadence_mib, args.cadence_interval, args.cadence_dumps, args.cadence_series, args.runs, work,
                 criu)))
+        if "group" in only:
+            print_group(results.setdefault("group", bench_group(args.group_mib, args.runs, work)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out_dir = ROOT / "bench-results"

@@ -8,10 +8,13 @@ from ckpt.cli.options import (CHANGING, NO_FLAGS, KeepDailyOption, KeepHourlyOpt
 from ckpt.cli.output import emit_json, human_bytes, stderr, stdout
 from ckpt.commands.forget import forget
 
-HELP = """Forget checkpoints by a retention policy, per group (name, or command when unnamed).
+HELP = """Forget checkpoints by a retention policy, per series (name, or command when unnamed).
+
+A group checkpoint is judged as one (its name, its time) in a series of its own ('group: NAME')
+and kept or removed whole: the group, then its members.
 
 Each kept checkpoint is listed with the rules that keep it. Removing every checkpoint of a
-group needs --allow-remove-all. With --prune the space nothing references any more is
+series needs --allow-remove-all. With --prune the space nothing references any more is
 reclaimed at once.
 
 Examples:
@@ -34,7 +37,7 @@ def register(app: typer.Typer) -> None:
         keep_weekly: KeepWeeklyOption = 0,
         prune: Annotated[bool, typer.Option("--prune", help="Reclaim unreferenced space afterwards.")] = False,
         allow_remove_all: Annotated[bool, typer.Option("--allow-remove-all",
-                                                       help="Allow removing every checkpoint of a group.")] = False,
+                                                       help="Allow removing every checkpoint of a series.")] = False,
         flags: SharedFlags = NO_FLAGS,
     ) -> None:
         policy = retention_policy(keep_last, keep_within, keep_hourly, keep_daily, keep_weekly)
@@ -43,10 +46,12 @@ def register(app: typer.Typer) -> None:
         if flags.json_out:
             emit_json(result.to_json())
             return
+        members = {d.id: f"  ({len(m)} members)" for d in result.decisions if (m := result.members.get(d.id))}
         for kept in result.kept:
-            stdout.print(f"keep    {kept.id}  {kept.group}  ({', '.join(kept.reasons)})")
+            stdout.print(f"keep    {kept.id}  {kept.group}  ({', '.join(kept.reasons)}){members.get(kept.id, '')}")
         for removed in result.removed:
-            stdout.print(f"{'would remove' if flags.dry_run else 'remove'}  {removed.id}  {removed.group}")
+            stdout.print(f"{'would remove' if flags.dry_run else 'remove'}  {removed.id}  {removed.group}"
+                         + members.get(removed.id, ""))
         if not flags.quiet:
             stderr.print(f"{len(result.kept)} kept, {len(result.removed)} "
                          f"{'to remove' if flags.dry_run else 'removed'}"

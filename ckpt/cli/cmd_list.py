@@ -8,6 +8,9 @@ from ckpt.commands.list import absent_name, list_checkpoints
 
 HELP = """List the checkpoints in the store, oldest first.
 
+A group checkpoint is one entry (its ID, name, members, hosts and freeze skew) with its
+members indented beneath it.
+
 Examples:
 
   ckpt list
@@ -36,16 +39,50 @@ def register(app: typer.Typer) -> None:
                          "no checkpoints in the store yet: create one with 'ckpt dump PID'")
             return
         # On a terminal too narrow for all: PROCS, then PID, then CREATED (the ID holds the time, in UTC).
-        left_out = print_table(
-            ["ID", "NAME", "CREATED", "PID", "COMMAND", "PROCS", "SIZE", "STORED"],
-            [[r["id"], r["name"] or "",
-              datetime.fromisoformat(r["created"]).astimezone().strftime("%Y-%m-%d %H:%M:%S"),
-              str(r["pid"]), r["command"], str(r["processes"]), human_bytes(r["bytes_total"]),
-              human_bytes(r["bytes_stored"])] for r in rows],
-            shrink=4, optional=(5, 3, 2))
+        left_out = print_table(["ID", "NAME", "CREATED", "PID", "COMMAND", "PROCS", "SIZE", "STORED"],
+                               _table(rows), shrink=4, optional=(5, 3, 2))
         if flags.quiet:
             return
-        stderr.print(f"{len(rows)} checkpoint(s); the store holds {human_bytes(st.objects.total_bytes())} in all "
+        group_count = len({r["group"]["id"] for r in rows if r["group"]})
+        stderr.print(f"{len(rows)} checkpoint(s)"
+                     + (f" ({group_count} group checkpoint(s), their members indented)" if group_count else "")
+                     + f"; the store holds {human_bytes(st.objects.total_bytes())} in all "
                      f"(STORED: what each checkpoint added when it was taken)"
                      + (f"; {', '.join(left_out)} left out to fit the terminal ('ckpt list | cat' has all)"
                         if left_out else ""))
+
+
+def _when(created: str) -> str:
+    return datetime.fromisoformat(created).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _table(rows: list[dict]) -> list[list[str]]:
+    """A row per checkpoint, oldest first; a group checkpoint as one row where its first member
+    would be, its members indented beneath it."""
+    members: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["group"]:
+            members.setdefault(r["group"]["id"], []).append(r)
+    table = []
+    for r in rows:
+        group = r["group"]
+        if group is None:
+            table.append(_checkpoint_row(r))
+        elif members[group["id"]][0] is r:
+            table.append(_group_row(group, members[group["id"]]))
+            table += [_checkpoint_row(m, indent="  ") for m in members[group["id"]]]
+    return table
+
+
+def _checkpoint_row(r: dict, indent: str = "") -> list[str]:
+    return [indent + r["id"], r["name"] or "", _when(r["created"]), str(r["pid"]), r["command"], str(r["processes"]),
+            human_bytes(r["bytes_total"]), human_bytes(r["bytes_stored"])]
+
+
+def _group_row(group: dict, members: list[dict]) -> list[str]:
+    skew = group["stats"].get("freeze_skew_ms")
+    what = (f"group: {group['members']} members on {', '.join(group['hosts'])}"
+            + (f", freeze skew {skew} ms" if skew is not None else ""))
+    return [group["id"], group["name"] or "", _when(group["created"]), "-", what,
+            str(sum(m["processes"] for m in members)), human_bytes(sum(m["bytes_total"] for m in members)),
+            human_bytes(sum(m["bytes_stored"] for m in members))]

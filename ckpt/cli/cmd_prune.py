@@ -6,8 +6,9 @@ from ckpt.commands.prune import PruneResult, prune
 
 HELP = """Reclaim the space of data no checkpoint references any more.
 
-Computes a plan (packs to drop, packs to repack, unreferenced objects), prints it, and executes
-it under the store's exclusive lock. An interrupted prune leaves every checkpoint intact.
+Computes a plan (packs to drop, packs to repack, unreferenced objects, the members of group
+checkpoints that never committed), prints it, and executes it under the store's exclusive lock.
+An interrupted prune leaves every checkpoint intact.
 
 Examples:
 
@@ -34,4 +35,7 @@ def _summary(result: PruneResult) -> str:
     plan = result.to_json()
     return (f"{'would free' if result.dry_run else 'freed'} {human_bytes(plan['bytes_freed'])}: "
             f"{len(plan['drop_packs'])} pack(s) dropped, {len(plan['repack'])} repacked, {plan['objects']} object(s) "
-            f"and {len(plan['unindexed_packs'])} leftover pack(s) removed, {result.duration_ms} ms")
+            f"and {len(plan['unindexed_packs'])} leftover pack(s) removed"
+            + (f", {len(plan['unfinished_members'])} unfinished group member(s) removed" if plan["unfinished_members"]
+               else "")
+            + f", {result.duration_ms} ms")

@@ -2,10 +2,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt.cli.options import (NO_FLAGS, REPORTING, SharedFlags, invocation, output_file_flag, shared_flags,
-                              store_root)
+from ckpt.cli.options import (NO_FLAGS, REPORTING, HoldLimitOption, PhaseTimeoutOption, SharedFlags, invocation,
+                              output_file_flag, shared_flags, store_root)
 from ckpt.cli.output import emit_json, stderr, styled
+from ckpt.commands.group import GroupRestoreRequest, GroupRestoreResult, group_restore, named_group
 from ckpt.commands.restore import RestoreRequest, restore
+from ckpt.errors import UsageError
 
 HELP = """Restore a checkpoint: the tree continues where it stopped, detached from ckpt.
 
@@ -46,6 +48,12 @@ Examples:
   ckpt restore agent --tcp-established   # on another host too: its peers moved with it
 
   ckpt restore agent --eager       # all memory in place before the tree runs
+
+REF may name a group checkpoint (ckpt dump --group): every member is restored, none runs
+until every one is back, connections between members come back established, and if any
+member fails none runs. stdout then carries each member's root PID, one per line.
+
+  ckpt restore agent-group --json
 """
 
 OutputOption = Annotated[Optional[str], output_file_flag(
@@ -54,14 +62,17 @@ OutputOption = Annotated[Optional[str], output_file_flag(
     "log directory.")]
 
 
+PostRestoreOption = Annotated[Optional[str], typer.Option(
+    "--post-restore", help="Shell command run once the tree runs again (CKPT_PID, CKPT_ID in its "
+                           "environment); its failure is reported, the tree keeps running.")]
+
+
 def register(app: typer.Typer) -> None:
     @app.command("restore", help=HELP)
     @shared_flags(REPORTING)
     def restore_command(
         ref: Annotated[str, typer.Argument(help="Checkpoint ID, name, or 'latest'.")],
-        post_restore: Annotated[Optional[str], typer.Option(
-            "--post-restore", help="Shell command run once the tree runs again (CKPT_PID, CKPT_ID in its "
-                                   "environment); its failure is reported, the tree keeps running.")] = None,
+        post_restore: PostRestoreOption = None,
         new_pidns: Annotated[bool, typer.Option(
             "--new-pidns", help="Restore into a new PID namespace, for when the tree's PIDs are taken.")] = False,
         tcp_close: Annotated[Optional[bool], typer.Option(
@@ -76,15 +87,23 @@ def register(app: typer.Typer) -> None:
             help="Restore memory lazily (the tree runs at once, a page server fills its memory in) or all "
                  "of it first. Default: lazily for trees with 64 MiB or more of private memory, where the "
                  "kernel can.")] = None,
+        hold_limit: HoldLimitOption = 60.0,
+        timeout: PhaseTimeoutOption = 120.0,
         flags: SharedFlags = NO_FLAGS,
     ) -> None:
+        settings, passwords = invocation().settings(), invocation().passwords()
+        if named_group(store_root(flags.store), ref, settings=settings, passwords=passwords) is not None:
+            _refuse_for_groups(new_pidns=new_pidns, post_restore=post_restore)
+            _restore_group(flags, GroupRestoreRequest(ref=ref, tcp_close=tcp_close, lazy=lazy, output=output,
+                                                      hold_limit=hold_limit, phase_timeout=timeout))
+            return
         reporter = flags.reporter()
         try:
             result = restore(store_root(flags.store), RestoreRequest(ref=ref, new_pidns=new_pidns,
                                                                post_restore_hook=post_restore,
                                                                output=output, tcp_close=tcp_close,
                                                                lazy=lazy), reporter,
-                             settings=invocation().settings(), passwords=invocation().passwords())
+                             settings=settings, passwords=passwords)
         finally:
             reporter.close()
         if flags.json_out:
@@ -98,3 +117,32 @@ def register(app: typer.Typer) -> None:
                 stderr.print(f"{result.lazy['bytes'] / (1 << 20):.0f} MiB of its memory is being filled in by page "
                              f"server {result.lazy['server_pid']} (log: {result.lazy['log']})")
         print(result.pid)
+
+
+def _refuse_for_groups(**given: object) -> None:
+    for option, value in given.items():
+        if value:
+            raise UsageError(f"--{option.replace('_', '-')} is not taken for a group",
+                             hint="a group's members are restored with their own PIDs, without hooks")
+
+
+def _restore_group(flags: SharedFlags, request: GroupRestoreRequest) -> None:
+    reporter = flags.reporter()
+    try:
+        result: GroupRestoreResult = group_restore(store_root(flags.store), request, reporter,
+                                                   settings=invocation().settings(),
+                                                   passwords=invocation().passwords())
+    finally:
+        reporter.close()
+    if flags.json_out:
+        emit_json(result.to_json())
+        return
+    if not flags.quiet:
+        for member in result.members:
+            stderr.print(styled(f"restored member {member['label']}", "green",
+                                f": checkpoint {member['checkpoint']}, root PID {member['pid']}"))
+        stderr.print(styled(f"restored group {result.group.id}", "green",
+                            f" ({result.group.name}): {len(result.members)} members, let run within "
+                            f"{result.stats['release_skew_ms']} ms of each other"))
+    for member in result.members:
+        print(member["pid"])

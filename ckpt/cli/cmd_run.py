@@ -6,7 +6,8 @@ import typer
 from ckpt.cli.options import (NO_FLAGS, REPORTING, SharedFlags, count_flag, duration_flag, output_file_flag,
                               invocation, shared_flags, store_root)
 from ckpt.cli.output import emit_json_line, outlive_readers
-from ckpt.commands.run import RunRequest, Supervisor, default_name
+from ckpt.commands.run import RunRequest, Supervisor, default_name, split_commands
+from ckpt.commands.run_group import GroupSupervisor
 from ckpt.commands.schedule import destination_spec
 from ckpt.schedule.retention import parse_duration
 from ckpt.store import ids
@@ -23,9 +24,21 @@ told on stderr and in ckpt's log beside that file; with --json, also on stdout a
 object per line (started, checkpoint, died, restored, exit...; see docs/json.md). ckpt goes on
 supervising when the reader of its stdout or stderr goes away (`| head`) and on a hang-up.
 
+Several commands separated by ':::' run as one group (issue 26): each command its own process
+tree, every checkpoint one group checkpoint of all of them (one consistent cut: their
+connections to each other come back established), and when any of them dies the others are
+ended and the whole group is restored from the newest group checkpoint. A clean exit of any
+of them ends the run (the others get SIGTERM, then SIGKILL after 10 s). ':::' because each
+command keeps its arguments word for word (no second level of shell quoting, as an option
+taking a command string would need), and because GNU parallel users read ':::' as "what
+follows is given separately"; a command cannot take ':::' itself as an argument. A group run
+does not take --pre-dump, --post-restore or --copy-to, and its commands get no CKPT_SOCKET.
+
 Examples:
 
   ckpt run --every 5m --name agent -- python3 agent.py
+
+  ckpt run --every 1m --name pair -- python3 server.py --port 9000 ::: python3 client.py --port 9000
 
   ckpt run --every 2s --max-restores 10 --output /tmp/job.log -- ./long-job --resume
 
@@ -45,7 +58,8 @@ def register(app: typer.Typer) -> None:
     @app.command("run", help=HELP, context_settings={"allow_interspersed_args": False})
     @shared_flags(REPORTING)
     def run_command(
-        command: Annotated[list[str], typer.Argument(help="The command and its arguments (after --).")],
+        command: Annotated[list[str], typer.Argument(
+            help="The command and its arguments (after --); several: separated by ':::'.")],
         every: Annotated[str, typer.Option("--every", help="Checkpoint period: 30s, 5m, 1h.")] = "5m",
         first_after: Annotated[str, duration_flag(
             "--first-after", "The first checkpoint, this long after the start (or after --every if sooner).")] = "3s",
@@ -64,16 +78,19 @@ def register(app: typer.Typer) -> None:
         flags: SharedFlags = NO_FLAGS,
     ) -> None:
         root = store_root(flags.store)
-        run_name = ids.check_name(name or default_name(command))
-        request = RunRequest(command=command, every=parse_duration(every), first_after=parse_duration(first_after),
-                             name=run_name, keep_last=keep_last, max_restores=max_restores,
+        first, *also = split_commands(command)
+        run_name = ids.check_name(name or default_name(first))
+        request = RunRequest(command=first, also=also, every=parse_duration(every),
+                             first_after=parse_duration(first_after), name=run_name, keep_last=keep_last,
+                             max_restores=max_restores,
                              output=Path(output).absolute() if output else None,
                              pre_dump_hook=pre_dump, post_restore_hook=post_restore,
                              copy_to=destination_spec(copy_to, root) if copy_to else None)
         outlive_readers()  # a supervisor that died with its reader would leave the command unsupervised
         reporter = flags.reporter()
         try:
-            code = Supervisor(root, request, invocation().settings(), reporter,
+            supervisor = GroupSupervisor if also else Supervisor
+            code = supervisor(root, request, invocation().settings(), reporter,
                               on_event=emit_json_line if flags.json_out else None,
                               passwords=invocation().passwords()).run()
         finally:

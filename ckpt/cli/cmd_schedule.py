@@ -7,7 +7,8 @@ from ckpt.cli.options import (JsonOption, KeepDailyOption, KeepHourlyOption, Kee
                               invocation, store_root, use_password_file)
 from ckpt.cli.output import CliReporter, emit_json, plain_table, said_all, shorten, stderr, stdout, styled
 from ckpt.commands.schedule import AddRequest, add, listing, remove, run
-from ckpt.schedule.book import ScheduleBook
+from ckpt.errors import UsageError
+from ckpt.schedule.book import Schedule, ScheduleBook
 from ckpt.store import Store, opening
 
 HELP = """Periodic snapshots with systemd timers or cron: add, list, rm, and run (what they run).
@@ -25,7 +26,10 @@ ADD_HELP = """Install a systemd timer or a cron entry that checkpoints a target 
 
 The target is a PID, a pidfile, or a regular expression matched against command lines at each
 run (so the schedule survives the program being restarted with a new PID; several matches are
-refused). Where systemd runs, root's schedules are timers (units ckpt-NAME.service and .timer in
+refused). With --group the schedule has several targets, each resolved at every run, and takes
+one group checkpoint of them all, named after the schedule ('ckpt restore NAME' restores the
+newest whole); its retention keeps or forgets such groups whole (--pre-dump and --copy-to are
+not taken). Where systemd runs, root's schedules are timers (units ckpt-NAME.service and .timer in
 /etc/systemd/system); elsewhere root's are files /etc/cron.d/ckpt-NAME and other users' go to
 their crontab (CKPT_SCHEDULER chooses). A warning says when neither runs here. An existing
 schedule of the same name is replaced only with --replace.
@@ -37,6 +41,8 @@ Examples:
   ckpt schedule add web --pidfile /run/web.pid --cron '0 * * * *' --keep-daily 7 --keep-within 6h
 
   ckpt schedule add agent --match 'python3 agent\\.py' --every 15m --copy-to /mnt/backup/ckpt
+
+  ckpt schedule add pair --group --pidfile /run/server.pid --match 'python3 client\\.py' --every 5m --keep-last 6
 """
 
 schedule_app = typer.Typer(help=HELP, no_args_is_help=True, rich_markup_mode=None)
@@ -56,9 +62,12 @@ def _book(store, opened: bool = True) -> ScheduleBook:
 @schedule_app.command("add", help=ADD_HELP)
 def add_command(
     name: Annotated[str, typer.Argument(help="Schedule name; also the name of its checkpoints.")],
-    pid: Annotated[Optional[int], typer.Option("--pid", help="Target PID.")] = None,
-    pidfile: Annotated[Optional[str], typer.Option("--pidfile", help="File holding the target PID.")] = None,
-    match: Annotated[Optional[str], typer.Option("--match", help="Regex matched against command lines.")] = None,
+    pid: Annotated[Optional[list[int]], typer.Option("--pid", help="Target PID.")] = None,
+    pidfile: Annotated[Optional[list[str]], typer.Option("--pidfile", help="File holding the target PID.")] = None,
+    match: Annotated[Optional[list[str]], typer.Option("--match", help="Regex matched against command lines.")] = None,
+    group: Annotated[bool, typer.Option(
+        "--group", help="One group checkpoint of several targets (named after the schedule): give --pid, "
+                        "--pidfile or --match once per member.")] = False,
     every: Annotated[Optional[str], typer.Option("--every", help="Period: 1m, 5m, 1h, 1d...")] = None,
     cron_expr: Annotated[Optional[str], typer.Option("--cron", help="A cron expression as Debian's cron reads it: "
                                                      "'*/5 * * * *', '0 9 * * mon-fri', '@daily'.")] = None,
@@ -78,7 +87,12 @@ def add_command(
     store: StoreOption = None,
     json_out: JsonOption = False,
 ) -> None:
-    target = {k: v for k, v in (("pid", pid), ("pidfile", pidfile), ("match", match)) if v is not None}
+    targets = [{kind: value} for kind, values in (("pid", pid), ("pidfile", pidfile), ("match", match))
+               for value in values or []]
+    if not group and len(targets) > 1:
+        raise UsageError(f"{len(targets)} targets given: a schedule has one",
+                         hint="pass --group to checkpoint them together as one group")
+    target: dict = {"group": targets} if group else (targets[0] if targets else {})
     policy = retention_policy(keep_last, keep_within, keep_hourly, keep_daily, keep_weekly)
     use_password_file(password_file)
     book = _book(store, opened=False)
@@ -112,10 +126,10 @@ def list_command(store: StoreOption = None, json_out: JsonOption = False) -> Non
         said = last.get("id") or shorten(last.get("error") or "", 40) if last else ""
         shortened = shortened or (bool(last) and said != (last.get("id") or last.get("error") or ""))
         last_text = "never" if not last else f"{last['time']} {last['outcome']} {said}"
-        kind, value = next(iter(r["target"].items()))
         next_run = r["next_run"] or "never: cron refuses it"  # made by an older ckpt
         run_by = r["scheduler"] if r["will_run"] or not r["next_run"] else f"{r['scheduler']}: will not run"
-        table.add_row(r["name"], f"{kind} {value}", r["every"] and f"every {r['every']}" or r["cron"], run_by,
+        target = Schedule(r["name"], r["target"], r["cron"]).describe_target()
+        table.add_row(r["name"], target, r["every"] and f"every {r['every']}" or r["cron"], run_by,
                       next_run, last_text, ", ".join(f"{k}={v}" for k, v in (r["retention"] or {}).items()
                                                            if v) or "keep all")
     stdout.print(table)

@@ -9,6 +9,9 @@ from ckpt.errors import DamagedCheckpoint, UsageError
 
 HELP = """Recompute the hash of every image of a checkpoint (or of all) and name what is damaged.
 
+A group checkpoint (its name or ID) is verified member by member; a group whose member is
+missing is damaged (with --all too).
+
 Exit code 0 when everything is intact, 6 when something is damaged. Damage found is recorded
 in the store: later dumps never reuse damaged data, and a dump that meets the same content
 again stores a fresh copy, which heals the older checkpoints that named it.
@@ -16,6 +19,8 @@ again stores a fresh copy, which heals the older checkpoints that named it.
 Examples:
 
   ckpt verify latest
+
+  ckpt verify my-group
 
   ckpt verify --all --json
 """
@@ -25,7 +30,7 @@ def register(app: typer.Typer) -> None:
     @app.command("verify", help=HELP)
     @shared_flags(REPORTING)
     def verify_command(
-        ref: Annotated[Optional[str], typer.Argument(help="Checkpoint ID or name.")] = None,
+        ref: Annotated[Optional[str], typer.Argument(help="Checkpoint or group checkpoint: ID or name.")] = None,
         all_: Annotated[bool, typer.Option("--all", help="Verify every checkpoint.")] = False,
         flags: SharedFlags = NO_FLAGS,
     ) -> None:

@@ -72,6 +72,16 @@ def duration_flag(flag: str, help: str) -> Any:
 
 
 # Retention, as `forget` and `schedule add` take it.
+# A group checkpoint's and a group restore's bounds (ckpt dump --group, ckpt restore GROUP).
+HoldLimitOption = Annotated[float, typer.Option(
+    "--hold-limit", metavar="SECONDS", min=0.1,
+    help="Groups: how long a member waits, frozen (dump) or not yet running (restore), for the others "
+         "before it gives up and the group is aborted.")]
+PhaseTimeoutOption = Annotated[float, typer.Option(
+    "--timeout", metavar="SECONDS", min=0.1,
+    help="Groups: how long every member has for each phase (prepare, freeze and dump or restore, "
+         "commit) before the group is aborted.")]
+
 KeepLastOption = Annotated[int, count_flag("--keep-last", "Keep the N newest.")]
 KeepWithinOption = Annotated[Optional[str], duration_flag("--keep-within", "Keep all newer than DURATION (30m, 2d).")]
 KeepHourlyOption = Annotated[int, count_flag("--keep-hourly", "Keep the newest of N hours.")]

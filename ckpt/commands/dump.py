@@ -157,6 +157,9 @@ class DumpSession(Session[DumpRequest]):
         self.stream: pagestream.PageStream | None = None
         self.earlier: unchanged.EarlierCheckpoint | None = None
         self.marks: dict[str, float] = {}  # CRIU's notifications, by when they came
+        # The same by the wall clock (seconds since the epoch): what a group checkpoint records
+        # of each member's freeze, comparable across members (and, roughly, across hosts).
+        self.wall_marks: dict[str, float] = {}
         self.manifest: Manifest | None = None
 
     # ---- prepare: nothing frozen --------------------------------------------------------
@@ -278,6 +281,7 @@ class DumpSession(Session[DumpRequest]):
 
     def _notified(self, script: str, _pid: int) -> None:
         self.marks[script] = self.clock()
+        self.wall_marks[script] = time.time()
         if script != "post-dump":
             return
         phase("dump.frozen")
@@ -324,6 +328,11 @@ class DumpSession(Session[DumpRequest]):
         for outside in ("external_pipes", "external_sockets", "external_datagram_sockets"):
             if getattr(facts, outside):
                 criu_facts[outside] = getattr(facts, outside)
+        if self.request.group is not None and self.options.tcp_established:
+            # A group restore brings the connections between members back established: it
+            # learns which they are from every member's manifest (see "Groups" in docs/design.md).
+            criu_facts["tcp_connections"] = [{"local": list(c.local), "remote": list(c.remote)}
+                                             for c in images.tcp_connections(self._staging().images_dir)]
         return DumpRecord(
             checkpoint_id=self.checkpoint_id, pid=self.request.pid, command=facts.command, processes=processes,
             started=self.started, name=self.request.name, origin=self.request.origin, criu=criu_facts,

@@ -1,20 +1,25 @@
 """Use case: the checkpoints in the store, oldest first, with the lazy restores of each that
-failed (each also said as a warning)."""
+failed (each also said as a warning), and the group checkpoint each member belongs to."""
 
 from __future__ import annotations
 
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore.lazywatch import describe, failures
-from ckpt.store import Store
+from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreError
+from ckpt.store import Manifest, Store
+from ckpt.store.groups import GroupManifest, group_of
 from ckpt.store.repository import did_you_mean
 
 
 def list_checkpoints(store: Store, name: str | None = None, reporter: Reporter = NullReporter()) -> list[dict]:
-    """One row a checkpoint, in the shape of `ckpt list --json` (docs/json.md). A manifest that
-    cannot be read, and a lazy restore whose page server died, are reported as warnings."""
+    """One row a checkpoint, in the shape of `ckpt list --json` (docs/json.md); a member of a
+    group checkpoint says which (`group`: its summary). A manifest that cannot be read, and a
+    lazy restore whose page server died, are reported as warnings. name: the checkpoints of
+    that name, and the members of the groups of that name."""
     manifests = store.manifests(on_damaged=lambda _id, error: reporter.warn(str(error)))
+    groups = _groups_of(store, manifests, reporter)
     if name:
-        manifests = [m for m in manifests if m.name == name]
+        manifests = [m for m in manifests if m.name == name or _group_name(m, groups) == name]
     lost = {m.id: failures(store.logs_root / m.id) for m in manifests}
     for records in lost.values():
         for failure in records:
@@ -24,7 +29,30 @@ def list_checkpoints(store: Store, name: str | None = None, reporter: Reporter =
         "created": m.created, "pid": m.pid, "command": m.command,
         "processes": len(m.processes), "bytes_total": m.bytes_total, "bytes_stored": m.bytes_stored,
         "lazy_restore_failures": len(lost[m.id]),
+        "group": _summary(groups[group_id]) if (group_id := group_of(m)) in groups else None,
     } for m in manifests]
+
+
+def _groups_of(store: Store, manifests: list[Manifest], reporter: Reporter) -> dict[str, GroupManifest]:
+    """The group manifests the members among manifests name (one read per group, not per member)."""
+    groups = {}
+    for group_id in dict.fromkeys(g for m in manifests if (g := group_of(m)) is not None):
+        try:
+            groups[group_id] = store.groups.load(group_id)
+        except (DamagedCheckpoint, StoreError, CheckpointNotFound) as exc:
+            reporter.warn(str(exc))
+    return groups
+
+
+def _group_name(manifest: Manifest, groups: dict[str, GroupManifest]) -> str | None:
+    group = groups.get(group_of(manifest) or "")
+    return group.name if group else None
+
+
+def _summary(group: GroupManifest) -> dict:
+    """What `list` says of a member's group (docs/json.md, `group-summary`)."""
+    return {"id": group.id, "name": group.name, "created": group.created, "members": len(group.members),
+            "hosts": group.hosts, "stats": group.stats}
 
 
 def absent_name(store: Store, name: str, shown: int = 10) -> str:

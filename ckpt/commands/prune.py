@@ -31,5 +31,9 @@ def prune(store: Store, dry_run: bool = False, reporter: Reporter = NullReporter
         if not dry_run:
             phase("prune.planned")
             execute_prune(store, plan)
+    if plan.unfinished_members:
+        reporter.info(f"{'would remove' if dry_run else 'removed'} {len(plan.unfinished_members)} unfinished "
+                      f"group member(s) (their group checkpoint never committed): "
+                      + ", ".join(plan.unfinished_members))
     tell_copies_read_again(store, reporter)
     return PruneResult(plan, dry_run, round((time.monotonic() - started) * 1000, 1))

@@ -46,6 +46,11 @@ class RestoreRequest:
     # Lazy restore (ckpt/restore/lazy.py): True, False, or None to decide (lazy when the tree has at
     # least settings.lazy_min_bytes of memory (CKPT_LAZY_MIN_MIB) CRIU can restore lazily and the kernel can).
     lazy: bool | None = None
+    # A member of a group restore: the TCP connections, (local, remote) as ((address, port),
+    # (address, port)), of the other members restored with it. A connection of this tree whose
+    # peer is one of them comes back established (its peer comes back too, and no member runs
+    # before every one is back), whatever this host's sockets say of the killed originals.
+    group_peers: list = field(default_factory=list)
 
 
 @dataclass
@@ -144,7 +149,7 @@ class RestoreSession(Session[RestoreRequest]):
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         log_dir = self._store().logs_dir(manifest.id)
         self.output, self.inherit = _relays_to_output(manifest, request.output, log_dir / f"output-{stamp}.log")
-        self.connections = _tcp_connections(manifest, images_dir, options.tcp_established, request.tcp_close,
+        self.connections = _tcp_connections(manifest, images_dir, options.tcp_established, request,
                                             self.host, self.reporter)
         self.tcp = tcppeers.summary(self.connections)
         extra = {"tcp_close": True} if self.tcp == "closed" else {}
@@ -335,7 +340,7 @@ def _run_post_restore_hook(request: RestoreRequest, pid: int, manifest: Manifest
     return None
 
 
-def _tcp_connections(manifest: Manifest, images_dir: Path, saved: bool, close: bool | None,
+def _tcp_connections(manifest: Manifest, images_dir: Path, saved: bool, request: RestoreRequest,
                      host: hostcheck.HostReport, reporter: Reporter) -> list[tcppeers.ConnectionPlan]:
     """How each of the tree's TCP connections comes back (ckpt/restore/tcppeers.py): on another
     host closed unless told otherwise (their peers have moved on, the local address is another
@@ -344,13 +349,15 @@ def _tcp_connections(manifest: Manifest, images_dir: Path, saved: bool, close: b
     original, killed, has closed its ends). Listening sockets listen again either way. Says in
     one line each when they do not come back as a plain restore would."""
     elsewhere = f"taken on {manifest.host or 'another host'}, this is {host.this_host}"
+    close = request.tcp_close
     if not saved:
         if host.another_host:
             reporter.info(f"checkpoint {elsewhere}")
         return []
     from ckpt.criu.images import tcp_connections  # deferred: imports pycriu
 
-    plans = tcppeers.plan(tcp_connections(images_dir), host.another_host, close)
+    plans = tcppeers.plan(tcp_connections(images_dir), host.another_host, close,
+                          [(tuple(local), tuple(remote)) for local, remote in request.group_peers])
     if host.another_host and close is None:
         reporter.info(f"checkpoint {elsewhere}: its established TCP connections are restored closed (the program "
                       "sees them fail), listening sockets listen again; --tcp-established restores them as they were")

@@ -34,7 +34,7 @@ import re
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -65,6 +65,42 @@ class RunRequest:
     post_restore_hook: str | None = None
     copy_to: str | None = None  # a store each checkpoint is copied to right after its dump
     first_after: timedelta = timedelta(seconds=3)  # the first checkpoint, this long after the start
+    # A group run's other commands (`:::`): every command its own tree, checkpointed and restored
+    # together as one group (ckpt/commands/run_group.py); empty: one command, as ever.
+    also: list[list[str]] = field(default_factory=list)
+
+    @property
+    def commands(self) -> list[list[str]]:
+        return [self.command, *self.also]
+
+
+COMMAND_SEPARATOR = ":::"
+
+
+def split_commands(argv: list[str]) -> list[list[str]]:
+    """The commands of `ckpt run -- CMD ARGS ::: CMD ARGS ...`, each its argv word for word."""
+    commands: list[list[str]] = [[]]
+    for word in argv:
+        if word == COMMAND_SEPARATOR:
+            commands.append([])
+        else:
+            commands[-1].append(word)
+    if len(commands) > 1 and not all(commands):
+        raise UsageError(f"an empty command between '{COMMAND_SEPARATOR}'s",
+                         hint=f"ckpt run [OPTIONS] -- COMMAND [ARGS...] {COMMAND_SEPARATOR} COMMAND [ARGS...]")
+    return commands
+
+
+def check_request(request: RunRequest) -> None:
+    """Refuses a run that cannot go, before anything starts."""
+    if not request.command or not all(request.also):
+        raise UsageError("no command to run", hint="ckpt run [OPTIONS] -- COMMAND [ARGS...] [::: COMMAND [ARGS...]]")
+    for flag, duration in (("--every", request.every), ("--first-after", request.first_after)):
+        if duration.total_seconds() < 1:
+            raise UsageError(f"{flag} must be at least 1s")
+    for flag, count in (("--keep-last", request.keep_last), ("--max-restores", request.max_restores)):
+        if count < 0:
+            raise UsageError(f"{flag} {count} is negative", hint="give 0 or more")
 
 
 @dataclass
@@ -104,18 +140,72 @@ def describe_status(status: int) -> tuple[str, int, bool]:
     return f"exited with status {code}", code, code == 0
 
 
+def become_subreaper() -> None:
+    """A restored tree, orphaned when CRIU exits, is re-parented to us: we can wait for it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise CkptError("cannot become a child subreaper (prctl failed)")
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """One output file and one log per run: a later run of the name starts its own."""
+
+    run_dir: Path
+    output: Path
+    log: Path
+
+    @classmethod
+    def of(cls, store_root: StoreLocation, settings: Settings, request: RunRequest) -> RunFiles:
+        from ckpt.store import opening
+
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-%f")[:-3]
+        run_dir = opening.local_dir(store_root, settings.cache) / "logs" / f"run-{request.name}"
+        output = request.output or run_dir / f"output-{stamp}.log"
+        output.parent.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return cls(run_dir, output, run_dir / f"ckpt-{stamp}.log")
+
+    def open_log(self):
+        return open(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a", encoding="utf-8")
+
+
+def hold_the_name(run_dir: Path, name: str) -> int:
+    """One live supervisor per name and store: a run's retention forgets the checkpoints of
+    its name (its origin), so a second run of the name would forget the first's newest, and
+    the first could then restore nothing. The flock dies with its holder (a kill -9 too).
+    Returns the descriptor that holds it."""
+    fd = os.open(run_dir / "supervisor.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UsageError(f"another 'ckpt run' (PID {holder}) supervises the name {name!r} in "
+                         "this store: its retention and this one's would forget each other's checkpoints",
+                         hint="give this run another --name") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def start_command(command: list[str], out, env: dict[str, str]) -> int:
+    """Starts the command in a session of its own (a tree of its own to checkpoint, out of
+    reach of ckpt's terminal), its output to out; returns its PID. We reap it ourselves."""
+    try:
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                                 env=env)
+    except OSError as exc:
+        raise UsageError(f"cannot start {command[0]}: {exc.strerror}") from None
+    child.returncode = 0  # keep Popen from reaping it later
+    return child.pid
+
+
 class Supervisor:
     def __init__(self, store_root: StoreLocation, request: RunRequest, settings: Settings,
                  reporter: Reporter = NullReporter(), on_event: Callable[[dict], None] | None = None,
                  passwords: PasswordSource | None = None):
-        if not request.command:
-            raise UsageError("no command to run", hint="ckpt run [OPTIONS] -- COMMAND [ARGS...]")
-        for flag, duration in (("--every", request.every), ("--first-after", request.first_after)):
-            if duration.total_seconds() < 1:
-                raise UsageError(f"{flag} must be at least 1s")
-        for flag, count in (("--keep-last", request.keep_last), ("--max-restores", request.max_restores)):
-            if count < 0:
-                raise UsageError(f"{flag} {count} is negative", hint="give 0 or more")
+        check_request(request)
         self.store_root = store_root
         self.request = request
         self.settings = settings
@@ -186,20 +276,11 @@ class Supervisor:
 
     def start(self) -> int:
         procs.require_root()
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            raise CkptError("cannot become a child subreaper (prctl failed)")
-        from ckpt.store import opening
-
-        # One output file and one log per run: a later run of the name starts its own.
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-%f")[:-3]
-        run_dir = opening.local_dir(self.store_root, self.settings.cache) / "logs" / f"run-{self.request.name}"
-        output = self.request.output or run_dir / f"output-{stamp}.log"
-        output.parent.mkdir(parents=True, exist_ok=True)
-        log_path = run_dir / f"ckpt-{stamp}.log"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._hold_the_name(run_dir)
-        self.log = open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a", encoding="utf-8")
+        become_subreaper()
+        files = RunFiles.of(self.store_root, self.settings, self.request)
+        self._name_lock = hold_the_name(files.run_dir, self.request.name)  # held until this process ends
+        output, log_path = files.output, files.log
+        self.log = files.open_log()
         self.reporter = LogReporter(self.reporter, self.log)
         self.server = protocol.Server(protocol.SOCKET_DIR / f"{os.getpid()}.sock", self)
         self.server.start()
@@ -212,36 +293,16 @@ class Supervisor:
         with open(os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
             earlier = os.fstat(out.fileno()).st_size  # --output FILE is appended to, as it is
             try:
-                child = subprocess.Popen(self.request.command, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                         start_new_session=True, env=env)
-            except OSError as exc:
+                self.pid = start_command(self.request.command, out, env)
+            except UsageError:
                 self.server.close()
-                raise UsageError(f"cannot start {self.request.command[0]}: {exc.strerror}") from None
-        self.pid = child.pid
-        child.returncode = 0  # we reap it ourselves; keep Popen from trying later
+                raise
         appended = f", after the {human_bytes(earlier)} it held" if earlier else ""
         self.reporter.info(f"started PID {self.pid}: {' '.join(self.request.command)} (output: {output}{appended}; "
                            f"ckpt's log: {log_path})")
         self._event("started", pid=self.pid, command=list(self.request.command), output=str(output),
                     log=str(log_path))
         return self.pid
-
-    def _hold_the_name(self, run_dir: Path) -> None:
-        """One live supervisor per name and store: a run's retention forgets the checkpoints of
-        its name (its origin), so a second run of the name would forget the first's newest, and
-        the first could then restore nothing. The flock dies with its holder (a kill -9 too)."""
-        fd = os.open(run_dir / "supervisor.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise UsageError(f"another 'ckpt run' (PID {holder}) supervises the name {self.request.name!r} in "
-                             "this store: its retention and this one's would forget each other's checkpoints",
-                             hint="give this run another --name") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._name_lock = fd  # held until this process ends
 
     def run(self) -> int:
         """Supervises until a clean exit, a forwarded signal, or the restore limit; returns the exit code."""

@@ -21,7 +21,7 @@ from ckpt.commands.results import JsonResult
 from ckpt.errors import CkptError, ProcessNotFound, SectionTimeout, StoreBusy, UsageError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.schedule import cron, schedulers
-from ckpt.schedule.book import Schedule, ScheduleBook, TargetAmbiguous, check_name
+from ckpt.schedule.book import Schedule, ScheduleBook, TargetAmbiguous, check_name, describe_one_target
 from ckpt.schedule.retention import Policy
 from ckpt.store import opening
 from ckpt.system import procs
@@ -40,7 +40,9 @@ class Added:
 @dataclass
 class AddRequest:
     name: str
-    target: dict  # exactly one of {"pid": int}, {"pidfile": path}, {"match": regex}
+    # exactly one of {"pid": int}, {"pidfile": path}, {"match": regex}; a group schedule:
+    # {"group": [one of those, ...]}, its members checkpointed together as one group
+    target: dict
     every: str | None = None  # exactly one of every and cron
     cron: str | None = None
     policy: Policy = field(default_factory=Policy)
@@ -58,7 +60,7 @@ def add(book: ScheduleBook, request: AddRequest, facts: schedulers.Facts | None 
     if book.path(name).exists() and not replace:
         raise UsageError(f"a schedule named '{name}' exists already",
                          hint="pass --replace to replace it, or see 'ckpt schedule list'")
-    target = _checked_target(target)
+    target = _checked_group(target, pre_dump, copy_to) if "group" in target else _checked_target(target)
     expr = _cron_expression(every, cron_expr)
     if copy_to is not None:
         copy_to = destination_spec(copy_to, book.store_root)
@@ -101,6 +103,26 @@ def _checked_target(target: dict) -> dict:
         except re.error as exc:
             raise UsageError(f"invalid --match regular expression: {exc}") from None
     return target
+
+
+def _checked_group(target: dict, pre_dump: str | None, copy_to: str | None) -> dict:
+    """A group schedule's members, each checked as a target of its own, none named twice; the
+    options a group checkpoint does not take refused (as `ckpt dump --group` refuses them)."""
+    members = target["group"]
+    if len(target) != 1 or not isinstance(members, list) or not members:
+        raise UsageError("a group schedule needs its members: --pid, --pidfile or --match, once per member")
+    if pre_dump is not None:
+        raise UsageError("--pre-dump is not taken by a group schedule", hint="a group checkpoint runs no hook")
+    if copy_to is not None:
+        raise UsageError("--copy-to is not taken by a group schedule",
+                         hint="copy its group checkpoints with 'ckpt copy GROUP'")
+    checked: list[dict] = []
+    for member in members:
+        one = _checked_target(member)
+        if one in checked:
+            raise UsageError(f"member {describe_one_target(one)} is named twice")
+        checked.append(one)
+    return {"group": checked}
 
 
 def _cron_expression(every: str | None, cron_expr: str | None) -> str:
@@ -231,11 +253,13 @@ class ScheduleRunResult(JsonResult):
 
     time: str
     outcome: str
-    pid: int
-    id: str
+    id: str  # the checkpoint taken; a group schedule's: the group checkpoint
     bytes_stored: int
-    freeze_ms: float | None
+    freeze_ms: float | None  # a group's: its longest member freeze
     duration_ms: int
+    pid: int | None = None  # the PID the target meant (None: a group schedule, see members)
+    group: str | None = None  # a group schedule's: the group checkpoint taken (as id)
+    members: list[dict] | None = None  # a group schedule's: each member's pid and checkpoint
     copies: list[dict] | None = None  # the pending copies this run finished or tried (None: there were none)
     copy_error: str | None = None
     forgot: list[str] | None = None  # what the retention forgot (None: the schedule has none)
@@ -243,7 +267,9 @@ class ScheduleRunResult(JsonResult):
     def to_json(self) -> dict:
         record = {"time": self.time, "outcome": self.outcome, "pid": self.pid, "id": self.id,
                   "bytes_stored": self.bytes_stored, "freeze_ms": self.freeze_ms}
-        for key in ("copies", "copy_error", "forgot"):
+        if self.pid is None:
+            del record["pid"]
+        for key in ("group", "members", "copies", "copy_error", "forgot"):
             if getattr(self, key) is not None:
                 record[key] = getattr(self, key)
         return {**record, "duration_ms": self.duration_ms}
@@ -279,7 +305,10 @@ def _run_recorded(book: ScheduleBook, schedule: Schedule, outcome: dict, started
     origin = f"schedule {name}"
     copied = False
     try:
-        _dump(book, schedule, outcome, reporter)
+        if schedule.members is None:
+            _dump(book, schedule, outcome, reporter)
+        else:
+            _group_dump(book, schedule, outcome, reporter)
         # Copied before retention runs, which could forget an older checkpoint still to copy.
         copied = True
         _copy_pending(book, origin, outcome, reporter)
@@ -318,9 +347,29 @@ def _dump(book: ScheduleBook, schedule: Schedule, outcome: dict, reporter: Repor
                    freeze_ms=result.manifest.stats.get("freeze_ms"))
 
 
+def _group_dump(book: ScheduleBook, schedule: Schedule, outcome: dict, reporter: Reporter) -> None:
+    """One group checkpoint of the schedule's members, each target resolved now; the group is
+    named after the schedule and made by it (its origin), as its retention judges it."""
+    from ckpt.commands.group import GroupDumpRequest, group_dump
+    from ckpt.store import Origin
+
+    pids = [resolve_target(member) for member in schedule.members or []]
+    request = GroupDumpRequest(members=[str(pid) for pid in pids], name=schedule.name,
+                               origin=Origin("schedule", schedule.name))
+    result = group_dump(book.store_root, request, reporter, settings=book.settings, passwords=book.passwords)
+    group = result.group
+    freezes = [m.freeze_ms for m in group.members if m.freeze_ms is not None]
+    outcome.update(outcome="ok", id=group.id, group=group.id,
+                   members=[{"pid": m.pid, "checkpoint": m.checkpoint} for m in group.members],
+                   bytes_stored=sum(int(r.get("bytes_stored") or 0) for r in result.members),
+                   freeze_ms=max(freezes) if freezes else None)
+
+
 def _forget(book: ScheduleBook, schedule: Schedule, outcome: dict, reporter: Reporter) -> None:
     """The schedule's retention. Only what this schedule made: a checkpoint of the same name
-    dumped by hand, by `ckpt run` or before origins were recorded is not the schedule's to forget."""
+    dumped by hand, by `ckpt run` or before origins were recorded is not the schedule's to forget.
+    A group schedule's group checkpoints go through the same call: forget judges each group as
+    one item by its name, time and origin, and keeps or removes it whole."""
     from ckpt.commands.forget import forget
     from ckpt.store import Origin
 

@@ -5,7 +5,9 @@ CLOSE-WAIT (it saw the end of the killed original) or gone, the restored end ret
 into it for a quarter of an hour, and the program waits on it, without an error. So on the host
 that took the checkpoint each connection is decided on its own, just before CRIU runs:
 
-- its peer is another socket of the checkpoint: established (both come back together);
+- its peer is another socket of the checkpoint, or of another member of the group being
+  restored with it (a group restore lets no member run before every member is back):
+  established (both come back together);
 - its peer is on this host (a loopback address or one of this host's): established only if
   a socket with the reverse address pair is there in the state that matches the one dumped
   (ESTABLISHED for ESTABLISHED...); in another state (CLOSE-WAIT, FIN-WAIT: the peer saw the
@@ -22,6 +24,7 @@ decide() is a pure function of the connections and this host's sockets and addre
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckpt.criu.images import TcpConnection
@@ -71,14 +74,19 @@ def _shown(address: tuple[str, int]) -> str:
     return f"[{ip}]:{address[1]}" if ip.version == 6 else f"{ip}:{address[1]}"
 
 
-def decide(connections: list[TcpConnection], *, another_host: bool, close: bool | None,
-           sockets: SocketTable, addresses: set[inetdiag.Address], unchecked: str | None = None
-           ) -> list[ConnectionPlan]:
+Pair = tuple[tuple[str, int], tuple[str, int]]  # (local, remote) address and port
+
+
+def decide(connections: list[TcpConnection], *, another_host: bool, close: bool | None,  # noqa: PLR0913
+           sockets: SocketTable, addresses: set[inetdiag.Address], unchecked: str | None = None,
+           group_peers: Sequence[Pair] = ()) -> list[ConnectionPlan]:
     """How each connection comes back (see the module's doc). close: --tcp-close (True),
     --tcp-established (False) or neither (None); sockets: this host's TCP sockets
     (inetdiag.tcp_sockets()); addresses: this host's (inetdiag.local_addresses()); unchecked:
-    why this host's sockets could not be looked up (then no peer is judged gone)."""
+    why this host's sockets could not be looked up (then no peer is judged gone); group_peers:
+    the connections of the other members of a group restored with this tree."""
     ours = {(_endpoint(c.local), _endpoint(c.remote)) for c in connections}
+    in_group = {(_endpoint(local), _endpoint(remote)) for local, remote in group_peers}
     plans = []
     for conn in connections:
         local, remote = _endpoint(conn.local), _endpoint(conn.remote)
@@ -88,6 +96,8 @@ def decide(connections: list[TcpConnection], *, another_host: bool, close: bool 
             restored, why = "closed", "the checkpoint was taken on another host (--tcp-established keeps it)"
         elif (remote, local) in ours:
             restored, why = "established", "its peer is in the checkpoint too"
+        elif (remote, local) in in_group:
+            restored, why = "established", "its peer is another member of the group, restored with it"
         elif unchecked is not None:
             restored, why = "established", unchecked
         elif not inetdiag.is_local(remote[0], addresses):
@@ -111,7 +121,8 @@ def _local_peer(dumped: int, states: set[int]) -> tuple[str, str]:
     return "closed", f"its peer on this host is in {seen}: it has seen the connection end"
 
 
-def plan(connections: list[TcpConnection], another_host: bool, close: bool | None) -> list[ConnectionPlan]:
+def plan(connections: list[TcpConnection], another_host: bool, close: bool | None,
+         group_peers: Sequence[Pair] = ()) -> list[ConnectionPlan]:
     """decide() against this host's sockets and addresses, looked up now (only where needed)."""
     if not connections:
         return []
@@ -123,8 +134,10 @@ def plan(connections: list[TcpConnection], another_host: bool, close: bool | Non
         # sock_diag refused (a seccomp or LSM policy, no tcp_diag module): the connections come
         # back as a plain restore brings them, and each says why it was not checked.
         return decide(connections, another_host=another_host, close=close, sockets={}, addresses=set(),
-                      unchecked=f"its peer could not be looked up here ({exc.strerror or exc})")
-    return decide(connections, another_host=another_host, close=close, sockets=sockets, addresses=addresses)
+                      unchecked=f"its peer could not be looked up here ({exc.strerror or exc})",
+                      group_peers=group_peers)
+    return decide(connections, another_host=another_host, close=close, sockets=sockets, addresses=addresses,
+                  group_peers=group_peers)
 
 
 def summary(plans: list[ConnectionPlan]) -> str | None:

@@ -36,7 +36,9 @@ class TargetAmbiguous(CkptError):
 @dataclass
 class Schedule:
     name: str
-    target: dict  # exactly one of {"pid": int}, {"pidfile": path}, {"match": regex}
+    # exactly one of {"pid": int}, {"pidfile": path}, {"match": regex}; a group schedule's is
+    # {"group": [target, ...]}: its members, each resolved at every run, checkpointed as one group
+    target: dict
     cron: str
     every: str | None = None
     retention: dict = field(default_factory=dict)
@@ -49,9 +51,22 @@ class Schedule:
     def policy(self) -> Policy:
         return Policy.from_json(self.retention) if self.retention else Policy()
 
+    @property
+    def members(self) -> list[dict] | None:
+        """A group schedule's member targets (None: a schedule of one target)."""
+        group = self.target.get("group")
+        return list(group) if isinstance(group, list) else None
+
     def describe_target(self) -> str:
-        kind, value = next(iter(self.target.items()))
-        return f"{kind} {value}"
+        if self.members is not None:
+            return "group of " + ", ".join(describe_one_target(member) for member in self.members)
+        return describe_one_target(self.target)
+
+
+def describe_one_target(target: dict) -> str:
+    """'pid 42', 'pidfile /run/web.pid', 'match agent\\.py'."""
+    kind, value = next(iter(target.items()))
+    return f"{kind} {value}"
 
 
 def check_name(name: str) -> str:

@@ -75,6 +75,16 @@ class GroupManifest:
     def checkpoint_ids(self) -> list[str]:
         return [m.checkpoint for m in self.members]
 
+    @property
+    def hosts(self) -> list[str]:
+        """The hosts its members were taken on (their own names), each once, in member order."""
+        return list(dict.fromkeys(m.hostname or m.host or "(this host)" for m in self.members))
+
+    @property
+    def label(self) -> str:
+        """How messages name it: 'agent (ID)', or its ID alone when it has no name."""
+        return f"{self.name} ({self.id})" if self.name else self.id
+
 
 def skew_stats(members: list[GroupMember]) -> dict:
     """What a group checkpoint records of its cut: from the first freeze to the last (the skew),
@@ -93,6 +103,25 @@ def group_of(manifest: Manifest) -> str | None:
     if isinstance(group, dict) and isinstance(group.get("id"), str) and ids.is_id(group["id"]):
         return group["id"]
     return None
+
+
+class Visibility:
+    """Which member checkpoints a reader sees: those whose group manifest exists (docs/design.md,
+    "Visibility"). groups/ is listed once, when the first member is met: reading a store
+    without groups costs nothing more, and one with groups one listing, not a read per member."""
+
+    def __init__(self, groups: Groups):
+        self._groups = groups
+        self._group_ids: set[str] | None = None
+
+    def finished(self, manifest: Manifest) -> bool:
+        """True for a plain checkpoint and for a member whose group is committed."""
+        group_id = group_of(manifest)
+        if group_id is None:
+            return True
+        if self._group_ids is None:
+            self._group_ids = set(self._groups.ids())
+        return group_id in self._group_ids
 
 
 class Groups:

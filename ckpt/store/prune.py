@@ -9,6 +9,7 @@ The order of execution keeps every remaining checkpoint restorable at every inst
   2. write one new index covering every live page, fsync it;
   3. delete the old index files;
   4. delete the packs no index names any more, then the objects no manifest names.
+Before step 0, the manifests of unfinished members (docs/design.md, "Groups") are removed.
 Callers hold the store's exclusive lock. Everything goes through the store's backend.
 """
 
@@ -29,7 +30,7 @@ from ckpt.store.blocks.blockstore import BlockStore
 from ckpt.store.blocks.index import BlockIndex, render_index
 from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, Segment, pack_name, segment_key, split_location
 from ckpt.store.fsutil import translate_os_error
-from ckpt.store.repository import OBJECTS_PREFIX, Store
+from ckpt.store.repository import MANIFESTS_PREFIX, OBJECTS_PREFIX, Manifest, Store
 
 PACKS_PREFIX = "packs/"
 
@@ -54,12 +55,16 @@ class PrunePlan:
     # Journal records no remaining checkpoint can need, in batches deleted in order
     # (ckpt/store/journal.py prunable: intents before their outcomes).
     journal: list[list[str]] = field(default_factory=list)
+    # Checkpoint IDs: members of group checkpoints that never committed (no group manifest),
+    # removed first, so that what only they name is reclaimed with the rest.
+    unfinished_members: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"objects": len(self.objects), "drop_packs": self.drop_packs, "repack": self.repack,
                 "unindexed_packs": [p.rpartition("/")[2] for p in self.unindexed_packs],
                 "rewrite_index": self.rewrite_index,
                 "journal_records": sum(name.endswith(".done.json") for batch in self.journal for name in batch),
+                "unfinished_members": self.unfinished_members,
                 "bytes_freed": self.bytes_freed, "files_removed": self.files_removed}
 
 
@@ -81,10 +86,13 @@ def sweep_and_plan(store: Store) -> PrunePlan:
 
 def prune_plan(store: Store) -> PrunePlan:
     """What prune would do, computed without changing anything (a dry run prints it)."""
-    manifests, index = _readable_manifests_and_index(store)
+    finished, unfinished, index = _readable_manifests_and_index(store)
     plan = PrunePlan()
-    plan.journal = journal.prunable(store.backend, [(m.id, m.name) for m in manifests])
     young = _young(store.backend)
+    stale, still_young = _split_unfinished(store, unfinished, young)
+    plan.unfinished_members = [m.id for m in stale]
+    manifests = finished + still_young  # what stays: everything they name is live
+    plan.journal = journal.prunable(store.backend, [(m.id, m.name) for m in manifests])
     _plan_objects(plan, store.backend, {e.hash for m in manifests for e in m.files}, young)
     live_pages = _live_pages(store, index, manifests, young)
     live_keys = {segment_key(index.pages[p]) for p in live_pages if p in index.pages}
@@ -98,14 +106,15 @@ def prune_plan(store: Store) -> PrunePlan:
     if plan.rewrite_index:
         _plan_dead_index_files(plan, index, live_pages)
     plan.files_removed = len(plan.objects) + len(plan.drop_packs) + len(plan.repack) + len(plan.unindexed_packs) \
-        + sum(len(batch) for batch in plan.journal)
+        + sum(len(batch) for batch in plan.journal) + len(plan.unfinished_members)
     return plan
 
 
 def _readable_manifests_and_index(store: Store):
-    """Every manifest and the index, refused if any cannot be read: what they name would look unused."""
+    """Every manifest (those a reader sees, those of unfinished members) and the index, refused
+    if any cannot be read: what they name would look unused."""
     damaged: list[str] = []
-    manifests = store.manifests(lambda i, e: damaged.append(i))
+    finished, unfinished = store.manifests_by_visibility(lambda i, e: damaged.append(i))
     if damaged:
         raise StoreError(f"cannot reclaim space: manifest(s) {', '.join(damaged)} cannot be read",
                          hint="remove or repair them first ('ckpt verify --all' lists them)")
@@ -115,7 +124,22 @@ def _readable_manifests_and_index(store: Store):
         raise StoreError(f"cannot reclaim space: index file {paths} is damaged, and the packs it names would "
                          "look unused", hint="dumps of the same processes store their pages again; to reclaim "
                          "the space anyway, remove the damaged file first (their checkpoints stay damaged)")
-    return manifests, index
+    return finished, unfinished, index
+
+
+def _split_unfinished(store: Store, unfinished: list[Manifest], young) -> tuple[list[Manifest], list[Manifest]]:
+    """The unfinished members to remove, and those to keep: on a store whose locks can be lost,
+    a member committed less than the margin ago may belong to a group checkpoint still being
+    taken (its group manifest not written yet), so it stays, and so does what it names."""
+    if not unfinished:
+        return [], []
+    blobs = {info.name: info for info in store.backend.list(MANIFESTS_PREFIX)}
+    stale: list[Manifest] = []
+    kept: list[Manifest] = []
+    for manifest in unfinished:
+        info = blobs.get(Store.manifest_name(manifest.id))
+        (kept if info is None or young(info) else stale).append(manifest)
+    return stale, kept
 
 
 def _plan_objects(plan: PrunePlan, backend, referenced: set[str], young) -> None:
@@ -207,6 +231,8 @@ def _execute(store: Store, plan: PrunePlan) -> None:
     index = blocks.index()
     old_index_files = list(index.files)
     store.check_lock("deleting what no checkpoint uses")
+    # The unfinished members first: what only they name is planned as dead already.
+    store.remove(plan.unfinished_members)
     # Step 0: nothing a remaining checkpoint (or a later dump's deduplication) could reach.
     # An index file goes before its packs, as in steps 3-4: no page is ever found in a pack
     # that is gone (each delete is durable when it returns).

@@ -21,13 +21,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy, StoreError
+from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy, StoreError, UsageError
 from ckpt.settings import Settings, StoreLocation, is_remote
 from ckpt.store import ids, opening
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, LocalBackend
 from ckpt.store.blocks.blockstore import BlockStore
 from ckpt.store.fsutil import translate_os_error
-from ckpt.store.groups import Groups
+from ckpt.store.groups import GroupManifest, Groups, Visibility, group_of
 from ckpt.store.manifest import FORMAT, FileEntry, Manifest, Origin
 from ckpt.store.objects import OBJECTS_PREFIX, Objects, hash_file
 from ckpt.store.opening import STORE_META, OpenedStore
@@ -157,6 +157,8 @@ class Store:
         return f"{MANIFESTS_PREFIX}{ids.check_id(checkpoint_id)}.json"
 
     def checkpoint_ids(self) -> list[str]:
+        """Every manifest's ID, oldest first: one listing, nothing read, so unfinished members
+        too (what a reader sees: manifests(), resolve())."""
         found = (info.name[len(MANIFESTS_PREFIX):-5] for info in self.backend.list(MANIFESTS_PREFIX)
                  if info.name.endswith(".json"))
         return sorted(i for i in found if ids.is_id(i))
@@ -178,41 +180,95 @@ class Store:
             raise DamagedCheckpoint(f"checkpoint {checkpoint_id}: manifest {path} is not a manifest ({exc})") from exc
 
     def manifests(self, on_damaged=None) -> list[Manifest]:
-        """Every readable manifest, oldest first. on_damaged(id, error) hears of the others."""
-        result = []
+        """Every readable manifest a reader sees, oldest first: not those of unfinished members
+        (docs/design.md, "Visibility"). on_damaged(id, error) hears of those that cannot be read."""
+        return self.manifests_by_visibility(on_damaged)[0]
+
+    def manifests_by_visibility(self, on_damaged=None) -> tuple[list[Manifest], list[Manifest]]:
+        """Every readable manifest, oldest first, split in two: those a reader sees, and those of
+        unfinished members (their group manifest does not exist), which only prune looks at."""
+        visibility = self.visibility()
+        finished: list[Manifest] = []
+        unfinished: list[Manifest] = []
         for checkpoint_id in self.checkpoint_ids():
             try:
-                result.append(self.load(checkpoint_id))
+                manifest = self.load(checkpoint_id)
             except (DamagedCheckpoint, StoreError, CheckpointNotFound) as exc:
                 if on_damaged:
                     on_damaged(checkpoint_id, exc)
-        return result
+                continue
+            (finished if visibility.finished(manifest) else unfinished).append(manifest)
+        return finished, unfinished
+
+    def visibility(self) -> Visibility:
+        """Which members a reader sees (groups/ listed at most once for the whole answer)."""
+        return Visibility(self.groups)
+
+    def _visible(self, checkpoint_id: str, visibility: Visibility) -> bool:
+        """Whether a reader sees the checkpoint. One that cannot be read is seen: whoever loads
+        it next says what is wrong with it (a reference to it must not just vanish)."""
+        try:
+            return visibility.finished(self.load(checkpoint_id))
+        except CheckpointNotFound:
+            return False
+        except (DamagedCheckpoint, StoreError):
+            return True
+
+    def _visible_ids(self, ref: str, kind: str, all_ids: list[str]) -> list[str]:
+        """The IDs a reader sees that an ID or a prefix names (a member is read to know)."""
+        candidates = ([ref] if ref in all_ids else []) if kind == "id" else [i for i in all_ids if i.startswith(ref)]
+        visibility = self.visibility()
+        return [i for i in candidates if self._visible(i, visibility)]
 
     def resolve(self, ref: str) -> str:
-        """An ID, a unique ID prefix, a name (newest with it) or 'latest' -> checkpoint ID."""
+        """An ID, a unique ID prefix, a name (newest with it) or 'latest' -> checkpoint ID. An
+        unfinished member is never the answer (docs/design.md, "Visibility")."""
         kind = ids.classify_reference(ref)
         all_ids = self.checkpoint_ids()
-        if kind == "id":
-            if ref not in all_ids:
-                raise CheckpointNotFound(f"no checkpoint with ID {ref}", hint=did_you_mean(ref, [], all_ids))
-            return ref
         if kind == "latest":
-            if not all_ids:
+            visibility = self.visibility()
+            newest = next((i for i in reversed(all_ids) if self._visible(i, visibility)), None)
+            if newest is None:
                 raise CheckpointNotFound("the store has no checkpoints yet", hint="create one with 'ckpt dump PID'")
-            return all_ids[-1]
-        if kind == "prefix":
-            matches = [i for i in all_ids if i.startswith(ref)]
+            return newest
+        if kind in ("id", "prefix"):
+            matches = self._visible_ids(ref, kind, all_ids)
             if len(matches) == 1:
                 return matches[0]
             if len(matches) > 1:
-                raise CheckpointNotFound(f"'{ref}' matches {len(matches)} checkpoints",
-                                         hint="give more of the ID")
+                raise CheckpointNotFound(f"'{ref}' matches {len(matches)} checkpoints", hint="give more of the ID")
+            if kind == "id":
+                raise CheckpointNotFound(f"no checkpoint with ID {ref}", hint=did_you_mean(ref, [], all_ids))
         manifests = self.manifests()
         named = [m.id for m in manifests if m.name == ref]
         if not named:
             names = list(dict.fromkeys(m.name for m in manifests if m.name))
             raise CheckpointNotFound(f"no checkpoint with ID or name '{ref}'", hint=did_you_mean(ref, names, all_ids))
         return named[-1]
+
+    def resolve_group(self, ref: str) -> str | None:
+        """The group checkpoint ref names (its ID, a unique prefix, its name: the newest group of
+        that name), or None when it names none (then ref may name a checkpoint: resolve). A ref
+        that names a group and a checkpoint is refused: only an ID says which. A member that
+        bears its group's name does not count: it is reached through its group."""
+        group_id = self.groups.resolve(ref)
+        if group_id is None:
+            return None
+        kind = ids.classify_reference(ref)
+        if kind in ("id", "prefix"):
+            also = self._visible_ids(ref, kind, self.checkpoint_ids())
+        else:
+            also = [m.id for m in self.manifests() if m.name == ref and group_of(m) is None]
+        if also:
+            raise UsageError(f"'{ref}' names group checkpoint {group_id} and checkpoint {also[-1]}: "
+                             "give the ID of the one you mean")
+        return group_id
+
+    def group_of_checkpoint(self, checkpoint_id: str) -> GroupManifest | None:
+        """The group manifest of the group a checkpoint is a member of, or None (not a member);
+        CheckpointNotFound for an unfinished member (callers pass what resolve() found)."""
+        group_id = group_of(self.load(checkpoint_id))
+        return self.groups.load(group_id) if group_id is not None else None
 
     def commit(self, manifest: Manifest) -> None:
         """The commit point: the manifest appears atomically, after all its objects are durable."""
@@ -263,12 +319,13 @@ class Store:
         """The newest checkpoint of a PID among the `limit` newest of the store (a dump uses
         it to skip looking up unchanged pages; scheduled dumps of one target follow each
         other closely), or None."""
+        visibility = self.visibility()
         for checkpoint_id in reversed(self.checkpoint_ids()[-limit:]):
             try:
                 manifest = self.load(checkpoint_id)
             except (DamagedCheckpoint, StoreError, CheckpointNotFound):
                 continue
-            if manifest.pid == pid:
+            if manifest.pid == pid and visibility.finished(manifest):
                 return manifest
         return None
 
@@ -282,6 +339,33 @@ class Store:
             shutil.rmtree(self.logs_root / ids.check_id(checkpoint_id), ignore_errors=True)
             if on_removed is not None:
                 on_removed(checkpoint_id)
+
+    def members_of(self, group: GroupManifest) -> list[str]:
+        """The checkpoints of a group's members that are there and belong to it: those whose
+        manifest names it, or cannot be read (a checkpoint the group lists as its member). A
+        manifest naming another group, or none, is never counted: it is not this group's."""
+        found = set(self.checkpoint_ids())
+        members = []
+        for checkpoint_id in [i for i in group.checkpoint_ids if i in found]:
+            try:
+                belongs = group_of(self.load(checkpoint_id)) == group.id
+            except CheckpointNotFound:
+                continue
+            except (DamagedCheckpoint, StoreError):
+                belongs = True
+            if belongs:
+                members.append(checkpoint_id)
+        return members
+
+    def remove_group(self, group: GroupManifest, on_removed: Callable[[str], None] | None = None) -> list[str]:
+        """Removes a group checkpoint: its group manifest first, so that the group and every
+        member disappear at once, then its members' manifests (a kill in between leaves them
+        unfinished: prune removes them). Returns the members removed. The caller holds the
+        exclusive lock; objects stay until a prune."""
+        members = self.members_of(group)
+        self.groups.remove(group.id)
+        self.remove(members, on_removed)
+        return members
 
     def _staging_areas(self) -> list[StagingArea]:
         """The store's tmp/ and its names in /dev/shm (swept whatever CKPT_STAGING says now:

@@ -8,7 +8,8 @@ source's packs (segment by segment, each checked against its checksum and every 
 its id) and written into one new pack and index file of the destination, by the dump's own
 path (BlockStore.add_pages). The manifest is committed last, with put_if_absent: a checkpoint
 whose ID the destination has is skipped, so a copy can run again after any failure and sends
-only what is still missing. See docs/design.md, "Copying between stores".
+only what is still missing. See docs/design.md, "Copying between stores". A group checkpoint's
+manifest is copied after every member's (copy_group); an unfinished member is never copied.
 
 Page ids are keyed with each store's seed (`key`). A destination that has none yet (new, or
 never holding a page) gets the source's, so that the ids of both stores agree and copies
@@ -32,6 +33,7 @@ from ckpt.reporting import Reporter
 from ckpt.store.backends import BlobExists, BlobNotFound, BlobStream
 from ckpt.store.blocks.blockstore import KEY, PackWriter, page_ids
 from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, PAGE
+from ckpt.store.groups import Groups
 from ckpt.store.objects import object_name
 from ckpt.store.repository import STORE_META, Manifest, Store
 
@@ -56,6 +58,19 @@ class CopyResult:
         return {"id": self.id, "status": self.status, "bytes_sent": self.bytes_sent, "pages": self.pages,
                 "pages_sent": self.pages_sent, "pages_read": self.pages_read, "objects_sent": self.objects_sent,
                 "error": self.error}
+
+
+@dataclass
+class GroupCopyResult:
+    """What copying one group manifest did (its members are CopyResults of their own)."""
+
+    id: str
+    status: str  # "copied", "present" (the destination had it) or "failed"
+    bytes_sent: int = 0
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "status": self.status, "bytes_sent": self.bytes_sent, "error": self.error}
 
 
 def location_of(store: Store) -> str:
@@ -87,6 +102,7 @@ class CheckpointCopier:
         self.codec = codec
         self.same_seed = same_seed
         self.dest_ids: set[str] | None = None
+        self.visibility = source.visibility()
         # Source id -> destination id of the pages of the last checkpoint copied (different seeds).
         self.last: tuple[int, dict[bytes, bytes]] | None = None
 
@@ -95,6 +111,9 @@ class CheckpointCopier:
         if self.dest.backend.exists(name):
             return CopyResult(checkpoint_id, "present")
         manifest = self.source.load(checkpoint_id)
+        if not self.visibility.finished(manifest):
+            raise CheckpointNotFound(f"checkpoint {checkpoint_id} is a member of a group checkpoint that never "
+                                     "committed (prune removes it): not copied")
         try:
             raw = json.loads(self.source.backend.get(name))
         except (BlobNotFound, ValueError) as exc:
@@ -135,6 +154,27 @@ class CheckpointCopier:
         if not self.same_seed:
             self.last = (manifest.pid, pairs)
         return result
+
+    def copy_group(self, group_id: str) -> GroupCopyResult:
+        """A group manifest, as written, once every member is in the destination: the group's
+        commit point there too (put_if_absent), so it is visible whole or not at all."""
+        name = Groups.blob_name(group_id)
+        if self.dest.backend.exists(name):
+            return GroupCopyResult(group_id, "present")
+        group = self.source.groups.load(group_id)
+        missing = [i for i in group.checkpoint_ids if not self.dest.backend.exists(Store.manifest_name(i))]
+        if missing:
+            raise DamagedCheckpoint(f"group {group.label}: its member(s) {', '.join(missing)} are not in the "
+                                    "destination: the group is not committed there")
+        try:
+            data = self.source.backend.get(name)
+        except BlobNotFound:
+            raise CheckpointNotFound(f"group {group_id} was removed from the source meanwhile") from None
+        try:
+            self.dest.backend.put_if_absent(name, data)
+        except BlobExists:
+            return GroupCopyResult(group_id, "present")  # another copy committed it meanwhile
+        return GroupCopyResult(group_id, "copied", bytes_sent=len(data))
 
     def _page_list(self, dest_list: bytes, result: CopyResult) -> dict:
         """Stores the page list (in the destination's ids) unless the destination has it; returns

@@ -107,3 +107,34 @@ def test_init_of_a_local_store_plain_and_encrypted(capsys, tmp_path, monkeypatch
     assert b"format" not in (tmp_path / "sealed" / "store.json").read_bytes()  # encrypted on disk
     code, out, err = run(capsys, "init", str(tmp_path / "sealed"), "--json")
     assert code == 2 and out == "" and "already" in err
+
+
+def test_list_and_show_of_a_group_through_the_cli(isolated_env, tmp_path):
+    """`ckpt list --json` and `ckpt show GROUP --json` as a user runs them, against docs/json.md;
+    and the table: the group one row, its members indented beneath it."""
+    from ckpt.store import Store
+    from tests.commands.conftest import Checkpoints, Groups
+    from tests.helpers import ckpt, ckpt_json
+
+    store = Store.open(isolated_env, create=True, settings=env_settings())
+    made = Checkpoints(store, tmp_path)
+    plain = made.make("web")
+    group = Groups(store, made).make("agent", members=2)
+    unfinished = Groups(store, made).make("agent", commit=False)
+    listed = ckpt_json("list")
+    jsonshape.assert_shape(listed, "list")
+    assert [(r["id"], (r["group"] or {}).get("id")) for r in listed] == [
+        (plain.id, None), (group.checkpoint_ids[0], group.id), (group.checkpoint_ids[1], group.id)]
+    shown = ckpt_json("show", "agent")
+    jsonshape.assert_shape(shown, "show: group")
+    assert shown["id"] == group.id and [m["checkpoint"] for m in shown["members"]] == group.checkpoint_ids
+    member = ckpt_json("show", group.checkpoint_ids[0])  # (its whole shape needs CRIU's images: integration)
+    assert member["group"] == {"id": group.id, "name": "agent"}
+    table = ckpt("list").stdout.splitlines()
+    assert [line.split()[0] for line in table[1:]] == [plain.id, group.id, *group.checkpoint_ids]
+    assert table[2].split()[4] == "-" and "group: 2 members on host-a, host-b, freeze skew 2.0 ms" in table[2]
+    assert all(line.startswith("  " + i) for line, i in zip(table[3:], group.checkpoint_ids, strict=True))
+    assert not any(i in line for line in table for i in unfinished.checkpoint_ids)
+    text = ckpt("show", group.id).stdout
+    assert f"group checkpoint agent ({group.id})" in text and "freeze skew 2.0 ms" in text
+    assert all(i in text for i in group.checkpoint_ids)

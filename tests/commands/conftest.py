@@ -7,12 +7,16 @@ and its open files. No root, no CRIU, no S3 server."""
 from __future__ import annotations
 
 import io
+import json
+import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
-from ckpt.store import Manifest, Store
+from ckpt.store import Manifest, Origin, Store, ids
+from ckpt.store.groups import GroupManifest, GroupMember, skew_stats
 from ckpt.store.backends.memory import MemoryBackend
 from tests.unit.test_store import fake_dump
 
@@ -137,3 +141,42 @@ def flip_byte(backend, name: str, at: int) -> None:
     data = bytearray(backend.get(name))
     data[at] ^= 0xFF
     backend.put(name, bytes(data))
+
+
+class Groups:
+    """Makes group checkpoints as the coordinator leaves them (docs/design.md, "Groups"): member
+    checkpoints committed through the dump's own path (Checkpoints.make), each manifest naming the
+    group, then (commit=True) the group manifest, last. commit=False: a group dump that died
+    before its commit point (its members unfinished)."""
+
+    def __init__(self, store: Store, checkpoints: Checkpoints):
+        self.store = store
+        self.checkpoints = checkpoints
+
+    def make(self, name: str | None = "agent", members: int = 2, commit: bool = True,
+             hosts: tuple[str, ...] = ("host-a", "host-b")) -> GroupManifest:
+        group_id = ids.new_id()
+        made = []
+        for n in range(members):
+            manifest = self.checkpoints.make(name, Images({BASE: page(f"{group_id} member {n}")}))
+            manifest.group = {"id": group_id, "name": name}
+            manifest.host = hosts[n % len(hosts)]
+            self.store.backend.put(Store.manifest_name(manifest.id),
+                                   json.dumps(manifest.to_json(), indent=2).encode())
+            made.append(manifest)
+        start = 1796324462.0
+        group = GroupManifest(
+            id=group_id, created=datetime.now(timezone.utc).isoformat(), name=name, origin=Origin("dump"),
+            members=[GroupMember(checkpoint=m.id, pid=m.pid, command=m.command, host=m.host, hostname=m.host,
+                                 frozen_at=start + n * 0.002, dumped_at=start + 0.1, thawed_at=start + 0.15,
+                                 freeze_ms=140.0) for n, m in enumerate(made)])
+        group.stats = skew_stats(group.members)
+        if commit:
+            self.store.groups.commit(group)
+        time.sleep(0.002)  # the next group's ID sorts after this one's
+        return group
+
+
+@pytest.fixture
+def groups(store, checkpoints) -> Groups:
+    return Groups(store, checkpoints)

@@ -5,6 +5,7 @@ import json
 import os
 from dataclasses import replace
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +77,69 @@ def test_removing_a_schedule_removes_its_entry_and_keeps_the_others(book, tmp_pa
     assert not any("web" in path.read_text() for path in (tmp_path / "cron.d").iterdir())
     with pytest.raises(ProcessNotFound, match="no schedule named 'web'"):
         schedule.remove(book, "web", CRON_RUNS)
+
+
+def group_of(*members: dict, **changes) -> schedule.AddRequest:
+    return hourly("pair", target={"group": list(members)}, **changes)
+
+
+def test_a_group_schedule_is_recorded_with_its_members_and_listed(book, tmp_path):
+    added = schedule.add(book, group_of({"pid": os.getpid()}, {"pidfile": "run/server.pid"}, {"match": "client"}),
+                         CRON_RUNS)
+    members = [{"pid": os.getpid()}, {"pidfile": str(Path.cwd() / "run/server.pid")}, {"match": "client"}]
+    assert json.loads(book.path("pair").read_text())["target"] == {"group": members}
+    assert book.load("pair").members == members
+    assert added.schedule.describe_target() == (f"group of pid {os.getpid()}, pidfile {members[1]['pidfile']}, "
+                                                "match client")
+    assert "group of pid" in (tmp_path / "cron.d" / "ckpt-pair").read_text()
+    (row,) = schedule.listing(book, NOON, CRON_RUNS)
+    assert row["target"] == {"group": members}
+
+
+def test_a_schedule_of_one_target_has_no_members(book):
+    assert schedule.add(book, hourly(), CRON_RUNS).schedule.members is None
+
+
+@pytest.mark.parametrize("changes,refused", [
+    ({"target": {"group": []}}, "needs its members"),
+    ({"target": {"group": [{"pid": 1}]}}, "PID 1"),
+    ({"target": {"group": [{"match": "a"}, {"match": "a"}]}}, "member match a is named twice"),
+    ({"target": {"group": [{"match": "a"}], "pid": 7}}, "needs its members"),
+    ({"target": {"group": [{"match": "a"}]}, "pre_dump": "sync"}, "--pre-dump is not taken by a group"),
+    ({"target": {"group": [{"match": "a"}]}, "copy_to": "/tmp/elsewhere"}, "--copy-to is not taken by a group"),
+])
+def test_a_group_schedule_that_cannot_run_is_refused(book, changes, refused):
+    with pytest.raises(UsageError, match=refused):
+        schedule.add(book, hourly("pair", **changes), CRON_RUNS)
+    assert book.names() == []
+
+
+def test_a_group_run_resolves_each_member_and_records_the_group(book, monkeypatch):
+    """What `schedule run` hands group_dump and records (the real group dump, with CRIU:
+    tests/integration/test_schedule.py)."""
+    from ckpt.commands import group
+    from ckpt.store import Origin
+    from ckpt.store.groups import GroupManifest, GroupMember
+
+    schedule.add(book, group_of({"pid": os.getpid()}, {"pid": os.getppid()}), CRON_RUNS)
+    asked = []
+
+    def group_dump(store_root, request, reporter, *, settings, passwords):
+        asked.append(request)
+        members = [GroupMember(checkpoint=f"20260101-000000-000-00000{i}", pid=int(p), freeze_ms=10.0 * (i + 1))
+                   for i, p in enumerate(request.members)]
+        manifest = GroupManifest(id="20260101-000000-001-aaaaaa", created="2026-01-01T00:00:00+00:00",
+                                 members=members, name=request.name, origin=request.origin)
+        return group.GroupDumpResult(manifest, [{"bytes_stored": 5}, {"bytes_stored": 7}])
+
+    monkeypatch.setattr(group, "group_dump", group_dump)
+    result = schedule.run(book, "pair")
+    (request,) = asked
+    assert (request.members, request.name, request.origin) == (
+        [str(os.getpid()), str(os.getppid())], "pair", Origin("schedule", "pair"))
+    recorded = result.to_json()
+    assert "pid" not in recorded and recorded["id"] == recorded["group"] == "20260101-000000-001-aaaaaa"
+    assert recorded["members"] == [{"pid": os.getpid(), "checkpoint": "20260101-000000-000-000000"},
+                                   {"pid": os.getppid(), "checkpoint": "20260101-000000-000-000001"}]
+    assert (recorded["bytes_stored"], recorded["freeze_ms"]) == (12, 20.0)
+    assert book.state("pair")["members"] == recorded["members"]

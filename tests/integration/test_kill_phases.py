@@ -1,4 +1,5 @@
-"""kill -9 of ckpt at every named phase (ckpt/phases.py) of dump, restore, forget, rm, prune and copy.
+"""kill -9 of ckpt at every named phase (ckpt/phases.py) of dump, restore, forget, rm, prune, copy
+and a group dump.
 
 ckpt waits at the phase the test names (CKPT_TEST_PAUSE_AT, a test-only hook), says so in a
 file, and is killed there: no guessed sleeps, so every phase is hit on every machine, and a
@@ -32,7 +33,7 @@ from ckpt.phases import PAUSE_AT, PAUSE_FILE, PHASES
 from tests.helpers import ROOT, alive, ckpt, ckpt_json, read_lines, state, tree_pids, wait_until
 
 VARIANTS = {"dump": ("plain", "stop"), "restore": ("eager", "lazy"), "forget": ("",), "rm": ("",), "prune": ("",),
-            "copy": ("",)}
+            "copy": ("",), "group": ("plain", "stop")}
 CASES = [(name, variant) for name in PHASES for variant in VARIANTS[name.split(".")[0]]]
 MIB = 8
 DIRTY_PAGES = MIB * 256  # all of it: the first dump's pack keeps only the interpreter's pages, prune repacks it
@@ -315,6 +316,8 @@ def scenario(phase, variant, procs, tmp_path, isolated_env, monkeypatch):
         finish(target, expected, {second}, isolated_env)
     elif verb == "copy":
         copy_killed(phase, target, expected, procs, tmp_path, isolated_env)
+    elif verb == "group":
+        group_killed(phase, variant, target, procs, tmp_path, isolated_env)
     else:
         pytest.fail(f"no scenario for phase {phase}")
 
@@ -345,3 +348,44 @@ def copy_killed(phase: str, target: Target, expected: dict[str, str], procs, tmp
     target.restored(second, "--eager", "--store", dest)
     assert target.assert_running()[0] == expected[second]
     finish(target, expected, {first, second}, store)
+
+
+def group_killed(phase: str, variant: str, target: Target, procs, tmp_path: Path, store: Path) -> None:
+    """A group dump of two trees killed at the phase: every tree runs on, unfrozen, with its
+    memory as it was, unless (--stop) the group was committed, and then the group restores;
+    no group is visible before its commit point; no CRIU lock is left but a committed --stop
+    group's own (lifted by its restore); nothing is left locked: the next group dump works."""
+    from ckpt.store import Store
+    from tests.helpers import env_settings
+
+    (tmp_path / "second").mkdir()
+    second = Target(procs, tmp_path / "second")
+    members = (target, second)
+    checksums = [m.report()[0] for m in members]
+    tables_before = criu_tables()
+    killed_at(phase, ["dump", "--group", "g", target.pid, second.pid] + (["--stop"] if variant == "stop" else []),
+              tmp_path, procs, target)
+    groups = Store.open(store, False, settings=env_settings()).groups.ids()
+    committed = variant == "stop" and phase in ("group.released", "group.members-committed")
+    assert len(groups) == (1 if committed else 0), f"groups {groups} after a kill at {phase} ({variant})"
+    if committed:  # --stop ends the trees only once the group is committed: it brings them back
+        for member in members:
+            member.popen.wait(timeout=10)
+        restored = ckpt_json("restore", "g")
+        assert [m["pid"] for m in restored["members"]] == [m.pid for m in members]
+        for member in members:
+            member.popen = None
+            procs.adopt(member.pid)
+    else:
+        assert criu_tables() == tables_before, "CRIU's network lock was left behind"
+    for member, checksum in zip(members, checksums, strict=True):
+        assert member.assert_running()[0] == checksum
+    assert ckpt_json("dump", "--group", "g", target.pid, second.pid)["id"] in \
+        Store.open(store, False, settings=env_settings()).groups.ids()
+    for member in members:
+        member.end()
+
+
+def criu_tables() -> list[str]:
+    listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True).stdout
+    return [line for line in listed.splitlines() if "CRIU" in line]

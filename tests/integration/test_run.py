@@ -324,3 +324,63 @@ def test_a_signal_during_a_restore_reaches_the_restored_tree(procs, tmp_path):
     restored = [e for e in events(tmp_path) if "restored" in e and " as PID " in e]
     assert restored, events(tmp_path)
     assert state(int(restored[-1].split(" as PID ")[1].split()[0])) in (None, "Z")
+
+
+def peer_status(path: Path) -> dict:
+    """What tests/fixtures/stream_peer.py says of its end: {"sent", "received", "bad"}."""
+    try:
+        fields = dict(item.split("=", 1) for item in path.read_text().split())
+    except OSError:
+        return {"sent": 0, "received": 0, "bad": "-"}
+    return {"sent": int(fields.get("sent", 0)), "received": int(fields.get("received", 0)), "bad": fields.get("bad")}
+
+
+def test_a_group_run_restores_every_member_when_one_dies(procs, tmp_path):
+    """Issue 26: `ckpt run -- A ::: B`, two trees streaming numbered lines to each other over TCP
+    both ways: a group checkpoint, one member killed (SIGKILL, by PID), and ckpt run ends the
+    other and restores both from the group checkpoint; both carry on, every number received
+    once and in order on both sides (each end checks), the connection between them established."""
+    port, server_status, client_status = tmp_path / "port", tmp_path / "server.status", tmp_path / "client.status"
+    # The client waits (bounded) for the server's port, then becomes the peer (exec: same PID).
+    client = (f'i=0; while [ ! -s {port} ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done; '
+              f'exec {sys.executable} {FIXTURES / "stream_peer.py"} client "$(cat {port})" {client_status}')
+    events_file = tmp_path / "events.jsonl"
+    with open(events_file, "wb") as stdout, open(tmp_path / "run.stderr", "wb") as stderr:
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "ckpt", "run", "--json", "--every", "2s", "--first-after", "1s", "--name", "pair",
+             "--keep-last", "2", "--output", str(tmp_path / "run.out"), "--", sys.executable,
+             str(FIXTURES / "stream_peer.py"), "server", str(port), str(server_status), ":::", "sh", "-c", client],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
+    procs.popens.append(supervisor)
+    procs.pids.add(supervisor.pid)
+    started = wait_until(lambda: len([e for e in events(tmp_path) if "started PID" in e]) == 2 and
+                         [e for e in events(tmp_path) if "started PID" in e], what="both members to start")
+    server, client_pid = (int(e.split("started PID ")[1].split(":")[0]) for e in started)
+    procs.pids.update((server, client_pid))
+    wait_until(lambda: any(e.startswith("ckpt: group checkpoint ") for e in events(tmp_path)), timeout=20,
+               what="a group checkpoint")
+    at_kill = {path: peer_status(path) for path in (server_status, client_status)}
+    assert all(s["received"] > 0 and s["bad"] == "-" for s in at_kill.values()), at_kill
+    os.kill(client_pid, signal.SIGKILL)
+    wait_until(lambda: any("restored group " in e for e in events(tmp_path)), timeout=30, what="the group restore")
+    restored = [e for e in events(tmp_path) if "restored group " in e][-1]
+    assert f"as PIDs {server}, {client_pid} (restore 1 of 3)" in restored, events(tmp_path)
+    for path in (server_status, client_status):  # both carry on from the checkpoint, nothing lost or repeated
+        wait_until(lambda: peer_status(path)["received"] > at_kill[path]["received"] + 20000
+                   or peer_status(path)["bad"] != "-", timeout=20, what=f"{path.name} to receive on")
+        assert peer_status(path)["bad"] == "-", peer_status(path)
+    assert state(server) not in (None, "Z", "t", "T") and state(client_pid) not in (None, "Z", "t", "T")
+    supervisor.send_signal(signal.SIGTERM)  # forwarded to both members
+    assert supervisor.wait(timeout=30) == 128 + signal.SIGTERM
+    assert state(server) in (None, "Z") and state(client_pid) in (None, "Z")
+    assert "supervision ends" in " ".join(events(tmp_path)[-3:])
+    told = assert_events(read_lines(events_file))
+    kinds = [e["event"] for e in told]
+    assert kinds[:3] == ["started", "started", "group_checkpoint"], kinds
+    # (after the restore, more group checkpoints and what retention forgot, as time goes)
+    died, restored_event, ended = [e for e in told[kinds.index("died"):]
+                                   if e["event"] not in ("group_checkpoint", "forgot")]
+    assert [e["event"] for e in (died, restored_event, ended)] == ["died", "group_restored", "exit"], kinds
+    assert died["pid"] == client_pid and restored_event["pids"] == [server, client_pid]
+    assert restored_event["id"] == [e for e in told if e["event"] == "group_checkpoint"][-1]["id"]
+    assert ended["reason"] == "stopped" and ended["exit_code"] == 128 + signal.SIGTERM

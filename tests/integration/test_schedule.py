@@ -266,3 +266,35 @@ def test_schedule_retention_forgets_only_what_the_schedule_made(procs, tmp_path,
     wait_until(lambda: len(read_lines(out)) >= len(written) + 5, what="the restored counter")
     after = [int(x) for x in read_lines(out)][len(written):]
     assert 3 <= after[0] <= written[-1] and after == list(range(after[0], after[0] + len(after)))
+
+
+def test_a_group_schedule_takes_one_group_checkpoint_of_its_members(procs, tmp_path, cron_dir, isolated_env):
+    """Issue 26: a schedule of several targets (a PID and a --match, each resolved at the run)
+    takes one group checkpoint of them, named after it and made by it; list shows the members."""
+    from ckpt.store import Origin, Store
+
+    first = procs.start("counter.py", tmp_path / "first.txt")
+    second = procs.start("counter.py", tmp_path / "second.txt")
+    added = ckpt_json("schedule", "add", "pair", "--group", "--pid", first.pid, "--match",
+                      f"counter.py {tmp_path}/second", "--every", "1m", "--keep-last", "2")
+    members = [{"pid": first.pid}, {"match": f"counter.py {tmp_path}/second"}]
+    assert added["target"] == {"group": members}
+    assert "group of pid" in (cron_dir / "ckpt-pair").read_text()
+    table = ckpt("schedule", "list").stdout
+    assert f"group of pid {first.pid}, match counter.py {tmp_path}/second" in table
+
+    ran = ckpt_json("schedule", "run", "pair")
+    assert_shape(ran, "schedule run")
+    assert [m["pid"] for m in ran["members"]] == [first.pid, second.pid] and "pid" not in ran
+    (group,) = Store.open(isolated_env, False, settings=env_settings()).groups.all()
+    assert (group.id, group.name, group.origin) == (ran["group"], "pair", Origin("schedule", "pair"))
+    assert [(m.pid, m.checkpoint) for m in group.members] == [(m["pid"], m["checkpoint"]) for m in ran["members"]]
+    (row,) = ckpt_json("schedule", "list")
+    assert_shape([row], "schedule list")
+    assert row["last"]["members"] == ran["members"] and row["last"]["outcome"] == "ok"
+
+    procs.kill_tree(second.pid)  # a member gone: the run fails, nothing is taken
+    proc = ckpt("schedule", "run", "pair", check=False)
+    assert proc.returncode == 3 and "no process matches" in proc.stderr, proc.stderr
+    assert ckpt_json("schedule", "list")[0]["last"]["outcome"] == "target-gone"
+    assert [g.id for g in Store.open(isolated_env, False, settings=env_settings()).groups.all()] == [group.id]

@@ -1,0 +1,421 @@
+"""Use case: a group checkpoint, one consistent checkpoint of several process trees, and its
+restore (docs/design.md, "Groups": the format, the protocol, why the cut is consistent).
+
+The coordinator drives every member through the phases of ckpt/commands/group_member.py,
+never through a member's insides: a member of this host is a DumpSession or RestoreSession
+here, one of another host a RemoteMember (ckpt/commands/group_remote.py) that a
+member_factory supplies. It fails closed: any failure or timeout of any member before the
+group's commit point aborts every member (every dumped tree runs on, thawed; no restored tree
+runs), and nothing is visible, since a member checkpoint without its group manifest is
+unfinished.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Callable, TypeVar
+
+from ckpt.commands.group_member import (Committed, Held, LocalDumpMember, LocalRestoreMember, Member, MemberSpec,
+                                        Prepared, Released, parse_member)
+from ckpt.commands.results import JsonResult
+from ckpt.errors import CheckpointNotFound, CkptError, GroupFailed, UsageError
+from ckpt.phases import phase
+from ckpt.reporting import NullReporter, Reporter
+from ckpt.restore.netlock import ConnectionLock, Pair, locked_connections
+from ckpt.settings import Settings, StoreLocation
+from ckpt.store import Origin, Store, ids
+from ckpt.store.groups import GroupManifest, GroupMember, skew_stats
+from ckpt.store.password import PasswordSource
+
+T = TypeVar("T")
+COMMIT_SLACK = 10.0  # the commit phase (storing each member's images) has this many phase timeouts
+MemberFactory = Callable[[MemberSpec], Member]
+
+
+@dataclass
+class GroupDumpRequest:
+    members: list[str]  # "PID" (this host) or "HOST:PID"
+    name: str | None = None
+    stop: bool = False
+    hold_limit: float = 60.0  # seconds a member holds its tree frozen without a release
+    phase_timeout: float = 120.0  # seconds every member has for each phase
+    origin: Origin = Origin("dump")
+
+
+@dataclass
+class GroupRestoreRequest:
+    ref: str  # the group's ID, a unique prefix of one, or its name (the newest)
+    tcp_close: bool | None = None  # for connections to outside the group (RestoreRequest.tcp_close)
+    lazy: bool | None = None
+    output: str | None = None
+    hold_limit: float = 60.0
+    phase_timeout: float = 120.0
+
+
+@dataclass
+class GroupDumpResult(JsonResult):
+    group: GroupManifest
+    members: list[dict]  # each member's dump result (DumpResult.to_json())
+
+    def to_json(self) -> dict:
+        return {**self.group.to_json(), "member_results": self.members}
+
+
+@dataclass
+class GroupRestoreResult(JsonResult):
+    group: GroupManifest
+    # per member: label, checkpoint, pid, restore started (frozen_at), held_at, released_at
+    members: list[dict]
+    stats: dict = field(default_factory=dict)  # release_skew_ms: the first release to the last
+    results: list[dict] = field(default_factory=list)  # each member's RestoreResult.to_json()
+
+    def to_json(self) -> dict:
+        return {"id": self.group.id, "name": self.group.name, "members": self.members, "stats": self.stats,
+                "member_results": self.results}
+
+
+class _MemberReporter:
+    """A member's messages, prefixed with its label: members report at once, from threads."""
+
+    def __init__(self, reporter: Reporter, label: str):
+        self.reporter, self.prefix = reporter, f"[{label}] "
+
+    def step(self, message: str) -> None:
+        self.reporter.step(self.prefix + message)
+
+    def progress(self, done: int, total: int, what: str) -> None:
+        self.reporter.progress(done, total, self.prefix + what)
+
+    def info(self, message: str) -> None:
+        self.reporter.info(self.prefix + message)
+
+    def warn(self, message: str) -> None:
+        self.reporter.warn(self.prefix + message)
+
+
+def local_member_factory(store_root: StoreLocation, reporter: Reporter, *, settings: Settings,
+                         passwords: PasswordSource | None, restore: bool = False) -> MemberFactory:
+    """Makes the members of this host: a DumpSession (restore: RestoreSession) each. A HOST:PID
+    member is refused: members on other hosts need a factory that reaches them."""
+    from ckpt.commands.dump import DumpRequest, DumpSession
+    from ckpt.commands.restore import RestoreRequest, RestoreSession
+
+    def make(spec: MemberSpec) -> Member:
+        if spec.host:
+            raise UsageError(f"group member {spec.label} is on another host, which this ckpt cannot reach yet",
+                             hint="give the PIDs of this host's members only")
+        told = _MemberReporter(reporter, spec.label)
+        if restore:
+            request = RestoreRequest(ref=spec.checkpoint, group_peers=list(spec.group_peers),
+                                     tcp_close=spec.tcp_close, lazy=spec.lazy, output=spec.output)
+            return LocalRestoreMember(RestoreSession(store_root, request, told, settings=settings,
+                                                     passwords=passwords), spec.label, spec.hold_limit)
+        dump_request = DumpRequest(pid=spec.pid, stop=spec.stop, group=spec.group,
+                                   name=(spec.group or {}).get("name"))
+        return LocalDumpMember(DumpSession(store_root, dump_request, told, settings=settings, passwords=passwords),
+                               spec.label, spec.hold_limit)
+
+    return make
+
+
+# ---- the coordinator ------------------------------------------------------------------------
+
+
+class Coordinator:
+    """Drives members phase by phase, all at once (one thread each), every phase bounded by
+    phase_timeout; abort_all() ends the group from any phase. Each member's last report of
+    each phase is kept in the object."""
+
+    def __init__(self, members: list[Member], phase_timeout: float, reporter: Reporter):
+        self.members, self.phase_timeout, self.reporter = members, phase_timeout, reporter
+
+    def each(self, what: str, step: Callable[[Member], T], slack: float = 1.0) -> list[T]:
+        """step(member) for every member at once; returns their answers in the members' order.
+        The first failure, or a member still working after phase_timeout (times slack),
+        raises GroupFailed (after every other member's step has ended or timed out)."""
+        answers: dict[int, T] = {}
+        failures: dict[int, BaseException] = {}
+
+        def run(index: int, member: Member) -> None:
+            try:
+                answers[index] = step(member)
+            except BaseException as exc:  # noqa: BLE001 (handed to the coordinator's thread)
+                failures[index] = exc
+
+        threads = [threading.Thread(target=run, args=(i, m), name=f"ckpt-member-{m.label}", daemon=True)
+                   for i, m in enumerate(self.members)]
+        for thread in threads:
+            thread.start()
+        timeout = self.phase_timeout * slack
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        late = [m.label for m, t in zip(self.members, threads, strict=True) if t.is_alive()]
+        if failures:
+            index = min(failures)
+            raise _member_failed(self.members[index].label, what, failures[index])
+        if late:
+            raise GroupFailed(f"member {', '.join(late)} did not {what} within {timeout:g} s",
+                              hint="the group was aborted: nothing was committed (--timeout gives more time)")
+        return [answers[i] for i in range(len(self.members))]
+
+    def abort_all(self) -> None:
+        """Every member aborted at once (a held tree thawed, or ended when restored); a member
+        whose abort fails is told of, the others are aborted all the same."""
+        def abort(member: Member) -> None:
+            member.abort()
+
+        try:
+            self.each("abort", abort)
+        except GroupFailed as exc:
+            self.reporter.warn(f"{exc.message}")
+
+
+def _member_failed(label: str, what: str, exc: BaseException) -> BaseException:
+    if isinstance(exc, CkptError):
+        failed = GroupFailed(f"member {label} failed to {what}: {exc.message}",
+                             hint=exc.hint, exit_code=int(exc.exit_code))
+        failed.__cause__ = exc
+        return failed
+    return exc  # an interruption, or a bug: as it is
+
+
+# ---- group dump -----------------------------------------------------------------------------
+
+
+def member_specs(request: GroupDumpRequest, group_id: str) -> list[MemberSpec]:
+    """The members as the user named them, each once."""
+    if not request.members:
+        raise UsageError("a group needs at least one member", hint="give the PIDs of its trees")
+    specs, seen = [], set()
+    for text in request.members:
+        host, pid = parse_member(text)
+        if (host, pid) in seen:
+            raise UsageError(f"member {text} is named twice")
+        seen.add((host, pid))
+        specs.append(MemberSpec(label=text, host=host, pid=pid, group={"id": group_id, "name": request.name},
+                                stop=request.stop, hold_limit=request.hold_limit))
+    return specs
+
+
+def group_dump(store_root: StoreLocation, request: GroupDumpRequest, reporter: Reporter = NullReporter(), *,
+               settings: Settings, passwords: PasswordSource | None = None,
+               member_factory: MemberFactory | None = None) -> GroupDumpResult:
+    """Takes one consistent checkpoint of every member (docs/design.md, "Groups: the protocol"):
+    every member prepared, then every one frozen and dumped and held, then (once every one is
+    held) every one let go, then every member's checkpoint committed, then the group manifest,
+    last. With --stop each member's checkpoint is committed inside its hold, and the group
+    manifest before any member is let go (and ended). Any failure before the group manifest
+    aborts every member: the trees run on, and no group or member checkpoint is visible.
+    member_factory makes each member (default: this host's; HOST:PID members refused)."""
+    if request.name is not None:
+        ids.check_name(request.name)
+    if not request.hold_limit > 0 or not request.phase_timeout > 0:
+        raise UsageError("the hold limit and the phase timeout must be more than 0 seconds")
+    group_id = ids.new_id()
+    specs = member_specs(request, group_id)
+    store = Store.open(store_root, True, settings=settings, passwords=passwords)
+    factory = member_factory or local_member_factory(store_root, reporter, settings=settings, passwords=passwords)
+    # The shared lock from before the first member commits to after the group manifest: a
+    # prune never takes the unfinished members of a group dump in progress for leftovers.
+    with store.lock(exclusive=False, on_wait=lambda holders: reporter.info("waiting for the store lock")):
+        return _GroupDump(store, request, group_id, specs, factory, reporter).run()
+
+
+class _GroupDump:
+    """One group dump's state, phase by phase (group_dump() says the order)."""
+
+    def __init__(self, store: Store, request: GroupDumpRequest, group_id: str, specs: list[MemberSpec],  # noqa: PLR0913
+                 factory: MemberFactory, reporter: Reporter):
+        self.store, self.request, self.group_id, self.specs = store, request, group_id, specs
+        self.factory, self.reporter = factory, reporter
+        self.prepared: list[Prepared] = []
+        self.held: list[Held] = []
+        self.released: list[Released] = []
+        self.committed: list[Committed] = []
+        self.group: GroupManifest | None = None
+
+    def run(self) -> GroupDumpResult:
+        members: list[Member] = []
+        coordinator = Coordinator(members, self.request.phase_timeout, self.reporter)
+        try:
+            members.extend(self.factory(spec) for spec in self.specs)
+            self._freeze_all(coordinator)
+            if self.request.stop:
+                self._commit_group()  # before any tree is let go: none is ended unless the group exists
+            self.reporter.step(f"letting {len(members)} member(s) go")
+            self.released = coordinator.each("let its tree go", lambda m: m.release())
+            phase("group.released")
+            self.reporter.step("committing each member's checkpoint")
+            # Storing a large tree's memory takes longer than a freeze; the trees run meanwhile.
+            self.committed = coordinator.each("commit", lambda m: m.commit(), slack=COMMIT_SLACK)
+            phase("group.members-committed")
+            if not self.request.stop:
+                self._commit_group()
+        except BaseException:
+            if self.group is None:
+                coordinator.abort_all()
+            raise
+        return GroupDumpResult(self._final_group(), [c.result or {} for c in self.committed])
+
+    def _freeze_all(self, coordinator: Coordinator) -> None:
+        count = len(coordinator.members)
+        self.reporter.step(f"preparing {count} member(s)")
+        self.prepared = coordinator.each("prepare", lambda m: m.prepare())
+        _warn_of_unix_connections(self.specs, self.prepared, self.reporter)
+        phase("group.prepared")
+        self.reporter.step(f"freezing and dumping {count} member(s)")
+        self.held = coordinator.each("freeze and dump", lambda m: m.capture())
+        phase("group.held")
+
+    def _commit_group(self) -> None:
+        """The group's commit point. With --stop every member is still held (thawed_at: now,
+        when the group is committed and the members are let go); otherwise every member ran on
+        and committed its checkpoint already."""
+        now = time.time()
+        checkpoints = ([h.checkpoint for h in self.held] if self.request.stop
+                       else [c.checkpoint for c in self.committed])
+        members = [self._member(i, checkpoints[i], now) for i in range(len(self.specs))]
+        group = GroupManifest(id=self.group_id, created=datetime.now(timezone.utc).isoformat(), members=members,
+                              name=self.request.name, origin=self.request.origin, stopped=self.request.stop,
+                              stats=skew_stats(members))
+        self.store.check_lock("the group manifest is written")
+        self.store.groups.commit(group)
+        self.group = group
+        self.reporter.info(f"group checkpoint {group.id} committed")
+
+    def _member(self, index: int, checkpoint: str, now: float) -> GroupMember:
+        spec, prepared, held = self.specs[index], self.prepared[index], self.held[index]
+        released = self.released[index].released_at if self.released else now
+        freeze_ms = self.committed[index].freeze_ms if self.committed else held.freeze_ms
+        return GroupMember(checkpoint=checkpoint, pid=spec.pid, command=prepared.command, host=spec.host,
+                           hostname=prepared.hostname, frozen_at=held.frozen_at, dumped_at=held.held_at,
+                           thawed_at=released, freeze_ms=freeze_ms)
+
+    def _final_group(self) -> GroupManifest:
+        """What the result shows: with --stop, the thaw (end) times as they were, not as recorded."""
+        if self.group is None:
+            raise RuntimeError("the group was not committed")
+        if not self.request.stop:
+            return self.group
+        members = [replace(m, thawed_at=r.released_at) for m, r in zip(self.group.members, self.released, strict=True)]
+        return replace(self.group, members=members, stats=skew_stats(members))
+
+
+def _warn_of_unix_connections(specs: list[MemberSpec], prepared: list[Prepared], reporter: Reporter) -> None:
+    """CRIU cannot dump one end of a UNIX stream connection whose other end is in another dump:
+    each member's end is dumped as a connection to outside its tree, and a restore connects
+    each end to a file instead (README, "Groups"). Said once for each pair of members."""
+    ends = {}
+    for spec, report in zip(specs, prepared, strict=True):
+        for inode, _ in report.unix_connections:
+            ends[(report.hostname, inode)] = spec.label
+    told = set()
+    for spec, report in zip(specs, prepared, strict=True):
+        for _, peer in report.unix_connections:
+            other = ends.get((report.hostname, peer))
+            if other is not None and other != spec.label and (other, spec.label) not in told:
+                told.add((spec.label, other))
+                reporter.warn(f"members {spec.label} and {other} are connected by a UNIX stream socket: it is not "
+                              "restored (after a restore each end writes into a file); use TCP on 127.0.0.1 "
+                              "between members, or make them one tree")
+
+
+# ---- group restore --------------------------------------------------------------------------
+
+
+def named_group(store_root: StoreLocation, ref: str, *, settings: Settings,
+                passwords: PasswordSource | None = None) -> str | None:
+    """The group ref names in the store (its ID, a prefix of one, its name), or None: then ref
+    may name a checkpoint. A missing store names no group."""
+    from ckpt.errors import StoreNotFound
+
+    try:
+        store = Store.open(store_root, False, settings=settings, passwords=passwords)
+    except StoreNotFound:
+        return None
+    return store.groups.resolve(ref)
+
+
+def group_restore(store_root: StoreLocation, request: GroupRestoreRequest, reporter: Reporter = NullReporter(), *,
+                  settings: Settings, passwords: PasswordSource | None = None,
+                  member_factory: MemberFactory | None = None) -> GroupRestoreResult:
+    """Restores every member of a group: every one prepared, then restored and held (none
+    runs), then, once every one is back, every one let run, then finished. Connections between
+    members come back established. Any failure before every member runs ends every member
+    restored so far: none of them ran."""
+    store = Store.open(store_root, False, settings=settings, passwords=passwords)
+    with store.lock(exclusive=False, on_wait=lambda holders: reporter.info("waiting for the store lock")):
+        group_id = store.groups.resolve(request.ref)
+        if group_id is None:
+            raise CheckpointNotFound(f"no group checkpoint '{request.ref}'", hint="see 'ckpt list'")
+        group = store.groups.load(group_id)
+        connections = member_connections(store, group)
+        specs = restore_specs(group, connections, request)
+        factory = member_factory or local_member_factory(store_root, reporter, settings=settings,
+                                                         passwords=passwords, restore=True)
+        between = _between_members(group, connections)
+        with locked_connections(group.id, between, reporter) as lock:
+            return _restore_members(group, specs, factory, request, reporter, lock)
+
+
+def _between_members(group: GroupManifest, connections: list[list[Pair]]) -> list[Pair]:
+    """The connections of this host's members whose peer is another member (a connection is
+    recorded by both of its ends: once here)."""
+    local = [pairs for member, pairs in zip(group.members, connections, strict=True) if not member.host]
+    ends = {pair for pairs in local for pair in pairs}
+    return sorted(pair for pair in ends if (pair[1], pair[0]) in ends and pair < (pair[1], pair[0]))
+
+
+def member_connections(store: Store, group: GroupManifest) -> list[list[Pair]]:
+    """Each member's TCP connections, as its dump recorded them (none in older checkpoints)."""
+    connections = []
+    for member in group.members:
+        recorded = store.load(member.checkpoint).criu.get("tcp_connections", [])
+        connections.append([((c["local"][0], int(c["local"][1])), (c["remote"][0], int(c["remote"][1])))
+                            for c in recorded])
+    return connections
+
+
+def restore_specs(group: GroupManifest, connections: list[list[Pair]],
+                  request: GroupRestoreRequest) -> list[MemberSpec]:
+    """Each member to restore, with the TCP connections of the others (its intra-group peers)."""
+    specs = []
+    for index, member in enumerate(group.members):
+        others = tuple(pair for i, pairs in enumerate(connections) if i != index for pair in pairs)
+        specs.append(MemberSpec(label=f"{member.host}:{member.pid}" if member.host else str(member.pid),
+                                host=member.host, pid=member.pid, checkpoint=member.checkpoint,
+                                hold_limit=request.hold_limit, group_peers=others, tcp_close=request.tcp_close,
+                                lazy=request.lazy, output=request.output))
+    return specs
+
+
+def _restore_members(group: GroupManifest, specs: list[MemberSpec], factory: MemberFactory,  # noqa: PLR0913
+                     request: GroupRestoreRequest, reporter: Reporter, lock: ConnectionLock) -> GroupRestoreResult:
+    members: list[Member] = []
+    coordinator = Coordinator(members, request.phase_timeout, reporter)
+    running = False
+    try:
+        members.extend(factory(spec) for spec in specs)
+        reporter.step(f"preparing {len(members)} member(s) of group {group.id}")
+        coordinator.each("prepare", lambda m: m.prepare())
+        reporter.step(f"restoring {len(members)} member(s)")
+        held = coordinator.each("restore", lambda m: m.capture())
+        # Every member's sockets exist again, in repair mode (nothing is sent): the connections
+        # between members may flow as soon as CRIU lets the members run.
+        lock.lift()
+        released = coordinator.each("run", lambda m: m.release())
+        running = True
+        committed = coordinator.each("finish", lambda m: m.commit())
+    except BaseException:
+        if not running:
+            coordinator.abort_all()
+        raise
+    rows = [{"label": s.label, "checkpoint": s.checkpoint, "pid": r.pid, "frozen_at": h.frozen_at,
+             "held_at": h.held_at, "released_at": r.released_at} for s, h, r in zip(specs, held, released, strict=True)]
+    times = [r.released_at for r in released]
+    return GroupRestoreResult(group, rows, {"release_skew_ms": round((max(times) - min(times)) * 1000, 1)},
+                              [c.result or {} for c in committed])
