@@ -5,7 +5,7 @@ and one answer over the channel, within the coordinator's phase timeout. No daem
 secret of ckpt's own: the user's ssh configuration, keys and known_hosts reach the host, and an
 encrypted store's password travels inside the channel (hello), never on a command line.
 
-The factories at the end give a coordinator (ckpt/commands/group.py) its members: a RemoteMember
+remote_member_factory gives a coordinator (ckpt/commands/group.py) its members: a RemoteMember
 for HOST:PID (or, for a restore, a member recorded on another host), the coordinator's own
 local member otherwise."""
 
@@ -21,14 +21,13 @@ from dataclasses import dataclass, field, replace
 from typing import IO, Callable, Mapping
 
 from ckpt.commands.dump import DumpRequest
-from ckpt.commands.group_member import PROTOCOL_VERSION, Committed, Held, Member, Prepared, Released
+from ckpt.commands.group_member import PROTOCOL_VERSION, Committed, Held, Member, MemberSpec, Prepared, Released
 from ckpt.commands.member_agent import request_to_wire, settings_for_members, store_identity
 from ckpt.commands.restore import RestoreRequest
 from ckpt.errors import CkptError, MemberLost, UsageError, from_record
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.settings import Settings
 from ckpt.store import Store
-from ckpt.store.groups import GroupMember
 from ckpt.store.password import PasswordSource
 
 # What ckpt adds to the user's ssh command (options the user gives in CKPT_SSH come first, and
@@ -278,51 +277,33 @@ class RemoteMember:
 
 # ---- which member a coordinator gets for each name -------------------------------------------
 
-def split_member(spec: str) -> tuple[str, int]:
-    """'PID' -> ('', PID); 'HOST:PID' -> (HOST, PID); HOST as ssh takes it (user@host, an
-    alias of ~/.ssh/config, [v6 address])."""
-    host, _, pid_text = spec.rpartition(":")
-    try:
-        pid = int(pid_text)
-    except ValueError:
-        pid = 0
-    if pid <= 0:
-        raise UsageError(f"{spec!r} names no process", hint="give PID or HOST:PID, e.g. 4242 or host-a:4242")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if host:
-        check_host(host)
-    return host, pid
+MemberFactory = Callable[[MemberSpec], Member]
 
 
-def dump_member_factory(local: Callable[[str], Member], request: DumpRequest, link: RemoteLink,
-                        reporter: Reporter = NullReporter()) -> Callable[[str], Member]:
-    """The coordinator's member_factory for a group dump: "HOST:PID" -> a RemoteMember dumping
-    PID there with `request` (its group and options; its pid replaced), "PID" -> local(spec)."""
-    def make(spec: str) -> Member:
-        host, pid = split_member(spec)
+def remote_member_factory(local: MemberFactory, link: RemoteLink, reporter: Reporter = NullReporter(), *,
+                          restore: bool = False, on: Mapping[str, str] | None = None) -> MemberFactory:
+    """The coordinator's member_factory (ckpt/commands/group.py): a member of another host
+    (MemberSpec.host) is a RemoteMember, one of this host local(spec). A restore member goes
+    to the host its checkpoint was taken on, or where `on` sends it (--on host-a=host-c;
+    host-a= for this host)."""
+    moves = dict(on or {}) if restore else {}
+
+    def make(spec: MemberSpec) -> Member:
+        host = moves.get(spec.host, spec.host)
         if not host:
-            return local(spec)
-        return RemoteMember(host, replace(request, pid=pid), link, reporter, label=spec)
+            return local(replace(spec, host=""))
+        return RemoteMember(host, member_request(spec, restore), replace(link, hold_limit=spec.hold_limit),
+                            reporter, label=spec.label)
     return make
 
 
-def restore_member_factory(local: Callable[[GroupMember], Member], request: RestoreRequest, link: RemoteLink,
-                           reporter: Reporter = NullReporter(), on: Mapping[str, str] | None = None
-                           ) -> Callable[[GroupMember], Member]:
-    """The coordinator's member_factory for a group restore: each member is restored on the
-    host it was taken on (GroupMember.host, "" = the coordinator's), or where `on` (--on
-    host-a=host-c; host-a= for the coordinator's host) sends it; `request` is every member's
-    (its ref replaced by the member's checkpoint)."""
-    moves = dict(on or {})
-
-    def make(member: GroupMember) -> Member:
-        host = moves.get(member.host, member.host)
-        if not host:
-            return local(member)
-        return RemoteMember(host, replace(request, ref=member.checkpoint), link, reporter,
-                            label=f"{host}:{member.checkpoint}")
-    return make
+def member_request(spec: MemberSpec, restore: bool) -> DumpRequest | RestoreRequest:
+    """What the member's agent is to do, as the coordinator's local members do it."""
+    if restore:
+        return RestoreRequest(ref=spec.checkpoint, group_peers=[[list(local), list(remote)]
+                                                                for local, remote in spec.group_peers],
+                              tcp_close=spec.tcp_close, lazy=spec.lazy, output=spec.output)
+    return DumpRequest(pid=spec.pid, stop=spec.stop, group=spec.group, name=(spec.group or {}).get("name"))
 
 
 def parse_on(values: list[str]) -> dict[str, str]:
