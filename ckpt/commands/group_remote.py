@@ -26,7 +26,7 @@ from ckpt.commands.member_agent import request_to_wire, settings_for_members, st
 from ckpt.commands.restore import RestoreRequest
 from ckpt.errors import CkptError, MemberLost, UsageError, from_record
 from ckpt.reporting import NullReporter, Reporter
-from ckpt.settings import Settings
+from ckpt.settings import Settings, StoreLocation
 from ckpt.store import Store
 from ckpt.store.password import PasswordSource
 
@@ -294,6 +294,31 @@ def remote_member_factory(local: MemberFactory, link: RemoteLink, reporter: Repo
             return local(replace(spec, host=""))
         return RemoteMember(host, member_request(spec, restore), replace(link, hold_limit=spec.hold_limit),
                             reporter, label=spec.label)
+    return make
+
+
+def members_anywhere(store_root: StoreLocation, reporter: Reporter, *, settings: Settings,
+                     passwords: PasswordSource | None, restore: bool = False, timeout: float = 120.0,
+                     on: Mapping[str, str] | None = None) -> MemberFactory:
+    """The member_factory of `ckpt dump --group` and `ckpt restore GROUP`: this host's members
+    as the coordinator makes them (group.local_member_factory), the others' over ssh. The link
+    (the store opened for its location, password and identity) is made at the first member on
+    another host: a group of this host's trees never asks for a password twice."""
+    from ckpt.commands.group import local_member_factory
+
+    passwords = PasswordSource.passed_or_settings(passwords, settings)
+    local = local_member_factory(store_root, reporter, settings=settings, passwords=passwords, restore=restore)
+    links: list[RemoteLink] = []
+
+    def far(spec: MemberSpec) -> Member:
+        if not links:
+            store = Store.open(store_root, False, settings=settings, passwords=passwords)
+            links.append(RemoteLink.for_store(store, settings, passwords, timeout=timeout))
+        return remote_member_factory(local, links[0], reporter, restore=restore, on=on)(spec)
+
+    def make(spec: MemberSpec) -> Member:
+        moved = (on or {}).get(spec.host, spec.host) if restore else spec.host
+        return far(spec) if moved else local(replace(spec, host=""))
     return make
 
 

@@ -157,3 +157,23 @@ def test_a_host_whose_store_of_that_name_is_another_is_refused(tmp_path):
     with pytest.raises(ProcessNotFound):  # past hello: the store is the same
         good.prepare()
     good.abort()
+
+
+def test_members_anywhere_opens_the_store_only_for_a_member_on_another_host(tmp_path):
+    """The CLI's member_factory: this host's members as the coordinator makes them; the link
+    to other hosts (the store's location and identity) made at the first remote member."""
+    from ckpt.commands.group_member import LocalDumpMember, MemberSpec
+    from ckpt.commands.group_remote import members_anywhere
+    from ckpt.commands.member_agent import store_identity
+    from ckpt.reporting import NullReporter
+
+    where = tmp_path / "store"
+    settings = Settings(store=where, ssh="ssh -F /dev/null")
+    make = members_anywhere(where, NullReporter(), settings=settings, passwords=None, timeout=7)
+    assert isinstance(make(MemberSpec("42", pid=42)), LocalDumpMember)
+    assert not where.exists(), "the store was opened for a member of this host"
+    store = a_store(where)
+    remote = make(MemberSpec("host-a:43", host="host-a", pid=43, hold_limit=5))
+    assert isinstance(remote, RemoteMember) and remote.link.store == str(where)
+    assert (remote.link.store_identity, remote.link.timeout, remote.link.hold_limit) == (store_identity(store), 7, 5)
+    assert remote.link.ssh == ("ssh", "-F", "/dev/null") and remote.link.password is None

@@ -346,26 +346,22 @@ def check_let_go(hosts: TwoHosts, store: str, streams: StreamPair) -> None:
 
 # The coordinator in host A: `dump STORE {"members", "name", "stop"}` or `restore STORE GROUP`;
 # prints the result's JSON (as `ckpt dump --group` and `ckpt restore GROUP` will, with
-# remote_member_factory wired into them).
+# members_anywhere as their member_factory).
 COORDINATOR = """
 import json, sys
-from ckpt.commands.group import (GroupDumpRequest, GroupRestoreRequest, group_dump, group_restore,
-                                 local_member_factory)
-from ckpt.commands.group_remote import RemoteLink, remote_member_factory
+from ckpt.commands.group import GroupDumpRequest, GroupRestoreRequest, group_dump, group_restore
+from ckpt.commands.group_remote import members_anywhere
 from ckpt.errors import CkptError
 from ckpt.reporting import NullReporter
 from ckpt.settings import Settings
-from ckpt.store import Store
 from ckpt.store.password import PasswordSource
 action, url, argument = sys.argv[1:4]
 settings = Settings.from_environment()
 passwords = PasswordSource.from_settings(settings)
-link = RemoteLink.for_store(Store.open(url, settings=settings, passwords=passwords), settings, passwords, timeout=60)
-restore = action == "restore"
-local = local_member_factory(url, NullReporter(), settings=settings, passwords=passwords, restore=restore)
-factory = remote_member_factory(local, link, restore=restore)
+factory = members_anywhere(url, NullReporter(), settings=settings, passwords=passwords, restore=action == "restore",
+                           timeout=60)
 try:
-    if restore:
+    if action == "restore":
         result = group_restore(url, GroupRestoreRequest(ref=argument, phase_timeout=60), settings=settings,
                                passwords=passwords, member_factory=factory)
     else:
