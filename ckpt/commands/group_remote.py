@@ -183,7 +183,9 @@ class RemoteMember:
             self._answers.put(None)
 
     def _read_stderr(self, stream: IO[bytes]) -> None:
-        """Keeps the last lines (for MemberLost) and relays the agent's messages, host first."""
+        """Keeps the last lines (for MemberLost) and relays the agent's messages, each after the
+        member's label as the coordinator's own members' are ("[host-b:4242] ...")."""
+        prefix = f"[{self.label}] "
         try:
             for raw in stream:
                 line = raw.decode(errors="replace").rstrip()
@@ -192,9 +194,9 @@ class RemoteMember:
                 self._stderr.append(line)
                 kind, _, message = line.partition(": ")
                 if kind == "warn":
-                    self.reporter.warn(f"{self.host}: {message}")
+                    self.reporter.warn(prefix + message)
                 else:
-                    self.reporter.info(f"{self.host}: {message if kind in ('step', 'info') else line}")
+                    self.reporter.info(prefix + (message if kind in ("step", "info") else line))
         except (OSError, ValueError):
             pass
 
