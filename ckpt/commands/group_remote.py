@@ -5,7 +5,7 @@ and one answer over the channel, within the coordinator's phase timeout. No daem
 secret of ckpt's own: the user's ssh configuration, keys and known_hosts reach the host, and an
 encrypted store's password travels inside the channel (hello), never on a command line.
 
-The factories at the end give a coordinator (ckpt/commands/group.py) its members: a RemoteMember
+remote_member_factory gives a coordinator (ckpt/commands/group.py) its members: a RemoteMember
 for HOST:PID (or, for a restore, a member recorded on another host), the coordinator's own
 local member otherwise."""
 
@@ -21,14 +21,13 @@ from dataclasses import dataclass, field, replace
 from typing import IO, Callable, Mapping
 
 from ckpt.commands.dump import DumpRequest
-from ckpt.commands.group_member import PROTOCOL_VERSION, Committed, Held, Member, Prepared, Released
+from ckpt.commands.group_member import PROTOCOL_VERSION, Committed, Held, Member, MemberSpec, Prepared, Released
 from ckpt.commands.member_agent import request_to_wire, settings_for_members, store_identity
 from ckpt.commands.restore import RestoreRequest
 from ckpt.errors import CkptError, MemberLost, UsageError, from_record
 from ckpt.reporting import NullReporter, Reporter
-from ckpt.settings import Settings
+from ckpt.settings import Settings, StoreLocation
 from ckpt.store import Store
-from ckpt.store.groups import GroupMember
 from ckpt.store.password import PasswordSource
 
 # What ckpt adds to the user's ssh command (options the user gives in CKPT_SSH come first, and
@@ -184,7 +183,9 @@ class RemoteMember:
             self._answers.put(None)
 
     def _read_stderr(self, stream: IO[bytes]) -> None:
-        """Keeps the last lines (for MemberLost) and relays the agent's messages, host first."""
+        """Keeps the last lines (for MemberLost) and relays the agent's messages, each after the
+        member's label as the coordinator's own members' are ("[host-b:4242] ...")."""
+        prefix = f"[{self.label}] "
         try:
             for raw in stream:
                 line = raw.decode(errors="replace").rstrip()
@@ -193,9 +194,9 @@ class RemoteMember:
                 self._stderr.append(line)
                 kind, _, message = line.partition(": ")
                 if kind == "warn":
-                    self.reporter.warn(f"{self.host}: {message}")
+                    self.reporter.warn(prefix + message)
                 else:
-                    self.reporter.info(f"{self.host}: {message if kind in ('step', 'info') else line}")
+                    self.reporter.info(prefix + (message if kind in ("step", "info") else line))
         except (OSError, ValueError):
             pass
 
@@ -278,51 +279,58 @@ class RemoteMember:
 
 # ---- which member a coordinator gets for each name -------------------------------------------
 
-def split_member(spec: str) -> tuple[str, int]:
-    """'PID' -> ('', PID); 'HOST:PID' -> (HOST, PID); HOST as ssh takes it (user@host, an
-    alias of ~/.ssh/config, [v6 address])."""
-    host, _, pid_text = spec.rpartition(":")
-    try:
-        pid = int(pid_text)
-    except ValueError:
-        pid = 0
-    if pid <= 0:
-        raise UsageError(f"{spec!r} names no process", hint="give PID or HOST:PID, e.g. 4242 or host-a:4242")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if host:
-        check_host(host)
-    return host, pid
+MemberFactory = Callable[[MemberSpec], Member]
 
 
-def dump_member_factory(local: Callable[[str], Member], request: DumpRequest, link: RemoteLink,
-                        reporter: Reporter = NullReporter()) -> Callable[[str], Member]:
-    """The coordinator's member_factory for a group dump: "HOST:PID" -> a RemoteMember dumping
-    PID there with `request` (its group and options; its pid replaced), "PID" -> local(spec)."""
-    def make(spec: str) -> Member:
-        host, pid = split_member(spec)
+def remote_member_factory(local: MemberFactory, link: RemoteLink, reporter: Reporter = NullReporter(), *,
+                          restore: bool = False, on: Mapping[str, str] | None = None) -> MemberFactory:
+    """The coordinator's member_factory (ckpt/commands/group.py): a member of another host
+    (MemberSpec.host) is a RemoteMember, one of this host local(spec). A restore member goes
+    to the host its checkpoint was taken on, or where `on` sends it (--on host-a=host-c;
+    host-a= for this host)."""
+    moves = dict(on or {}) if restore else {}
+
+    def make(spec: MemberSpec) -> Member:
+        host = moves.get(spec.host, spec.host)
         if not host:
-            return local(spec)
-        return RemoteMember(host, replace(request, pid=pid), link, reporter, label=spec)
+            return local(replace(spec, host=""))
+        return RemoteMember(host, member_request(spec, restore), replace(link, hold_limit=spec.hold_limit),
+                            reporter, label=spec.label)
     return make
 
 
-def restore_member_factory(local: Callable[[GroupMember], Member], request: RestoreRequest, link: RemoteLink,
-                           reporter: Reporter = NullReporter(), on: Mapping[str, str] | None = None
-                           ) -> Callable[[GroupMember], Member]:
-    """The coordinator's member_factory for a group restore: each member is restored on the
-    host it was taken on (GroupMember.host, "" = the coordinator's), or where `on` (--on
-    host-a=host-c; host-a= for the coordinator's host) sends it; `request` is every member's
-    (its ref replaced by the member's checkpoint)."""
-    moves = dict(on or {})
+def members_anywhere(store_root: StoreLocation, reporter: Reporter, *, settings: Settings,
+                     passwords: PasswordSource | None, restore: bool = False, timeout: float = 120.0,
+                     on: Mapping[str, str] | None = None) -> MemberFactory:
+    """The member_factory of `ckpt dump --group` and `ckpt restore GROUP`: this host's members
+    as the coordinator makes them (group.local_member_factory), the others' over ssh. The link
+    (the store opened for its location, password and identity) is made at the first member on
+    another host: a group of this host's trees never asks for a password twice."""
+    from ckpt.commands.group import local_member_factory
 
-    def make(member: GroupMember) -> Member:
-        host = moves.get(member.host, member.host)
-        if not host:
-            return local(member)
-        return RemoteMember(host, replace(request, ref=member.checkpoint), link, reporter,
-                            label=f"{host}:{member.checkpoint}")
+    passwords = PasswordSource.passed_or_settings(passwords, settings)
+    local = local_member_factory(store_root, reporter, settings=settings, passwords=passwords, restore=restore)
+    links: list[RemoteLink] = []
+
+    def far(spec: MemberSpec) -> Member:
+        if not links:
+            store = Store.open(store_root, False, settings=settings, passwords=passwords)
+            links.append(RemoteLink.for_store(store, settings, passwords, timeout=timeout))
+        return remote_member_factory(local, links[0], reporter, restore=restore, on=on)(spec)
+
+    def make(spec: MemberSpec) -> Member:
+        moved = (on or {}).get(spec.host, spec.host) if restore else spec.host
+        return far(spec) if moved else local(replace(spec, host=""))
     return make
+
+
+def member_request(spec: MemberSpec, restore: bool) -> DumpRequest | RestoreRequest:
+    """What the member's agent is to do, as the coordinator's local members do it."""
+    if restore:
+        return RestoreRequest(ref=spec.checkpoint, group_peers=[[list(local), list(remote)]
+                                                                for local, remote in spec.group_peers],
+                              tcp_close=spec.tcp_close, lazy=spec.lazy, output=spec.output)
+    return DumpRequest(pid=spec.pid, stop=spec.stop, group=spec.group, name=(spec.group or {}).get("name"))
 
 
 def parse_on(values: list[str]) -> dict[str, str]:

@@ -24,10 +24,12 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import IO, Any, Callable
 
 from ckpt.commands.dump import DumpRequest, DumpSession
-from ckpt.commands.group_member import PROTOCOL_VERSION, Committed, Held, Member, Prepared, Released
+from ckpt.commands.group_member import (PROTOCOL_VERSION, Committed, Held, LocalDumpMember, LocalRestoreMember, Member,
+                                        Prepared, Released)
 from ckpt.commands.restore import RestoreRequest, RestoreSession
 from ckpt.errors import CkptError, ExitCode, StoreError, UsageError, to_record
 from ckpt.reporting import Reporter
+from ckpt.restore.netlock import ConnectionLock
 from ckpt.settings import Settings, store_from_flag
 from ckpt.store import Origin, Store
 
@@ -113,63 +115,63 @@ def settings_for_members(settings: Settings) -> dict:
 
 # ---- the local member an agent drives -------------------------------------------------------
 
-class SessionMember:
-    """A DumpSession or RestoreSession of this host as a group Member (the coordinator's local
-    members are the same thing; ckpt/commands/group_member.py)."""
-
-    def __init__(self, session: DumpSession | RestoreSession, label: str, hold_limit: float,
-                 hostname: str):
-        self.session, self.label, self.hold_limit, self.hostname = session, label, hold_limit, hostname
-
-    def prepare(self) -> Prepared:
-        self.session.prepare()
-        if isinstance(self.session, DumpSession):
-            return Prepared(self.hostname, self.session.facts.command)
-        return Prepared(self.hostname, self.session.manifest.command)
-
-    def capture(self) -> Held:
-        started = time.time()
-        if isinstance(self.session, DumpSession):
-            self.session.capture_frozen(self.hold_limit)
-            return Held(frozen_at=self._wall(self.session.marks.get("pre-dump"), started), held_at=time.time())
-        self.session.restore_held(self.hold_limit)
-        return Held(frozen_at=started, held_at=time.time())
-
-    def _wall(self, mark: float | None, default: float) -> float:
-        """A mark of the session's monotonic clock as seconds since the epoch."""
-        if mark is None:
-            return default
-        return time.time() - (self.session.clock() - mark)
-
-    def release(self) -> Released:
-        self.session.release()
-        pid = self.session.pid if isinstance(self.session, RestoreSession) else None
-        return Released(released_at=time.time(), pid=pid)
-
-    def commit(self) -> Committed:
-        if isinstance(self.session, DumpSession):
-            manifest = self.session.commit()
-            result = self.session.finish()
-            return Committed(manifest.id, manifest.stats.get("freeze_ms"), result.to_json())
-        restored = self.session.finish()
-        return Committed(restored.manifest.id, None, restored.to_json())
-
-    def abort(self) -> None:
-        self.session.abort()
-
-
 MemberMaker = Callable[[DumpRequest | RestoreRequest, Store, Reporter, float], Member]
 
 
 def session_member(request: DumpRequest | RestoreRequest, store: Store, reporter: Reporter,
                    hold_limit: float) -> Member:
-    """The local member of a request, on the store hello named (the agent's default)."""
-    hostname, settings = socket.gethostname(), store.settings
+    """The local member of a request, on the store hello named (the agent's default): the
+    same member a coordinator drives on its own host."""
+    settings = store.settings
     if isinstance(request, DumpRequest):
         dump = DumpSession(store.location, request, reporter, settings=settings, store=store)
-        return SessionMember(dump, str(request.pid), hold_limit, hostname)
+        return LocalDumpMember(dump, str(request.pid), hold_limit)
     restore = RestoreSession(store.location, request, reporter, settings=settings, store=store)
-    return SessionMember(restore, request.ref, hold_limit, hostname)
+    return HostLockedRestore(LocalRestoreMember(restore, request.ref, hold_limit), request.group_peers, reporter)
+
+
+class HostLockedRestore:
+    """A restore member whose TCP connections to the group's other members are locked on this
+    host (ckpt/restore/netlock.py) from its prepare, before any member is restored, to its
+    release: the coordinator locks those of its own host's members only, and a member restored
+    here beside a peer not back yet would otherwise send into it and be reset. One end of a
+    connection locked is enough: its table drops the connection's packets both ways."""
+
+    def __init__(self, member: LocalRestoreMember, group_peers: list, reporter: Reporter):
+        self.member, self.label, self.reporter = member, member.label, reporter
+        self.peers = {(tuple(local), tuple(remote)) for local, remote in group_peers}
+        self.lock: ConnectionLock | None = None
+
+    def prepare(self) -> Prepared:
+        prepared = self.member.prepare()
+        manifest = self.member.session.manifest
+        own = [((c["local"][0], int(c["local"][1])), (c["remote"][0], int(c["remote"][1])))
+               for c in manifest.criu.get("tcp_connections", [])]
+        between = [pair for pair in own if (pair[1], pair[0]) in self.peers]
+        self.lock = ConnectionLock(manifest.id, between, self.reporter)
+        self.lock.lock()
+        return prepared
+
+    def capture(self) -> Held:
+        return self.member.capture()
+
+    def release(self) -> Released:
+        self._lift()  # every member is back and held: their sockets exist, none sends yet
+        return self.member.release()
+
+    def commit(self) -> Committed:
+        return self.member.commit()
+
+    def abort(self) -> None:
+        try:
+            self.member.abort()
+        finally:
+            self._lift()
+
+    def _lift(self) -> None:
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.lift()
 
 
 # ---- the agent ------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """A group's members on other hosts (ckpt/commands/group_remote.py, member_agent.py) without
-ssh or CRIU: names of members, the hello's settings, the requests on the wire, and a
+ssh or CRIU: --on, the ssh command, the hello's settings, the requests on the wire, and a
 RemoteMember whose "ssh" is a stand-in that runs the far end's command here (or fails as ssh
 does). The real thing, over sshd between two network namespaces: tests/integration/
 test_groups_remote.py."""
@@ -15,28 +15,12 @@ from dataclasses import replace
 import pytest
 
 from ckpt.commands.dump import DumpRequest
-from ckpt.commands.group_remote import (RemoteLink, RemoteMember, dump_member_factory, parse_on,
-                                        restore_member_factory, split_member)
+from ckpt.commands.group_remote import RemoteLink, RemoteMember, parse_on, remote_member_factory
 from ckpt.commands.member_agent import request_from_wire, request_to_wire, settings_from_hello
 from ckpt.commands.restore import RestoreRequest
 from ckpt.errors import ExitCode, MemberLost, ProcessNotFound, UsageError
 from ckpt.settings import Settings
 from ckpt.store import Origin
-from ckpt.store.groups import GroupMember
-
-
-@pytest.mark.parametrize("spec, expected", [
-    ("4242", ("", 4242)), ("host-a:4242", ("host-a", 4242)), ("root@host-a:7", ("root@host-a", 7)),
-    ("[fe80::1]:42", ("fe80::1", 42)),
-])
-def test_a_member_is_pid_or_host_and_pid(spec, expected):
-    assert split_member(spec) == expected
-
-
-@pytest.mark.parametrize("spec", ["", "host-a:", "host-a:x", "0", "-p:42", "host a:42", ":42x"])
-def test_a_member_that_names_no_process_or_no_host_is_refused(spec):
-    with pytest.raises(UsageError):
-        split_member(spec)
 
 
 def test_on_maps_recorded_hosts_to_others():
@@ -79,21 +63,26 @@ def test_requests_cross_the_wire_unchanged():
         request_from_wire("restore", {"lazy": True})  # no ref
 
 
-def test_the_factories_give_remote_members_for_other_hosts_and_local_ones_here():
+def test_the_factory_gives_remote_members_for_other_hosts_and_local_ones_here():
+    from ckpt.commands.group_member import MemberSpec
+
     local = []
     link = RemoteLink.of(Settings(), "s3://b/p")
-    make = dump_member_factory(lambda spec: local.append(spec) or "local", DumpRequest(pid=0, stop=True), link)
-    assert make("42") == "local" and local == ["42"]
-    remote = make("host-a:43")
-    assert isinstance(remote, RemoteMember) and remote.label == "host-a:43"
-    assert remote.request == DumpRequest(pid=43, stop=True)
+    make = remote_member_factory(lambda spec: local.append(spec) or "local", link)
+    group = {"id": "20261203-190102-123-3fa9c1", "name": "web"}
+    assert make(MemberSpec("42", pid=42, group=group)) == "local" and local[0].pid == 42
+    remote = make(MemberSpec("host-a:43", host="host-a", pid=43, group=group, stop=True, hold_limit=9))
+    assert isinstance(remote, RemoteMember) and remote.label == "host-a:43" and remote.link.hold_limit == 9
+    assert remote.request == DumpRequest(pid=43, stop=True, group=group, name="web")
 
-    make_restore = restore_member_factory(lambda m: "local", RestoreRequest(ref="", lazy=False), link,
-                                          on={"host-a": "host-c", "host-b": ""})
-    member = make_restore(GroupMember(checkpoint="c1", pid=43, host="host-a"))
-    assert isinstance(member, RemoteMember) and member.host == "host-c" and member.request.ref == "c1"
-    assert make_restore(GroupMember(checkpoint="c2", pid=44, host="host-b")) == "local"
-    assert make_restore(GroupMember(checkpoint="c3", pid=45, host="")) == "local"
+    make_restore = remote_member_factory(lambda spec: "local", link, restore=True,
+                                         on={"host-a": "host-c", "host-b": ""})
+    peers = ((("10.0.0.1", 80), ("10.0.0.2", 5000)),)
+    member = make_restore(MemberSpec("host-a:43", host="host-a", checkpoint="c1", group_peers=peers, lazy=False))
+    assert isinstance(member, RemoteMember) and member.host == "host-c"
+    assert member.request == RestoreRequest(ref="c1", lazy=False, group_peers=[[["10.0.0.1", 80], ["10.0.0.2", 5000]]])
+    assert make_restore(MemberSpec("host-b:44", host="host-b", checkpoint="c2")) == "local"
+    assert make_restore(MemberSpec("45", checkpoint="c3")) == "local"
 
 
 # ---- a RemoteMember over a stand-in for ssh ---------------------------------------------------
@@ -168,3 +157,23 @@ def test_a_host_whose_store_of_that_name_is_another_is_refused(tmp_path):
     with pytest.raises(ProcessNotFound):  # past hello: the store is the same
         good.prepare()
     good.abort()
+
+
+def test_members_anywhere_opens_the_store_only_for_a_member_on_another_host(tmp_path):
+    """The CLI's member_factory: this host's members as the coordinator makes them; the link
+    to other hosts (the store's location and identity) made at the first remote member."""
+    from ckpt.commands.group_member import LocalDumpMember, MemberSpec
+    from ckpt.commands.group_remote import members_anywhere
+    from ckpt.commands.member_agent import store_identity
+    from ckpt.reporting import NullReporter
+
+    where = tmp_path / "store"
+    settings = Settings(store=where, ssh="ssh -F /dev/null")
+    make = members_anywhere(where, NullReporter(), settings=settings, passwords=None, timeout=7)
+    assert isinstance(make(MemberSpec("42", pid=42)), LocalDumpMember)
+    assert not where.exists(), "the store was opened for a member of this host"
+    store = a_store(where)
+    remote = make(MemberSpec("host-a:43", host="host-a", pid=43, hold_limit=5))
+    assert isinstance(remote, RemoteMember) and remote.link.store == str(where)
+    assert (remote.link.store_identity, remote.link.timeout, remote.link.hold_limit) == (store_identity(store), 7, 5)
+    assert remote.link.ssh == ("ssh", "-F", "/dev/null") and remote.link.password is None

@@ -1,13 +1,15 @@
 """Group checkpoints across hosts (docs/design.md, "Groups: the protocol"): the member agent
 (`ckpt _member`, ckpt/commands/member_agent.py) and its coordinator's end, RemoteMember
-(ckpt/commands/group_remote.py), with real CRIU, a real sshd per test host, and a real S3
-server. The test hosts are network namespaces on this kernel (tests/netns.py).
+(ckpt/commands/group_remote.py), under the group coordinator (ckpt/commands/group.py), with
+real CRIU, a real sshd per test host, and a real S3 server. The test hosts are network
+namespaces on this kernel (tests/netns.py).
 
-- End of file on the agent's stdin is abort: a held dump is let go at once, nothing committed.
+- End of file on the agent's stdin is abort: a held dump is let go at once, nothing committed;
+  a phase that runs is cut short.
 - Two trees, one on each host, exchanging a numbered TCP stream both ways, checkpointed as a
   group through ssh and restored as one: the streams go on with no number lost or repeated.
 - A member's ssh killed while its tree is held, and the coordinator killed while both are held:
-  both trees run on, unfrozen, no CRIU lock table left in either host, nothing committed."""
+  both trees run on, unfrozen, no lock table left in either host, nothing committed."""
 
 from __future__ import annotations
 
@@ -17,18 +19,12 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from ckpt.commands.dump import DumpRequest
-from ckpt.commands.group_remote import RemoteLink, RemoteMember
-from ckpt.commands.restore import RestoreRequest
-from ckpt.errors import MemberLost
 from ckpt.store import ids
-from tests.helpers import FIXTURES, ROOT, Processes, ckpt, ckpt_json, env_settings, read_lines, wait_until
+from tests.helpers import FIXTURES, ROOT, Processes, ckpt, ckpt_json, read_lines, tree_pids, wait_until
 from tests.netns import NetHost, OneHost, TwoHosts
 
 pytestmark = pytest.mark.integration
@@ -188,23 +184,6 @@ def store_contents(hosts: TwoHosts, url: str) -> dict:
     return json.loads(done.stdout)
 
 
-def commit_group(hosts: TwoHosts, url: str, group: dict, members: list[dict]) -> None:
-    """The coordinator's commit point (the group manifest), written from host A."""
-    script = ("import json, sys\n"
-              "from datetime import datetime, timezone\n"
-              "from ckpt.settings import Settings\n"
-              "from ckpt.store import Store\n"
-              "from ckpt.store.groups import GroupManifest, GroupMember\n"
-              "group, members = json.loads(sys.argv[2]), json.loads(sys.argv[3])\n"
-              "s = Store.open(sys.argv[1], settings=Settings.from_environment())\n"
-              "s.groups.commit(GroupManifest(group['id'], datetime.now(timezone.utc).isoformat(),\n"
-              "                [GroupMember(**m) for m in members], group['name']))\n")
-    environment = {**os.environ, **hosts.s3_environment(), "CKPT_CACHE": str(hosts.a.workdir / "cache"),
-                   "CKPT_PASSWORD": PASSWORD, "PYTHONPATH": str(ROOT)}
-    subprocess.run(hosts.a.command(sys.executable, "-c", script, url, json.dumps(group), json.dumps(members)),
-                   capture_output=True, text=True, env=environment, timeout=60, cwd=ROOT, check=True)
-
-
 class StreamPair:
     """stream_between_hosts.py listening on host B and connected from host A: a numbered stream both ways."""
 
@@ -235,91 +214,122 @@ class StreamPair:
             assert ends_of_stream(log) == [], f"{host}: {ends_of_stream(log)}"
 
 
-def link(hosts: TwoHosts, url: str, via: NetHost | None) -> RemoteLink:
-    settings = replace(env_settings(), ssh=hosts.ssh(via), remote_ckpt=hosts.remote_ckpt())
-    return RemoteLink.of(settings, url, password=PASSWORD, timeout=60, hold_limit=60)
+class Coordinator:
+    """ckpt/commands/group.py's group dump or restore, run in host A with remote_member_factory:
+    the coordinator as `ckpt dump --group` and `ckpt restore GROUP` run it."""
+
+    def __init__(self, hosts: TwoHosts, store: str, procs: Processes, workdir: Path):
+        self.hosts, self.store, self.procs, self.workdir = hosts, store, procs, workdir
+        self.pause_file = workdir / "paused"
+        self.environment = {"CKPT_SSH": hosts.ssh(), "CKPT_REMOTE_CKPT": hosts.remote_ckpt(),
+                            "CKPT_PASSWORD": PASSWORD, "CKPT_CACHE": str(hosts.a.workdir / "cache"),
+                            "PYTHONPATH": str(ROOT), **hosts.s3_environment()}
+
+    def command(self, action: str, argument: str) -> list[str]:
+        return self.hosts.a.command(sys.executable, "-c", COORDINATOR, action, self.store, argument)
+
+    def run(self, action: str, argument: str) -> dict:
+        done = subprocess.run(self.command(action, argument), capture_output=True, text=True, timeout=180,
+                              env={**os.environ, **self.environment}, cwd=ROOT)
+        assert done.returncode == 0, f"the group {action} failed ({done.returncode}): {done.stderr}"
+        return json.loads(done.stdout)
+
+    def start_paused(self, action: str, argument: str, at: str, monkeypatch) -> subprocess.Popen:
+        """Started, and returned once it pauses at phase `at` (ckpt/phases.py)."""
+        for name, value in {**self.environment, "CKPT_TEST_PAUSE_AT": at,
+                            "CKPT_TEST_PAUSE_FILE": str(self.pause_file)}.items():
+            monkeypatch.setenv(name, value)
+        process = self.procs.start_program(self.command(action, argument), "coordinator")
+        wait_until(lambda: self.pause_file.exists() or process.poll() is not None, timeout=60,
+                   what=f"the coordinator at {at}")
+        assert process.poll() is None, (self.workdir / "coordinator.2.stdio").read_text()
+        return process
+
+    def ssh_to(self, coordinator: subprocess.Popen, alias: str) -> int:
+        """The PID of the coordinator's ssh to that host."""
+        found = []
+        for pid in tree_pids(coordinator.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if Path(argv[0].decode()).name == "ssh" and alias.encode() in argv:
+                found.append(pid)
+        assert len(found) == 1, found
+        return found[0]
 
 
-def drive(members: list[RemoteMember], phases: tuple[str, ...]) -> dict[str, list]:
-    """What the coordinator does (until ckpt/commands/group.py drives them): each phase on
-    every member at once, the next only once every member has answered; any failure aborts all."""
-    results: dict[str, list] = {}
-    with ThreadPoolExecutor(len(members)) as pool:
-        try:
-            for phase in phases:
-                futures = [pool.submit(getattr(member, phase)) for member in members]
-                wait(futures, timeout=120)
-                results[phase] = [future.result() for future in futures]
-        except BaseException:
-            for member in members:
-                member.abort()
-            raise
-    return results
+def table_kinds(host: NetHost) -> list[str]:
+    """nftables tables of CRIU's or of a group restore's lock left in host's namespace."""
+    return [t for t in host.nft_tables() if "CRIU" in t or "ckpt-group" in t]
 
 
-def test_a_group_across_two_hosts_goes_on_with_no_number_lost_or_repeated(hosts, store, procs, tmp_path):
-    """Dumped with --stop: each tree is ended once the group is committed, with CRIU's lock on
-    its connections left in place (so neither host answers the other's packets with a reset)
-    until the group restore has every member back, held, and lets them run."""
+@pytest.mark.parametrize("stop, members", [(False, ("host-a", "host-b")), (True, ("", "host-b"))],
+                         ids=["snapshot-both-remote", "stop-one-local"])
+def test_a_group_across_two_hosts_goes_on_with_no_number_lost_or_repeated(hosts, store, procs, tmp_path, stop,
+                                                                          members):
+    """Two trees, on host A and on host B, streaming numbers to each other over the veth:
+    a group dump (through ssh to each member's host, or one of them the coordinator's own),
+    both ended (killed after a snapshot, or by --stop), a group restore: the streams go on with
+    no number lost or repeated. A snapshot's restore holds off the trees' packets with the
+    group restore's own lock on each host, since its dump left none."""
     streams = StreamPair(hosts, procs, tmp_path)
-    group = {"id": ids.new_id(), "name": "pair"}
-    remote = link(hosts, store, via=hosts.a)
-    # The coordinator names each member's checkpoint: with --stop the group manifest, which
-    # names them, is committed inside the hold, before any tree is ended.
-    checkpoints = {h: ids.new_id() for h in streams.pids}
-    dumps = [RemoteMember(h, DumpRequest(pid=streams.pids[h], name="pair", stop=True, group=group,
-                                         checkpoint_id=checkpoints[h]), remote) for h in ("host-a", "host-b")]
-    held = drive(dumps, ("prepare", "capture"))["capture"]
-    members = [{"checkpoint": checkpoints[m.host], "pid": streams.pids[m.host], "host": m.host,
-                "hostname": m.hostname, "frozen_at": h.frozen_at, "dumped_at": h.held_at}
-               for m, h in zip(dumps, held, strict=True)]
-    commit_group(hosts, store, group, members)
-    drive(dumps, ("release", "commit"))
-    for popen in (streams.a, streams.b):
-        popen.wait(10)  # ended by the dump
-    assert store_contents(hosts, store) == {"checkpoints": sorted(checkpoints.values()), "groups": [group["id"]]}
-    at_dump = streams.counts()
+    coordinator = Coordinator(hosts, store, procs, tmp_path)
+    names = [f"{host}:{streams.pids[h]}" if host else str(streams.pids[h])
+             for host, h in zip(members, ("host-a", "host-b"), strict=True)]
+    group = coordinator.run("dump", json.dumps({"members": names, "name": "pair", "stop": stop}))
+    assert store_contents(hosts, store)["groups"] == [group["id"]]
+    if stop:
+        for popen in (streams.a, streams.b):
+            popen.wait(10)  # ended by the dump, their connections' lock left in place
+    else:
+        streams.wait_for_more(5, streams.counts())  # both ran on after the group dump
+        for pid in streams.pids.values():  # stopped first: neither sees the other end go
+            os.kill(pid, signal.SIGSTOP)
+        for pid in streams.pids.values():
+            procs.kill_tree(pid)
+    before_restore = streams.counts()
 
-    restore = RestoreRequest(ref="", lazy=False)
-    restores = [RemoteMember(m["host"], replace(restore, ref=m["checkpoint"]), remote) for m in members]
-    released = drive(restores, ("prepare", "capture", "release", "commit"))["release"]
-    for answer in released:
-        procs.adopt(answer.pid)
-    assert sorted(answer.pid for answer in released) == sorted(streams.pids.values())
-    streams.wait_for_more(20, at_dump, timeout=20)
+    restored = coordinator.run("restore", group["id"])
+    pids = [member["pid"] for member in restored["members"]]
+    for pid in pids:
+        procs.adopt(pid)
+    assert sorted(pids) == sorted(streams.pids.values())
+    streams.wait_for_more(20, before_restore, timeout=20)
     streams.check_unbroken()
-    assert hosts.a.criu_tables() == [] and hosts.b.criu_tables() == []
+    assert table_kinds(hosts.a) == [] and table_kinds(hosts.b) == []
 
 
-def test_a_members_ssh_killed_while_held_lets_every_tree_go(hosts, store, procs, tmp_path):
+def test_a_members_ssh_killed_while_held_lets_every_tree_go(hosts, store, procs, tmp_path, monkeypatch):
+    """host-b's ssh killed while both members are held: host-b's agent reads end of file and
+    lets its tree go at once; the coordinator finds host-b lost when it releases, and aborts
+    host-a's member (exit code 11, naming host-b)."""
     streams = StreamPair(hosts, procs, tmp_path)
-    group = {"id": ids.new_id(), "name": "lost"}
-    members = [RemoteMember(h, DumpRequest(pid=streams.pids[h], group=group), link(hosts, store, via=hosts.a))
-               for h in ("host-a", "host-b")]
-    drive(members, ("prepare", "capture"))
+    coordinator = Coordinator(hosts, store, procs, tmp_path)
+    names = [f"host-a:{streams.pids['host-a']}", f"host-b:{streams.pids['host-b']}"]
+    process = coordinator.start_paused("dump", json.dumps({"members": names, "name": "lost", "stop": False}),
+                                       "group.held", monkeypatch)
     assert all(status_state(pid) in FROZEN for pid in streams.pids.values())
     assert hosts.a.criu_tables() and hosts.b.criu_tables()
-    os.kill(members[1].process.pid, signal.SIGKILL)  # host-b's ssh client
-    # host-b's agent reads end of file and lets its tree go, before the coordinator knows
+    os.kill(coordinator.ssh_to(process, "host-b"), signal.SIGKILL)
     wait_until(lambda: status_state(streams.pids["host-b"]) in ("S", "R"), timeout=10,
-               what="host-b's tree to be let go")
-    with pytest.raises(MemberLost, match="host-b"):
-        drive(members, ("release",))
+               what="host-b's tree to be let go by its agent")
+    assert status_state(streams.pids["host-a"]) in FROZEN, "host-a's tree let go before the coordinator knew"
+    coordinator.pause_file.unlink()  # the coordinator goes on: releases, and finds host-b lost
+    assert process.wait(60) == 11
+    assert "host-b" in (tmp_path / "coordinator.2.stdio").read_text()
     check_let_go(hosts, store, streams)
 
 
 def test_the_coordinator_killed_while_both_are_held_lets_every_tree_go(hosts, store, procs, tmp_path, monkeypatch):
     streams = StreamPair(hosts, procs, tmp_path)
-    for name, value in {"CKPT_SSH": hosts.ssh(), "CKPT_REMOTE_CKPT": hosts.remote_ckpt(), "CKPT_PASSWORD": PASSWORD,
-                        "CKPT_CACHE": str(hosts.a.workdir / "cache"), "PYTHONPATH": str(ROOT),
-                        **hosts.s3_environment()}.items():
-        monkeypatch.setenv(name, value)  # the coordinator's, in host A
-    coordinator = procs.start_program(hosts.a.command(sys.executable, "-c", COORDINATOR, store, json.dumps(
-        [f"host-a:{streams.pids['host-a']}", f"host-b:{streams.pids['host-b']}"])), "coordinator")
-    wait_until(lambda: all(status_state(pid) in FROZEN for pid in streams.pids.values()), timeout=30,
-               what="both trees held")
-    os.kill(coordinator.pid, signal.SIGKILL)
-    coordinator.wait(10)
+    coordinator = Coordinator(hosts, store, procs, tmp_path)
+    names = [f"host-a:{streams.pids['host-a']}", f"host-b:{streams.pids['host-b']}"]
+    process = coordinator.start_paused("dump", json.dumps({"members": names, "name": "killed", "stop": False}),
+                                       "group.held", monkeypatch)
+    assert all(status_state(pid) in FROZEN for pid in streams.pids.values())
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(10)
     wait_until(lambda: all(status_state(pid) in ("S", "R") for pid in streams.pids.values()), timeout=10,
                what="both trees let go")
     check_let_go(hosts, store, streams)
@@ -330,28 +340,37 @@ def check_let_go(hosts: TwoHosts, store: str, streams: StreamPair) -> None:
     now = streams.counts()
     streams.wait_for_more(5, now)
     streams.check_unbroken()
-    assert hosts.a.criu_tables() == [] and hosts.b.criu_tables() == []
+    assert table_kinds(hosts.a) == [] and table_kinds(hosts.b) == []
     assert store_contents(hosts, store) == {"checkpoints": [], "groups": []}
 
 
-# A coordinator in host A that holds both members and waits to be killed (until `ckpt dump
-# --group` exists: ckpt/commands/group.py).
+# The coordinator in host A: `dump STORE {"members", "name", "stop"}` or `restore STORE GROUP`;
+# prints the result's JSON (as `ckpt dump --group` and `ckpt restore GROUP` will, with
+# members_anywhere as their member_factory).
 COORDINATOR = """
-import json, sys, time
-from ckpt.commands.dump import DumpRequest
-from ckpt.commands.group_remote import RemoteLink, RemoteMember, split_member
+import json, sys
+from ckpt.commands.group import GroupDumpRequest, GroupRestoreRequest, group_dump, group_restore
+from ckpt.commands.group_remote import members_anywhere
+from ckpt.errors import CkptError
+from ckpt.reporting import NullReporter
 from ckpt.settings import Settings
-from ckpt.store import ids
-from ckpt.store import Store
 from ckpt.store.password import PasswordSource
+action, url, argument = sys.argv[1:4]
 settings = Settings.from_environment()
-store = Store.open(sys.argv[1], settings=settings)
-link = RemoteLink.for_store(store, settings, PasswordSource.from_settings(settings), hold_limit=60)
-group = {"id": ids.new_id(), "name": "killed"}
-specs = map(split_member, json.loads(sys.argv[2]))
-members = [RemoteMember(host, DumpRequest(pid=pid, group=group), link) for host, pid in specs]
-for phase in ("prepare", "capture"):
-    for m in members:
-        getattr(m, phase)()
-time.sleep(120)
+passwords = PasswordSource.from_settings(settings)
+factory = members_anywhere(url, NullReporter(), settings=settings, passwords=passwords, restore=action == "restore",
+                           timeout=60)
+try:
+    if action == "restore":
+        result = group_restore(url, GroupRestoreRequest(ref=argument, phase_timeout=60), settings=settings,
+                               passwords=passwords, member_factory=factory)
+    else:
+        asked = json.loads(argument)
+        result = group_dump(url, GroupDumpRequest(members=asked["members"], name=asked["name"], stop=asked["stop"],
+                                                  phase_timeout=60), settings=settings, passwords=passwords,
+                            member_factory=factory)
+except CkptError as exc:
+    print(f"Error: {exc}", file=sys.stderr)
+    sys.exit(int(exc.exit_code))
+print(json.dumps(result.to_json()))
 """
