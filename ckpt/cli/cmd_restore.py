@@ -5,6 +5,7 @@ import typer
 from ckpt.cli.options import (NO_FLAGS, REPORTING, HoldLimitOption, PhaseTimeoutOption, SharedFlags, invocation,
                               output_file_flag, shared_flags, store_root)
 from ckpt.cli.output import emit_json, stderr, styled
+from ckpt.commands.group_remote import members_anywhere, parse_on
 from ckpt.commands.group import GroupRestoreRequest, GroupRestoreResult, group_restore, named_group
 from ckpt.commands.restore import RestoreRequest, restore
 from ckpt.errors import UsageError
@@ -54,6 +55,10 @@ until every one is back, connections between members come back established, and 
 member fails none runs. stdout then carries each member's root PID, one per line.
 
   ckpt restore agent-group --json
+
+  ckpt restore web --on host-a=host-c   # host-a's member on host-c, the others where they were
+
+  ckpt restore web --on host-b=         # host-b's member on this host
 """
 
 OutputOption = Annotated[Optional[str], output_file_flag(
@@ -89,14 +94,21 @@ def register(app: typer.Typer) -> None:
                  "kernel can.")] = None,
         hold_limit: HoldLimitOption = 60.0,
         timeout: PhaseTimeoutOption = 120.0,
+        on: Annotated[Optional[list[str]], typer.Option(
+            "--on", metavar="FROM=TO",
+            help="A group's members taken on host FROM are restored on host TO instead (reached with ssh; "
+                 "'FROM=' restores them on this host). Once per host.")] = None,
         flags: SharedFlags = NO_FLAGS,
     ) -> None:
         settings, passwords = invocation().settings(), invocation().passwords()
         if named_group(store_root(flags.store), ref, settings=settings, passwords=passwords) is not None:
             _refuse_for_groups(new_pidns=new_pidns, post_restore=post_restore)
-            _restore_group(flags, GroupRestoreRequest(ref=ref, tcp_close=tcp_close, lazy=lazy, output=output,
-                                                      hold_limit=hold_limit, phase_timeout=timeout))
+            _restore_group(flags, parse_on(on or []), GroupRestoreRequest(
+                ref=ref, tcp_close=tcp_close, lazy=lazy, output=output, hold_limit=hold_limit, phase_timeout=timeout))
             return
+        if on:
+            raise UsageError("--on is taken only for a group checkpoint",
+                             hint=f"'{ref}' names a checkpoint: run 'ckpt restore' on the host it is to run on")
         reporter = flags.reporter()
         try:
             result = restore(store_root(flags.store), RestoreRequest(ref=ref, new_pidns=new_pidns,
@@ -126,12 +138,14 @@ def _refuse_for_groups(**given: object) -> None:
                              hint="a group's members are restored with their own PIDs, without hooks")
 
 
-def _restore_group(flags: SharedFlags, request: GroupRestoreRequest) -> None:
+def _restore_group(flags: SharedFlags, on: dict[str, str], request: GroupRestoreRequest) -> None:
     reporter = flags.reporter()
     try:
-        result: GroupRestoreResult = group_restore(store_root(flags.store), request, reporter,
-                                                   settings=invocation().settings(),
-                                                   passwords=invocation().passwords())
+        root = store_root(flags.store)
+        factory = members_anywhere(root, reporter, settings=invocation().settings(), passwords=invocation().passwords(),
+                                   restore=True, timeout=request.phase_timeout, on=on)
+        result: GroupRestoreResult = group_restore(root, request, reporter, settings=invocation().settings(),
+                                                   passwords=invocation().passwords(), member_factory=factory)
     finally:
         reporter.close()
     if flags.json_out:

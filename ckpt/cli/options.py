@@ -5,6 +5,7 @@ Each checks its value while the command line is parsed: a bad one is a one-line 
 
 import functools
 import inspect
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -118,7 +119,9 @@ class Invocation:
 
     def __init__(self, environment: settings.Settings, ask: Callable[[str, bool], str] | None):
         self.environment = environment  # built by the root callback: a bad CKPT_* value stops every command
-        self.ask = ask  # the terminal's password prompt (None: stdin is no terminal)
+        # The terminal's password prompt (None: stdin is no terminal), asked once per store: a
+        # group checkpoint opens its store once per member, and nobody should type it each time.
+        self.ask = _asked_once(ask) if ask is not None else None
         self.password_file: Path | None = None
         self._settings: settings.Settings | None = None
 
@@ -130,6 +133,20 @@ class Invocation:
 
     def passwords(self) -> PasswordSource:
         return PasswordSource.from_settings(self.settings(), self.ask)
+
+
+def _asked_once(ask: Callable[[str, bool], str]) -> Callable[[str, bool], str]:
+    """The prompt, remembering each store's answer for the rest of this run (a new password,
+    confirmed, is never taken from memory)."""
+    answers: dict[str, str] = {}
+    lock = threading.Lock()  # members are opened from threads: one prompt at a time
+
+    def asked(what: str, confirm: bool) -> str:
+        with lock:
+            if confirm or what not in answers:
+                answers[what] = ask(what, confirm)
+            return answers[what]
+    return asked
 
 
 _runs: list[Invocation] = []  # the one of this run of main() (a list: tests run main() again)
