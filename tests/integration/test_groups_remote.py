@@ -215,8 +215,7 @@ class StreamPair:
 
 
 class Coordinator:
-    """ckpt/commands/group.py's group dump or restore, run in host A with remote_member_factory:
-    the coordinator as `ckpt dump --group` and `ckpt restore GROUP` run it."""
+    """The coordinator: `ckpt dump --group` and `ckpt restore GROUP`, run in host A."""
 
     def __init__(self, hosts: TwoHosts, store: str, procs: Processes, workdir: Path):
         self.hosts, self.store, self.procs, self.workdir = hosts, store, procs, workdir
@@ -226,7 +225,15 @@ class Coordinator:
                             "PYTHONPATH": str(ROOT), **hosts.s3_environment()}
 
     def command(self, action: str, argument: str) -> list[str]:
-        return self.hosts.a.command(sys.executable, "-c", COORDINATOR, action, self.store, argument)
+        """`ckpt dump --group` (argument: {"members", "name", "stop"} as JSON) or `ckpt restore
+        GROUP`, as a user runs them in host A."""
+        if action == "restore":
+            args = ["restore", argument]
+        else:
+            asked = json.loads(argument)
+            args = ["dump", "--group", asked["name"], *(["--stop"] if asked["stop"] else []), *asked["members"]]
+        return self.hosts.a.command(sys.executable, "-m", "ckpt", *args, "--json", "--timeout", "60",
+                                    "--store", self.store)
 
     def run(self, action: str, argument: str) -> dict:
         done = subprocess.run(self.command(action, argument), capture_output=True, text=True, timeout=180,
@@ -342,35 +349,3 @@ def check_let_go(hosts: TwoHosts, store: str, streams: StreamPair) -> None:
     streams.check_unbroken()
     assert table_kinds(hosts.a) == [] and table_kinds(hosts.b) == []
     assert store_contents(hosts, store) == {"checkpoints": [], "groups": []}
-
-
-# The coordinator in host A: `dump STORE {"members", "name", "stop"}` or `restore STORE GROUP`;
-# prints the result's JSON (as `ckpt dump --group` and `ckpt restore GROUP` will, with
-# members_anywhere as their member_factory).
-COORDINATOR = """
-import json, sys
-from ckpt.commands.group import GroupDumpRequest, GroupRestoreRequest, group_dump, group_restore
-from ckpt.commands.group_remote import members_anywhere
-from ckpt.errors import CkptError
-from ckpt.reporting import NullReporter
-from ckpt.settings import Settings
-from ckpt.store.password import PasswordSource
-action, url, argument = sys.argv[1:4]
-settings = Settings.from_environment()
-passwords = PasswordSource.from_settings(settings)
-factory = members_anywhere(url, NullReporter(), settings=settings, passwords=passwords, restore=action == "restore",
-                           timeout=60)
-try:
-    if action == "restore":
-        result = group_restore(url, GroupRestoreRequest(ref=argument, phase_timeout=60), settings=settings,
-                               passwords=passwords, member_factory=factory)
-    else:
-        asked = json.loads(argument)
-        result = group_dump(url, GroupDumpRequest(members=asked["members"], name=asked["name"], stop=asked["stop"],
-                                                  phase_timeout=60), settings=settings, passwords=passwords,
-                            member_factory=factory)
-except CkptError as exc:
-    print(f"Error: {exc}", file=sys.stderr)
-    sys.exit(int(exc.exit_code))
-print(json.dumps(result.to_json()))
-"""
