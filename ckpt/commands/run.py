@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 from ckpt.settings import Settings, StoreLocation
 from ckpt.store.password import PasswordSource
@@ -166,7 +166,7 @@ class RunFiles:
         run_dir.mkdir(parents=True, exist_ok=True)
         return cls(run_dir, output, run_dir / f"ckpt-{stamp}.log")
 
-    def open_log(self):
+    def open_log(self) -> TextIO:
         return open(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a", encoding="utf-8")
 
 

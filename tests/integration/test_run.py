@@ -411,3 +411,40 @@ def test_a_group_run_ends_with_its_first_member_to_end_when_it_cannot_go_on(proc
     started = [e["pid"] for e in told if e["event"] == "started"]
     assert len(started) == 2 and told[-1]["reason"] == reason and told[-1]["pid"] == started[0]
     assert state(started[1]) in (None, "Z"), "the other member was left running"
+
+
+def test_a_group_run_gives_up_at_the_restore_limit_and_ends_every_member(procs, tmp_path):
+    """Two counters as one group, --max-restores 1: the first death restores both (each counts
+    on from the group checkpoint), the second ends the run and the other member with it."""
+    outs = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    # One group checkpoint (--first-after), taken well before the kill: the restore goes back.
+    supervisor = start_run(tmp_path, procs, "--every", "1h", "--first-after", "1s", "--max-restores", "1", "--name",
+                           "counters", "--", sys.executable, FIXTURES / "counter.py", outs[0], 0.05, ":::",
+                           sys.executable, FIXTURES / "counter.py", outs[1], 0.05)
+    started = wait_until(lambda: len([e for e in events(tmp_path) if "started PID" in e]) == 2 and
+                         [e for e in events(tmp_path) if "started PID" in e], what="both members to start")
+    first, second = (int(e.split("started PID ")[1].split(":")[0]) for e in started)
+    procs.pids.update((first, second))
+    wait_until(lambda: any(e.startswith("ckpt: group checkpoint ") for e in events(tmp_path)), timeout=20,
+               what="a group checkpoint")
+    time.sleep(0.3)  # both count on past it
+    os.kill(second, signal.SIGKILL)
+    wait_until(lambda: any("restored group " in e for e in events(tmp_path)), timeout=30, what="the group restore")
+
+    def restarted(values: list[int]) -> int | None:
+        """Where the restored counter took over: the first value that is not the one before + 1."""
+        return next((i for i in range(1, len(values)) if values[i] != values[i - 1] + 1), None)
+
+    # Each counted on after the group checkpoint, then went back to its checkpointed value (both
+    # were frozen together, then ran on until the kill): the restored one counts from there.
+    wait_until(lambda: all((i := restarted(ints(out))) is not None and len(ints(out)) >= i + 5 for out in outs),
+               what="both restored counters to count on")
+    for out in outs:
+        values = ints(out)
+        i = restarted(values)
+        assert i is not None and 1 < values[i] <= values[i - 1], (out.name, values[max(0, (i or 0) - 3):(i or 0) + 3])
+        assert values[i:] == list(range(values[i], values[i] + len(values) - i)), out.name
+    os.kill(first, signal.SIGKILL)  # the restored members have their PIDs back
+    assert supervisor.wait(timeout=30) == 128 + signal.SIGKILL
+    assert any("restore limit (1) reached" in e for e in events(tmp_path))
+    assert state(second) in (None, "Z")
