@@ -24,15 +24,16 @@ told on stderr and in ckpt's log beside that file; with --json, also on stdout a
 object per line (started, checkpoint, died, restored, exit...; see docs/json.md). ckpt goes on
 supervising when the reader of its stdout or stderr goes away (`| head`) and on a hang-up.
 
-Several commands separated by ':::' run as one group (issue 26): each command its own process
+Several commands separated by ':::' run as one group: each command its own process
 tree, every checkpoint one group checkpoint of all of them (one consistent cut: their
 connections to each other come back established), and when any of them dies the others are
 ended and the whole group is restored from the newest group checkpoint. A clean exit of any
-of them ends the run (the others get SIGTERM, then SIGKILL after 10 s). ':::' because each
-command keeps its arguments word for word (no second level of shell quoting, as an option
-taking a command string would need), and because GNU parallel users read ':::' as "what
-follows is given separately"; a command cannot take ':::' itself as an argument. A group run
-does not take --pre-dump, --post-restore or --copy-to, and its commands get no CKPT_SOCKET.
+of them ends the run (the others get SIGTERM, then SIGKILL after 10 s). A separator rather
+than a repeated option taking a command string: each command keeps its arguments word for
+word, as after '--', with no second level of shell quoting; ':::' because it is the separator
+GNU parallel users know and no program takes it as an argument (a command here cannot). A
+group run does not take --pre-dump, --post-restore or --copy-to, and its commands get no
+CKPT_SOCKET.
 
 Examples:
 

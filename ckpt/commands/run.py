@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 from ckpt.settings import Settings, StoreLocation
 from ckpt.store.password import PasswordSource
@@ -166,7 +166,7 @@ class RunFiles:
         run_dir.mkdir(parents=True, exist_ok=True)
         return cls(run_dir, output, run_dir / f"ckpt-{stamp}.log")
 
-    def open_log(self):
+    def open_log(self) -> TextIO:
         return open(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a", encoding="utf-8")
 
 
@@ -187,6 +187,12 @@ def hold_the_name(run_dir: Path, name: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def command_environment(name: str, store_root: StoreLocation) -> dict[str, str]:
+    """What a supervised command finds in its environment: ckpt's own, and CKPT_NAME and
+    CKPT_STORE (a Python agent's ckpt.journal and checkpoint() find its name and store)."""
+    return {**os.environ, "CKPT_NAME": name, "CKPT_STORE": str(store_root)}
 
 
 def start_command(command: list[str], out, env: dict[str, str]) -> int:
@@ -284,10 +290,7 @@ class Supervisor:
         self.reporter = LogReporter(self.reporter, self.log)
         self.server = protocol.Server(protocol.SOCKET_DIR / f"{os.getpid()}.sock", self)
         self.server.start()
-        # CKPT_NAME and CKPT_STORE: a Python agent's ckpt.journal (and checkpoint()) find the
-        # name and the store of its checkpoints.
-        env = {**os.environ, protocol.ENV: str(self.server.path), "CKPT_NAME": self.request.name,
-               "CKPT_STORE": str(self.store_root)}
+        env = {**command_environment(self.request.name, self.store_root), protocol.ENV: str(self.server.path)}
         # The command's output goes to a file: a pipe or terminal shared with ckpt would not
         # survive a restore (its other end is outside the checkpointed tree).
         with open(os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:

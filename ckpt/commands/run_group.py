@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable
 
 from ckpt.commands.run import (RestoreBackoff, RunFiles, RunRequest, become_subreaper, check_request,
-                               describe_status, hold_the_name, start_command)
+                               command_environment, describe_status, hold_the_name, start_command)
 from ckpt.errors import CkptError, UsageError
 from ckpt.reporting import LogReporter, NullReporter, Reporter
 from ckpt.settings import Settings, StoreLocation
@@ -99,7 +99,7 @@ class GroupSupervisor:
         self._name_lock = hold_the_name(files.run_dir, self.request.name)
         self.log = files.open_log()
         self.reporter = LogReporter(self.reporter, self.log)
-        env = {**os.environ, "CKPT_NAME": self.request.name, "CKPT_STORE": str(self.store_root)}
+        env = command_environment(self.request.name, self.store_root)
         with open(os.open(files.output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
             for command in self.request.commands:
                 try:

@@ -9,6 +9,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import FIXTURES, ROOT, ckpt, ckpt_json, read_lines, state, wait_until
 from tests.jsonshape import assert_events, assert_shape
 
@@ -365,10 +367,15 @@ def test_a_group_run_restores_every_member_when_one_dies(procs, tmp_path):
     wait_until(lambda: any("restored group " in e for e in events(tmp_path)), timeout=30, what="the group restore")
     restored = [e for e in events(tmp_path) if "restored group " in e][-1]
     assert f"as PIDs {server}, {client_pid} (restore 1 of 3)" in restored, events(tmp_path)
+    for path in (server_status, client_status):
+        # What the killed incarnations wrote last (the server saw its peer's end: EOF) is stale:
+        # overwritten with a mark that only the restored peer's next record (every 20 ms) replaces.
+        with open(path, "r+b") as status:
+            os.pwrite(status.fileno(), b"sent=0 received=0 bad=stale".ljust(119) + b"\n", 0)
     for path in (server_status, client_status):  # both carry on from the checkpoint, nothing lost or repeated
         wait_until(lambda: peer_status(path)["received"] > at_kill[path]["received"] + 20000
-                   or peer_status(path)["bad"] != "-", timeout=20, what=f"{path.name} to receive on")
-        assert peer_status(path)["bad"] == "-", peer_status(path)
+                   or peer_status(path)["bad"] not in ("-", "stale"), timeout=20, what=f"{path.name} to receive on")
+        assert peer_status(path)["bad"] == "-", (path.name, peer_status(path))
     assert state(server) not in (None, "Z", "t", "T") and state(client_pid) not in (None, "Z", "t", "T")
     supervisor.send_signal(signal.SIGTERM)  # forwarded to both members
     assert supervisor.wait(timeout=30) == 128 + signal.SIGTERM
@@ -384,3 +391,60 @@ def test_a_group_run_restores_every_member_when_one_dies(procs, tmp_path):
     assert died["pid"] == client_pid and restored_event["pids"] == [server, client_pid]
     assert restored_event["id"] == [e for e in told if e["event"] == "group_checkpoint"][-1]["id"]
     assert ended["reason"] == "stopped" and ended["exit_code"] == 128 + signal.SIGTERM
+
+
+@pytest.mark.parametrize("first,code,reason", [
+    ("sleep 0.5", 0, "exited"),  # a clean exit ends the run: the other member is ended
+    ("exit 3", 3, "no_checkpoint"),  # a death before the first group checkpoint: nothing to restore
+])
+def test_a_group_run_ends_with_its_first_member_to_end_when_it_cannot_go_on(procs, tmp_path, first, code, reason):
+    events_file = tmp_path / "events.jsonl"
+    with open(events_file, "wb") as stdout, open(tmp_path / "run.stderr", "wb") as stderr:
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "ckpt", "run", "--json", "--every", "1h", "--name", "ends",
+             "--output", str(tmp_path / "run.out"), "--", "sh", "-c", first, ":::", "sleep", "600"],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
+    procs.popens.append(supervisor)
+    procs.pids.add(supervisor.pid)
+    assert supervisor.wait(timeout=30) == code, events(tmp_path)
+    told = assert_events(read_lines(events_file))
+    started = [e["pid"] for e in told if e["event"] == "started"]
+    assert len(started) == 2 and told[-1]["reason"] == reason and told[-1]["pid"] == started[0]
+    assert state(started[1]) in (None, "Z"), "the other member was left running"
+
+
+def test_a_group_run_gives_up_at_the_restore_limit_and_ends_every_member(procs, tmp_path):
+    """Two counters as one group, --max-restores 1: the first death restores both (each counts
+    on from the group checkpoint), the second ends the run and the other member with it."""
+    outs = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    # One group checkpoint (--first-after), taken well before the kill: the restore goes back.
+    supervisor = start_run(tmp_path, procs, "--every", "1h", "--first-after", "1s", "--max-restores", "1", "--name",
+                           "counters", "--", sys.executable, FIXTURES / "counter.py", outs[0], 0.05, ":::",
+                           sys.executable, FIXTURES / "counter.py", outs[1], 0.05)
+    started = wait_until(lambda: len([e for e in events(tmp_path) if "started PID" in e]) == 2 and
+                         [e for e in events(tmp_path) if "started PID" in e], what="both members to start")
+    first, second = (int(e.split("started PID ")[1].split(":")[0]) for e in started)
+    procs.pids.update((first, second))
+    wait_until(lambda: any(e.startswith("ckpt: group checkpoint ") for e in events(tmp_path)), timeout=20,
+               what="a group checkpoint")
+    time.sleep(0.3)  # both count on past it
+    os.kill(second, signal.SIGKILL)
+    wait_until(lambda: any("restored group " in e for e in events(tmp_path)), timeout=30, what="the group restore")
+
+    def restarted(values: list[int]) -> int | None:
+        """Where the restored counter took over: the first value that is not the one before + 1."""
+        return next((i for i in range(1, len(values)) if values[i] != values[i - 1] + 1), None)
+
+    # Each counted on after the group checkpoint, then went back to its checkpointed value (both
+    # were frozen together, then ran on until the kill): the restored one counts from there.
+    wait_until(lambda: all((i := restarted(ints(out))) is not None and len(ints(out)) >= i + 5 for out in outs),
+               what="both restored counters to count on")
+    for out in outs:
+        values = ints(out)
+        i = restarted(values)
+        assert i is not None and 1 < values[i] <= values[i - 1], (out.name, values[max(0, (i or 0) - 3):(i or 0) + 3])
+        assert values[i:] == list(range(values[i], values[i] + len(values) - i)), out.name
+    os.kill(first, signal.SIGKILL)  # the restored members have their PIDs back
+    assert supervisor.wait(timeout=30) == 128 + signal.SIGKILL
+    assert any("restore limit (1) reached" in e for e in events(tmp_path))
+    assert state(second) in (None, "Z")
