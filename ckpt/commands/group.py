@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from typing import Callable, TypeVar
 
 from ckpt.commands.group_member import (Committed, Held, LocalDumpMember, LocalRestoreMember, Member, MemberSpec,
-                                        Prepared, Released, parse_member)
+                                        Prepared, Released, member_request, parse_member)
 from ckpt.commands.results import JsonResult
 from ckpt.errors import CheckpointNotFound, CkptError, GroupFailed, UsageError
 from ckpt.phases import phase
@@ -100,7 +100,7 @@ def local_member_factory(store_root: StoreLocation, reporter: Reporter, *, setti
                          passwords: PasswordSource | None, restore: bool = False) -> MemberFactory:
     """Makes the members of this host: a DumpSession (restore: RestoreSession) each. A HOST:PID
     member is refused: members on other hosts need a factory that reaches them."""
-    from ckpt.commands.dump import DumpRequest, DumpSession
+    from ckpt.commands.dump import DumpSession
     from ckpt.commands.restore import RestoreRequest, RestoreSession
 
     def make(spec: MemberSpec) -> Member:
@@ -108,14 +108,11 @@ def local_member_factory(store_root: StoreLocation, reporter: Reporter, *, setti
             raise UsageError(f"group member {spec.label} is on another host, which this ckpt cannot reach yet",
                              hint="give the PIDs of this host's members only")
         told = _MemberReporter(reporter, spec.label)
-        if restore:
-            request = RestoreRequest(ref=spec.checkpoint, group_peers=list(spec.group_peers),
-                                     tcp_close=spec.tcp_close, lazy=spec.lazy, output=spec.output)
+        request = member_request(spec, restore)
+        if isinstance(request, RestoreRequest):
             return LocalRestoreMember(RestoreSession(store_root, request, told, settings=settings,
                                                      passwords=passwords), spec.label, spec.hold_limit)
-        dump_request = DumpRequest(pid=spec.pid, stop=spec.stop, group=spec.group,
-                                   name=(spec.group or {}).get("name"))
-        return LocalDumpMember(DumpSession(store_root, dump_request, told, settings=settings, passwords=passwords),
+        return LocalDumpMember(DumpSession(store_root, request, told, settings=settings, passwords=passwords),
                                spec.label, spec.hold_limit)
 
     return make
@@ -197,7 +194,7 @@ def member_specs(request: GroupDumpRequest, group_id: str) -> list[MemberSpec]:
             raise UsageError(f"member {text} is named twice")
         seen.add((host, pid))
         specs.append(MemberSpec(label=text, host=host, pid=pid, group={"id": group_id, "name": request.name},
-                                stop=request.stop, hold_limit=request.hold_limit))
+                                stop=request.stop, hold_limit=request.hold_limit, origin=request.origin))
     return specs
 
 

@@ -12,9 +12,11 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from ckpt.store.manifest import Origin
+
 if TYPE_CHECKING:
-    from ckpt.commands.dump import DumpSession
-    from ckpt.commands.restore import RestoreSession
+    from ckpt.commands.dump import DumpRequest, DumpSession
+    from ckpt.commands.restore import RestoreRequest, RestoreSession
 
 PROTOCOL_VERSION = 1
 
@@ -119,6 +121,22 @@ class MemberSpec:
     tcp_close: bool | None = None
     lazy: bool | None = None
     output: str | None = None
+    # dump: who asks for the group (a schedule, `ckpt run`), into each member's manifest as well
+    origin: Origin | None = None
+
+
+def member_request(spec: MemberSpec, restore: bool) -> DumpRequest | RestoreRequest:
+    """What a member does, on this host or by its agent on another: one of the group's dumps
+    (named as the group, of the group's origin) or restores."""
+    from ckpt.commands.dump import DumpRequest
+    from ckpt.commands.restore import RestoreRequest
+
+    if restore:
+        return RestoreRequest(ref=spec.checkpoint, group_peers=[[list(local), list(remote)]
+                                                                for local, remote in spec.group_peers],
+                              tcp_close=spec.tcp_close, lazy=spec.lazy, output=spec.output)
+    return DumpRequest(pid=spec.pid, stop=spec.stop, group=spec.group, name=(spec.group or {}).get("name"),
+                       origin=spec.origin or Origin("dump"))
 
 
 def parse_member(text: str) -> tuple[str, int]:

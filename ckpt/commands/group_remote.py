@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 from typing import IO, Callable, Mapping
 
 from ckpt.commands.dump import DumpRequest
-from ckpt.commands.group_member import PROTOCOL_VERSION, Committed, Held, Member, MemberSpec, Prepared, Released
+from ckpt.commands.group_member import (PROTOCOL_VERSION, Committed, Held, Member, MemberSpec, Prepared, Released,
+                                        member_request)
 from ckpt.commands.member_agent import request_to_wire, settings_for_members, store_identity
 from ckpt.commands.restore import RestoreRequest
 from ckpt.errors import CkptError, MemberLost, UsageError, from_record
@@ -322,15 +323,6 @@ def members_anywhere(store_root: StoreLocation, reporter: Reporter, *, settings:
         moved = (on or {}).get(spec.host, spec.host) if restore else spec.host
         return far(spec) if moved else local(replace(spec, host=""))
     return make
-
-
-def member_request(spec: MemberSpec, restore: bool) -> DumpRequest | RestoreRequest:
-    """What the member's agent is to do, as the coordinator's local members do it."""
-    if restore:
-        return RestoreRequest(ref=spec.checkpoint, group_peers=[[list(local), list(remote)]
-                                                                for local, remote in spec.group_peers],
-                              tcp_close=spec.tcp_close, lazy=spec.lazy, output=spec.output)
-    return DumpRequest(pid=spec.pid, stop=spec.stop, group=spec.group, name=(spec.group or {}).get("name"))
 
 
 def parse_on(values: list[str]) -> dict[str, str]:

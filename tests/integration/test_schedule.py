@@ -289,6 +289,8 @@ def test_a_group_schedule_takes_one_group_checkpoint_of_its_members(procs, tmp_p
     (group,) = Store.open(isolated_env, False, settings=env_settings()).groups.all()
     assert (group.id, group.name, group.origin) == (ran["group"], "pair", Origin("schedule", "pair"))
     assert [(m.pid, m.checkpoint) for m in group.members] == [(m["pid"], m["checkpoint"]) for m in ran["members"]]
+    store = Store.open(isolated_env, False, settings=env_settings())
+    assert {store.load(m.checkpoint).origin for m in group.members} == {Origin("schedule", "pair")}
     (row,) = ckpt_json("schedule", "list")
     assert_shape([row], "schedule list")
     assert row["last"]["members"] == ran["members"] and row["last"]["outcome"] == "ok"
@@ -298,3 +300,21 @@ def test_a_group_schedule_takes_one_group_checkpoint_of_its_members(procs, tmp_p
     assert proc.returncode == 3 and "no process matches" in proc.stderr, proc.stderr
     assert ckpt_json("schedule", "list")[0]["last"]["outcome"] == "target-gone"
     assert [g.id for g in Store.open(isolated_env, False, settings=env_settings()).groups.all()] == [group.id]
+
+
+def test_a_group_schedules_retention_keeps_its_groups_whole(procs, tmp_path, cron_dir, isolated_env):
+    """--keep-last 2 of a group schedule forgets its oldest group, every member with it, and
+    never a group of the same name dumped by hand."""
+    from ckpt.store import Store
+
+    first = procs.start("counter.py", tmp_path / "first.txt")
+    second = procs.start("counter.py", tmp_path / "second.txt")
+    hand = ckpt_json("dump", "--group", "pair", first.pid, second.pid)["id"]
+    ckpt("schedule", "add", "pair", "--group", "--pid", first.pid, "--pid", second.pid, "--every", "1m",
+         "--keep-last", "2")
+    ran = [ckpt_json("schedule", "run", "pair") for _ in range(3)]
+    store = Store.open(isolated_env, False, settings=env_settings())
+    assert store.groups.ids() == [hand, ran[1]["id"], ran[2]["id"]]
+    assert ran[2]["forgot"] == [ran[0]["id"]] and ran[1].get("forgot") == []
+    kept = {m.checkpoint for g in store.groups.all() for m in g.members}
+    assert {m.id for m in store.manifests()} == kept  # the forgotten group's members went with it
