@@ -6,11 +6,10 @@ import typer
 from rich.text import Text
 
 from ckpt.cli.options import (NO_FLAGS, REPORTING, HoldLimitOption, PhaseTimeoutOption, SharedFlags, cli_settings,
-                              invocation, shared_flags, store_root)
+                              invocation, shared_flags, store_root, with_members)
 from ckpt.cli.output import emit_json, human_bytes, stderr, styled
 from ckpt.agent import results
 from ckpt.commands.dump import DumpRequest, DumpResult, dump
-from ckpt.commands.group_remote import members_anywhere
 from ckpt.commands.group import GroupDumpRequest, GroupDumpResult, group_dump
 from ckpt.errors import CkptError, ExitCode, UsageError, to_record
 from ckpt.store import Origin, ids
@@ -146,15 +145,7 @@ def _refuse_for_groups(group: Optional[str], pids: list[str], **given: Any) -> N
 
 
 def _run_group(flags: SharedFlags, request: GroupDumpRequest) -> None:
-    reporter = flags.reporter()
-    try:
-        root = store_root(flags.store)
-        factory = members_anywhere(root, reporter, settings=invocation().settings(), passwords=invocation().passwords(),
-                                   timeout=request.phase_timeout)
-        result = group_dump(root, request, reporter, settings=invocation().settings(),
-                            passwords=invocation().passwords(), member_factory=factory)
-    finally:
-        reporter.close()
+    result: GroupDumpResult = with_members(flags, group_dump, request, phase_timeout=request.phase_timeout)
     if flags.json_out:
         emit_json(result.to_json())
         return

@@ -3,9 +3,9 @@ from typing import Annotated, Optional
 import typer
 
 from ckpt.cli.options import (NO_FLAGS, REPORTING, HoldLimitOption, PhaseTimeoutOption, SharedFlags, invocation,
-                              output_file_flag, shared_flags, store_root)
+                              output_file_flag, shared_flags, store_root, with_members)
 from ckpt.cli.output import emit_json, stderr, styled
-from ckpt.commands.group_remote import members_anywhere, parse_on
+from ckpt.commands.group_remote import parse_on
 from ckpt.commands.group import GroupRestoreRequest, GroupRestoreResult, group_restore, named_group
 from ckpt.commands.restore import RestoreRequest, restore
 from ckpt.errors import UsageError
@@ -109,26 +109,28 @@ def register(app: typer.Typer) -> None:
         if on:
             raise UsageError("--on is taken only for a group checkpoint",
                              hint=f"'{ref}' names a checkpoint: run 'ckpt restore' on the host it is to run on")
-        reporter = flags.reporter()
-        try:
-            result = restore(store_root(flags.store), RestoreRequest(ref=ref, new_pidns=new_pidns,
-                                                               post_restore_hook=post_restore,
-                                                               output=output, tcp_close=tcp_close,
-                                                               lazy=lazy), reporter,
-                             settings=settings, passwords=passwords)
-        finally:
-            reporter.close()
-        if flags.json_out:
-            emit_json(result.to_json())
-            return
-        if not flags.quiet:
-            inside = f" ({result.pid_in_namespace} in its PID namespace)" if result.pid_in_namespace else ""
-            stderr.print(styled(f"restored {result.manifest.id}", "green", f": root PID {result.pid}{inside}, "
-                                f"{len(result.manifest.processes)} process(es), took {result.duration_ms} ms"))
-            if result.lazy:
-                stderr.print(f"{result.lazy['bytes'] / (1 << 20):.0f} MiB of its memory is being filled in by page "
-                             f"server {result.lazy['server_pid']} (log: {result.lazy['log']})")
-        print(result.pid)
+        _restore_one(flags, RestoreRequest(ref=ref, new_pidns=new_pidns, post_restore_hook=post_restore,
+                                           output=output, tcp_close=tcp_close, lazy=lazy))
+
+
+def _restore_one(flags: SharedFlags, request: RestoreRequest) -> None:
+    reporter = flags.reporter()
+    try:
+        result = restore(store_root(flags.store), request, reporter, settings=invocation().settings(),
+                         passwords=invocation().passwords())
+    finally:
+        reporter.close()
+    if flags.json_out:
+        emit_json(result.to_json())
+        return
+    if not flags.quiet:
+        inside = f" ({result.pid_in_namespace} in its PID namespace)" if result.pid_in_namespace else ""
+        stderr.print(styled(f"restored {result.manifest.id}", "green", f": root PID {result.pid}{inside}, "
+                            f"{len(result.manifest.processes)} process(es), took {result.duration_ms} ms"))
+        if result.lazy:
+            stderr.print(f"{result.lazy['bytes'] / (1 << 20):.0f} MiB of its memory is being filled in by page "
+                         f"server {result.lazy['server_pid']} (log: {result.lazy['log']})")
+    print(result.pid)
 
 
 def _refuse_for_groups(**given: object) -> None:
@@ -139,15 +141,8 @@ def _refuse_for_groups(**given: object) -> None:
 
 
 def _restore_group(flags: SharedFlags, on: dict[str, str], request: GroupRestoreRequest) -> None:
-    reporter = flags.reporter()
-    try:
-        root = store_root(flags.store)
-        factory = members_anywhere(root, reporter, settings=invocation().settings(), passwords=invocation().passwords(),
-                                   restore=True, timeout=request.phase_timeout, on=on)
-        result: GroupRestoreResult = group_restore(root, request, reporter, settings=invocation().settings(),
-                                                   passwords=invocation().passwords(), member_factory=factory)
-    finally:
-        reporter.close()
+    result: GroupRestoreResult = with_members(flags, group_restore, request, phase_timeout=request.phase_timeout,
+                                              restore=True, on=on)
     if flags.json_out:
         emit_json(result.to_json())
         return

@@ -256,3 +256,20 @@ def retention_policy(keep_last: int, keep_within: Optional[str], keep_hourly: in
 
     return Policy(keep_last=keep_last, keep_within=parse_duration(keep_within) if keep_within else None,
                   keep_hourly=keep_hourly, keep_daily=keep_daily, keep_weekly=keep_weekly)
+
+
+def with_members(flags: SharedFlags, use_case: Callable[..., Any], request: Any, *, phase_timeout: float,
+                 restore: bool = False, on: Optional[dict[str, str]] = None) -> Any:
+    """A group use case (group_dump, group_restore) with this run's settings and password source,
+    its members made here or, for HOST:PID members, over ssh (group_remote.members_anywhere)."""
+    from ckpt.commands.group_remote import members_anywhere
+
+    reporter = flags.reporter()
+    settings, passwords = invocation().settings(), invocation().passwords()
+    try:
+        root = store_root(flags.store)
+        factory = members_anywhere(root, reporter, settings=settings, passwords=passwords, restore=restore,
+                                   timeout=phase_timeout, on=on)
+        return use_case(root, request, reporter, settings=settings, passwords=passwords, member_factory=factory)
+    finally:
+        reporter.close()

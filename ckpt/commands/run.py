@@ -140,6 +140,15 @@ def describe_status(status: int) -> tuple[str, int, bool]:
     return f"exited with status {code}", code, code == 0
 
 
+def take_signals(forward: Callable[[int, Any], None]) -> None:
+    """A supervisor's signals: SIGINT and SIGTERM forwarded to what it supervises, SIGHUP
+    (its terminal gone) ignored, but by a handler: not SIG_IGN, which stays ignored across exec,
+    in the commands and their hooks."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: None)
+
+
 def become_subreaper() -> None:
     """A restored tree, orphaned when CRIU exits, is re-parented to us: we can wait for it."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -309,10 +318,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Supervises until a clean exit, a forwarded signal, or the restore limit; returns the exit code."""
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._forward)
-        # Not SIG_IGN: an ignored signal stays ignored across exec, in the command and its hooks.
-        signal.signal(signal.SIGHUP, lambda _signum, _frame: None)
+        take_signals(self._forward)
         try:
             self.start()
             return self._supervise()

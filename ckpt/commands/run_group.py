@@ -27,7 +27,7 @@ import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable
 
-from ckpt.commands.run import (RestoreBackoff, RunFiles, RunRequest, become_subreaper, check_request,
+from ckpt.commands.run import (RestoreBackoff, RunFiles, RunRequest, become_subreaper, check_request, take_signals,
                                command_environment, describe_status, hold_the_name, start_command)
 from ckpt.errors import CkptError, UsageError
 from ckpt.reporting import LogReporter, NullReporter, Reporter
@@ -80,10 +80,7 @@ class GroupSupervisor:
     # ---- start and end ----
 
     def run(self) -> int:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._forward)
-        # Not SIG_IGN: an ignored signal stays ignored across exec, in the commands.
-        signal.signal(signal.SIGHUP, lambda _signum, _frame: None)
+        take_signals(self._forward)
         try:
             self.start()
             return self._supervise()
