@@ -64,6 +64,9 @@ class Session(Generic[Request]):
         self.started = clock()
         self._held = ExitStack()  # what the session holds to its end (locks): released last
         self._hold: Hold | None = None  # a coordinator's hold on the tree (see _run_held)
+        # Set by abort() first: a coordinator aborts from its own thread while CRIU's may still
+        # be on its way to the notification, which must then refuse whatever comes late.
+        self._aborted = False
         self._finished = False
 
     def __enter__(self) -> Self:
@@ -83,6 +86,8 @@ class Session(Generic[Request]):
         session's notification where it calls _held_here(): the tree frozen and dumped, or
         restored and not yet running. release() lets CRIU go on; abort() refuses the
         notification (CRIU then thaws, or ends, the tree and fails)."""
+        if self._aborted:
+            raise SessionAborted(f"{what}: the session was aborted before CRIU started")
         hold = self._hold = Hold(what, hold_limit)
         hold.start(step)
         try:
@@ -96,15 +101,22 @@ class Session(Generic[Request]):
             raise
 
     def _held_here(self) -> None:
-        """In CRIU's notification: waits for the coordinator's decision (no hold: goes on)."""
-        if self._hold is not None:
-            self._hold.wait_for_release()
+        """In CRIU's notification: waits for the coordinator's decision (no hold: goes on; an
+        aborted session: refused)."""
+        hold = self._hold
+        if hold is not None:
+            hold.wait_for_release()
+        elif self._aborted:
+            raise SessionAborted("the session was aborted while CRIU worked")
 
     def _not_given_up(self) -> None:
         """In CRIU's notification, before the session commits anything there (--stop): a hold
-        the coordinator already gave up is refused at once."""
-        if self._hold is not None and self._hold.decided.is_set() and not self._hold.released:
-            self._hold.wait_for_release()  # raises SessionAborted
+        the coordinator already gave up (or an aborted session) is refused at once."""
+        hold = self._hold
+        if self._aborted and hold is None:
+            raise SessionAborted("the session was aborted while CRIU worked")
+        if hold is not None and hold.decided.is_set() and not hold.released:
+            hold.wait_for_release()  # raises SessionAborted
 
     def release(self) -> None:
         """Lets the tree the coordinator holds go on; raises what CRIU's step raised after."""
@@ -116,10 +128,15 @@ class Session(Generic[Request]):
             raise hold.error
 
     def _drop_hold(self) -> None:
-        """abort()'s first step: a held tree is refused (CRIU undoes what it did) and waited for."""
-        hold, self._hold = self._hold, None
+        """abort()'s first step: a held tree is refused (CRIU undoes what it did) and waited for.
+        The hold is ended before it is let go: a notification that comes meanwhile (CRIU's
+        thread may be on its way to it) finds it refused, never missing (with --stop a missing
+        hold would let the member commit and CRIU end the tree)."""
+        self._aborted = True
+        hold = self._hold
         if hold is not None:
             hold.end(release=False)  # its SessionAborted is this abort's own doing
+        self._hold = None
 
     def _open_store(self, create: bool) -> Store:
         if self.store is None:

@@ -256,3 +256,30 @@ def test_a_coordinator_interrupted_before_the_hold_leaves_criu_nothing_to_go_on_
     assert [t.name for t in threading.enumerate() if t.name == "ckpt-criu"] == []
     assert not criu.finished and store.checkpoint_ids() == [] and alive(target.pid)
     assert_nothing_left(store, staged)
+
+
+def test_an_abort_from_another_thread_while_criu_works_refuses_the_late_notification(store, target, settings):
+    """A group coordinator aborts a member from its own thread (a phase timeout, Ctrl-C) while
+    that member's CRIU is still on its way to post-dump: with --stop the late notification
+    is refused, so nothing is committed and CRIU thaws the tree instead of ending it."""
+    import threading
+
+    criu = FakeCriu(target=target, stop_for=0.5)
+    dump = session(store, target.pid, criu, settings, stop=True)
+    dump.prepare()
+    failed: list[BaseException] = []
+
+    def capture() -> None:
+        try:
+            dump.capture_frozen()
+        except BaseException as exc:  # noqa: BLE001 (what the capture thread ended with)
+            failed.append(exc)
+
+    thread = threading.Thread(target=capture, daemon=True)
+    thread.start()
+    time.sleep(0.2)  # CRIU dumps, not yet at post-dump
+    dump.abort()
+    thread.join(5)
+    assert not thread.is_alive(), "the capture did not end with the abort"
+    assert store.checkpoint_ids() == []
+    assert alive(target.pid)

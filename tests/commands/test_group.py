@@ -4,6 +4,7 @@ fail closed at every phase, --stop commits the group before any member is let go
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -189,3 +190,39 @@ def test_a_connection_to_another_member_comes_back_established_though_its_peer_i
     closed, = tcppeers.decide([conn], another_host=False, close=True, sockets={}, addresses=set(),
                               group_peers=[peer])
     assert closed.restored == "closed"
+
+
+def test_a_stop_group_whose_capture_times_out_thaws_every_tree_and_commits_nothing(tmp_path):
+    """--stop, one member slower than the phase timeout: every member is aborted, and the one
+    still working when the abort came is refused at its post-dump (it is not committed and
+    ended): every tree runs on, no group, and no member checkpoint visible."""
+    from dataclasses import replace
+
+    from ckpt.commands.dump import DumpSession
+    from ckpt.commands.group_member import LocalDumpMember, member_request
+    from tests.commands.fakes_dump import FakeCriu, alive, end, start_target
+
+    settings = replace(env_settings(), page_stream=False)
+    store = Store.open(tmp_path / "store", create=True, settings=settings)
+    targets = [start_target(), start_target()]
+    slow = {targets[0].pid: 0.0, targets[1].pid: 1.5}
+
+    def factory(spec):
+        request = replace(member_request(spec, False), dirty_tracking=False)
+        target = next(t for t in targets if t.pid == spec.pid)
+        criu = FakeCriu(target=target, stop_for=slow[spec.pid])
+        return LocalDumpMember(DumpSession(store.root, request, store=store, criu=lambda _settings: criu,
+                                           settings=settings), spec.label, spec.hold_limit)
+    try:
+        with pytest.raises(GroupFailed, match="within"):
+            group_dump(store.root, GroupDumpRequest(members=[str(t.pid) for t in targets], name="g", stop=True,
+                                                    hold_limit=30, phase_timeout=0.7),
+                       settings=settings, member_factory=factory)
+        time.sleep(2.0)  # the slow member's CRIU reaches post-dump after the abort
+        assert store.groups.ids() == [] and store.manifests() == []  # nothing visible
+        # the fast member committed inside its hold (unfinished: prune removes it), the slow one not at all
+        assert [store.load(i).pid for i in store.checkpoint_ids()] == [targets[0].pid]
+        assert [alive(t.pid) for t in targets] == [True, True]
+    finally:
+        for target in targets:
+            end(target)
