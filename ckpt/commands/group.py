@@ -31,6 +31,7 @@ from ckpt.store.groups import GroupManifest, GroupMember, skew_stats
 from ckpt.store.password import PasswordSource
 
 T = TypeVar("T")
+HOLD_MARGIN = 0.8  # --stop: the share of the hold limit a member may have been held before the group commit
 COMMIT_SLACK = 10.0  # the commit phase (storing each member's images) has this many phase timeouts
 MemberFactory = Callable[[MemberSpec], Member]
 
@@ -234,6 +235,7 @@ class _GroupDump:
         self.released: list[Released] = []
         self.committed: list[Committed] = []
         self.group: GroupManifest | None = None
+        self.first_held = 0.0  # time.monotonic() when the first member answered held
 
     def run(self) -> GroupDumpResult:
         members: list[Member] = []
@@ -242,6 +244,7 @@ class _GroupDump:
             members.extend(self.factory(spec) for spec in self.specs)
             self._freeze_all(coordinator)
             if self.request.stop:
+                self._still_held()
                 self._commit_group()  # before any tree is let go: none is ended unless the group exists
             self.reporter.step(f"letting {len(members)} member(s) go")
             self.released = coordinator.each("let its tree go", lambda m: m.release())
@@ -252,10 +255,15 @@ class _GroupDump:
             phase("group.members-committed")
             if not self.request.stop:
                 self._commit_group()
-        except BaseException:
+        except BaseException as exc:
             if self.group is None:
                 coordinator.abort_all()
-            raise
+                raise
+            if not isinstance(exc, CkptError):
+                raise
+            raise GroupFailed(f"group checkpoint {self.group.id} is committed, but {exc.message}",
+                              hint="the group can be restored; a member whose tree was not ended (--stop) still "
+                                   "runs: end it before restoring", exit_code=int(exc.exit_code)) from exc
         return GroupDumpResult(self._final_group(), [c.result or {} for c in self.committed])
 
     def _freeze_all(self, coordinator: Coordinator) -> None:
@@ -265,8 +273,20 @@ class _GroupDump:
         _warn_of_unix_connections(self.specs, self.prepared, self.reporter)
         phase("group.prepared")
         self.reporter.step(f"freezing and dumping {count} member(s)")
-        self.held = coordinator.each("freeze and dump", lambda m: m.capture())
+        answers = coordinator.each("freeze and dump", lambda m: (m.capture(), time.monotonic()))
+        self.held = [held for held, _ in answers]
+        self.first_held = min(when for _, when in answers)
         phase("group.held")
+
+    def _still_held(self) -> None:
+        """--stop: every member must still hold its tree when the group is committed, or one
+        that let its tree go at its hold limit would run on beside a committed group whose
+        other members are ended. A member held for most of the limit already fails the group."""
+        held_for = time.monotonic() - self.first_held
+        if held_for > self.request.hold_limit * HOLD_MARGIN:
+            raise GroupFailed(f"a member was held frozen {held_for:.0f} s while the others were dumped, too close to "
+                              f"the hold limit ({self.request.hold_limit:g} s) to commit the group",
+                              hint="nothing was committed and every tree runs on; --hold-limit gives more time")
 
     def _commit_group(self) -> None:
         """The group's commit point. With --stop every member is still held (thawed_at: now,
