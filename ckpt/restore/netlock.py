@@ -15,11 +15,16 @@ a table of its own (`inet ckpt-group-<id>`, the same match as CRIU's), from befo
 member's restore until every member is back and held (its sockets exist, still in repair
 mode, so nothing is sent), and lifts it before any member runs. A dropped segment is sent
 again by TCP; nothing is lost.
+
+The table outlives no owner: its name carries the owner's PID, and a detached watchdog (a
+shell loop, one `kill -0` and one `nft list table` a second) removes it once the owner is gone
+and the table is still there (a `kill -9` of the restore: seen to leave it for good before).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -31,8 +36,20 @@ Pair = tuple[tuple[str, int], tuple[str, int]]  # (local, remote) address and po
 NFT_TIMEOUT = 10.0
 
 
-def table_name(group_id: str) -> str:
-    return "ckpt-group-" + group_id.replace("-", "")[-16:]
+def table_name(group_id: str, owner: int) -> str:
+    """The owner's PID in the name: a watchdog never removes a later restore's table."""
+    return f"ckpt-group-{group_id.replace('-', '')[-16:]}-{owner}"
+
+
+WATCHDOG = ("while kill -0 {owner} 2>/dev/null && nft list table inet {table} >/dev/null 2>&1; do sleep 1; done; "
+            "kill -0 {owner} 2>/dev/null || nft delete table inet {table} 2>/dev/null")
+
+
+def _watch(table: str, owner: int) -> None:
+    """Removes the table once its owner is gone (started detached; ends by itself once the
+    owner lifted the table)."""
+    subprocess.Popen(["sh", "-c", WATCHDOG.format(owner=owner, table=table)], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
 
 
 def ruleset(table: str, pairs: Sequence[Pair]) -> str:
@@ -68,7 +85,7 @@ class ConnectionLock:
     every one is held (and on any failure)."""
 
     def __init__(self, group_id: str, pairs: Sequence[Pair], reporter: Reporter):
-        self.table, self.pairs, self.reporter = table_name(group_id), list(pairs), reporter
+        self.table, self.pairs, self.reporter = table_name(group_id, os.getpid()), list(pairs), reporter
         self.locked = False
 
     def lock(self) -> None:
@@ -85,6 +102,11 @@ class ConnectionLock:
                                "come back reset")
             return
         self.locked = True
+        try:
+            _watch(self.table, os.getpid())
+        except OSError as exc:
+            self.reporter.warn(f"no watchdog for nftables table inet {self.table} ({exc.strerror}): if this "
+                               f"restore is killed, remove it with 'nft delete table inet {self.table}'")
 
     def lift(self) -> None:
         if not self.locked:

@@ -166,3 +166,32 @@ def test_a_restore_of_a_group_refuses_what_groups_do_not_take(procs, tmp_path, i
     two = ckpt("dump", server.pid, client.pid, check=False)
     assert two.returncode == 2 and "2 PIDs need --group NAME" in two.stderr
     assert alive(server.pid) and alive(client.pid)
+
+
+def group_tables() -> list[str]:
+    listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True).stdout
+    return [line for line in listed.splitlines() if "ckpt-group-" in line]
+
+
+def test_a_group_restore_killed_while_its_members_are_held_leaves_no_lock_and_nothing_running(
+        procs, tmp_path, isolated_env):
+    """kill -9 of `ckpt restore GROUP` while its members are restored and held: CRIU ends what
+    it restored (none ran), and the group restore's own nftables table goes with its owner
+    (its watchdog), instead of dropping those connections' packets for good."""
+    server, client = stream_pair(procs, tmp_path)
+    ckpt_json("dump", "--group", "g", server.pid, client.pid)
+    for peer in (server, client):
+        procs.kill_tree(peer.pid)
+    pause = tmp_path / "restore-paused-at"
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt", "restore", "g"], cwd=ROOT, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, PAUSE_AT: "restore.post-restore", PAUSE_FILE: str(pause)})
+    wait_until(lambda: pause.exists() or proc.poll() is not None, timeout=60, what="the restore's hold")
+    assert pause.exists() and len(group_tables()) == 1, group_tables()
+    proc.kill()
+    proc.wait(10)
+    for peer in (server, client):
+        procs.adopt(peer.pid)  # ended by the test should CRIU not end them
+    wait_until(lambda: group_tables() == [], timeout=10, what="the group restore's table to go")
+    wait_until(lambda: not any(alive(p.pid) for p in (server, client)), timeout=10,
+               what="CRIU to end the restored members")
