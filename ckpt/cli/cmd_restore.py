@@ -103,8 +103,9 @@ def register(app: typer.Typer) -> None:
         settings, passwords = invocation().settings(), invocation().passwords()
         if named_group(store_root(flags.store), ref, settings=settings, passwords=passwords) is not None:
             _refuse_for_groups(new_pidns=new_pidns, post_restore=post_restore)
-            _restore_group(flags, parse_on(on or []), GroupRestoreRequest(
-                ref=ref, tcp_close=tcp_close, lazy=lazy, output=output, hold_limit=hold_limit, phase_timeout=timeout))
+            _restore_group(flags, GroupRestoreRequest(ref=ref, tcp_close=tcp_close, lazy=lazy, output=output,
+                                                      hold_limit=hold_limit, phase_timeout=timeout,
+                                                      on=parse_on(on or [])))
             return
         if on:
             raise UsageError("--on is taken only for a group checkpoint",
@@ -140,9 +141,9 @@ def _refuse_for_groups(**given: object) -> None:
                              hint="a group's members are restored with their own PIDs, without hooks")
 
 
-def _restore_group(flags: SharedFlags, on: dict[str, str], request: GroupRestoreRequest) -> None:
+def _restore_group(flags: SharedFlags, request: GroupRestoreRequest) -> None:
     result: GroupRestoreResult = with_members(flags, group_restore, request, phase_timeout=request.phase_timeout,
-                                              restore=True, on=on)
+                                              restore=True)
     if flags.json_out:
         emit_json(result.to_json())
         return

@@ -75,11 +75,11 @@ def duration_flag(flag: str, help: str) -> Any:
 # Retention, as `forget` and `schedule add` take it.
 # A group checkpoint's and a group restore's bounds (ckpt dump --group, ckpt restore GROUP).
 HoldLimitOption = Annotated[float, typer.Option(
-    "--hold-limit", metavar="SECONDS", min=0.1,
+    "--hold-limit", metavar="SECONDS", min=0.1, max=86400.0,
     help="Groups: how long a member waits, frozen (dump) or not yet running (restore), for the others "
          "before it gives up and the group is aborted.")]
 PhaseTimeoutOption = Annotated[float, typer.Option(
-    "--timeout", metavar="SECONDS", min=0.1,
+    "--timeout", metavar="SECONDS", min=0.1, max=86400.0,
     help="Groups: how long every member has for each phase (prepare, freeze and dump or restore, "
          "commit) before the group is aborted.")]
 
@@ -259,7 +259,7 @@ def retention_policy(keep_last: int, keep_within: Optional[str], keep_hourly: in
 
 
 def with_members(flags: SharedFlags, use_case: Callable[..., Any], request: Any, *, phase_timeout: float,
-                 restore: bool = False, on: Optional[dict[str, str]] = None) -> Any:
+                 restore: bool = False) -> Any:
     """A group use case (group_dump, group_restore) with this run's settings and password source,
     its members made here or, for HOST:PID members, over ssh (group_remote.members_anywhere)."""
     from ckpt.commands.group_remote import members_anywhere
@@ -269,7 +269,7 @@ def with_members(flags: SharedFlags, use_case: Callable[..., Any], request: Any,
     try:
         root = store_root(flags.store)
         factory = members_anywhere(root, reporter, settings=settings, passwords=passwords, restore=restore,
-                                   timeout=phase_timeout, on=on)
+                                   timeout=phase_timeout)
         return use_case(root, request, reporter, settings=settings, passwords=passwords, member_factory=factory)
     finally:
         reporter.close()

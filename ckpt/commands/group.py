@@ -54,6 +54,8 @@ class GroupRestoreRequest:
     output: str | None = None
     hold_limit: float = 60.0
     phase_timeout: float = 120.0
+    # --on FROM=TO: the members taken on host FROM restored on host TO ("" = the coordinator's)
+    on: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -371,18 +373,31 @@ def group_restore(store_root: StoreLocation, request: GroupRestoreRequest, repor
             raise CheckpointNotFound(f"no group checkpoint '{request.ref}'", hint="see 'ckpt list'")
         group = store.groups.load(group_id)
         connections = member_connections(store, group)
-        specs = restore_specs(group, connections, request)
+        hosts = placements(group, request.on)
+        specs = restore_specs(group, connections, request, hosts)
         factory = member_factory or local_member_factory(store_root, reporter, settings=settings,
                                                          passwords=passwords, restore=True)
-        between = _between_members(group, connections)
+        between = _between_members(group, connections, hosts)
         with locked_connections(group.id, between, reporter) as lock:
             return _restore_members(group, specs, factory, request, reporter, lock)
 
 
-def _between_members(group: GroupManifest, connections: list[list[Pair]]) -> list[Pair]:
-    """The connections of this host's members whose peer is another member (a connection is
-    recorded by both of its ends: once here)."""
-    local = [pairs for member, pairs in zip(group.members, connections, strict=True) if not member.host]
+def placements(group: GroupManifest, on: dict[str, str]) -> list[str]:
+    """Where each member is restored: the host it was taken on, or where --on sends it."""
+    recorded = {member.host for member in group.members}
+    for source in on:
+        if source not in recorded:
+            raise UsageError(f"--on {source}=...: no member of group {group.id} was taken on {source}",
+                             hint="the hosts of its members: " + ", ".join(sorted(h or "(here)" for h in recorded)))
+    return [on.get(member.host, member.host) for member in group.members]
+
+
+def _between_members(group: GroupManifest, connections: list[list[Pair]], hosts: list[str]) -> list[Pair]:
+    """The connections of the members restored on this host where they were taken whose peer
+    is another member (a connection is recorded by both of its ends: once here). A member
+    moved (--on) comes back with its connections closed: nothing of it to lock."""
+    local = [pairs for member, pairs, host in zip(group.members, connections, hosts, strict=True)
+             if not member.host and not host]
     ends = {pair for pairs in local for pair in pairs}
     return sorted(pair for pair in ends if (pair[1], pair[0]) in ends and pair < (pair[1], pair[0]))
 
@@ -397,14 +412,19 @@ def member_connections(store: Store, group: GroupManifest) -> list[list[Pair]]:
     return connections
 
 
-def restore_specs(group: GroupManifest, connections: list[list[Pair]],
-                  request: GroupRestoreRequest) -> list[MemberSpec]:
-    """Each member to restore, with the TCP connections of the others (its intra-group peers)."""
+def restore_specs(group: GroupManifest, connections: list[list[Pair]], request: GroupRestoreRequest,
+                  hosts: list[str]) -> list[MemberSpec]:
+    """Each member to restore, where hosts places it, with the TCP connections of the others
+    (its intra-group peers). A member moved to another host (--on) comes back with its
+    connections closed (its addresses are another machine's), so neither it nor its peers
+    count it among the members whose connections come back established."""
+    stays = [host == member.host for member, host in zip(group.members, hosts, strict=True)]
     specs = []
     for index, member in enumerate(group.members):
-        others = tuple(pair for i, pairs in enumerate(connections) if i != index for pair in pairs)
-        specs.append(MemberSpec(label=f"{member.host}:{member.pid}" if member.host else str(member.pid),
-                                host=member.host, pid=member.pid, checkpoint=member.checkpoint,
+        others = tuple(pair for i, pairs in enumerate(connections) if i != index and stays[i] and stays[index]
+                       for pair in pairs)
+        specs.append(MemberSpec(label=f"{hosts[index]}:{member.pid}" if hosts[index] else str(member.pid),
+                                host=hosts[index], pid=member.pid, checkpoint=member.checkpoint,
                                 hold_limit=request.hold_limit, group_peers=others, tcp_close=request.tcp_close,
                                 lazy=request.lazy, output=request.output))
     return specs

@@ -18,7 +18,7 @@ import subprocess
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import IO, Callable, Mapping
+from typing import IO, Callable
 
 from ckpt.commands.dump import DumpRequest
 from ckpt.commands.group_member import (PROTOCOL_VERSION, Committed, Held, Member, MemberSpec, Prepared, Released,
@@ -284,25 +284,21 @@ MemberFactory = Callable[[MemberSpec], Member]
 
 
 def remote_member_factory(local: MemberFactory, link: RemoteLink, reporter: Reporter = NullReporter(), *,
-                          restore: bool = False, on: Mapping[str, str] | None = None) -> MemberFactory:
+                          restore: bool = False) -> MemberFactory:
     """The coordinator's member_factory (ckpt/commands/group.py): a member of another host
-    (MemberSpec.host) is a RemoteMember, one of this host local(spec). A restore member goes
-    to the host its checkpoint was taken on, or where `on` sends it (--on host-a=host-c;
-    host-a= for this host)."""
-    moves = dict(on or {}) if restore else {}
-
+    (MemberSpec.host: for a restore, where the coordinator placed it, --on included) is a
+    RemoteMember, one of this host local(spec)."""
     def make(spec: MemberSpec) -> Member:
-        host = moves.get(spec.host, spec.host)
-        if not host:
-            return local(replace(spec, host=""))
-        return RemoteMember(host, member_request(spec, restore), replace(link, hold_limit=spec.hold_limit),
+        if not spec.host:
+            return local(spec)
+        return RemoteMember(spec.host, member_request(spec, restore), replace(link, hold_limit=spec.hold_limit),
                             reporter, label=spec.label)
     return make
 
 
 def members_anywhere(store_root: StoreLocation, reporter: Reporter, *, settings: Settings,
-                     passwords: PasswordSource | None, restore: bool = False, timeout: float = 120.0,
-                     on: Mapping[str, str] | None = None) -> MemberFactory:
+                     passwords: PasswordSource | None, restore: bool = False, timeout: float = 120.0
+                     ) -> MemberFactory:
     """The member_factory of `ckpt dump --group` and `ckpt restore GROUP`: this host's members
     as the coordinator makes them (group.local_member_factory), the others' over ssh. The link
     (the store opened for its location, password and identity) is made at the first member on
@@ -317,11 +313,10 @@ def members_anywhere(store_root: StoreLocation, reporter: Reporter, *, settings:
         if not links:
             store = Store.open(store_root, False, settings=settings, passwords=passwords)
             links.append(RemoteLink.for_store(store, settings, passwords, timeout=timeout))
-        return remote_member_factory(local, links[0], reporter, restore=restore, on=on)(spec)
+        return remote_member_factory(local, links[0], reporter, restore=restore)(spec)
 
     def make(spec: MemberSpec) -> Member:
-        moved = (on or {}).get(spec.host, spec.host) if restore else spec.host
-        return far(spec) if moved else local(replace(spec, host=""))
+        return far(spec) if spec.host else local(spec)
     return make
 
 

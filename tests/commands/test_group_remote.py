@@ -75,14 +75,34 @@ def test_the_factory_gives_remote_members_for_other_hosts_and_local_ones_here():
     assert isinstance(remote, RemoteMember) and remote.label == "host-a:43" and remote.link.hold_limit == 9
     assert remote.request == DumpRequest(pid=43, stop=True, group=group, name="web")
 
-    make_restore = remote_member_factory(lambda spec: "local", link, restore=True,
-                                         on={"host-a": "host-c", "host-b": ""})
+    make_restore = remote_member_factory(lambda spec: "local", link, restore=True)
     peers = ((("10.0.0.1", 80), ("10.0.0.2", 5000)),)
-    member = make_restore(MemberSpec("host-a:43", host="host-a", checkpoint="c1", group_peers=peers, lazy=False))
+    member = make_restore(MemberSpec("host-c:43", host="host-c", checkpoint="c1", group_peers=peers, lazy=False))
     assert isinstance(member, RemoteMember) and member.host == "host-c"
     assert member.request == RestoreRequest(ref="c1", lazy=False, group_peers=[[["10.0.0.1", 80], ["10.0.0.2", 5000]]])
-    assert make_restore(MemberSpec("host-b:44", host="host-b", checkpoint="c2")) == "local"
     assert make_restore(MemberSpec("45", checkpoint="c3")) == "local"
+
+
+def test_on_places_members_and_a_moved_member_is_nobodys_intra_group_peer():
+    """--on host-b=: host-b's member comes here, host-a's stays on host-a; the moved member's
+    connections come back closed, so neither side counts the other as a group peer."""
+    from ckpt.commands.group import GroupRestoreRequest, placements, restore_specs
+    from ckpt.store.groups import GroupManifest, GroupMember
+
+    group = GroupManifest(id="20261203-190102-123-3fa9c1", created="", members=[
+        GroupMember(checkpoint="20261203-190102-124-000001", pid=10, host="host-a"),
+        GroupMember(checkpoint="20261203-190102-124-000002", pid=20, host="host-b"),
+        GroupMember(checkpoint="20261203-190102-124-000003", pid=30, host="host-a")])
+    connections = [[(("10.0.0.1", 80), ("10.0.0.2", 5000))], [(("10.0.0.2", 5000), ("10.0.0.1", 80))],
+                   [(("10.0.0.1", 81), ("10.0.0.1", 6000))]]
+    hosts = placements(group, {"host-b": ""})
+    assert hosts == ["host-a", "", "host-a"]
+    specs = restore_specs(group, connections, GroupRestoreRequest(ref="g"), hosts)
+    assert [(s.label, s.host) for s in specs] == [("host-a:10", "host-a"), ("20", ""), ("host-a:30", "host-a")]
+    assert specs[1].group_peers == ()  # moved: its connections come back closed
+    assert specs[0].group_peers == (connections[2][0],) and specs[2].group_peers == (connections[0][0],)
+    with pytest.raises(UsageError, match="no member of group"):
+        placements(group, {"host-x": "host-c"})
 
 
 # ---- a RemoteMember over a stand-in for ssh ---------------------------------------------------
