@@ -10,7 +10,7 @@ from ckpt.cli.options import (NO_FLAGS, REPORTING, HoldLimitOption, PhaseTimeout
 from ckpt.cli.output import emit_json, human_bytes, stderr, styled
 from ckpt.agent import results
 from ckpt.commands.dump import DumpRequest, DumpResult, dump
-from ckpt.commands.group import GroupDumpRequest, GroupDumpResult, group_dump
+from ckpt.commands.group import GroupDumpRequest, GroupDumpResult, group_dump, read_members_file
 from ckpt.errors import CkptError, ExitCode, UsageError, to_record
 from ckpt.store import Origin, ids
 from ckpt.store.blocks.segments import CODECS
@@ -42,6 +42,10 @@ the group's ID; 'ckpt restore NAME' restores every member.
   ckpt dump --group agent 4242 4300            # an agent and its tool server
 
   ckpt dump --group agent 4242 4300 --stop --json
+
+  ckpt dump --group web 4242 host-b:5151 --store s3://bucket/agents   # 5151 on host-b, over ssh
+
+  ckpt dump --group web --members web.members   # one PID or HOST:PID a line
 """
 
 
@@ -51,8 +55,12 @@ def _codec(value: str) -> str:
     return value
 
 
-PidsArgument = Annotated[list[str], typer.Argument(
-    metavar="PID...", help="PID of the root of the tree to checkpoint (with --group: of each member).")]
+PidsArgument = Annotated[Optional[list[str]], typer.Argument(
+    metavar="PID...", help="PID of the root of the tree to checkpoint (with --group: of each member, "
+                           "HOST:PID for one on another host, reached with ssh).")]
+MembersFileOption = Annotated[Optional[Path], typer.Option(
+    "--members", metavar="FILE", help="With --group: a file of members, one PID or HOST:PID a line ('#' comments), "
+                                      "besides any given as arguments.")]
 DirtyTrackingOption = Annotated[bool, typer.Option(
     "--dirty-tracking/--no-dirty-tracking",
     help="On kernels with soft-dirty, read only the pages written since this process's last "
@@ -76,7 +84,7 @@ def register(app: typer.Typer) -> None:
     @app.command("dump", help=HELP)
     @shared_flags(REPORTING)
     def dump_command(
-        pids: PidsArgument,
+        pids: PidsArgument = None,
         name: Annotated[Optional[str], typer.Option("--name",
                                                     help="Label; 'ckpt restore NAME' takes the newest.")] = None,
         stop: Annotated[bool, typer.Option("--stop", help="End the tree after a successful dump.")] = False,
@@ -93,6 +101,7 @@ def register(app: typer.Typer) -> None:
         pre_dump: PreDumpOption = None,
         section_timeout: SectionTimeoutOption = None,
         group: GroupOption = None,
+        members_file: MembersFileOption = None,
         hold_limit: HoldLimitOption = 60.0,
         timeout: PhaseTimeoutOption = 120.0,
         flags: SharedFlags = NO_FLAGS,
@@ -101,6 +110,7 @@ def register(app: typer.Typer) -> None:
         checkpoint_id: Annotated[Optional[str], typer.Option("--id", hidden=True)] = None,
         result_file: Annotated[Optional[str], typer.Option("--result-file", hidden=True)] = None,
     ) -> None:
+        pids = _members(pids or [], members_file)
         if group is not None or len(pids) > 1:
             _refuse_for_groups(group, pids, name=name, pre_dump=pre_dump, checkpoint_id=checkpoint_id,
                                result_file=result_file, shell_job=shell_job, tcp_established=tcp_established,
@@ -126,6 +136,15 @@ def _show(flags: SharedFlags, result: DumpResult, stop: bool) -> None:
     if not flags.quiet:
         stderr.print(_summary(result.manifest, stop))
     print(result.manifest.id)
+
+
+def _members(pids: list[str], members_file: Optional[Path]) -> list[str]:
+    """The PIDs given, then those of --members; at least one."""
+    if members_file is not None:
+        pids = pids + read_members_file(members_file)
+    if not pids:
+        raise UsageError("no PID given", hint="ckpt dump PID, or ckpt dump --group NAME PID PID... (or --members FILE)")
+    return pids
 
 
 def _single_pid(text: str) -> int:

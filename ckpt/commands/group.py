@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Callable, TypeVar
 
 from ckpt.commands.group_member import (Committed, Held, LocalDumpMember, LocalRestoreMember, Member, MemberSpec,
@@ -184,6 +185,26 @@ def _member_failed(label: str, what: str, exc: BaseException) -> BaseException:
 
 
 # ---- group dump -----------------------------------------------------------------------------
+
+
+def read_members_file(path: Path) -> list[str]:
+    """A group file: one member a line ("PID" or "HOST:PID"), blank lines and '#' comments
+    skipped, so that a group of many members across hosts is written down once."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read the group file {path}: {exc.strerror}",
+                         hint="give a file of members, one PID or HOST:PID a line") from None
+    members = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    members = [member for member in members if member]
+    for number, member in enumerate(members, 1):
+        try:
+            parse_member(member)
+        except UsageError as exc:
+            raise UsageError(f"{path}: member {number}: {exc.message}", hint=exc.hint) from None
+    if not members:
+        raise UsageError(f"the group file {path} names no member", hint="one PID or HOST:PID a line")
+    return members
 
 
 def member_specs(request: GroupDumpRequest, group_id: str) -> list[MemberSpec]:

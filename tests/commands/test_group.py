@@ -267,3 +267,19 @@ def test_a_stop_group_is_not_committed_once_a_member_was_held_near_its_limit(tmp
         group.assert_nothing_visible_and_every_tree_runs()
     finally:
         group.end()
+
+
+def test_a_group_file_names_one_member_a_line_and_a_bad_one_is_named(tmp_path):
+    from ckpt.commands.group import read_members_file
+
+    members = tmp_path / "web.members"
+    members.write_text("# the web group\n4242\n\nhost-b:5151   # the tool server\n")
+    assert read_members_file(members) == ["4242", "host-b:5151"]
+    members.write_text("4242\nhost-b:\n")
+    with pytest.raises(UsageError, match="member 2"):
+        read_members_file(members)
+    members.write_text("# nobody\n")
+    with pytest.raises(UsageError, match="names no member"):
+        read_members_file(members)
+    with pytest.raises(UsageError, match="cannot read the group file"):
+        read_members_file(tmp_path / "missing")

@@ -143,8 +143,12 @@ def test_a_member_that_fails_aborts_the_group_and_every_tree_runs_on(procs, tmp_
     # No member was committed (the failure came before any commit): no checkpoint at all.
     assert ckpt_json("list") == []
     assert not [p for p in (isolated_env / "tmp").iterdir() if p.name.startswith("dump-")]
-    # Nothing is left locked: the next group dump of the same trees works.
-    assert ckpt_json("dump", "--group", "g", server.pid, client.pid)["id"] in groups_in_store(isolated_env)
+    # Nothing is left locked: the next group dump of the same trees works (its members from a group file).
+    members = tmp_path / "g.members"
+    members.write_text(f"# the server and its client\n{server.pid}\n\n{client.pid}  # the client\n")
+    dumped = ckpt_json("dump", "--group", "g", "--members", members)
+    assert dumped["id"] in groups_in_store(isolated_env)
+    assert [m["pid"] for m in dumped["members"]] == [server.pid, client.pid]
 
 
 def paused_group_dump(tmp_path: Path, phase: str, *pids: int) -> tuple[subprocess.Popen, Path]:
