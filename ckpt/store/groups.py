@@ -124,6 +124,24 @@ class Visibility:
         return group_id in self._group_ids
 
 
+def listed_ids(backend: Backend, prefix: str) -> list[str]:
+    """The IDs of the `<prefix><id>.json` blobs (manifests, group manifests), sorted (oldest
+    first): one listing, nothing read."""
+    found = (info.name[len(prefix):-5] for info in backend.list(prefix) if info.name.endswith(".json"))
+    return sorted(i for i in found if ids.is_id(i))
+
+
+def read_json(backend: Backend, name: str, missing: str, what: str) -> object:
+    """A manifest blob's JSON: CheckpointNotFound ("no <missing>") when it is not there,
+    DamagedCheckpoint ("<what> <where> is not valid JSON") when it cannot be parsed."""
+    try:
+        return json.loads(backend.get(name))
+    except BlobNotFound:
+        raise CheckpointNotFound(f"no {missing}", hint="see 'ckpt list'") from None
+    except ValueError as exc:
+        raise DamagedCheckpoint(f"{what} {backend.where(name)} is not valid JSON ({exc})") from exc
+
+
 class Groups:
     """The group manifests of a store (Store.groups), read and written through its backend."""
 
@@ -135,18 +153,11 @@ class Groups:
         return f"{GROUPS_PREFIX}{ids.check_id(group_id)}.json"
 
     def ids(self) -> list[str]:
-        found = (info.name[len(GROUPS_PREFIX):-5] for info in self.backend.list(GROUPS_PREFIX)
-                 if info.name.endswith(".json"))
-        return sorted(i for i in found if ids.is_id(i))
+        return listed_ids(self.backend, GROUPS_PREFIX)
 
     def load(self, group_id: str) -> GroupManifest:
         name = self.blob_name(group_id)
-        try:
-            data = json.loads(self.backend.get(name))
-        except BlobNotFound:
-            raise CheckpointNotFound(f"no group checkpoint with ID {group_id}", hint="see 'ckpt list'") from None
-        except ValueError as exc:
-            raise DamagedCheckpoint(f"group {group_id}: {self.backend.where(name)} is not valid JSON ({exc})") from exc
+        data = read_json(self.backend, name, f"group checkpoint with ID {group_id}", f"group {group_id}:")
         try:
             return GroupManifest.from_json(data)
         except (KeyError, TypeError, ValueError) as exc:

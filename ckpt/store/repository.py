@@ -24,10 +24,10 @@ from typing import Callable, Iterator, Sequence
 from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy, StoreError, UsageError
 from ckpt.settings import Settings, StoreLocation, is_remote
 from ckpt.store import ids, opening
-from ckpt.store.backends import Backend, BlobExists, BlobNotFound, LocalBackend
+from ckpt.store.backends import Backend, BlobExists, LocalBackend
 from ckpt.store.blocks.blockstore import BlockStore
 from ckpt.store.fsutil import translate_os_error
-from ckpt.store.groups import GroupManifest, Groups, Visibility, group_of
+from ckpt.store.groups import GroupManifest, Groups, Visibility, group_of, listed_ids, read_json
 from ckpt.store.manifest import FORMAT, FileEntry, Manifest, Origin
 from ckpt.store.objects import OBJECTS_PREFIX, Objects, hash_file
 from ckpt.store.opening import STORE_META, OpenedStore
@@ -159,19 +159,13 @@ class Store:
     def checkpoint_ids(self) -> list[str]:
         """Every manifest's ID, oldest first: one listing, nothing read, so unfinished members
         too (what a reader sees: manifests(), resolve())."""
-        found = (info.name[len(MANIFESTS_PREFIX):-5] for info in self.backend.list(MANIFESTS_PREFIX)
-                 if info.name.endswith(".json"))
-        return sorted(i for i in found if ids.is_id(i))
+        return listed_ids(self.backend, MANIFESTS_PREFIX)
 
     def load(self, checkpoint_id: str) -> Manifest:
         name = self.manifest_name(checkpoint_id)
         path = self.backend.where(name)
-        try:
-            data = json.loads(self.backend.get(name))
-        except BlobNotFound:
-            raise CheckpointNotFound(f"no checkpoint with ID {checkpoint_id}", hint="see 'ckpt list'") from None
-        except ValueError as exc:
-            raise DamagedCheckpoint(f"checkpoint {checkpoint_id}: manifest {path} is not valid JSON ({exc})") from exc
+        data = read_json(self.backend, name, f"checkpoint with ID {checkpoint_id}",
+                         f"checkpoint {checkpoint_id}: manifest")
         try:
             return Manifest.from_json(data)
         except KeyError as exc:

@@ -26,6 +26,18 @@ def start_run(tmp_path, procs, *args):
     return supervisor
 
 
+def both_started_and_checkpointed(tmp_path, procs) -> tuple[int, int]:
+    """The PIDs of a group run's two members, once both started (adopted for the clean-up) and
+    the run has taken its first group checkpoint."""
+    started = wait_until(lambda: len([e for e in events(tmp_path) if "started PID" in e]) == 2 and
+                         [e for e in events(tmp_path) if "started PID" in e], what="both members to start")
+    first, second = (int(e.split("started PID ")[1].split(":")[0]) for e in started)
+    procs.pids.update((first, second))
+    wait_until(lambda: any(e.startswith("ckpt: group checkpoint ") for e in events(tmp_path)), timeout=20,
+               what="a group checkpoint")
+    return first, second
+
+
 def events(tmp_path) -> list[str]:
     return read_lines(tmp_path / "run.stderr")
 
@@ -355,12 +367,7 @@ def test_a_group_run_restores_every_member_when_one_dies(procs, tmp_path):
             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
     procs.popens.append(supervisor)
     procs.pids.add(supervisor.pid)
-    started = wait_until(lambda: len([e for e in events(tmp_path) if "started PID" in e]) == 2 and
-                         [e for e in events(tmp_path) if "started PID" in e], what="both members to start")
-    server, client_pid = (int(e.split("started PID ")[1].split(":")[0]) for e in started)
-    procs.pids.update((server, client_pid))
-    wait_until(lambda: any(e.startswith("ckpt: group checkpoint ") for e in events(tmp_path)), timeout=20,
-               what="a group checkpoint")
+    server, client_pid = both_started_and_checkpointed(tmp_path, procs)
     at_kill = {path: peer_status(path) for path in (server_status, client_status)}
     assert all(s["received"] > 0 and s["bad"] == "-" for s in at_kill.values()), at_kill
     os.kill(client_pid, signal.SIGKILL)
@@ -421,12 +428,7 @@ def test_a_group_run_gives_up_at_the_restore_limit_and_ends_every_member(procs, 
     supervisor = start_run(tmp_path, procs, "--every", "1h", "--first-after", "1s", "--max-restores", "1", "--name",
                            "counters", "--", sys.executable, FIXTURES / "counter.py", outs[0], 0.05, ":::",
                            sys.executable, FIXTURES / "counter.py", outs[1], 0.05)
-    started = wait_until(lambda: len([e for e in events(tmp_path) if "started PID" in e]) == 2 and
-                         [e for e in events(tmp_path) if "started PID" in e], what="both members to start")
-    first, second = (int(e.split("started PID ")[1].split(":")[0]) for e in started)
-    procs.pids.update((first, second))
-    wait_until(lambda: any(e.startswith("ckpt: group checkpoint ") for e in events(tmp_path)), timeout=20,
-               what="a group checkpoint")
+    first, second = both_started_and_checkpointed(tmp_path, procs)
     time.sleep(0.3)  # both count on past it
     os.kill(second, signal.SIGKILL)
     wait_until(lambda: any("restored group " in e for e in events(tmp_path)), timeout=30, what="the group restore")
