@@ -217,6 +217,13 @@ class MemberLost(CkptError):
     exit_code = ExitCode.MEMBER_LOST
 
 
+class MigrationFailed(CkptError):
+    """A migration whose destination failed after the source tree was ended, and whose
+    checkpoint could not be restored at the source either: nothing runs, the checkpoint holds it."""
+
+    exit_code = ExitCode.CRIU
+
+
 class CheckpointCancelled(CkptError):
     """ckpt.checkpoint(): a before_checkpoint callback raised (the exception is the __cause__).
     Nothing was frozen or written; the after_restore callbacks of the layers whose

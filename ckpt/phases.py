@@ -38,6 +38,12 @@ PHASES = {
     "group.held": "every member frozen, dumped and held (--stop: each member's checkpoint committed)",
     "group.released": "every member let go (plain: thawed, nothing committed; --stop: group committed, ended)",
     "group.members-committed": "every member's checkpoint committed (plain: the group manifest not yet)",
+    # migrate (to another host, over ssh)
+    "migrate.precopy": "before a pre-copy round: the tree runs, the destination's agent waits",
+    "migrate.frozen": "the final dump held: the tree frozen, its checkpoint committed, nothing restored",
+    "migrate.restored-held": "the destination's tree restored and held; the source frozen",
+    "migrate.decided": "the source ended, the decision recorded; the destination's tree held",
+    "migrate.running": "the destination's tree runs; its agent not finished, the decision not removed",
     # restore (eager and lazy)
     "restore.materialized": "images verified and written to the staging area; CRIU not started",
     "restore.before-criu": "PIDs free (lazy: page server started); CRIU not started",

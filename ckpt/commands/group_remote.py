@@ -117,15 +117,23 @@ class RemoteMember:
 
     # ---- the phases -----------------------------------------------------------------------
 
-    def prepare(self) -> Prepared:
-        """Starts ssh and the agent, says hello (the store, its password, the settings), prepares."""
+    def connect(self) -> None:
+        """Starts ssh and the agent and says hello (the store, its password, the settings):
+        once, before prepare, or by prepare."""
+        if self.process is not None:
+            return
         self._start()
         hello = self._ask({"op": "hello", "version": PROTOCOL_VERSION, "store": self.link.store,
                            "store_identity": self.link.store_identity, "password": self.link.password,
                            "settings": self.link.settings})
         self.hostname = str(hello.get("hostname", ""))
+
+    def prepare(self, extra: dict | None = None) -> Prepared:
+        """Connects unless connected, then prepares (extra: more of the prepare request, such
+        as a migration's {"migration": true})."""
+        self.connect()
         answer = self._ask({"op": "prepare", "kind": self.kind, "request": request_to_wire(self.request),
-                            "hold_limit": self.link.hold_limit})
+                            "hold_limit": self.link.hold_limit, **(extra or {})})
         return Prepared.from_json(answer)
 
     def capture(self) -> Held:
@@ -155,8 +163,6 @@ class RemoteMember:
     # ---- the channel ----------------------------------------------------------------------
 
     def _start(self) -> None:
-        if self.process is not None:
-            return
         command = self.link.command(self.host)
         try:
             # A session of its own: a Ctrl-C meant for the coordinator must not end ssh before

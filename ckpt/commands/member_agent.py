@@ -174,6 +174,62 @@ class HostLockedRestore:
             lock.lift()
 
 
+class MigrationDestination:
+    """The destination of `ckpt migrate` (docs/design.md, "Migration"): a restore member that,
+    aborted, first reads the migration's decision. Once the coordinator has recorded it the
+    source tree is gone and this tree is the only copy: an abort (the coordinator died, its
+    channel ended) then lets it run and finishes it instead of ending it."""
+
+    def __init__(self, member: Member, store: Store, reporter: Reporter):
+        self.member, self.label, self.store, self.reporter = member, member.label, store, reporter
+        self.checkpoint = ""  # the restored checkpoint's ID, once prepared
+        self.released = False
+
+    def prepare(self) -> Prepared:
+        prepared = self.member.prepare()
+        self.checkpoint = self._session().manifest.id
+        return prepared
+
+    def capture(self) -> Held:
+        return self.member.capture()
+
+    def release(self) -> Released:
+        released = self.member.release()
+        self.released = True
+        return released
+
+    def commit(self) -> Committed:
+        return self.member.commit()
+
+    def abort(self) -> None:
+        if self.checkpoint and self._decided():
+            self.reporter.warn("the coordinator is gone after the source tree was ended: this host's tree is "
+                               "the only copy, and runs")
+            try:
+                if not self.released:
+                    self.release()
+                self.commit()
+            except CkptError as exc:
+                self.reporter.warn(f"the tree could not be let run here: {exc.message}")
+                if not self.released:
+                    self.member.abort()
+            return
+        self.member.abort()
+
+    def _decided(self) -> bool:
+        try:
+            return self.store.migrations.decided(self.checkpoint)
+        except CkptError as exc:  # the store unreachable: nobody can tell, the source may live
+            self.reporter.warn(f"cannot read the migration's decision ({exc.message}): this host's tree is ended")
+            return False
+
+    def _session(self) -> RestoreSession:
+        inner = self.member.member if isinstance(self.member, HostLockedRestore) else self.member
+        if not isinstance(inner, LocalRestoreMember):
+            raise RuntimeError("a migration's destination is a restore member")
+        return inner.session
+
+
 # ---- the agent ------------------------------------------------------------------------------
 
 class ChannelClosed(BaseException):
@@ -337,8 +393,11 @@ class MemberAgent:
         hold_limit = float(message.get("hold_limit") or 60.0)
         if self.state.store is None:
             raise UsageError("prepare before hello")
-        self.state.member = self.make_member(request, self.state.store, self.reporter, hold_limit)
-        return self.state.member.prepare().to_json()
+        member = self.make_member(request, self.state.store, self.reporter, hold_limit)
+        if message.get("migration") and isinstance(request, RestoreRequest):
+            member = MigrationDestination(member, self.state.store, self.reporter)
+        self.state.member = member
+        return member.prepare().to_json()
 
     def _capture(self, _message: dict) -> dict:
         return self._member().capture().to_json()

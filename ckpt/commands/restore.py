@@ -51,6 +51,9 @@ class RestoreRequest:
     # peer is one of them comes back established (its peer comes back too, and no member runs
     # before every one is back), whatever this host's sockets say of the killed originals.
     group_peers: list = field(default_factory=list)
+    # The destination of `ckpt migrate`: a connection comes back established where this host
+    # holds its local address (it moved with the tree), closed otherwise (tcp_close None only).
+    migrated: bool = False
 
 
 @dataclass
@@ -357,8 +360,12 @@ def _tcp_connections(manifest: Manifest, images_dir: Path, saved: bool, request:
     from ckpt.criu.images import tcp_connections  # deferred: imports pycriu
 
     plans = tcppeers.plan(tcp_connections(images_dir), host.another_host, close,
-                          [(tuple(local), tuple(remote)) for local, remote in request.group_peers])
-    if host.another_host and close is None:
+                          [(tuple(local), tuple(remote)) for local, remote in request.group_peers],
+                          migrated=request.migrated)
+    if request.migrated and close is None:
+        for moved in plans:
+            reporter.info(moved.describe())
+    elif host.another_host and close is None:
         reporter.info(f"checkpoint {elsewhere}: its established TCP connections are restored closed (the program "
                       "sees them fail), listening sockets listen again; --tcp-established restores them as they were")
     elif host.another_host and not close:

@@ -79,12 +79,14 @@ Pair = tuple[tuple[str, int], tuple[str, int]]  # (local, remote) address and po
 
 def decide(connections: list[TcpConnection], *, another_host: bool, close: bool | None,  # noqa: PLR0913
            sockets: SocketTable, addresses: set[inetdiag.Address], unchecked: str | None = None,
-           group_peers: Sequence[Pair] = ()) -> list[ConnectionPlan]:
+           group_peers: Sequence[Pair] = (), migrated: bool = False) -> list[ConnectionPlan]:
     """How each connection comes back (see the module's doc). close: --tcp-close (True),
     --tcp-established (False) or neither (None); sockets: this host's TCP sockets
     (inetdiag.tcp_sockets()); addresses: this host's (inetdiag.local_addresses()); unchecked:
     why this host's sockets could not be looked up (then no peer is judged gone); group_peers:
-    the connections of the other members of a group restored with this tree."""
+    the connections of the other members of a group restored with this tree; migrated: the tree
+    was moved here by `ckpt migrate` (a connection comes back established where this host
+    holds its local address: the address moved with the tree; closed otherwise)."""
     ours = {(_endpoint(c.local), _endpoint(c.remote)) for c in connections}
     in_group = {(_endpoint(local), _endpoint(remote)) for local, remote in group_peers}
     plans = []
@@ -92,6 +94,8 @@ def decide(connections: list[TcpConnection], *, another_host: bool, close: bool 
         local, remote = _endpoint(conn.local), _endpoint(conn.remote)
         if close is not None:
             restored, why = ("closed", "--tcp-close") if close else ("established", "--tcp-established")
+        elif migrated:
+            restored, why = _moved(conn.local, addresses)
         elif another_host:
             restored, why = "closed", "the checkpoint was taken on another host (--tcp-established keeps it)"
         elif (remote, local) in ours:
@@ -109,6 +113,12 @@ def decide(connections: list[TcpConnection], *, another_host: bool, close: bool 
     return plans
 
 
+def _moved(local: tuple[str, int], addresses: set[inetdiag.Address]) -> tuple[str, str]:
+    if inetdiag.is_local(_endpoint(local)[0], addresses):
+        return "established", "its address moved with the tree (this host holds it)"
+    return "closed", "its address stayed on the source host (give this host the address to keep it)"
+
+
 def _local_peer(dumped: int, states: set[int]) -> tuple[str, str]:
     live = LIVE_PEER_STATES.get(dumped)
     if live is None:  # SYN-SENT: no peer socket to look for yet
@@ -122,22 +132,22 @@ def _local_peer(dumped: int, states: set[int]) -> tuple[str, str]:
 
 
 def plan(connections: list[TcpConnection], another_host: bool, close: bool | None,
-         group_peers: Sequence[Pair] = ()) -> list[ConnectionPlan]:
+         group_peers: Sequence[Pair] = (), migrated: bool = False) -> list[ConnectionPlan]:
     """decide() against this host's sockets and addresses, looked up now (only where needed)."""
     if not connections:
         return []
     needed = close is None and not another_host
     try:
-        sockets = inetdiag.tcp_sockets() if needed else {}
-        addresses = inetdiag.local_addresses() if needed else set()
+        sockets = inetdiag.tcp_sockets() if needed and not migrated else {}
+        addresses = inetdiag.local_addresses() if needed or (migrated and close is None) else set()
     except OSError as exc:
         # sock_diag refused (a seccomp or LSM policy, no tcp_diag module): the connections come
         # back as a plain restore brings them, and each says why it was not checked.
         return decide(connections, another_host=another_host, close=close, sockets={}, addresses=set(),
                       unchecked=f"its peer could not be looked up here ({exc.strerror or exc})",
-                      group_peers=group_peers)
+                      group_peers=group_peers, migrated=migrated)
     return decide(connections, another_host=another_host, close=close, sockets=sockets, addresses=addresses,
-                  group_peers=group_peers)
+                  group_peers=group_peers, migrated=migrated)
 
 
 def summary(plans: list[ConnectionPlan]) -> str | None:

@@ -27,6 +27,7 @@ from ckpt.store import ids, opening
 from ckpt.store.backends import Backend, BlobExists, LocalBackend
 from ckpt.store.blocks.blockstore import BlockStore
 from ckpt.store.fsutil import translate_os_error
+from ckpt.store.migrations import Decisions
 from ckpt.store.groups import GroupManifest, Groups, Visibility, group_of, listed_ids, read_json
 from ckpt.store.manifest import FORMAT, FileEntry, Manifest, Origin
 from ckpt.store.objects import OBJECTS_PREFIX, Objects, hash_file
@@ -83,6 +84,11 @@ class Store:
     def groups(self) -> Groups:
         """The store's group manifests (ckpt/store/groups.py)."""
         return Groups(self.backend)
+
+    @property
+    def migrations(self) -> Decisions:
+        """The decisions of migrations in progress (ckpt/store/migrations.py)."""
+        return Decisions(self.backend)
 
     @property
     def objects(self) -> Objects:

@@ -1,0 +1,323 @@
+"""Use case: move a running tree to another host (docs/design.md, "Migration"): pre-copy
+rounds of ordinary dumps through the shared store, a final --stop dump held frozen, the
+destination's restore held before it runs, then the source ended, the decision recorded, and
+the destination's tree let run. Fail closed: until the source is ended, any failure thaws it
+and ends what the destination restored; after, the destination's tree is the only copy (and
+if it dies, the checkpoint is restored at the source)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol
+
+from ckpt.commands.dump import DumpRequest, DumpResult, DumpSession
+from ckpt.commands.group_member import Committed, Held, LocalDumpMember, Prepared, Released
+from ckpt.commands.restore import RestoreRequest
+from ckpt.commands.results import JsonResult
+from ckpt.errors import CkptError, MigrationFailed, UsageError
+from ckpt.phases import phase
+from ckpt.reporting import NullReporter, Reporter
+from ckpt.settings import Settings, StoreLocation
+from ckpt.store import Origin, Store
+from ckpt.store.password import PasswordSource
+from ckpt.system import procs
+
+# The pre-copy stops once a round found this many pages or fewer new (P.Haul's floor)...
+PRECOPY_FLOOR_PAGES = 64
+# ...or found more than this share of the round before's (the rounds stopped shrinking).
+PRECOPY_SHRINK = 0.9
+MAX_ROUNDS = 16
+
+
+@dataclass
+class MigrateRequest:
+    pid: int
+    to: str  # the destination host, as ssh knows it
+    name: str | None = None  # the checkpoints' name
+    rounds: int = 4  # pre-copy rounds at most (0: the final dump alone)
+    lazy: bool | None = None  # the destination's restore (None: lazy where it can be)
+    tcp_close: bool | None = None  # None: established where the destination holds the address
+    hold_limit: float = 60.0  # seconds the source stays frozen at most, whatever happens
+    phase_timeout: float = 120.0  # seconds the destination has for each phase
+
+
+@dataclass
+class PrecopyRound:
+    round: int
+    checkpoint: str
+    pages: int  # the tree's pages
+    new_pages: int  # those the store lacked: what this round sent
+    bytes_new: int
+    frozen_ms: float | None
+    duration_ms: float | None
+
+    @classmethod
+    def of(cls, number: int, result: DumpResult) -> PrecopyRound:
+        stats = result.manifest.stats
+        return cls(number, result.manifest.id, int(stats.get("pages") or 0), int(stats.get("pages_new") or 0),
+                   result.manifest.bytes_stored, stats.get("freeze_ms"), stats.get("duration_ms"))
+
+
+@dataclass
+class MigrateResult(JsonResult):
+    checkpoint: str  # the final checkpoint, kept
+    source: dict  # host, pid
+    destination: dict  # host, pid (in the destination's PID namespace)
+    rounds: list[PrecopyRound]
+    final: dict  # pages, new_pages, bytes_new, frozen_ms of the final dump
+    downtime_ms: float  # from the final freeze to the destination's tree running
+    lazy: bool | None
+    duration_ms: float
+    restore: dict = field(default_factory=dict)  # the destination's RestoreResult.to_json()
+    restored_at_source: bool = False  # the destination failed after the source ended
+
+    def to_json(self) -> dict:
+        return {"checkpoint": self.checkpoint, "source": self.source, "destination": self.destination,
+                "rounds": [vars(r) for r in self.rounds], "final": self.final, "downtime_ms": self.downtime_ms,
+                "lazy": self.lazy, "duration_ms": self.duration_ms, "restore": self.restore,
+                "restored_at_source": self.restored_at_source}
+
+
+def precopy_done(rounds: list[PrecopyRound], limit: int) -> bool:
+    """Whether the pre-copy stops after these rounds (docs/design.md, "Migration: Phases")."""
+    if len(rounds) >= limit:
+        return True
+    if not rounds:
+        return False
+    last = rounds[-1].new_pages
+    if last <= PRECOPY_FLOOR_PAGES:
+        return True
+    return len(rounds) >= 2 and last > PRECOPY_SHRINK * rounds[-2].new_pages
+
+
+class Destination(Protocol):
+    """The destination's restore member (a RemoteMember over ssh), told its checkpoint late."""
+
+    label: str
+
+    def connect(self) -> None:  # ssh and hello: before the freeze, so not downtime
+        ...
+
+    def prepare_checkpoint(self, checkpoint: str) -> Prepared:
+        ...
+
+    def capture(self) -> Held:
+        ...
+
+    def release(self) -> Released:
+        ...
+
+    def commit(self) -> Committed:
+        ...
+
+    def abort(self) -> None:
+        ...
+
+
+DestinationFactory = Callable[[Store, RestoreRequest], Destination]
+
+
+def check_request(request: MigrateRequest) -> None:
+    from ckpt.commands.group_remote import check_host
+
+    if request.pid <= 0:
+        raise UsageError(f"{request.pid} is not a PID", hint="give the root PID of the tree to move")
+    check_host(request.to)
+    if not 0 <= request.rounds <= MAX_ROUNDS:
+        raise UsageError(f"--rounds {request.rounds} is out of range", hint=f"give 0 to {MAX_ROUNDS}")
+
+
+def migrate(store_root: StoreLocation, request: MigrateRequest, reporter: Reporter = NullReporter(), *,
+            settings: Settings, passwords: PasswordSource | None = None,
+            destination: DestinationFactory | None = None) -> MigrateResult:
+    """Moves the tree of request.pid to request.to through the store at store_root (which the
+    destination must reach: an S3 store or a directory shared at the same path)."""
+    check_request(request)
+    procs.require_root()
+    passwords = PasswordSource.passed_or_settings(passwords, settings)
+    store = Store.open(store_root, False, settings=settings, passwords=passwords)
+    far = destination or ssh_destination(settings, passwords, request, reporter)
+    target = far(store, RestoreRequest(ref="", lazy=request.lazy, tcp_close=request.tcp_close, migrated=True))
+    return _Migration(store, request, target, reporter, settings, passwords).run()
+
+
+def ssh_destination(settings: Settings, passwords: PasswordSource, request: MigrateRequest,
+                    reporter: Reporter) -> DestinationFactory:
+    from ckpt.commands.group_remote import RemoteLink, RemoteMember
+
+    def make(store: Store, restore: RestoreRequest) -> Destination:
+        link = RemoteLink.for_store(store, settings, passwords, timeout=request.phase_timeout,
+                                    hold_limit=request.hold_limit)
+        return RemoteDestination(RemoteMember(request.to, restore, link, reporter, label=request.to))
+    return make
+
+
+class RemoteDestination:
+    """A RemoteMember restoring the migration's checkpoint, its agent told it is a migration's
+    destination (member_agent.MigrationDestination: it reads the decision before it aborts)."""
+
+    def __init__(self, member):
+        self.member, self.label = member, member.label
+
+    def connect(self) -> None:
+        self.member.connect()
+
+    def prepare_checkpoint(self, checkpoint: str) -> Prepared:
+        self.member.request = replace(self.member.request, ref=checkpoint)
+        return self.member.prepare(extra={"migration": True})
+
+    def capture(self) -> Held:
+        return self.member.capture()
+
+    def release(self) -> Released:
+        return self.member.release()
+
+    def commit(self) -> Committed:
+        return self.member.commit()
+
+    def abort(self) -> None:
+        self.member.abort()
+
+
+class _Migration:
+    def __init__(self, store: Store, request: MigrateRequest, destination: Destination,  # noqa: PLR0913
+                 reporter: Reporter, settings: Settings, passwords: PasswordSource):
+        self.store, self.request, self.destination = store, request, destination
+        self.reporter, self.settings, self.passwords = reporter, settings, passwords
+        self.origin = Origin("migrate", request.name)
+        self.started = time.monotonic()
+        self.rounds: list[PrecopyRound] = []
+
+    def run(self) -> MigrateResult:
+        try:
+            self.reporter.step(f"reaching {self.request.to}")
+            self.destination.connect()
+            self._precopy()
+            return self._move()
+        except BaseException:
+            self.destination.abort()
+            raise
+        finally:
+            self._remove_rounds()
+
+    def _session(self, stop: bool) -> DumpSession:
+        request = DumpRequest(pid=self.request.pid, name=self.request.name, stop=stop, origin=self.origin)
+        return DumpSession(self.store.location, request, self.reporter, settings=self.settings,
+                           passwords=self.passwords, store=self.store)
+
+    def _precopy(self) -> None:
+        """Dumps of the running tree until the pages new to the store stop shrinking."""
+        while not precopy_done(self.rounds, self.request.rounds):
+            phase("migrate.precopy")
+            with self._session(stop=False) as session:
+                session.prepare()
+                session.capture()
+                session.commit()
+                result = session.finish()
+            done = PrecopyRound.of(len(self.rounds) + 1, result)
+            self.rounds.append(done)
+            self.reporter.step(f"pre-copy round {done.round}: {done.new_pages} of {done.pages} pages new "
+                               f"({done.bytes_new / (1 << 20):.1f} MiB sent), frozen {done.frozen_ms} ms")
+
+    def _move(self) -> MigrateResult:
+        source = LocalDumpMember(self._session(stop=True), str(self.request.pid), self.request.hold_limit)
+        ended = False
+        try:
+            source.prepare()
+            held = source.capture()  # frozen, dumped, its checkpoint committed: held in CRIU's post-dump
+            phase("migrate.frozen")
+            self.reporter.step(f"checkpoint {held.checkpoint} committed; restoring it on {self.request.to}")
+            self.destination.prepare_checkpoint(held.checkpoint)
+            self.destination.capture()
+            phase("migrate.restored-held")
+            ended = self._end_source(source)
+        except BaseException:
+            if not ended:
+                source.abort()  # CRIU thaws the source: it runs on
+            raise
+        return self._run_destination(source, held)
+
+    def _end_source(self, source: LocalDumpMember) -> bool:
+        """CRIU ends the source tree (--stop); then the decision is recorded."""
+        try:
+            source.release()
+        except CkptError:
+            if procs.process_state(self.request.pid) not in (None, "Z", "X"):
+                raise  # CRIU failed and thawed it: the source runs on
+            self.reporter.warn("CRIU reported a failure after ending the source tree; the destination takes over")
+        try:
+            self.store.migrations.decide(source.session.checkpoint_id, socket.gethostname(), self.request.pid,
+                                         self.request.to)
+        except CkptError as exc:
+            # The source is gone: the destination's tree runs whatever, only a coordinator that
+            # dies from here on leaves none running.
+            self.reporter.warn(f"the migration's decision could not be recorded ({exc.message}); going on")
+        phase("migrate.decided")
+        return True
+
+    def _run_destination(self, source: LocalDumpMember, held: Held) -> MigrateResult:
+        checkpoint = held.checkpoint
+        try:
+            released = self.destination.release()
+        except CkptError as exc:
+            return self._back_at_source(source, held, exc)
+        downtime_ms = round((time.time() - held.frozen_at) * 1000, 1)
+        phase("migrate.running")
+        self.reporter.step(f"the tree runs on {self.request.to} (PID {released.pid}); it was down {downtime_ms:.0f} ms")
+        committed = self.destination.commit()
+        final = source.commit().result or {}
+        self._forget_decision(checkpoint)
+        return self._result(checkpoint, final, downtime_ms, {"host": self.request.to, "pid": released.pid},
+                            committed.result or {})
+
+    def _back_at_source(self, source: LocalDumpMember, held: Held, failure: CkptError) -> MigrateResult:
+        """The destination's tree failed after the source ended: the checkpoint comes back here."""
+        from ckpt.commands.restore import restore
+
+        self.reporter.warn(f"{self.request.to} could not run the tree ({failure.message}); restoring it here")
+        self.destination.abort()
+        final = source.commit().result or {}
+        try:
+            result = restore(self.store.location, RestoreRequest(ref=held.checkpoint), self.reporter,
+                             settings=self.settings, passwords=self.passwords)
+        except CkptError as exc:
+            raise MigrationFailed(f"the migration failed on {self.request.to} ({failure.message}) and the restore "
+                                  f"here failed too ({exc.message})",
+                                  hint=f"checkpoint {held.checkpoint} holds the tree: "
+                                       f"'ckpt restore {held.checkpoint}'") from exc
+        finally:
+            self._forget_decision(held.checkpoint)
+        downtime_ms = round((time.time() - held.frozen_at) * 1000, 1)
+        outcome = self._result(held.checkpoint, final, downtime_ms, {"host": socket.gethostname(), "pid": result.pid},
+                               result.to_json())
+        outcome.restored_at_source = True
+        return outcome
+
+    def _result(self, checkpoint: str, final: dict, downtime_ms: float, destination: dict,  # noqa: PLR0913
+                restored: dict) -> MigrateResult:
+        return MigrateResult(
+            checkpoint, {"host": socket.gethostname(), "pid": self.request.pid}, destination, self.rounds,
+            {"pages": final.get("pages"), "new_pages": final.get("pages_new"),
+             "bytes_new": final.get("bytes_stored"), "frozen_ms": final.get("freeze_ms")},
+            downtime_ms, restored.get("lazy") is not None if restored else self.request.lazy,
+            round((time.monotonic() - self.started) * 1000, 1), restored)
+
+    def _forget_decision(self, checkpoint: str) -> None:
+        try:
+            self.store.migrations.forget(checkpoint)
+        except CkptError as exc:
+            self.reporter.warn(f"the migration's decision stays in the store ({exc.message})")
+
+    def _remove_rounds(self) -> None:
+        """The pre-copy checkpoints: their pages are the final checkpoint's too (or, after a
+        failure, were only there to be sent early). Under the shared lock: they are this
+        migration's own, and no other command has a reason to read them."""
+        if not self.rounds:
+            return
+        try:
+            with self.store.lock(exclusive=False):
+                self.store.remove([r.checkpoint for r in self.rounds])
+        except CkptError as exc:
+            self.reporter.warn(f"the pre-copy checkpoints stay ({exc.message}): 'ckpt rm' removes them")
