@@ -6,6 +6,13 @@ SeaweedFS S3 server in A on A's address, which both reach. The hosts share the P
 filesystem of this kernel; each has its own network (so its own nftables tables), its own
 ckpt cache and its own sshd.
 
+With own_pids=True, host B is also a PID namespace of its own (with a mount namespace for its
+/proc and a UTS namespace named "host-b"), as another machine would be: a migration's
+destination restores a tree with the PIDs its source, on the same kernel, still holds frozen.
+Its PID 1 is tests/fixtures/host_init.py, which starts B's sshd and reaps every orphan of the
+namespace (restored trees end up its children); its death ends every process in B. PIDs seen
+inside B differ from the host's: `NetHost.start`, `pids`, `is_running` and `kill` speak B's.
+
 Everything started here is ended by PID, and the namespaces deleted, even when a test fails.
 Nothing is sent anywhere but to the addresses of these namespaces."""
 
@@ -14,13 +21,14 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers import ROOT, Processes, wait_until
+from tests.helpers import FIXTURES, ROOT, Processes, wait_until
 from tests.s3server import ACCESS_KEY, SECRET_KEY, WeedServer
 
 SSHD = "/usr/sbin/sshd"
@@ -33,17 +41,108 @@ def run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 @dataclass
+class Started:
+    """A process started on a test host: `pid` as the host sees it (what ckpt and CRIU there
+    are given), `host_pid` as this kernel's root namespace sees it, `popen` what we started
+    (nsenter, in a host of its own PIDs: argv is its child)."""
+
+    popen: subprocess.Popen
+    pid: int
+    host_pid: int
+
+
+@dataclass
 class NetHost:
     alias: str  # its name in the ssh client config: host-a, host-b
     netns: str
     address: str
     workdir: Path
+    init_pid: int | None = None  # a host of its own PIDs: its PID 1, as this kernel's root namespace sees it
 
     def command(self, *argv: object) -> list[str]:
         """argv run inside this host's network namespace, and nothing else's: not `ip netns
         exec`, whose mount namespace of its own (for /sys) CRIU would have to dump, and cannot
-        ("has unreachable sharing"). nsenter execs argv: its PID is argv's."""
-        return ["nsenter", f"--net=/run/netns/{self.netns}", *map(str, argv)]
+        ("has unreachable sharing"). nsenter execs argv: its PID is argv's.
+
+        A host of its own PIDs: its network, PID, mount and UTS namespaces, the working
+        directory kept (entering a mount namespace would move it to /). nsenter then forks:
+        argv is nsenter's child, with a PID of its own in the host (`start` finds both)."""
+        if self.init_pid is None:
+            return ["nsenter", f"--net=/run/netns/{self.netns}", *map(str, argv)]
+        return ["nsenter", f"--target={self.init_pid}", "--net", "--pid", "--mount", "--uts", "--wd=.",
+                *map(str, argv)]
+
+    # ---- processes, by the PIDs this host sees -------------------------------------------------
+
+    def start(self, processes: Processes, argv: list, label: str) -> Started:
+        """argv started on this host in a session of its own (stdio to the test's directory),
+        ended at teardown by processes (through nsenter's tree, by PID)."""
+        if self.init_pid is None:
+            popen = processes.start_program(self.command(*argv), label)
+            return Started(popen, popen.pid, popen.pid)
+        # setsid: argv leads a session of B's (nsenter's session is outside B); nsenter's child
+        # leads no process group, so setsid execs argv without forking again.
+        popen = processes.start_program(self.command("setsid", *argv), label)
+        child = wait_until(lambda: _children(popen.pid) or popen.poll() is not None, timeout=READY_TIMEOUT,
+                           what=f"the process nsenter starts on {self.alias}")
+        if child is True:
+            raise RuntimeError(f"nsenter on {self.alias} ended ({popen.returncode}) before starting {argv}")
+        host_pid = child[0]
+        return Started(popen, self.pid_of(host_pid), host_pid)
+
+    def pid_of(self, host_pid: int) -> int:
+        """This host's PID of a process of the root namespace's host_pid."""
+        if self.init_pid is None:
+            return host_pid
+        for line in Path(f"/proc/{host_pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+        raise RuntimeError(f"no NSpid for {host_pid}")
+
+    def host_pid(self, pid: int) -> int | None:
+        """The root namespace's PID of this host's pid (None: no such process here)."""
+        if self.init_pid is None:
+            return pid if _state(pid) is not None else None
+        return self._members().get(pid)
+
+    def pids(self) -> list[int]:
+        """The PIDs of this host's live processes, as it sees them (a host that shares this
+        kernel's PIDs: every live process)."""
+        if self.init_pid is None:
+            return sorted(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                          and _state(int(p.name)) not in (None, "Z", "X"))
+        return sorted(pid for pid, host_pid in self._members().items() if _state(host_pid) not in (None, "Z", "X"))
+
+    def is_running(self, pid: int) -> bool:
+        """Whether this host's pid is a live (not zombie) process of this host."""
+        host_pid = self.host_pid(pid)
+        return host_pid is not None and _state(host_pid) not in (None, "Z", "X")
+
+    def kill(self, pid: int, timeout: float = 10.0) -> None:
+        """SIGKILL to this host's pid, then until it is gone (reaped, or a zombie)."""
+        host_pid = self.host_pid(pid)
+        if host_pid is None:
+            return
+        try:
+            os.kill(host_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        wait_until(lambda: _state(host_pid) in (None, "Z", "X"), timeout=timeout, what=f"{pid} on {self.alias} gone")
+
+    def _members(self) -> dict[int, int]:
+        """{PID in this host: PID in the root namespace} of every process of its PID namespace."""
+        namespace = os.stat(f"/proc/{self.init_pid}/ns/pid").st_ino
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.stat(entry / "ns" / "pid").st_ino != namespace:
+                    continue
+                found[self.pid_of(int(entry.name))] = int(entry.name)
+            except (OSError, RuntimeError):
+                continue  # gone meanwhile
+        return found
 
     def nft_tables(self) -> list[str]:
         listed = run(*self.command("nft", "list", "tables")).stdout
@@ -93,11 +192,31 @@ class NamespacedWeed(WeedServer):
         return False
 
 
-class TwoHosts:
-    """host-a and host-b (see the module's docstring); a context manager that tears all down."""
+def _state(pid: int) -> str | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()[0]
 
-    def __init__(self, workdir: Path, processes: Processes):
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+class TwoHosts:
+    """host-a and host-b (see the module's docstring); a context manager that tears all down.
+    own_pids: B has PIDs (and /proc, and a hostname) of its own; s3: start the S3 server (a
+    caller that uses a directory store may do without); lifetime: B's PID 1 ends by itself
+    after that many seconds."""
+
+    def __init__(self, workdir: Path, processes: Processes, own_pids: bool = False, s3: bool = True,
+                 lifetime: float = 7200.0):
         self.workdir, self.processes = workdir, processes
+        self.own_pids, self.with_s3, self.lifetime = own_pids, s3, lifetime
         tag = secrets.token_hex(3)
         subnet = f"10.213.{os.getpid() % 250 + 1}"
         self.hosts = [NetHost(f"host-{x}", f"ckpt-t{x}-{tag}", f"{subnet}.{i}", workdir / f"host-{x}")
@@ -112,9 +231,10 @@ class TwoHosts:
         try:
             self._network()
             self._keys()
-            self.weed = NamespacedWeed(self.workdir / "weed", self.a.address, tuple(self.a.command()))
-            (self.workdir / "weed").mkdir()
-            self.weed.start()
+            if self.with_s3:
+                self.weed = NamespacedWeed(self.workdir / "weed", self.a.address, tuple(self.a.command()))
+                (self.workdir / "weed").mkdir()
+                self.weed.start()
             for host in self.hosts:
                 self._start_sshd(host)
             for host, sshd in zip(self.hosts, self.sshd, strict=True):
@@ -146,7 +266,21 @@ class TwoHosts:
         """CKPT_REMOTE_CKPT: this tree's ckpt, by the interpreter of the tests."""
         return shlex.join([sys.executable, "-m", "ckpt"])
 
+    def pids_in(self, host: NetHost) -> list[int]:
+        return host.pids()
+
+    def is_running(self, host: NetHost, pid: int) -> bool:
+        return host.is_running(pid)
+
+    def kill_in(self, host: NetHost, pid: int) -> None:
+        host.kill(pid)
+
+    def start_in(self, host: NetHost, argv: list, label: str) -> Started:
+        return host.start(self.processes, argv, label)
+
     def s3_environment(self) -> dict[str, str]:
+        if not self.with_s3:
+            return {}
         if self.weed is None:
             raise RuntimeError("not started")
         return {"AWS_ENDPOINT_URL": self.weed.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
@@ -209,13 +343,45 @@ class TwoHosts:
         ]) + "\n")
         log = open(host.workdir / "sshd.log", "wb")
         try:
-            self.sshd.append(subprocess.Popen(host.command(SSHD, "-D", "-e", "-f", config), stdin=subprocess.DEVNULL,
-                                              stdout=log, stderr=log, start_new_session=True))
+            if host is self.b and self.own_pids:
+                log.close()  # host_init.py appends sshd's output to it
+                self._start_own_pids(host, [SSHD, "-D", "-e", "-f", config])
+            else:
+                self.sshd.append(subprocess.Popen(host.command(SSHD, "-D", "-e", "-f", config),
+                                                  stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                                  start_new_session=True))
         finally:
             log.close()
 
+    def _start_own_pids(self, host: NetHost, daemon: list) -> None:
+        """host's PID 1 (host_init.py, in its network namespace and new PID, mount and UTS
+        namespaces: unshare forks it, mounts a /proc of the new PID namespace, and with
+        --kill-child has it killed if unshare dies) starting daemon. The Popen kept is unshare's;
+        host.init_pid is its child, PID 1."""
+        log = open(host.workdir / "init.log", "wb")
+        unshare = subprocess.Popen(
+            host.command("unshare", "--pid", "--fork", "--mount-proc", "--uts", "--kill-child",
+                         sys.executable, FIXTURES / "host_init.py", host.alias, self.lifetime,
+                         host.workdir / "sshd.log", *daemon),
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        self.sshd.append(unshare)
+        child = wait_until(lambda: _children(unshare.pid) or unshare.poll() is not None, timeout=READY_TIMEOUT,
+                           what=f"the PID 1 of {host.alias}")
+        if child is True:
+            raise RuntimeError(f"unshare for {host.alias} ended ({unshare.returncode})")
+        host.init_pid = child[0]
+
     def close(self) -> None:
-        """Ends the sshds and the S3 server (by PID), then deletes the namespaces."""
+        """Ends the sshds and the S3 server (by PID; B's PID 1, which ends all of B's processes,
+        when B has PIDs of its own), then deletes the namespaces."""
+        init = self.b.init_pid
+        if init is not None:
+            try:
+                os.kill(init, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.b.init_pid = None
         for sshd in self.sshd:
             if sshd.poll() is None:
                 sshd.kill()
