@@ -8,7 +8,9 @@ import typer
 
 from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, invocation, shared_flags, store_root
 from ckpt.cli.output import emit_json, stderr, styled
-from ckpt.commands.migrate import MAX_ROUNDS, MigrateRequest, MigrateResult, migrate
+from ckpt.commands.migrate import (MAX_ROUNDS, MigrateGroupRequest, MigrateGroupResult, MigrateRequest, MigrateResult,
+                                   migrate, migrate_group)
+from ckpt.errors import UsageError
 
 HELP = """Move a running process tree to another host, with a short pause.
 
@@ -38,6 +40,15 @@ Examples:
   ckpt migrate 4242 --to host-b --rounds 0      # no pre-copy: one dump, then the move
 
   ckpt migrate 4242 --to host-b --eager         # all memory back before it runs on host-b
+
+With --group NAME, several trees of this host move as one consistent cut (as 'ckpt dump
+--group'): every member frozen and dumped, then restored at its destination, none running,
+before any source is ended; their connections to each other come back established where
+their addresses moved with them. --to HOST sends every member there, --to PID=HOST one of them.
+
+  ckpt migrate --group agent 4242 4300 --to host-b
+
+  ckpt migrate --group agent 4242 4300 --to host-b --to 4300=host-c
 """
 
 
@@ -45,9 +56,14 @@ def register(app: typer.Typer) -> None:
     @app.command("migrate", help=HELP)
     @shared_flags(REPORTING)
     def migrate_command(
-        pid: Annotated[int, typer.Argument(help="Root PID of the tree to move.")],
-        to: Annotated[str, typer.Option("--to", metavar="HOST", help="The host to move it to (as ssh knows it).")],
+        pids: Annotated[list[int], typer.Argument(help="Root PID of the tree to move (with --group: of each member).",
+                                                  metavar="PID...")],
+        to: Annotated[list[str], typer.Option(
+            "--to", metavar="HOST|PID=HOST", help="The host to move it to (as ssh knows it); with --group, "
+                                                  "PID=HOST sends one member elsewhere.")],
         name: Annotated[Optional[str], typer.Option("--name", help="Name of the checkpoints.")] = None,
+        group: Annotated[Optional[str], typer.Option(
+            "--group", metavar="NAME", help="Move the trees as one group of that name.")] = None,
         rounds: Annotated[int, typer.Option(
             "--rounds", min=0, max=MAX_ROUNDS,
             help="Pre-copy rounds at most (dumps of the running tree before the final one); they stop "
@@ -67,20 +83,50 @@ def register(app: typer.Typer) -> None:
             help="How long HOST has for each step before the migration is aborted.")] = 120.0,
         flags: SharedFlags = NO_FLAGS,
     ) -> None:
-        request = MigrateRequest(pid=pid, to=to, name=name, rounds=rounds, lazy=lazy, tcp_close=tcp_close,
-                                 hold_limit=hold_limit, phase_timeout=timeout)
+        host, places = _destinations(to)
+        if group is None and (len(pids) != 1 or places):
+            raise UsageError("several PIDs, or --to PID=HOST, move as a group", hint="add --group NAME")
+        one = MigrateRequest(pid=pids[0], to=host, name=group or name, rounds=rounds, lazy=lazy,
+                             tcp_close=tcp_close, hold_limit=hold_limit, phase_timeout=timeout)
         reporter = flags.reporter()
+        settings, passwords = invocation().settings(), invocation().passwords()
         try:
-            result = migrate(store_root(flags.store), request, reporter, settings=invocation().settings(),
-                             passwords=invocation().passwords())
+            if group is None:
+                result: MigrateResult | MigrateGroupResult = migrate(store_root(flags.store), one, reporter,
+                                                                     settings=settings, passwords=passwords)
+            else:
+                result = migrate_group(store_root(flags.store), MigrateGroupRequest.like(one, pids, places), reporter,
+                                       settings=settings, passwords=passwords)
         finally:
             reporter.close()
         _render(flags, result)
 
 
-def _render(flags: SharedFlags, result: MigrateResult) -> None:
+def _destinations(values: list[str]) -> tuple[str, dict[int, str]]:
+    """--to HOST (once) and --to PID=HOST (once per PID)."""
+    hosts, places = [], {}
+    for value in values:
+        pid, sep, host = value.partition("=")
+        if not sep:
+            hosts.append(value)
+        elif pid.isdigit() and host:
+            places[int(pid)] = host
+        else:
+            raise UsageError(f"--to {value!r} is neither HOST nor PID=HOST",
+                             hint="e.g. --to host-b or --to 4300=host-c")
+    if len(hosts) > 1:
+        raise UsageError("--to HOST is given more than once", hint="give --to PID=HOST for each member sent elsewhere")
+    if not hosts and not places:
+        raise UsageError("--to names no host", hint="e.g. --to host-b")
+    return (hosts[0] if hosts else ""), places
+
+
+def _render(flags: SharedFlags, result: MigrateResult | MigrateGroupResult) -> None:
     if flags.json_out:
         emit_json(result.to_json())
+        return
+    if isinstance(result, MigrateGroupResult):
+        _render_group(flags, result)
         return
     if not flags.quiet:
         where = result.destination["host"]
@@ -94,3 +140,16 @@ def _render(flags: SharedFlags, result: MigrateResult) -> None:
                                 f"rounds sent {sent} pages, the final dump {result.final.get('new_pages')}; "
                                 f"checkpoint {result.checkpoint}"))
     print(result.destination["pid"])
+
+
+def _render_group(flags: SharedFlags, result: MigrateGroupResult) -> None:
+    if not flags.quiet:
+        for member in result.members:
+            where = member["destination"]
+            stderr.print(styled(f"member {member['pid']} moved to {where['host']}", "green",
+                                f": PID {where['pid']}, checkpoint {member['checkpoint']}"))
+        stderr.print(styled(f"group {result.group} moved", "green", f": down {result.downtime_ms:.0f} ms, "
+                            f"pre-copy rounds sent {', '.join(str(r['new_pages']) for r in result.rounds) or 'none'} "
+                            "pages"))
+    for member in result.members:
+        print(member["destination"]["pid"])

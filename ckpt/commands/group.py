@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Generic, Protocol, TypeVar
 
 from ckpt.commands.group_member import (Committed, Held, LocalDumpMember, LocalRestoreMember, Member, MemberSpec,
                                         Prepared, Released, member_request, parse_member)
@@ -32,6 +32,16 @@ from ckpt.store.groups import GroupManifest, GroupMember, skew_stats
 from ckpt.store.password import PasswordSource
 
 T = TypeVar("T")
+
+
+class _Driven(Protocol):
+    label: str
+
+    def abort(self) -> None:
+        ...
+
+
+Driven = TypeVar("Driven", bound=_Driven)  # a Member, or a migration's Destination
 HOLD_MARGIN = 0.8  # --stop: the share of the hold limit a member may have been held before the group commit
 COMMIT_SLACK = 10.0  # the commit phase (storing each member's images) has this many phase timeouts
 MemberFactory = Callable[[MemberSpec], Member]
@@ -125,22 +135,22 @@ def local_member_factory(store_root: StoreLocation, reporter: Reporter, *, setti
 # ---- the coordinator ------------------------------------------------------------------------
 
 
-class Coordinator:
+class Coordinator(Generic[Driven]):
     """Drives members phase by phase, all at once (one thread each), every phase bounded by
     phase_timeout; abort_all() ends the group from any phase. Each member's last report of
     each phase is kept in the object."""
 
-    def __init__(self, members: list[Member], phase_timeout: float, reporter: Reporter):
+    def __init__(self, members: list[Driven], phase_timeout: float, reporter: Reporter):
         self.members, self.phase_timeout, self.reporter = members, phase_timeout, reporter
 
-    def each(self, what: str, step: Callable[[Member], T], slack: float = 1.0) -> list[T]:
+    def each(self, what: str, step: Callable[[Driven], T], slack: float = 1.0) -> list[T]:
         """step(member) for every member at once; returns their answers in the members' order.
         The first failure, or a member still working after phase_timeout (times slack),
         raises GroupFailed (after every other member's step has ended or timed out)."""
         answers: dict[int, T] = {}
         failures: dict[int, BaseException] = {}
 
-        def run(index: int, member: Member) -> None:
+        def run(index: int, member: Driven) -> None:
             try:
                 answers[index] = step(member)
             except BaseException as exc:  # noqa: BLE001 (handed to the coordinator's thread)
@@ -166,7 +176,7 @@ class Coordinator:
     def abort_all(self) -> None:
         """Every member aborted at once (a held tree thawed, or ended when restored); a member
         whose abort fails is told of, the others are aborted all the same."""
-        def abort(member: Member) -> None:
+        def abort(member: Driven) -> None:
             member.abort()
 
         try:
@@ -222,9 +232,20 @@ def member_specs(request: GroupDumpRequest, group_id: str) -> list[MemberSpec]:
     return specs
 
 
+@dataclass
+class GroupDumpHooks:
+    """What a migration does between the phases of a --stop group dump (ckpt/commands/migrate.py):
+    before_release(group) once the group is committed and every member still holds its tree
+    frozen (restore the members elsewhere, held; raising aborts every member: the trees thaw),
+    after_release(group) once every tree is ended (let the restored copies run)."""
+
+    before_release: Callable[[GroupManifest], None] | None = None
+    after_release: Callable[[GroupManifest], None] | None = None
+
+
 def group_dump(store_root: StoreLocation, request: GroupDumpRequest, reporter: Reporter = NullReporter(), *,
                settings: Settings, passwords: PasswordSource | None = None,
-               member_factory: MemberFactory | None = None) -> GroupDumpResult:
+               member_factory: MemberFactory | None = None, hooks: GroupDumpHooks | None = None) -> GroupDumpResult:
     """Takes one consistent checkpoint of every member (docs/design.md, "Groups: the protocol"):
     every member prepared, then every one frozen and dumped and held, then (once every one is
     held) every one let go, then every member's checkpoint committed, then the group manifest,
@@ -243,16 +264,16 @@ def group_dump(store_root: StoreLocation, request: GroupDumpRequest, reporter: R
     # The shared lock from before the first member commits to after the group manifest: a
     # prune never takes the unfinished members of a group dump in progress for leftovers.
     with store.lock(exclusive=False, on_wait=lambda holders: reporter.info("waiting for the store lock")):
-        return _GroupDump(store, request, group_id, specs, factory, reporter).run()
+        return _GroupDump(store, request, group_id, specs, factory, reporter, hooks or GroupDumpHooks()).run()
 
 
 class _GroupDump:
     """One group dump's state, phase by phase (group_dump() says the order)."""
 
     def __init__(self, store: Store, request: GroupDumpRequest, group_id: str, specs: list[MemberSpec],  # noqa: PLR0913
-                 factory: MemberFactory, reporter: Reporter):
+                 factory: MemberFactory, reporter: Reporter, hooks: GroupDumpHooks):
         self.store, self.request, self.group_id, self.specs = store, request, group_id, specs
-        self.factory, self.reporter = factory, reporter
+        self.factory, self.reporter, self.hooks = factory, reporter, hooks
         self.prepared: list[Prepared] = []
         self.held: list[Held] = []
         self.released: list[Released] = []
@@ -269,9 +290,12 @@ class _GroupDump:
             if self.request.stop:
                 self._still_held()
                 self._commit_group()  # before any tree is let go: none is ended unless the group exists
+                self._before_release(coordinator)
             self.reporter.step(f"letting {len(members)} member(s) go")
             self.released = coordinator.each("let its tree go", lambda m: m.release())
             phase("group.released")
+            if self.hooks.after_release is not None and self.group is not None:
+                self.hooks.after_release(self.group)
             self.reporter.step("committing each member's checkpoint")
             # Storing a large tree's memory takes longer than a freeze; the trees run meanwhile.
             self.committed = coordinator.each("commit", lambda m: m.commit(), slack=COMMIT_SLACK)
@@ -288,6 +312,16 @@ class _GroupDump:
                               hint="the group can be restored; a member whose tree was not ended (--stop) still "
                                    "runs: end it before restoring", exit_code=int(exc.exit_code)) from exc
         return GroupDumpResult(self._final_group(), [c.result or {} for c in self.committed])
+
+    def _before_release(self, coordinator: Coordinator) -> None:
+        """The migration's hook: its failure lets every tree go (thawed), the group committed."""
+        if self.hooks.before_release is None or self.group is None:
+            return
+        try:
+            self.hooks.before_release(self.group)
+        except BaseException:
+            coordinator.abort_all()
+            raise
 
     def _freeze_all(self, coordinator: Coordinator) -> None:
         count = len(coordinator.members)

@@ -96,6 +96,7 @@ class Destination(Protocol):
     """The destination's restore member (a RemoteMember over ssh), told its checkpoint late."""
 
     label: str
+    checkpoint: str  # the checkpoint it restores, once known
 
     def connect(self) -> None:  # ssh and hello: before the freeze, so not downtime
         ...
@@ -160,11 +161,13 @@ class RemoteDestination:
 
     def __init__(self, member):
         self.member, self.label = member, member.label
+        self.checkpoint = ""
 
     def connect(self) -> None:
         self.member.connect()
 
     def prepare_checkpoint(self, checkpoint: str) -> Prepared:
+        self.checkpoint = checkpoint
         self.member.request = replace(self.member.request, ref=checkpoint)
         return self.member.prepare(extra={"migration": True})
 
@@ -182,13 +185,19 @@ class RemoteDestination:
 
 
 class _Migration:
-    def __init__(self, store: Store, request: MigrateRequest, destination: Destination,  # noqa: PLR0913
+    def __init__(self, store: Store, request: MigrateRequest, destination: Destination | None,  # noqa: PLR0913
                  reporter: Reporter, settings: Settings, passwords: PasswordSource):
-        self.store, self.request, self.destination = store, request, destination
+        self.store, self.request, self._destination = store, request, destination
         self.reporter, self.settings, self.passwords = reporter, settings, passwords
         self.origin = Origin("migrate", request.name)
         self.started = time.monotonic()
         self.rounds: list[PrecopyRound] = []
+
+    @property
+    def destination(self) -> Destination:
+        if self._destination is None:
+            raise RuntimeError("a group member's migration takes its pre-copy rounds only")
+        return self._destination
 
     def run(self) -> MigrateResult:
         try:
@@ -210,16 +219,20 @@ class _Migration:
     def _precopy(self) -> None:
         """Dumps of the running tree until the pages new to the store stop shrinking."""
         while not precopy_done(self.rounds, self.request.rounds):
-            phase("migrate.precopy")
-            with self._session(stop=False) as session:
-                session.prepare()
-                session.capture()
-                session.commit()
-                result = session.finish()
-            done = PrecopyRound.of(len(self.rounds) + 1, result)
-            self.rounds.append(done)
-            self.reporter.step(f"pre-copy round {done.round}: {done.new_pages} of {done.pages} pages new "
-                               f"({done.bytes_new / (1 << 20):.1f} MiB sent), frozen {done.frozen_ms} ms")
+            self.rounds.append(self._precopy_round())
+
+    def _precopy_round(self) -> PrecopyRound:
+        phase("migrate.precopy")
+        with self._session(stop=False) as session:
+            session.prepare()
+            session.capture()
+            session.commit()
+            result = session.finish()
+        done = PrecopyRound.of(len(self.rounds) + 1, result)
+        self.reporter.step(f"pre-copy round {done.round} of PID {self.request.pid}: {done.new_pages} of "
+                           f"{done.pages} pages new ({done.bytes_new / (1 << 20):.1f} MiB sent), "
+                           f"frozen {done.frozen_ms} ms")
+        return done
 
     def _move(self) -> MigrateResult:
         source = LocalDumpMember(self._session(stop=True), str(self.request.pid), self.request.hold_limit)
@@ -321,3 +334,170 @@ class _Migration:
                 self.store.remove([r.checkpoint for r in self.rounds])
         except CkptError as exc:
             self.reporter.warn(f"the pre-copy checkpoints stay ({exc.message}): 'ckpt rm' removes them")
+
+
+# ---- a group --------------------------------------------------------------------------------
+
+
+@dataclass
+class MigrateGroupRequest:
+    members: list[int]  # root PIDs on this host
+    to: str  # the destination of every member not in places
+    places: dict[int, str] = field(default_factory=dict)  # member PID -> its own destination
+    name: str | None = None  # the group's name
+    rounds: int = 4
+    lazy: bool | None = None
+    tcp_close: bool | None = None
+    hold_limit: float = 60.0
+    phase_timeout: float = 120.0
+
+    def destination(self, pid: int) -> str:
+        return self.places.get(pid, self.to)
+
+    @classmethod
+    def like(cls, one: MigrateRequest, members: list[int], places: dict[int, str]) -> MigrateGroupRequest:
+        """The group's request with the options of a single one (the CLI's)."""
+        return cls(members=members, to=one.to, places=places, name=one.name, rounds=one.rounds, lazy=one.lazy,
+                   tcp_close=one.tcp_close, hold_limit=one.hold_limit, phase_timeout=one.phase_timeout)
+
+
+@dataclass
+class MigrateGroupResult(JsonResult):
+    group: str  # the final group checkpoint, kept
+    members: list[dict]  # pid, checkpoint, destination {host, pid}
+    rounds: list[dict]  # round, pages, new_pages, bytes_new (every member's)
+    downtime_ms: float  # from the first member's freeze to the last member running on its host
+    duration_ms: float
+
+    def to_json(self) -> dict:
+        return {"group": self.group, "members": self.members, "rounds": self.rounds,
+                "downtime_ms": self.downtime_ms, "duration_ms": self.duration_ms}
+
+
+def migrate_group(store_root: StoreLocation, request: MigrateGroupRequest, reporter: Reporter = NullReporter(), *,
+                  settings: Settings, passwords: PasswordSource | None = None,
+                  destination: DestinationFactory | None = None) -> MigrateGroupResult:
+    """Moves every member of a group, each to its host, as one consistent cut: pre-copy rounds
+    of every member, then a --stop group dump whose members are restored held at their
+    destinations before any source is ended (docs/design.md, "Migration")."""
+    from ckpt.commands.group_remote import check_host
+
+    for pid in request.members:
+        check_request(MigrateRequest(pid=pid, to=request.destination(pid), rounds=request.rounds))
+    for host in request.places.values():
+        check_host(host)
+    procs.require_root()
+    passwords = PasswordSource.passed_or_settings(passwords, settings)
+    store = Store.open(store_root, False, settings=settings, passwords=passwords)
+    return _GroupMigration(store, request, reporter, settings, passwords, destination).run()
+
+
+class _GroupMigration:
+    def __init__(self, store: Store, request: MigrateGroupRequest, reporter: Reporter,  # noqa: PLR0913
+                 settings: Settings, passwords: PasswordSource, destination: DestinationFactory | None):
+        self.store, self.request, self.reporter = store, request, reporter
+        self.settings, self.passwords = settings, passwords
+        self.make = destination or _ssh_destinations(settings, passwords, request, reporter)
+        # each member's pre-copy rounds, as a migration of its own would take them
+        self.single = [_Migration(store, MigrateRequest(pid=pid, to=request.destination(pid), name=request.name,
+                                                        rounds=request.rounds), None, reporter, settings, passwords)
+                       for pid in request.members]
+        self.destinations: list[Destination] = []
+        self.released: list[Released] = []
+        self.started = time.monotonic()
+
+    def run(self) -> MigrateGroupResult:
+        try:
+            rounds = self._precopy()
+            result = self._move()
+        except BaseException:
+            for destination in self.destinations:
+                destination.abort()
+            raise
+        finally:
+            for single in self.single:
+                single._remove_rounds()
+        return self._result(result, rounds)
+
+    def _precopy(self) -> list[dict]:
+        """Rounds of every member, one after the other, until their sum stops shrinking."""
+        sums: list[PrecopyRound] = []
+        while not precopy_done(sums, self.request.rounds):
+            done = []
+            for single in self.single:
+                single.rounds.append(single._precopy_round())
+                done.append(single.rounds[-1])
+            sums.append(PrecopyRound(len(sums) + 1, "", sum(r.pages for r in done), sum(r.new_pages for r in done),
+                                     sum(r.bytes_new for r in done), max(r.frozen_ms or 0.0 for r in done), None))
+        return [{"round": r.round, "pages": r.pages, "new_pages": r.new_pages, "bytes_new": r.bytes_new,
+                 "frozen_ms": r.frozen_ms} for r in sums]
+
+    def _move(self):
+        from ckpt.commands.group import GroupDumpHooks, GroupDumpRequest, group_dump
+
+        dump = GroupDumpRequest(members=[str(pid) for pid in self.request.members], name=self.request.name,
+                                stop=True, hold_limit=self.request.hold_limit,
+                                phase_timeout=self.request.phase_timeout, origin=Origin("migrate", self.request.name))
+        hooks = GroupDumpHooks(before_release=self._restore_held, after_release=self._let_run)
+        self.reporter.step(f"reaching {', '.join(sorted({self.request.destination(p) for p in self.request.members}))}")
+        return group_dump(self.store.location, dump, self.reporter, settings=self.settings,
+                          passwords=self.passwords, hooks=hooks)
+
+    def _restore_held(self, group) -> None:
+        """Every member restored at its destination and held (the sources frozen)."""
+        from ckpt.commands.group import Coordinator, member_connections
+
+        phase("migrate.frozen")
+        connections = member_connections(self.store, group)
+        for index, member in enumerate(group.members):
+            host = self.request.destination(member.pid)
+            peers = [pair for i, pairs in enumerate(connections) if i != index
+                     and self.request.destination(group.members[i].pid) == host for pair in pairs]
+            restore = RestoreRequest(ref=member.checkpoint, lazy=self.request.lazy, tcp_close=self.request.tcp_close,
+                                     migrated=True, group_peers=[[list(a), list(b)] for a, b in peers])
+            self.destinations.append(self.make(self.store, restore))
+        coordinator = Coordinator(self.destinations, self.request.phase_timeout, self.reporter)
+        coordinator.each("reach its destination", lambda d: d.connect())
+        coordinator.each("prepare its restore", lambda d: d.prepare_checkpoint(d.checkpoint))
+        coordinator.each("restore", lambda d: d.capture())
+        phase("migrate.restored-held")
+
+    def _let_run(self, group) -> None:
+        """Every source ended: the decisions, then every member runs at its destination."""
+        from ckpt.commands.group import Coordinator
+
+        for member in group.members:
+            self.store.migrations.decide(member.checkpoint, socket.gethostname(), member.pid,
+                                         self.request.destination(member.pid))
+        phase("migrate.decided")
+        coordinator = Coordinator(self.destinations, self.request.phase_timeout, self.reporter)
+        self.released = coordinator.each("run", lambda d: d.release())
+        phase("migrate.running")
+        coordinator.each("finish", lambda d: d.commit())
+        for member in group.members:
+            self.store.migrations.forget(member.checkpoint)
+
+    def _result(self, dumped, rounds: list[dict]) -> MigrateGroupResult:
+        group = dumped.group
+        first_freeze = min(m.frozen_at for m in group.members)
+        last_running = max(r.released_at for r in self.released)
+        members = [{"pid": m.pid, "checkpoint": m.checkpoint,
+                    "destination": {"host": self.request.destination(m.pid), "pid": r.pid}}
+                   for m, r in zip(group.members, self.released, strict=True)]
+        return MigrateGroupResult(group.id, members, rounds, round((last_running - first_freeze) * 1000, 1),
+                                  round((time.monotonic() - self.started) * 1000, 1))
+
+
+def _ssh_destinations(settings: Settings, passwords: PasswordSource, request: MigrateGroupRequest,
+                      reporter: Reporter) -> DestinationFactory:
+    from ckpt.commands.group_remote import RemoteLink, RemoteMember
+
+    def make(store: Store, restore: RestoreRequest) -> Destination:
+        link = RemoteLink.for_store(store, settings, passwords, timeout=request.phase_timeout,
+                                    hold_limit=request.hold_limit)
+        pid = store.load(restore.ref).pid
+        host = request.destination(pid)
+        destination = RemoteDestination(RemoteMember(host, restore, link, reporter, label=f"{host}:{pid}"))
+        destination.checkpoint = restore.ref
+        return destination
+    return make

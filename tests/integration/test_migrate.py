@@ -300,3 +300,33 @@ def agents_in(host: NetHost) -> list[int]:
         if b"_member" in cmdline:
             found.append(pid)
     return found
+
+
+def test_a_group_moves_as_one_cut_and_its_stream_goes_on(hosts, store, tmp_path):
+    """Two trees streaming to each other over TCP move to B together: none runs in B before
+    both are back, and the stream goes on both ways, nothing lost or repeated."""
+    server_status, client_status, port_file = tmp_path / "server.status", tmp_path / "client.status", tmp_path / "port"
+    server = hosts.start_in(hosts.a, [sys.executable, FIXTURES / "stream_peer.py", "server", port_file,
+                                      server_status], "server")
+    port = wait_until(lambda: port_file.read_text().strip() if port_file.exists() else "", what="the port")
+    client = hosts.start_in(hosts.a, [sys.executable, FIXTURES / "stream_peer.py", "client", port, client_status],
+                            "client")
+    wait_until(lambda: received(client_status) > 100 and received(server_status) > 100, what="the stream")
+
+    done = hosts.ckpt(hosts.a, "migrate", "--group", "pair", server.pid, client.pid, "--to", hosts.b.alias,
+                      "--store", store, "--json", "--rounds", "1", env=migrate_env(hosts), timeout=300)
+    result = json.loads(done.stdout)
+
+    assert [m["destination"] for m in result["members"]] == [{"host": hosts.b.alias, "pid": server.pid},
+                                                             {"host": hosts.b.alias, "pid": client.pid}]
+    for pid in (server.pid, client.pid):
+        assert hosts.is_running(hosts.b, pid) and not hosts.is_running(hosts.a, pid)
+    before = received(client_status), received(server_status)
+    wait_until(lambda: received(client_status) > before[0] + 100 and received(server_status) > before[1] + 100,
+               timeout=30, what="the stream going on in B")
+    for status in (client_status, server_status):
+        assert "bad=-" in status.read_text(), status.read_text()
+    listed = json.loads(hosts.ckpt(hosts.a, "list", "--store", store, "--json").stdout)
+    # the group's two members, and no pre-copy checkpoint
+    assert [(entry["group"] or {}).get("id") for entry in listed] == [result["group"]] * 2, listed
+    assert 0 < result["downtime_ms"]
