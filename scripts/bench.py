@@ -1023,7 +1023,8 @@ def bench_migrate(sizes: list[int], runs: int, work: Path, criu: str, eager: boo
     hosts_dir = work / "hosts"
     hosts_dir.mkdir()
     processes = Processes(hosts_dir)
-    results: dict = {"sizes": sizes, "runs": runs, "sides": sides, "missing": missing, "by_size": {}}
+    results: dict = {"sizes": sizes, "runs": runs, "sides": sides, "missing": missing, "by_size": {},
+                     "load_average": {"before": os.getloadavg()}, "reported_kib_before": reported_kib()}
     try:
         with TwoHosts(hosts_dir / "net", processes, own_pids=True, s3=False) as hosts:
             for size in sizes:
@@ -1048,7 +1049,18 @@ def bench_migrate(sizes: list[int], runs: int, work: Path, criu: str, eager: boo
                            if isinstance(rows[0][key], (int, float))} for side, rows in samples.items()}}
     finally:
         processes.cleanup()
+    results["load_average"]["after"] = os.getloadavg()
+    results["reported_kib_after"] = reported_kib()
     return results
+
+
+def reported_kib() -> int | None:
+    """Free memory this machine has handed back to its host so far (page_reporting's counter,
+    where the kernel has it): how much of what the sides freed went back during a section."""
+    try:
+        return int(Path("/sys/module/page_reporting/parameters/reported_kib").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def print_migrate(r: dict) -> None:
@@ -1057,6 +1069,11 @@ def print_migrate(r: dict) -> None:
           f"raw criu: criu dump, cp -r, criu restore -d inside B")
     if r["missing"]:
         print(f"  {r['missing']}")
+    load = r["load_average"]
+    before, after = r["reported_kib_before"], r["reported_kib_after"]
+    handed = f"{(after - before) >> 10} MiB" if before is not None and after is not None else "unknown"
+    print(f"  load average (1 min) {load['before'][0]:.2f} before, {load['after'][0]:.2f} after; memory handed back "
+          f"to the host meanwhile (page_reporting reported_kib): {handed}")
     sides = r["sides"]
     for size, by in r["by_size"].items():
         m = by["medians"]
