@@ -23,18 +23,27 @@
                 (lazy, --eager, raw `criu restore -d`); the machine's free page reporting
   group         a group checkpoint of two --group-mib targets next to single dumps of the
                 same two trees: each member's freeze, how long each stayed frozen, the skew
+  migrate       `ckpt migrate` of targets of --migrate-mib (1% of their memory rewritten per
+                second) between two test hosts (tests/netns.py, B with PIDs of its own) next to
+                raw `criu dump`, `cp -r`, `criu restore -d` in B: downtime, the pauses the
+                target saw, rounds, total time (--migrate-runs runs; --migrate-eager adds
+                `ckpt migrate --eager`)
+  clones        `ckpt clone --copies N` (--clone-copies) of a --clone-mib checkpoint: time, the
+                copies' Rss and Pss, the drop of MemAvailable; raw `criu restore -d` once
 
 Prints a table of medians and ratios (and every sample) and writes JSON to bench-results/. Run
 as root after `make setup`:  .venv/bin/python scripts/bench.py [--size-mib 2048]
 [--growth-mib 1024] [--runs 3] [--s3-mib 512] [--s3-target-mib 1024] [--cadence-mib 2048]
 [--cadence-interval 30] [--cadence-dumps 5] [--cadence-series 3] [--group-mib 1024]
-[--only growth|dump|scale|s3|cadence|group]
+[--migrate-mib 1024,4096] [--migrate-runs 3] [--migrate-eager] [--clone-mib 1024]
+[--clone-copies 1,4,16] [--clone-runs 1] [--only growth|dump|scale|s3|cadence|group|migrate|clones]
 """
 
 from __future__ import annotations
 
 import argparse
 import filecmp
+import itertools
 import json
 import os
 import shutil
@@ -185,7 +194,7 @@ def bench_dump_restore(size_mib: int, runs: int, work: Path, criu: str) -> dict:
                 # The network lock ckpt takes for this target, which has no TCP connections:
                 # none (CRIU's default, iptables, is not installed here; nftables would add
                 # 0.1-0.2 s of freeze that ckpt does not pay).
-                elapsed, _ = timed([find_criu(Settings.from_environment()).path, "dump", "-t", str(pid), "-D", str(raw_dir), "--leave-running",
+                elapsed, _ = timed([criu, "dump", "-t", str(pid), "-D", str(raw_dir), "--leave-running",
                                     "-o", "dump.log", "--network-lock", "skip"])
                 rows["criu_dump_s"].append(elapsed)
                 rows["criu_freeze_ms"].append(raw_freeze_ms(raw_dir))
@@ -874,7 +883,358 @@ def print_group(r: dict) -> None:
           f"span {_samples(s['group_span_ms'], '%.0f')} ms")
 
 
-def main() -> None:
+# ---- migration and clones (issue 27) -----------------------------------------------------------
+
+CHURN_TARGET = ROOT / "tests" / "fixtures" / "churnmem.py"
+TICK_S = 0.05  # churnmem.py's pace: a line every 50 ms while it runs
+PAUSE_S = 0.1  # a gap between two of its lines longer than this is a pause
+
+
+def ckpt_lacks(command: str) -> str | None:
+    """None when this tree's ckpt has the command; otherwise why not, in one line."""
+    done = subprocess.run(CKPT + [command, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    if done.returncode == 0:
+        return None
+    said = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    return f"`ckpt {command}` is not in this tree ({said}): its half of the benchmark is not measured"
+
+
+def run_checked(cmd: list, what: str, env=None, timeout: float = 1800) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(a) for a in cmd], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed ({done.returncode}): {' '.join(map(str, cmd))}\n{done.stderr[-3000:]}")
+    return done
+
+
+class ChurnTarget:
+    """tests/fixtures/churnmem.py started on a test host (its own session, stdio to a file):
+    size_mib of random data, 1% of its pages rewritten per second, a timed line every 50 ms."""
+
+    def __init__(self, host, processes, size_mib: int, work: Path):
+        self.out = work / f"churn-{time.monotonic_ns()}"
+        self.started = host.start(processes, [sys.executable, CHURN_TARGET, self.out, size_mib], "churn")
+        self.pid = self.started.pid
+        deadline = time.monotonic() + 300
+        while len(self.ticks()) < 20:  # filled, and a second of churn
+            if self.started.popen.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the churn target died or hung")
+            time.sleep(0.1)
+
+    def ticks(self) -> list[float]:
+        try:
+            lines = self.out.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        return [float(line.split()[1]) for line in lines[:-1] if line != "ready"]  # the last may be half-written
+
+    def counting_after(self, moment: float, timeout: float = 120) -> float:
+        """Waits until it has ticked twice after moment (wall clock): it runs (where it is now)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            later = [t for t in self.ticks() if t > moment]
+            if len(later) >= 2:
+                return later[0]
+            time.sleep(0.05)
+        raise SystemExit(f"the moved target (PID {self.pid}) does not count on")
+
+    def pauses(self, start: float, end: float) -> tuple[float, float]:
+        """(longest gap between its lines, total time in gaps longer than PAUSE_S beyond one
+        tick) from start to end, wall clock: how long it did not run, as it saw it."""
+        ticks = [t for t in self.ticks() if start - 1 <= t <= end + 1]
+        gaps = [b - a for a, b in itertools.pairwise(ticks)]
+        return max(gaps, default=0.0), sum(g - TICK_S for g in gaps if g > PAUSE_S)
+
+
+def migrate_with_ckpt(hosts, target: ChurnTarget, store: Path, eager: bool) -> dict:
+    """`ckpt migrate PID --to host-b --json --store STORE` run on host A (the source)."""
+    env = {**os.environ, "CKPT_CACHE": str(hosts.a.workdir / "cache"), "PYTHONPATH": str(ROOT),
+           "CKPT_SSH": hosts.ssh(), "CKPT_REMOTE_CKPT": hosts.remote_ckpt()}
+    run_checked(hosts.a.command(*CKPT, "init", store, "-q"), "ckpt init", env)
+    cmd = hosts.a.command(*CKPT, "migrate", target.pid, "--to", hosts.b.alias, "--json", "--store", store,
+                          *(["--eager"] if eager else []))
+    settle()
+    started = time.time()
+    begin = time.perf_counter()
+    done = run_checked(cmd, "ckpt migrate", env)
+    wall = time.perf_counter() - begin
+    ended = time.time()
+    result = json.loads(done.stdout)
+    moved = result["destination"]["pid"]
+    target.started.popen.wait(30)  # the source: ended by the migration
+    if not hosts.b.is_running(moved):
+        raise SystemExit(f"ckpt migrate said PID {moved} runs on host-b; it does not")
+    target.counting_after(ended)
+    longest, paused = target.pauses(started, time.time())
+    hosts.b.kill(moved)
+    rounds = result["rounds"]
+    return {"downtime_s": result["downtime_ms"] / 1000, "wall_s": wall, "longest_pause_s": longest,
+            "paused_s": paused, "rounds": len(rounds), "round_pages": [r["pages"] for r in rounds],
+            "round_new_pages": [r["new_pages"] for r in rounds], "round_frozen_ms": [r["frozen_ms"] for r in rounds],
+            "final_pages": result["final"]["pages"], "final_new_pages": result["final"]["new_pages"],
+            "final_frozen_ms": result["final"]["frozen_ms"], "lazy": bool(result["lazy"]),
+            "reported_duration_s": result["duration_ms"] / 1000}
+
+
+def migrate_with_criu(hosts, target: ChurnTarget, criu: str, work: Path) -> dict:
+    """By hand: `criu dump` (freezes the tree, dumps it, ends it) on host A, `cp -r` of the
+    images, `criu restore -d` of the copy inside host B's namespaces (nsenter); the PID is free
+    there anyway (and the original is gone). Downtime: from the dump's start until the
+    restore returned."""
+    images, copy = work / "raw-images", work / "raw-copy"
+    images.mkdir()
+    settle()
+    started = time.time()
+    begin = time.perf_counter()
+    run_checked(hosts.a.command(criu, "dump", "-t", target.pid, "-D", images, "-o", "dump.log",
+                                "--network-lock", "skip"), "criu dump")
+    dumped = time.perf_counter()
+    run_checked(["cp", "-r", images, copy], "cp -r")
+    copied = time.perf_counter()
+    run_checked(hosts.b.command(criu, "restore", "-d", "-D", copy, "-o", "restore.log"), "criu restore")
+    restored = time.perf_counter()
+    ended = time.time()
+    target.started.popen.wait(30)  # ended by criu dump
+    if not hosts.b.is_running(target.pid):
+        raise SystemExit(f"criu restore -d returned but PID {target.pid} does not run on host-b")
+    target.counting_after(ended)
+    longest, paused = target.pauses(started, time.time())
+    hosts.b.kill(target.pid)
+    freeze = raw_freeze_ms(images)
+    shutil.rmtree(images)
+    shutil.rmtree(copy)
+    return {"downtime_s": restored - begin, "wall_s": restored - begin, "longest_pause_s": longest,
+            "paused_s": paused, "dump_s": dumped - begin, "copy_s": copied - dumped, "restore_s": restored - copied,
+            "freeze_ms": freeze}
+
+
+def bench_migrate(sizes: list[int], runs: int, work: Path, criu: str, eager: bool) -> dict:
+    """For each size, `runs` runs; in each, every side moves a fresh ChurnTarget started on
+    host A to host B (tests/netns.py's TwoHosts, B with PIDs of its own), the order of the
+    sides alternating from run to run. Before each side's target is started, RETURN_PAUSE
+    after the last side's memory and files were freed: no side reuses memory another just
+    freed (each reuses what its own steps free: the source's memory, its images)."""
+    from tests.helpers import Processes
+    from tests.netns import TwoHosts
+
+    missing = ckpt_lacks("migrate")
+    sides = ["raw criu"] if missing else ["ckpt", *(["ckpt --eager"] if eager else []), "raw criu"]
+    if missing:
+        print(f"migration: {missing}", file=sys.stderr)
+    hosts_dir = work / "hosts"
+    hosts_dir.mkdir()
+    processes = Processes(hosts_dir)
+    results: dict = {"sizes": sizes, "runs": runs, "sides": sides, "missing": missing, "by_size": {},
+                     "load_average": {"before": os.getloadavg()}, "reported_kib_before": reported_kib()}
+    try:
+        with TwoHosts(hosts_dir / "net", processes, own_pids=True, s3=False) as hosts:
+            for size in sizes:
+                samples: dict[str, list[dict]] = {side: [] for side in sides}
+                for run in range(runs):
+                    for side in (sides if run % 2 == 0 else sides[::-1]):
+                        time.sleep(RETURN_PAUSE)
+                        target = ChurnTarget(hosts.a, processes, size, work)
+                        try:
+                            if side == "raw criu":
+                                samples[side].append(migrate_with_criu(hosts, target, criu, work))
+                            else:
+                                store = work / "migrate-store"
+                                samples[side].append(migrate_with_ckpt(hosts, target, store, side.endswith("eager")))
+                                shutil.rmtree(store)
+                        finally:
+                            if target.started.popen.poll() is None:
+                                processes.kill_tree(target.started.popen.pid)
+                            target.out.unlink(missing_ok=True)
+                results["by_size"][size] = {"samples": samples, "medians": {
+                    side: {key: statistics.median(s[key] for s in rows) for key in rows[0]
+                           if isinstance(rows[0][key], (int, float))} for side, rows in samples.items()}}
+    finally:
+        processes.cleanup()
+    results["load_average"]["after"] = os.getloadavg()
+    results["reported_kib_after"] = reported_kib()
+    return results
+
+
+def reported_kib() -> int | None:
+    """Free memory this machine has handed back to its host so far (page_reporting's counter,
+    where the kernel has it): how much of what the sides freed went back during a section."""
+    try:
+        return int(Path("/sys/module/page_reporting/parameters/reported_kib").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def print_migrate(r: dict) -> None:
+    print(f"migration of a target rewriting 1% of its memory per second (churnmem.py) from host-a to host-b "
+          f"(network namespaces; B with PIDs of its own), local-directory store; {r['runs']} runs, medians; "
+          f"raw criu: criu dump, cp -r, criu restore -d inside B")
+    if r["missing"]:
+        print(f"  {r['missing']}")
+    load = r["load_average"]
+    before, after = r["reported_kib_before"], r["reported_kib_after"]
+    handed = f"{(after - before) >> 10} MiB" if before is not None and after is not None else "unknown"
+    print(f"  load average (1 min) {load['before'][0]:.2f} before, {load['after'][0]:.2f} after; memory handed back "
+          f"to the host meanwhile (page_reporting reported_kib): {handed}")
+    sides = r["sides"]
+    for size, by in r["by_size"].items():
+        m = by["medians"]
+        print(f"  {size} MiB      " + "".join(f"{side:>13}" for side in sides)
+              + ("   ratio ckpt / raw" if "ckpt" in sides else ""))
+        for key, label in (("downtime_s", "downtime (s)"), ("longest_pause_s", "longest pause seen (s)"),
+                           ("paused_s", "paused in all (s)"), ("wall_s", "total time (s)")):
+            ratio = f"   {m['ckpt'][key] / m['raw criu'][key]:6.2f}" if "ckpt" in sides and m["raw criu"][key] else ""
+            print(f"    {label:24}" + "".join(f"{m[side][key]:13.2f}" for side in sides) + ratio)
+        raw = by["samples"]["raw criu"]
+        print(f"    raw criu steps: dump {_samples([s['dump_s'] for s in raw])} s (frozen "
+              f"{_samples([s['freeze_ms'] for s in raw], '%.0f')} ms), cp {_samples([s['copy_s'] for s in raw])} s, "
+              f"restore {_samples([s['restore_s'] for s in raw])} s")
+        for side in sides:
+            if side == "raw criu":
+                continue
+            for i, s in enumerate(by["samples"][side]):
+                rounds = "; ".join(f"{p} pages, {n} new, frozen {f:.0f} ms" for p, n, f in
+                                   zip(s["round_pages"], s["round_new_pages"], s["round_frozen_ms"], strict=True))
+                print(f"    {side} run {i}: {s['rounds']} rounds ({rounds}); final {s['final_pages']} pages, "
+                      f"{s['final_new_pages']} new, frozen {s['final_frozen_ms']:.0f} ms; lazy {s['lazy']}")
+        for side in sides:
+            print(f"    samples, {side}: downtime {_samples([s['downtime_s'] for s in by['samples'][side]])} s, "
+                  f"longest pause {_samples([s['longest_pause_s'] for s in by['samples'][side]])} s")
+
+
+def meminfo_kib(field: str = "MemAvailable") -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise SystemExit(f"no {field} in /proc/meminfo")
+
+
+def tree_memory_kib(root: int) -> tuple[int, int]:
+    """(Rss, Pss) summed over root and its descendants, from /proc/PID/smaps_rollup."""
+    from tests.helpers import tree_pids
+
+    rss = pss = 0
+    for pid in tree_pids(root):
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+        except OSError:
+            continue
+        for line in rollup:
+            if line.startswith("Rss:"):
+                rss += int(line.split()[1])
+            elif line.startswith("Pss:"):
+                pss += int(line.split()[1])
+    return rss, pss
+
+
+def settled_memory(roots: list[int], timeout: float = 120) -> tuple[int, int, float]:
+    """(Rss, Pss) of the trees once their Rss stops growing (a lazy restore fills memory in the
+    background: two readings 0.5 s apart within 0.5%), and how long that took."""
+    began = time.perf_counter()
+    last = -1
+    while True:
+        rss, pss = map(sum, zip(*(tree_memory_kib(root) for root in roots), strict=True))
+        if abs(rss - last) <= 0.005 * rss or time.perf_counter() - began > timeout:
+            return rss, pss, time.perf_counter() - began
+        last = rss
+        time.sleep(0.5)
+
+
+def end_trees(roots: list[int]) -> None:
+    from tests.helpers import tree_pids
+
+    for root in roots:
+        for pid in tree_pids(root):
+            kill(pid)
+
+
+def bench_clones(size_mib: int, counts: list[int], runs: int, work: Path, criu: str) -> dict:
+    """A size_mib DirtyTarget (random data: distinct, non-zero pages) dumped once by ckpt and
+    once by raw CRIU (--leave-running), then ended. Raw `criu restore -d` of its images once,
+    for reference; then `ckpt clone ID --copies N --json` for each N (order alternating from
+    run to run). Each measured: wall time; MemAvailable before it and once the copies' memory
+    stopped growing; Rss and Pss of every copy's tree (its init included). RETURN_PAUSE after
+    each is ended: none reuses memory another just freed."""
+    missing = ckpt_lacks("clone")
+    if missing:
+        print(f"clones: {missing}", file=sys.stderr)
+    env = {**os.environ, "CKPT_STORE": str(work / "clone-store"), "CKPT_CACHE": str(work / "clone-cache"),
+           "CKPT_COPIES_DIR": str(work / "copies")}
+    raw_dir = work / "clone-raw"
+    raw_dir.mkdir()
+    target = DirtyTarget(size_mib, work)
+    pid = target.proc.pid
+    try:
+        checkpoint = None if missing else json.loads(timed(CKPT + ["dump", str(pid), "--json"], env)[1])["id"]
+        timed([criu, "dump", "-t", str(pid), "-D", str(raw_dir), "--leave-running", "-o", "dump.log",
+               "--network-lock", "skip"])
+    finally:
+        target.end()
+    time.sleep(RETURN_PAUSE)
+    settle()
+    before = meminfo_kib()
+    elapsed, _ = timed([criu, "restore", "-d", "-D", str(raw_dir), "-o", "restore.log"], settled=False)
+    rss, pss, waited = settled_memory([pid])
+    raw = {"wall_s": elapsed, "rss_kib": rss, "pss_kib": pss, "available_drop_kib": before - meminfo_kib()}
+    end_trees([pid])
+    shutil.rmtree(raw_dir)
+    time.sleep(RETURN_PAUSE)
+    samples: dict[int, list[dict]] = {n: [] for n in counts}
+    skipped: dict[int, str] = {}
+    for run in range(0 if missing else runs):
+        for n in (counts if run % 2 == 0 else counts[::-1]):
+            available = meminfo_kib()
+            if n * (size_mib << 10) > available - (2 << 20):
+                skipped[n] = (f"{n} private copies of {size_mib} MiB would not fit in the "
+                              f"{available >> 10} MiB available (less 2 GiB)")
+                continue
+            settle()
+            before = meminfo_kib()
+            elapsed, out = timed(CKPT + ["clone", checkpoint, "--copies", str(n), "--json"], env, settled=False)
+            result = json.loads(out)
+            copies = result["copies"]
+            roots = [c["init_pid"] for c in copies]
+            rss, pss, waited = settled_memory(roots)
+            samples[n].append({"wall_s": elapsed, "reported_s": result["duration_ms"] / 1000,
+                               "copy_s": [c["duration_ms"] / 1000 for c in copies], "rss_kib": rss, "pss_kib": pss,
+                               "available_drop_kib": before - meminfo_kib(), "memory_settled_s": waited,
+                               "running": sum(1 for c in copies if state(c["pid"]) not in (None, "Z"))})
+            end_trees(roots)
+            for c in copies:
+                if c.get("netns"):
+                    subprocess.run(["ip", "netns", "del", c["netns"]], capture_output=True)
+            time.sleep(RETURN_PAUSE)
+    return {"size_mib": size_mib, "counts": counts, "runs": runs, "missing": missing, "raw": raw,
+            "skipped": skipped, "samples": samples,
+            "medians": {n: {key: statistics.median(s[key] for s in rows) for key in rows[0] if key != "copy_s"}
+                        for n, rows in samples.items() if rows}}
+
+
+def print_clones(r: dict) -> None:
+    mib = 1024
+    raw = r["raw"]
+    print(f"clones of a {r['size_mib']} MiB checkpoint (random data), {r['runs']} run(s), medians; memory once the "
+          f"copies' Rss stopped growing: Rss and Pss summed over the copies' trees, drop of MemAvailable")
+    print(f"  {'':22} {'wall':>8} {'per copy':>9} {'Rss':>10} {'Pss':>10} {'MemAvail drop':>14}"
+          f" {'wall / raw':>10} {'drop / raw':>10}")
+    print(f"  {'raw criu restore -d':22} {raw['wall_s']:7.2f}s {raw['wall_s']:8.2f}s {raw['rss_kib'] / mib:7.0f}MiB "
+          f"{raw['pss_kib'] / mib:7.0f}MiB {raw['available_drop_kib'] / mib:11.0f}MiB")
+    if r["missing"]:
+        print(f"  {r['missing']}")
+    for n in r["counts"]:
+        if n in r["skipped"]:
+            print(f"  {'ckpt clone, ' + str(n) + ' copies':22} skipped: {r['skipped'][n]}")
+            continue
+        m = r["medians"].get(n)
+        if not m:
+            continue
+        print(f"  {'ckpt clone, ' + str(n) + ' copies':22} {m['wall_s']:7.2f}s {m['wall_s'] / n:8.2f}s "
+              f"{m['rss_kib'] / mib:7.0f}MiB {m['pss_kib'] / mib:7.0f}MiB {m['available_drop_kib'] / mib:11.0f}MiB "
+              f"{m['wall_s'] / raw['wall_s']:10.2f} {m['available_drop_kib'] / raw['available_drop_kib']:10.2f}")
+
+
+SECTIONS = ["growth", "dump", "scale", "s3", "cadence", "group", "migrate", "clones"]
+
+
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=int, default=2048)
     parser.add_argument("--growth-mib", type=int, default=1024)
@@ -886,9 +1246,20 @@ def main() -> None:
     parser.add_argument("--cadence-dumps", type=int, default=5, help="dumps at the cadence after the first")
     parser.add_argument("--cadence-series", type=int, default=3, help="dumps back to back per side")
     parser.add_argument("--group-mib", type=int, default=1024, help="each of the group's two targets, in MiB")
-    parser.add_argument("--only", choices=["growth", "dump", "scale", "s3", "cadence", "group"], action="append")
-    args = parser.parse_args()
-    only = set(args.only or ["growth", "dump", "scale", "s3", "cadence", "group"])
+    parser.add_argument("--migrate-mib", type=_mib_list, default=[1024, 4096],
+                        help="the migrated targets' sizes, in MiB, comma-separated")
+    parser.add_argument("--migrate-runs", type=int, default=3, help="runs of each side per migrated size")
+    parser.add_argument("--migrate-eager", action="store_true", help="also measure `ckpt migrate --eager`")
+    parser.add_argument("--clone-mib", type=int, default=1024, help="the cloned checkpoint's target, in MiB")
+    parser.add_argument("--clone-copies", type=_mib_list, default=[1, 4, 16], help="copies per clone, comma-separated")
+    parser.add_argument("--clone-runs", type=int, default=1, help="runs of each number of copies")
+    parser.add_argument("--only", choices=SECTIONS, action="append")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
+    only = set(args.only or SECTIONS)
     criu = find_criu(Settings.from_environment()).path
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir="/var/tmp"))
     results: dict = {}
@@ -896,9 +1267,9 @@ def main() -> None:
         if "growth" in only:
             g = results["growth"] = bench_growth(args.growth_mib, work)
             print(f"store growth, {g['size_mib']} MiB target rewriting 1% of its pages between checkpoints:")
-            print("  added by checkpoint 1: %.1f MiB; checkpoints 2-10: %s (max %.2f%% of the target, goal <= 3%%)"
-                  % (g["bytes_added"][0] / 2**20, ", ".join("%.1f" % (a / 2**20) for a in g["bytes_added"][1:]) + " MiB",
-                     g["max_later_percent"]))
+            later = ", ".join(f"{a / 2**20:.1f}" for a in g["bytes_added"][1:])
+            print(f"  added by checkpoint 1: {g['bytes_added'][0] / 2**20:.1f} MiB; checkpoints 2-10: {later} MiB "
+                  f"(max {g['max_later_percent']:.2f}% of the target, goal <= 3%)")
         if "dump" in only:
             d = results["dump"] = bench_dump_restore(args.size_mib, args.runs, work, criu)
             m, r = d["medians"], d["ratios"]
@@ -929,6 +1300,12 @@ def main() -> None:
                 criu)))
         if "group" in only:
             print_group(results.setdefault("group", bench_group(args.group_mib, args.runs, work)))
+        if "migrate" in only:
+            print_migrate(results.setdefault("migrate", bench_migrate(args.migrate_mib, args.migrate_runs, work,
+                                                                      criu, args.migrate_eager)))
+        if "clones" in only:
+            print_clones(results.setdefault("clones", bench_clones(args.clone_mib, args.clone_copies,
+                                                                   args.clone_runs, work, criu)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out_dir = ROOT / "bench-results"
@@ -936,6 +1313,13 @@ def main() -> None:
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(results, indent=2))
     print(f"written to {path}")
+    missing = [r["missing"] for r in results.values() if isinstance(r, dict) and r.get("missing")]
+    if missing:
+        raise SystemExit("Error: " + "; ".join(missing))
+
+
+def _mib_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
 
 
 if __name__ == "__main__":

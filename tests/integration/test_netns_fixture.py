@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import signal
+import shlex
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,9 +36,13 @@ def test_host_b_has_its_own_pids_and_name(hosts: TwoHosts, tmp_path: Path):
     named = subprocess.run(hosts.b.command("hostname"), capture_output=True, text=True, timeout=30, check=True)
     assert named.stdout.strip() == "host-b"
     assert socket.gethostname() != "host-b"
+    # what a migration's destination agent sees: ssh lands inside B's namespaces
+    seen = subprocess.run([*shlex.split(hosts.ssh(via=hosts.a)), hosts.b.alias, "hostname; cat /proc/1/cmdline"],
+                          capture_output=True, text=True, timeout=60, check=True).stdout
+    assert seen.startswith("host-b\n") and "host_init.py" in seen
 
     out = tmp_path / "count-b.txt"
-    started = hosts.start_in(hosts.b, ["python3", FIXTURES / "counter.py", out], "counter-b")
+    started = hosts.start_in(hosts.b, [sys.executable, FIXTURES / "counter.py", out], "counter-b")
     assert started.pid != started.host_pid
     assert hosts.is_running(hosts.b, started.pid)
     assert started.pid in hosts.pids_in(hosts.b)
@@ -47,7 +53,7 @@ def test_host_b_has_its_own_pids_and_name(hosts: TwoHosts, tmp_path: Path):
 
 def test_restore_in_b_with_the_pid_the_frozen_original_holds_in_a(hosts: TwoHosts, tmp_path: Path):
     out = tmp_path / "count.txt"
-    original = hosts.start_in(hosts.a, ["python3", FIXTURES / "counter.py", out], "counter")
+    original = hosts.start_in(hosts.a, [sys.executable, FIXTURES / "counter.py", out], "counter")
     wait_until(lambda: len(read_lines(out)) >= 3, what="the counter on A")
     dumped = json.loads(hosts.ckpt(hosts.a, "dump", original.pid, "--json").stdout)
     original.popen.send_signal(signal.SIGSTOP)  # frozen, its PID held in A
