@@ -11,7 +11,7 @@ from ckpt.cli.main import app, main
 from tests.helpers import env_settings, ROOT, manifest_only_checkpoint
 
 COMMANDS = ["init", "check", "dump", "restore", "list", "show", "diff", "rm", "verify", "forget", "prune", "copy",
-            "run", "_member"]
+            "run", "migrate", "_member"]
 SCHEDULE_COMMANDS = ["add", "list", "rm", "run"]
 KEY_COMMANDS = ["list", "add", "remove", "passwd"]
 JOURNAL_COMMANDS = ["list", "show", "rm"]
