@@ -24,8 +24,13 @@ from ckpt.store import Origin, Store
 from ckpt.store.password import PasswordSource
 from ckpt.system import procs
 
-# The pre-copy stops once a round found this many pages or fewer new (P.Haul's floor)...
+# The pre-copy stops once a round found this many pages or fewer new (P.Haul's floor), or
+# this share of the tree's pages: without the kernel's dirty-page tracking every round
+# freezes the tree as long as the final dump does, to save the final dump only the sending of
+# what is left (measured: 256 MiB rewriting 1%/s, rounds sent 67032, 546, 231, 207 pages,
+# each frozen 230-280 ms)...
 PRECOPY_FLOOR_PAGES = 64
+PRECOPY_FLOOR_SHARE = 0.01
 # ...or found more than this share of the round before's (the rounds stopped shrinking).
 PRECOPY_SHRINK = 0.9
 MAX_ROUNDS = 16
@@ -87,7 +92,7 @@ def precopy_done(rounds: list[PrecopyRound], limit: int) -> bool:
     if not rounds:
         return False
     last = rounds[-1].new_pages
-    if last <= PRECOPY_FLOOR_PAGES:
+    if last <= max(PRECOPY_FLOOR_PAGES, PRECOPY_FLOOR_SHARE * rounds[-1].pages):
         return True
     return len(rounds) >= 2 and last > PRECOPY_SHRINK * rounds[-2].new_pages
 

@@ -19,6 +19,8 @@ def rounds(*new_pages: int) -> list[PrecopyRound]:
     ((262144, 5000, 4600), 4, True),  # by less than a tenth: stopped shrinking
     ((262144, 5000, 6000), 4, True),  # growing
     ((262144, 64), 4, True),  # down to the floor
+    ((262144, 2621), 4, True),  # down to a hundredth of the tree
+    ((262144, 2622), 4, False),
     ((64,), 4, True),  # the store had it all already
     ((262144, 5000, 2000, 1000), 4, True),  # the limit
 ])
