@@ -386,6 +386,11 @@ class MemberAgent:
                              f"this ckpt {PROTOCOL_VERSION}", hint="run the same ckpt version on every host")
         settings = settings_from_hello(self.base, message)
         self.state.store = open_members_store(settings, message.get("store_identity"))
+        # pycriu's image readers take 0.1-0.3 s to import: here, not while a migration's source
+        # is frozen waiting for this host's restore (the agent is reached before the freeze).
+        from ckpt.criu.images import warm_up
+
+        warm_up()
         return {"version": PROTOCOL_VERSION, "hostname": socket.gethostname(), "pid": os.getpid()}
 
     def _prepare(self, message: dict) -> dict:
