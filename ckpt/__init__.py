@@ -2,7 +2,8 @@
 
 What a program imports (docs/api.md):
 
-    ckpt.checkpoint(name=None, store=None) -> CheckpointResult(id, restored, name)
+    ckpt.checkpoint(name=None, store=None) -> CheckpointResult(id, restored, name, copy)
+    ckpt.copy_info()        which copy of a clone this is (a dict), or None
     ckpt.before_checkpoint(fn), ckpt.after_restore(fn)
     ckpt.no_checkpoint()    a critical section no dump freezes
     ckpt.journal            a durable record of irreversible actions
@@ -22,6 +23,7 @@ _API = {
     "before_checkpoint": "ckpt.agent.checkpoint",
     "after_restore": "ckpt.agent.checkpoint",
     "CheckpointResult": "ckpt.agent.checkpoint",
+    "copy_info": "ckpt.agent.checkpoint",
     "no_checkpoint": "ckpt.agent.sections",
     "journal": "ckpt.agent.journal",
 }

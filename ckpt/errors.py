@@ -208,6 +208,19 @@ class GroupFailed(CkptError):
         if exit_code is not None:
             self.exit_code = ExitCode(exit_code)
 
+
+class CloneFailed(CkptError):
+    """A clone (`ckpt clone REF --copies N`) failed in one copy: every copy was ended (those
+    already running killed), none runs. The exit code is the failing copy's."""
+
+    exit_code = ExitCode.ERROR
+
+    def __init__(self, message: str, *, hint: str | None = None, exit_code: int | None = None):
+        super().__init__(message, hint=hint)
+        if exit_code is not None:
+            self.exit_code = ExitCode(exit_code)
+
+
 class MemberLost(CkptError):
     """A member of a group checkpoint on another host stopped answering: its ssh channel
     ended (the connection was lost, ssh or the member agent died) or it did not answer within

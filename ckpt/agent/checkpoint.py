@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ckpt import settings as settings_module
-from ckpt.agent import arguments, results
+from ckpt.agent import arguments, identity, results
 from ckpt.errors import CheckpointCancelled, CheckpointFailed, CkptError, ExitCode
 from ckpt.store import ids
 from ckpt.system import procfs
@@ -38,11 +38,13 @@ SUPERVISOR_TIMEOUT = 600.0
 @dataclass(frozen=True)
 class CheckpointResult:
     """What ckpt.checkpoint() returns: the checkpoint's ID on both sides; restored is False in
-    the process that asked and True in a copy restored from that checkpoint."""
+    the process that asked and True in a copy restored from that checkpoint; copy is the
+    number (1..N) of a copy `ckpt clone` restored, None in the original and plain restores."""
 
     id: str
     restored: bool
     name: str | None = None
+    copy: int | None = None
 
 
 _settings: settings_module.Settings | None = None
@@ -202,8 +204,18 @@ def _incarnation() -> tuple[str, int]:
     return procfs.boot_id(), procfs.start_ticks("self")
 
 
+def copy_info() -> dict | None:
+    """Which copy of a clone (`ckpt clone REF --copies N`) this process is: {"format": 1,
+    "clone": ID, "copy": k, "copies": N, "checkpoint": ID, "name": NAME or None, "created":
+    TIME} (docs/api.md), or None when it is not in a copy (the original, a plain restore)."""
+    return identity.read_identity(identity.copies_dir(_agent_settings()))
+
+
 def _take(name: str | None, store: str | None) -> CheckpointResult:
     config = _agent_settings()
+    # Noted in this process's memory before the dump: a copy's checkpoint, restored later
+    # without an identity file of its own, is still that copy to its journal.
+    identity.remembered.current(identity.copies_dir(config))
     pid = os.getpid()
     checkpoint_id = ids.new_id()
     before = _incarnation()
@@ -228,7 +240,8 @@ def _take(name: str | None, store: str | None) -> CheckpointResult:
     record = _wait(before, result_file, dumper, timeout, log_file)
     if record is None:  # the restored copy: what the original left is of no use
         results.remove(result_file, *([log_file] if log_file else []))
-        return CheckpointResult(checkpoint_id, True, name)
+        found = identity.read_identity(identity.copies_dir(config))
+        return CheckpointResult(checkpoint_id, True, name, found["copy"] if found else None)
     results.remove(result_file)
     if record.get("ok") is True and record.get("id") == checkpoint_id:
         if log_file is not None:

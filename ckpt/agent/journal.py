@@ -36,10 +36,10 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from ckpt import settings
-from ckpt.agent import arguments
+from ckpt.agent import arguments, identity
 from ckpt.errors import CkptError, OutcomeUnknown, UsageError
 from ckpt.store import Store
-from ckpt.store.journal import Entry, Journal as StoreJournal, check_agent
+from ckpt.store.journal import Branch, Entry, Journal as StoreJournal, check_agent
 
 __all__ = ["Entry", "Journal", "journal", "handle_protocol"]
 
@@ -65,7 +65,7 @@ class Journal:
     def __init__(self, agent: str | None = None, store: str | Path | None = None):
         self._agent = arguments.optional_str(agent, "Journal(): agent")
         self._location = arguments.optional_store(store, "Journal(): store")
-        self._opened: tuple[object, str, StoreJournal] | None = None
+        self._opened: tuple[object, str, Branch | None, StoreJournal] | None = None
 
     def use(self, agent: str | None = None, store: str | Path | None = None) -> Journal:
         """Names the agent (its checkpoints' name) and/or the store (a directory or an s3://
@@ -96,12 +96,17 @@ class Journal:
         location = (settings.store_from_flag(self._location) if self._location is not None
                     else environment.store)
         agent = self.agent
-        if self._opened is None or self._opened[:2] != (location, agent):
+        branch = _branch(environment)
+        if self._opened is None or self._opened[:3] != (location, agent, branch):
             # Opened once and kept: an encrypted store costs a key derivation (0.1 s) to open.
             # A local store holds no descriptor open between calls.
-            store = Store.open(location, create=not settings.is_remote(location), settings=environment)
-            self._opened = (location, agent, StoreJournal(store.backend, agent))
-        return self._opened[2]
+            if self._opened is not None and self._opened[:2] == (location, agent):
+                store_backend = self._opened[3].backend
+            else:
+                store_backend = Store.open(location, create=not settings.is_remote(location),
+                                           settings=environment).backend
+            self._opened = (location, agent, branch, StoreJournal(store_backend, agent, branch))
+        return self._opened[3]
 
     def intent(self, key: str) -> Entry | None:
         """Records, durably, that the action `key` is about to be done. None: this call recorded
@@ -151,6 +156,17 @@ class Journal:
 
 
 journal = Journal()
+
+
+def _branch(environment: settings.Settings) -> Branch | None:
+    """In copy k of clone C, the branch C-k of the journal, which sees the agent's records up
+    to the checkpoint the copy was restored from (docs/design.md, "Journal"); else None. Looked
+    up at each call (a stat of /proc/self/ns/pid): a checkpoint of the original restored as a
+    copy carries this object in its memory, and must write in its branch from its first call."""
+    found = identity.remembered.current(identity.copies_dir(environment))
+    if found is None:
+        return None
+    return Branch.of_checkpoint(found["clone"], found["copy"], found["checkpoint"])
 
 
 # ---- the CKPT_SOCKET protocol ---------------------------------------------------------------

@@ -2,7 +2,9 @@ from datetime import datetime
 
 import typer
 
-from ckpt.cli.options import NO_FLAGS, REPORTING, NameFilterOption, SharedFlags, open_store, shared_flags
+from ckpt.agent.identity import copies_dir
+from ckpt.cli.options import (NO_FLAGS, REPORTING, NameFilterOption, SharedFlags, cli_settings, open_store,
+                              shared_flags)
 from ckpt.cli.output import emit_json, human_bytes, print_table, stderr
 from ckpt.commands.list import absent_name, list_checkpoints
 
@@ -28,7 +30,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         reporter = flags.reporter()
         st = open_store(flags.store, reporter=reporter)
-        rows = list_checkpoints(st, name, reporter)
+        rows = list_checkpoints(st, name, reporter, copies_dir(cli_settings()))
         if flags.json_out:
             emit_json(rows)
             return
@@ -41,6 +43,7 @@ def register(app: typer.Typer) -> None:
         # On a terminal too narrow for all: PROCS, then PID, then CREATED (the ID holds the time, in UTC).
         left_out = print_table(["ID", "NAME", "CREATED", "PID", "COMMAND", "PROCS", "SIZE", "STORED"],
                                _table(rows), shrink=4, optional=(5, 3, 2))
+        _print_running_copies(rows)
         if flags.quiet:
             return
         group_count = len({r["group"]["id"] for r in rows if r["group"]})
@@ -50,6 +53,16 @@ def register(app: typer.Typer) -> None:
                      f"(STORED: what each checkpoint added when it was taken)"
                      + (f"; {', '.join(left_out)} left out to fit the terminal ('ckpt list | cat' has all)"
                         if left_out else ""))
+
+
+def _print_running_copies(rows: list[dict]) -> None:
+    """A line per checkpoint that clones run copies of, under the table (on stdout: data)."""
+    for r in rows:
+        if r["running_copies"]:
+            copies = r["running_copies"]
+            clones = sorted({c["clone"] for c in copies})
+            print(f"{r['id']}: {len(copies)} running cop{'y' if len(copies) == 1 else 'ies'} "
+                  f"(clone {', '.join(clones)}): " + ", ".join(f"copy {c['index']} PID {c['pid']}" for c in copies))
 
 
 def _when(created: str) -> str:

@@ -4,7 +4,9 @@ import typer
 
 from ckpt.cli.options import (NO_FLAGS, REPORTING, HoldLimitOption, PhaseTimeoutOption, SharedFlags, invocation,
                               output_file_flag, shared_flags, store_root, with_members)
+from ckpt.cli.cmd_clone import NetOption, run_clone
 from ckpt.cli.output import emit_json, stderr, styled
+from ckpt.commands.clone import CloneRequest, check_request
 from ckpt.commands.group_remote import parse_on
 from ckpt.commands.group import GroupRestoreRequest, GroupRestoreResult, group_restore, named_group
 from ckpt.commands.restore import RestoreRequest, restore
@@ -50,6 +52,8 @@ Examples:
 
   ckpt restore agent --eager       # all memory in place before the tree runs
 
+  ckpt restore agent --copies 4    # four copies at once, as 'ckpt clone agent --copies 4'
+
 REF may name a group checkpoint (ckpt dump --group): every member is restored, none runs
 until every one is back, connections between members come back established, and if any
 member fails none runs. stdout then carries each member's root PID, one per line.
@@ -70,6 +74,11 @@ OutputOption = Annotated[Optional[str], output_file_flag(
 PostRestoreOption = Annotated[Optional[str], typer.Option(
     "--post-restore", help="Shell command run once the tree runs again (CKPT_PID, CKPT_ID in its "
                            "environment); its failure is reported, the tree keeps running.")]
+
+
+RestoreCopiesOption = Annotated[Optional[int], typer.Option(
+    "--copies", metavar="N",
+    help="Restore N copies at once, each in namespaces of its own (as 'ckpt clone REF --copies N').")]
 
 
 def register(app: typer.Typer) -> None:
@@ -94,12 +103,19 @@ def register(app: typer.Typer) -> None:
                  "kernel can.")] = None,
         hold_limit: HoldLimitOption = 60.0,
         timeout: PhaseTimeoutOption = 120.0,
+        copies: RestoreCopiesOption = None,
+        net: NetOption = "auto",
         on: Annotated[Optional[list[str]], typer.Option(
             "--on", metavar="FROM=TO",
             help="A group's members taken on host FROM are restored on host TO instead (reached with ssh; "
                  "'FROM=' restores them on this host). Once per host.")] = None,
         flags: SharedFlags = NO_FLAGS,
     ) -> None:
+        if copies is not None:
+            _refuse_for_copies(new_pidns=new_pidns, post_restore=post_restore, on=on)
+            _restore_copies(flags, CloneRequest(ref=ref, copies=copies, network=net, lazy=lazy, output=output,
+                                                tcp_close=tcp_close))
+            return
         settings, passwords = invocation().settings(), invocation().passwords()
         if named_group(store_root(flags.store), ref, settings=settings, passwords=passwords) is not None:
             _refuse_for_groups(new_pidns=new_pidns, post_restore=post_restore)
@@ -107,6 +123,8 @@ def register(app: typer.Typer) -> None:
                                                       hold_limit=hold_limit, phase_timeout=timeout,
                                                       on=parse_on(on or [])))
             return
+        if net != "auto":
+            raise UsageError("--net is taken only with --copies", hint="a plain restore keeps the host's network")
         if on:
             raise UsageError("--on is taken only for a group checkpoint",
                              hint=f"'{ref}' names a checkpoint: run 'ckpt restore' on the host it is to run on")
@@ -132,6 +150,21 @@ def _restore_one(flags: SharedFlags, request: RestoreRequest) -> None:
             stderr.print(f"{result.lazy['bytes'] / (1 << 20):.0f} MiB of its memory is being filled in by page "
                          f"server {result.lazy['server_pid']} (log: {result.lazy['log']})")
     print(result.pid)
+
+
+def _restore_copies(flags: SharedFlags, request: CloneRequest) -> None:
+    check_request(request)  # a bad --copies is one line of error, before the store is opened
+    if named_group(store_root(flags.store), request.ref, settings=invocation().settings(),
+                   passwords=invocation().passwords()) is not None:
+        raise UsageError("--copies is not taken for a group", hint="clone the group's members one by one")
+    run_clone(flags, request)
+
+
+def _refuse_for_copies(**given: object) -> None:
+    for option, value in given.items():
+        if value:
+            raise UsageError(f"--{option.replace('_', '-')} is not taken with --copies",
+                             hint="each copy gets a PID namespace of its own; hooks are for one restore")
 
 
 def _refuse_for_groups(**given: object) -> None:

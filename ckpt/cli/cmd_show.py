@@ -4,7 +4,8 @@ import typer
 from rich.text import Text
 from rich.tree import Tree
 
-from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, open_store, shared_flags
+from ckpt.agent.identity import copies_dir
+from ckpt.cli.options import NO_FLAGS, REPORTING, SharedFlags, cli_settings, open_store, shared_flags
 from ckpt.cli.output import emit_json, human_bytes, print_table, stdout
 from ckpt.commands.show import CheckpointDescription, GroupDescription, inspect
 from ckpt.restore.lazywatch import describe
@@ -45,7 +46,8 @@ def register(app: typer.Typer) -> None:
         flags: SharedFlags = NO_FLAGS,
     ) -> None:
         reporter = flags.reporter()
-        described = inspect(open_store(flags.store, create=False, reporter=reporter), ref)
+        described = inspect(open_store(flags.store, create=False, reporter=reporter), ref,
+                            copies_dir=copies_dir(cli_settings()))
         if isinstance(described, GroupDescription):
             if flags.json_out:
                 emit_json(described.to_json())
@@ -99,6 +101,17 @@ def _print_checkpoint(described: CheckpointDescription) -> None:
         for fd in proc["fds"]:
             node.add(Text(_fd_line(fd)))
     stdout.print(tree)
+    _print_running_copies(data["running_copies"])
+
+
+def _print_running_copies(copies: list[dict]) -> None:
+    if not copies:
+        return
+    stdout.print(f"running copies ({len(copies)})")
+    for c in copies:
+        where = f", network namespace {c['netns']} address {c['address']}" if c["netns"] else ", host network"
+        stdout.print(f"  copy {c['index']} of clone {c['clone']}: root PID {c['pid']} ({c['pid_in_namespace']} "
+                     f"in its namespace), init PID {c['init_pid']}{where}")
 
 
 def _print_group(group: GroupManifest) -> None:

@@ -3,6 +3,9 @@ failed (each also said as a warning), and the group checkpoint each member belon
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from ckpt.commands.clone import running_copies
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore.lazywatch import describe, failures
 from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreError
@@ -11,11 +14,15 @@ from ckpt.store.groups import GroupManifest, group_of
 from ckpt.store.repository import did_you_mean
 
 
-def list_checkpoints(store: Store, name: str | None = None, reporter: Reporter = NullReporter()) -> list[dict]:
+def list_checkpoints(store: Store, name: str | None = None, reporter: Reporter = NullReporter(),
+                     copies_dir: Path | None = None) -> list[dict]:
     """One row a checkpoint, in the shape of `ckpt list --json` (docs/json.md); a member of a
     group checkpoint says which (`group`: its summary). A manifest that cannot be read, and a
     lazy restore whose page server died, are reported as warnings. name: the checkpoints of
-    that name, and the members of the groups of that name."""
+    that name, and the members of the groups of that name. copies_dir: where the registries
+    of clones are (`running_copies`: the copies of each checkpoint still running; none
+    without it)."""
+    running = running_copies(copies_dir) if copies_dir is not None else {}
     manifests = store.manifests(on_damaged=lambda _id, error: reporter.warn(str(error)))
     groups = _groups_of(store, manifests, reporter)
     if name:
@@ -30,6 +37,7 @@ def list_checkpoints(store: Store, name: str | None = None, reporter: Reporter =
         "processes": len(m.processes), "bytes_total": m.bytes_total, "bytes_stored": m.bytes_stored,
         "lazy_restore_failures": len(lost[m.id]),
         "group": _summary(groups[group_id]) if (group_id := group_of(m)) in groups else None,
+        "running_copies": running.get(m.id, []),
     } for m in manifests]
 
 

@@ -3,8 +3,10 @@ checkpoint is made of (its members and how close together they were frozen)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
+from ckpt.commands.clone import running_copies
 from ckpt.commands.results import JsonResult
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore.lazywatch import failures
@@ -21,11 +23,12 @@ class CheckpointDescription(JsonResult):
     processes: list[dict]  # per process, what its images hold (criu.images.describe)
     lazy_restore_failures: list[dict]  # what the page servers of its lazy restores could not fill in
     group: GroupManifest | None = None  # the group checkpoint it is a member of
+    running_copies: list[dict] = field(default_factory=list)  # copies of it that clones run
 
     def to_json(self) -> dict:
         # The manifest's own "group" ({"id", "name"}) says which group a member belongs to.
         return {**self.manifest.to_json(), "processes": self.processes,
-                "lazy_restore_failures": self.lazy_restore_failures}
+                "lazy_restore_failures": self.lazy_restore_failures, "running_copies": self.running_copies}
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,11 @@ class GroupDescription(JsonResult):
         return self.group.to_json()
 
 
-def inspect(store: Store, ref: str, reporter: Reporter = NullReporter()) -> CheckpointDescription | GroupDescription:
+def inspect(store: Store, ref: str, reporter: Reporter = NullReporter(),
+            copies_dir: Path | None = None) -> CheckpointDescription | GroupDescription:
     """What ref names: a group checkpoint (its ID, a prefix, its name), described by its group
-    manifest; else a checkpoint: its manifest and, read from its images, each process."""
+    manifest; else a checkpoint: its manifest and, read from its images, each process, and
+    the copies of it that clones run (their registries in copies_dir, when given)."""
     from ckpt.criu import images  # deferred: imports pycriu
 
     with store.lock(exclusive=False):
@@ -54,7 +59,8 @@ def inspect(store: Store, ref: str, reporter: Reporter = NullReporter()) -> Chec
             processes = images.describe(image_dir, manifest.processes)
         finally:
             discard(image_dir)
-    return CheckpointDescription(manifest, processes, failures(store.logs_root / manifest.id), group)
+    running = running_copies(copies_dir, manifest.id).get(manifest.id, []) if copies_dir is not None else []
+    return CheckpointDescription(manifest, processes, failures(store.logs_root / manifest.id), group, running)
 
 
 def _group(store: Store, manifest: Manifest) -> GroupManifest | None:

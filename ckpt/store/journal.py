@@ -14,12 +14,18 @@ Write-once names make every question a single read by name, need no lock (a prun
 deletes a record a checkpoint may still need, see prunable()), and let two copies of one
 agent racing for the same action find out which of them started it: exactly one
 put_if_absent wins. Each write is durable when it returns.
+
+Copy k of clone C (`ckpt clone`) writes in a branch of the agent's journal,
+journal/<agent>/<branch>/<hash>.<state>.json (branch_name(C, k)), and sees the agent's own records only up to
+the checkpoint it was restored from (a Branch): each copy does what came after the
+checkpoint once, on its own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -79,6 +85,47 @@ class Removal:
     missing: list[str]
 
 
+# A branch is named "<12 hex digits of the BLAKE3 of the clone id>-<copy>" (a copy is 1..999):
+# one short path component (see Branch). 48 bits: two clones of one agent never share one.
+BRANCH_HASH_DIGITS = 12
+BRANCH_RE = re.compile(r"^[0-9a-f]{12}-[1-9][0-9]{0,2}$")
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Where copy `copy` of clone `clone` keeps its records, and up to when it sees the
+    agent's own: `cutoff`, when the dump of the checkpoint it was restored from began (the
+    time in the checkpoint's ID, chosen before the freeze). A record of the agent written
+    later is the original's, after the checkpoint: the copy never sees it, and does that
+    action itself (once, in its branch).
+
+    The branch's name is short, a hash of the clone ID (not copies/<clone id>-<k>): an
+    encrypted store turns the name after "journal/" into a file name 1.6 times as long (plus
+    its write's temp suffix), which must fit 255 bytes; a 64-character agent, "/", a branch
+    of 16 characters, "/", 32 digits and ".intent.json" (126) makes 250."""
+
+    clone: str
+    copy: int
+    cutoff: datetime
+
+    @property
+    def name(self) -> str:
+        return branch_name(self.clone, self.copy)
+
+    @classmethod
+    def of_checkpoint(cls, clone: str, copy: int, checkpoint_id: str) -> Branch:
+        return cls(clone, copy, _id_time(ids.check_id(checkpoint_id)))
+
+
+def branch_name(clone: str, copy: int) -> str:
+    """The name of the branch of copy `copy` of clone `clone` in every agent's journal."""
+    digest = blake3.blake3(ids.check_id(clone).encode()).hexdigest()[:BRANCH_HASH_DIGITS]
+    name = f"{digest}-{int(copy)}"
+    if not BRANCH_RE.match(name):
+        raise ValueError(f"invalid copy number {copy!r}: copies are numbered 1 to 999")
+    return name
+
+
 def check_agent(agent: str) -> str:
     """An agent is named like its checkpoints (a checkpoint name): the name is a blob path
     component, so nothing unvalidated becomes one."""
@@ -95,8 +142,10 @@ def key_hash(key: str) -> str:
     return blake3.blake3(key.encode("utf-8", "surrogatepass")).hexdigest()[:KEY_HASH_DIGITS]
 
 
-def blob_name(agent: str, key: str, state: str) -> str:
-    return f"{JOURNAL_PREFIX}{check_agent(agent)}/{key_hash(key)}.{state}.json"
+def blob_name(agent: str, key: str, state: str, branch: str | None = None) -> str:
+    """journal/<agent>/<hash>.<state>.json, or in a copy's branch journal/<agent>/<branch>/..."""
+    where = f"{check_agent(agent)}/" + (f"{branch}/" if branch is not None else "")
+    return f"{JOURNAL_PREFIX}{where}{key_hash(key)}.{state}.json"
 
 
 def _now() -> str:
@@ -104,19 +153,29 @@ def _now() -> str:
 
 
 class Journal:
-    """The journal of one agent in one store (through its backend)."""
+    """The journal of one agent in one store (through its backend); with a branch, the
+    journal as copy `branch.copy` of a clone sees it: its branch first, then the agent's own
+    records up to branch.cutoff, and it writes in its branch only."""
 
-    def __init__(self, backend: Backend, agent: str):
+    def __init__(self, backend: Backend, agent: str, branch: Branch | None = None):
         self.backend = backend
         self.agent = check_agent(agent)
+        self.branch = branch
+        self._where = branch.name if branch is not None else None  # where this journal writes
 
     def intent(self, key: str, now: str | None = None) -> Entry | None:
         """Records, durably, that the action `key` is about to be done. Returns None when this
         call recorded it (go ahead), else the record already there: done (skip it: its
         outcome is known) or an intent (started before, by an earlier run or a copy of this
         agent, outcome unknown: reconcile with the outside world, then record())."""
+        if self.branch is not None:
+            # The agent's records up to the checkpoint are fixed: a copy that finds one there
+            # (done, or started before the checkpoint) treats it as its own and writes nothing.
+            found = self.entry(key)
+            if found is not None:
+                return found
         try:
-            self.backend.put_if_absent(blob_name(self.agent, key, INTENT), self._render(key, INTENT, None, now))
+            self.backend.put_if_absent(self._name(key, INTENT), self._render(key, INTENT, None, now))
         except BlobExists:
             found = self.entry(key)
             if found is None:  # deleted meanwhile: only a prune does that, to a done record
@@ -129,7 +188,7 @@ class Journal:
             return found
         except OSError as exc:
             raise self._failed("recording an intent", exc) from exc
-        done = self._read(key, DONE)  # recorded done without an intent before (record() alone)
+        done = self._read(key, DONE, self._where)  # recorded done without an intent before (record() alone)
         return done
 
     def record(self, key: str, outcome: object, now: str | None = None) -> Entry:
@@ -140,29 +199,49 @@ class Journal:
             raise ValueError("a journal outcome cannot be None (it could not be told from no record): "
                              "record True, a string or a dict")
         data = self._render(key, DONE, outcome, now)
+        if self.branch is not None and (before := self._before(key)) is not None and before.done:
+            return before  # recorded before the checkpoint: the first outcome
         try:
-            self.backend.put_if_absent(blob_name(self.agent, key, DONE), data)
+            self.backend.put_if_absent(self._name(key, DONE), data)
         except BlobExists:
-            found = self._read(key, DONE)
+            found = self._read(key, DONE, self._where)
             if found is not None:
                 return found
         except OSError as exc:
             raise self._failed("recording an outcome", exc) from exc
-        return self._parse(data, blob_name(self.agent, key, DONE), key)
+        return self._parse(data, self._name(key, DONE), key)
 
     def entry(self, key: str) -> Entry | None:
         """The record of `key`: done, intent, or None if there is none."""
-        return self._read(key, DONE) or self._read(key, INTENT)
+        found = self._read(key, DONE, self._where) or self._read(key, INTENT, self._where)
+        if found is None and self.branch is not None:
+            found = self._before(key)
+        return found
 
     def get(self, key: str) -> object:
         """The outcome recorded for `key`, or None."""
-        found = self._read(key, DONE)
-        return found.outcome if found is not None else None
+        found = self._read(key, DONE, self._where) or self._before(key)
+        return found.outcome if found is not None and found.done else None
+
+    def _before(self, key: str) -> Entry | None:
+        """In a branch: the agent's own record of `key` as it was at the checkpoint (its
+        outcome if recorded by then, else its intent if started by then), or None."""
+        if self.branch is None:
+            return None
+        for state in (DONE, INTENT):
+            found = self._read(key, state, None)
+            if found is not None and _written_by(found, self.branch.cutoff):
+                return found
+        return None
+
+    def _name(self, key: str, state: str) -> str:
+        return blob_name(self.agent, key, state, self._where)
 
     def entries(self) -> list[Entry]:
-        """Every record of the agent (a done record hides its intent), in no particular order."""
+        """Every record of the agent (a done record hides its intent), in no particular order;
+        those of its own level only (a copy's branch is not the agent's)."""
         by_hash: dict[str, Entry] = {}
-        for info in self.backend.list(f"{JOURNAL_PREFIX}{self.agent}/"):
+        for info in self._own_blobs():
             digest, state = _split(info.name)
             if state is None:
                 continue
@@ -179,8 +258,7 @@ class Journal:
         agent, or those of `keys` (a key without a record is named in `missing`). A record that
         cannot be read is removed too (its entry says "damaged"). Unfinished writes (temp files)
         are left to prune, which sweeps them once they are old."""
-        names = sorted(info.name for info in self.backend.list(f"{JOURNAL_PREFIX}{self.agent}/")
-                       if _split(info.name)[1] is not None)
+        names = sorted(info.name for info in self._own_blobs() if _split(info.name)[1] is not None)
         removal = Removal(self.agent, [], [], [], [])
         if keys is None:
             removal.entries = sorted(self.entries(), key=lambda e: (e.time, e.key))
@@ -214,7 +292,19 @@ class Journal:
         except OSError as exc:
             raise self._failed("removing records", exc) from exc
 
+    def branches(self) -> list[str]:
+        """The branches of the agent's journal (branch_name()), one per copy that wrote."""
+        prefix = f"{JOURNAL_PREFIX}{self.agent}/"
+        found = {info.name[len(prefix):].partition("/")[0] for info in self.backend.list(prefix)
+                 if "/" in info.name[len(prefix):]}
+        return sorted(name for name in found if BRANCH_RE.match(name))
+
     # ---- blobs ---------------------------------------------------------------------------
+
+    def _own_blobs(self) -> list[BlobInfo]:
+        """The blobs of the agent's own level (listing is by prefix: branches are below it)."""
+        prefix = f"{JOURNAL_PREFIX}{self.agent}/"
+        return [info for info in self.backend.list(prefix) if "/" not in info.name[len(prefix):]]
 
     def _render(self, key: str, state: str, outcome: object, now: str | None) -> bytes:
         record = {"format": FORMAT, "agent": self.agent, "key": key, "state": state, "time": now or _now(),
@@ -226,8 +316,8 @@ class Journal:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"the outcome of {key!r} is not a JSON value: {exc}") from None
 
-    def _read(self, key: str, state: str) -> Entry | None:
-        name = blob_name(self.agent, key, state)
+    def _read(self, key: str, state: str, branch: str | None = None) -> Entry | None:
+        name = blob_name(self.agent, key, state, branch)
         try:
             data = self.backend.get(name)
         except BlobNotFound:
@@ -252,6 +342,16 @@ class Journal:
         from ckpt.store.fsutil import translate_os_error
 
         return translate_os_error(exc, f"{what} in the journal of {self.agent}")
+
+
+def _written_by(entry: Entry, cutoff: datetime) -> bool:
+    """Whether the record was written at or before cutoff (a time that cannot be read: no, the
+    copy then does the action itself rather than take another's outcome for its own)."""
+    try:
+        written = datetime.fromisoformat(entry.time)
+    except ValueError:
+        return False
+    return written.tzinfo is not None and written <= cutoff
 
 
 def _split(name: str) -> tuple[str, str | None]:

@@ -11,7 +11,7 @@ from ckpt.cli.main import app, main
 from tests.helpers import env_settings, ROOT, manifest_only_checkpoint
 
 COMMANDS = ["init", "check", "dump", "restore", "list", "show", "diff", "rm", "verify", "forget", "prune", "copy",
-            "run", "migrate", "_member"]
+            "run", "migrate", "_member", "clone", "copy-info"]
 SCHEDULE_COMMANDS = ["add", "list", "rm", "run"]
 KEY_COMMANDS = ["list", "add", "remove", "passwd"]
 JOURNAL_COMMANDS = ["list", "show", "rm"]
@@ -274,3 +274,40 @@ def test_schedule_list_shortens_an_error_the_json_keeps_whole(capsys, isolated_e
     assert "--json" in err, err  # where the whole error is
     code, out, err = run(capsys, "schedule", "list", "--json")
     assert json.loads(out)[0]["last"]["error"] == error
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["clone", "agent", "--copies", "0"], "--copies must be 1 to 64, not 0"),
+    (["clone", "agent", "--copies", "65"], "--copies must be 1 to 64, not 65"),
+    (["clone", "agent", "--copies", "2", "--net", "bridge"], "--net must be one of auto, own, host"),
+    (["restore", "agent", "--copies", "0"], "--copies must be 1 to 64, not 0"),
+])
+def test_clone_refuses_bad_copies_in_one_line(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err
+
+
+def test_copy_info_says_nothing_outside_a_copy(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_COPIES_DIR", str(tmp_path))
+    code, out, err = run(capsys, "copy-info")
+    assert (code, out) == (0, "")
+    code, out, _ = run(capsys, "copy-info", "--json")
+    assert (code, out.strip()) == (0, "null")
+
+
+def test_copy_info_prints_shell_assignments(capsys, tmp_path, monkeypatch):
+    from ckpt.agent import identity
+    from ckpt.cli.cmd_copy_info import assignments
+
+    record = {"format": 1, "clone": "20261130-231500-000-abcdef", "copy": 3, "copies": 4,
+              "checkpoint": "20261130-230102-123-3fa9c1", "name": "agent", "created": "2026-11-30T23:15:00+00:00"}
+    assert assignments(record) == ["CKPT_COPY=3", "CKPT_COPIES=4", "CKPT_CLONE=20261130-231500-000-abcdef",
+                                   "CKPT_CHECKPOINT=20261130-230102-123-3fa9c1"]
+    (tmp_path / f"pidns-{identity.pidns_inode()}.json").write_text(json.dumps(record))
+    monkeypatch.setattr(identity, "DEFAULT_COPIES_DIR", tmp_path)  # until settings has copies_dir
+    monkeypatch.setenv("CKPT_COPIES_DIR", str(tmp_path))
+    code, out, _ = run(capsys, "copy-info")
+    assert code == 0 and out.splitlines()[0] == "CKPT_COPY=3"
+    code, out, _ = run(capsys, "copy-info", "--json")
+    assert json.loads(out) == record
