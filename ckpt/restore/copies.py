@@ -20,9 +20,10 @@ What CRIU 4.2 can dump decides the arrangement (found by trying; the errors are 
   back on restore as a descriptor of a fresh one (`inherit_fd`), as runc and Podman do.
 
 Layout of the processes: ckpt forks a helper that joins the copy's network namespace, unshares
-a PID namespace and forks the init (PID 1), then exits. The init forks the CRIU runner, waits
-for it and execs the reaper; the runner (in the new PID namespace, a mount namespace of its
-own) runs CRIU, whose restored root is reparented to the init when CRIU exits.
+a PID namespace and forks the init (PID 1), then exits. The init forks the CRIU runner and
+execs the reaper; the runner (in the new PID namespace, a mount namespace of its own) runs
+CRIU, whose restored root is reparented to the init when CRIU exits. The identity file is
+written by the runner in CRIU's post-restore notification, before the copy's tree runs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import ctypes
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -155,7 +157,21 @@ def run_copy(restore_inside: Callable[[], int], netns: Path | None) -> CopyStart
     if not {"init", "pid", "pidns"} <= result.keys():
         raise CkptError("the restore of a copy ended without a result")
     inode = int(result["pidns"])
+    _wait_for_reaper(result["init"])
     return CopyStarted(result["init"], host_pid(inode, result["pid"]), result["pid"], inode)
+
+
+def _wait_for_reaper(init: int, timeout: float = 5.0) -> None:
+    """Until the init runs the reaper (its name set: what `ckpt dump` knows a copy's init by),
+    which it started while CRIU worked: almost always at once."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{init}/comm").read_text().strip() == INIT_COMM:
+                return
+        except OSError:
+            raise ProcessNotFound(f"the copy's init (PID {init}) ended") from None
+        time.sleep(0.01)
 
 
 def _report(write_end: int, record: dict) -> None:
@@ -185,21 +201,18 @@ def _helper(write_end: int, restore_inside: Callable[[], int], netns: Path | Non
 
 def _as_init(write_end: int, restore_inside: Callable[[], int]) -> None:
     """PID 1: leads its own session (CRIU dumps no namespace whose init's session leader is
-    outside it), runs CRIU in a child, then becomes the reaper."""
-    status = 1
+    outside it), forks the CRIU runner and becomes the reaper at once (its name is set by the
+    time CRIU is done, and it reaps the runner too)."""
     try:
         os.setsid()
-        runner = os.fork()
-        if runner == 0:
+        if os.fork() == 0:
             _as_runner(write_end, restore_inside)
-        status = os.waitstatus_to_exitcode(os.waitpid(runner, 0)[1])
     except BaseException as exc:
         _report(write_end, {"error": f"{type(exc).__name__}: {exc}"})
+        os._exit(1)
     # The reaper lives as long as the copy: it keeps none of ckpt's descriptors (the store
-    # lock's would block prune and rm), and the pipe's end closes here.
+    # lock's would block prune and rm), and its end of the pipe closes here.
     detach_stdio()
-    if status != 0:
-        os._exit(1)  # CRIU ended what it restored: nothing to reap
     try:
         os.execv(sys.executable, [sys.executable, "-S", "-I", "-c", REAPER])
     finally:
