@@ -187,6 +187,9 @@ class RestoreSession(Session[RestoreRequest]):
         self.criu_options = options.to_criu_restore(images_dir, self.work_dir, f"{log_name}.log",
                                                     inherit_stdio=has_tty, inherit_fds=self.inherit, extra=extra)
         if request.copy is not None:
+            from ckpt.criu.images import proc_of_new_pid_namespace  # deferred: imports pycriu
+
+            proc_of_new_pid_namespace(images_dir)
             self.criu_options.join_ns = list(copies.JOIN_HOST_NAMESPACES)
         if self.output:
             self.reporter.info(f"what the tree wrote into pipes or sockets to programs outside it now goes to "

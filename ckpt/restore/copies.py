@@ -299,6 +299,20 @@ def find_copy(pid: int, copies_dir: Path) -> CopyTarget | None:
     return CopyTarget(init, inode, identity, None if netns == os.stat("/proc/self/ns/net").st_ino else netns)
 
 
+def root_of(copy: CopyTarget, pid: int, limit: int = 64) -> int | None:
+    """The copy's root (the init's child PID is under, or its only child when PID is the
+    init) by its PID inside, or None when it cannot be told."""
+    if pid == copy.init_pid:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return pid_in_namespace(int(children[0])) if len(children) == 1 else None
+    for _ in range(limit):
+        parent = int(_status(pid)["PPid"])
+        if parent == copy.init_pid:
+            return pid_in_namespace(pid)
+        pid = parent
+    return None
+
+
 def _init_of(pid: int, inode: int, limit: int = 64) -> int | None:
     """Walks up the parents of PID to the init (PID 1) of its namespace."""
     for _ in range(limit):
