@@ -265,6 +265,11 @@ class RestoreSession(Session[RestoreRequest]):
 
     def _restore_copy(self, copy: CopyPlacement, restore_inside: Callable[[], int]) -> int:
         self.reporter.step(f"restoring copy {copy.index} of {copy.count} into a PID namespace of its own")
+        from ckpt.criu.client import bindings_version
+
+        # Imported before the fork: copies restored by threads of one process fork while another
+        # thread may be importing it, and a forked child must not find it half-imported.
+        bindings_version()
         started = copies.run_copy(restore_inside, self.network.path if self.network else None)
         self.pid, self.inner = started.pid, started.pid_in_namespace
         self.copy_info = CopyInfo(copy.index, started.init_pid, started.pid, started.pid_in_namespace,
