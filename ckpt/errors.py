@@ -177,6 +177,13 @@ class SectionTimeout(CkptError):
     exit_code = ExitCode.BUSY
 
 
+class CopyNetworkFailed(CkptError):
+    """A copy's network namespace, veth, addresses or the host's masquerade could not be set up
+    (restore/copynet.py): what `ip` or `nft` said is the message."""
+
+    exit_code = ExitCode.ERROR
+
+
 class HookFailed(CkptError):
     exit_code = ExitCode.ERROR
 

@@ -199,6 +199,9 @@ class Settings:
         "CKPT_LAZY_MIN_MIB", _whole(0, None, "a whole number of MiB", "64")))
     # Records of running page servers; tmpfs: forgotten at reboot, as the servers are.
     lazy_dir: Path = field(default=Path("/run/ckpt/lazy"), metadata=_env("CKPT_LAZY_DIR", _path))
+    # The running copies of clones (docs/design.md, "Clones"): each copy's identity file
+    # (pidns-<inode>.json), the records of their network namespaces; tmpfs, as the copies are.
+    copies_dir: Path = field(default=Path("/run/ckpt/copies"), metadata=_env("CKPT_COPIES_DIR", _path))
     # The kernel features CRIU found, until the next boot (tmpfs, as the kernel is).
     feature_cache: Path = field(default=Path("/run/ckpt/criu-features.json"),
                                 metadata=_env("CKPT_FEATURE_CACHE", _path))

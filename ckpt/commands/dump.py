@@ -23,6 +23,7 @@ from ckpt.dump.target_lock import dumping
 from ckpt.errors import CkptError, DamagedCheckpoint, ProcessNotFound, StoreBusy, TargetRefused, UsageError
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.restore import copies
 from ckpt.restore.lazy import wait_for_lazy_restores
 from ckpt.store import Manifest, Origin, Store, ids
 from ckpt.store.materialize import materialize_parent
@@ -161,13 +162,34 @@ class DumpSession(Session[DumpRequest]):
         # of each member's freeze, comparable across members (and, roughly, across hosts).
         self.wall_marks: dict[str, float] = {}
         self.manifest: Manifest | None = None
+        self.copy: copies.CopyTarget | None = None  # the target is a copy of a clone
+        self.copy_root: int | None = None  # the copy's root, by its PID inside its namespace
 
     # ---- prepare: nothing frozen --------------------------------------------------------
+
+    def _whole_copy(self) -> None:
+        """A PID in a copy of a clone (docs/design.md, "Clones"): CRIU dumps a PID namespace
+        only from its init, so the copy's whole namespace is dumped, from its init, its network
+        namespace as external (a restore gives it a fresh one)."""
+        pid = self.request.pid
+        self.copy = copy = copies.find_copy(pid, self.settings.copies_dir)
+        if copy is None:
+            return
+        self.copy_root = copies.root_of(copy, pid)
+        identity = copy.identity or {}
+        which = f"copy {identity['copy']} of clone {identity.get('clone')}" if "copy" in identity else "a copy"
+        if pid != copy.init_pid:
+            self.reporter.info(f"PID {pid} runs in {which} (PID namespace {copy.pidns_inode}): dumping the whole "
+                               f"namespace from its init, PID {copy.init_pid}")
+            self.request = replace(self.request, pid=copy.init_pid)
+        else:
+            self.reporter.info(f"PID {pid} is the init of {which}: dumping its whole PID namespace")
 
     def prepare(self) -> None:
         """Checks the request, takes the target's lock, waits for its sections, inspects the
         tree and opens the store, then stages: every failure here leaves the tree untouched."""
         check_request(self.request)
+        self._whole_copy()
         self.criu = self.new_criu(self.settings)  # as root (the default), or nothing is done
         self.binary = self.criu.binary
         self._hold_target()
@@ -220,7 +242,8 @@ class DumpSession(Session[DumpRequest]):
                                                     self.reporter)
         self.criu_options = self.options.to_criu_dump(
             self.staging.images_dir, self.log_dir, "dump.log", self.request.pid, parent_img,
-            [f"unix[{s['inode']}]" for s in self.facts.external_sockets])
+            [f"unix[{s['inode']}]" for s in self.facts.external_sockets]
+            + ([f"net[{self.copy.netns_inode}]:{copies.NET_KEY}"] if self.copy and self.copy.netns_inode else []))
         newest = store.newest_of(self.request.pid)
         if newest:
             self.earlier = unchanged.EarlierCheckpoint(newest, store, self.staging.root / "earlier")
@@ -328,6 +351,11 @@ class DumpSession(Session[DumpRequest]):
         for outside in ("external_pipes", "external_sockets", "external_datagram_sockets"):
             if getattr(facts, outside):
                 criu_facts[outside] = getattr(facts, outside)
+        if self.copy is not None:
+            identity = self.copy.identity or {}
+            criu_facts["copy"] = {"clone": identity.get("clone"), "copy": identity.get("copy"),
+                                  "network": "own" if self.copy.netns_inode else "host",
+                                  "root_in_namespace": self.copy_root}
         if self.request.group is not None and self.options.tcp_established:
             # A group restore brings the connections between members back established: it
             # learns which they are from every member's manifest (see "Groups" in docs/design.md).

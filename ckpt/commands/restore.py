@@ -7,7 +7,7 @@ import socket
 import subprocess
 import time
 from typing import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -18,10 +18,11 @@ from ckpt.errors import HookFailed, UsageError
 from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
-from ckpt.restore import hostcheck, tcppeers
+from ckpt.restore import copies, copynet, hostcheck, tcppeers
+from ckpt.restore.copies import CopyInfo, CopyPlacement
 from ckpt.restore.lazy import LazyPlan, PageServer, lazy_processes, start_page_server
 from ckpt.restore.lazy import supported as lazy_supported
-from ckpt.store import Manifest, Store
+from ckpt.store import Manifest, Store, ids
 from ckpt.store.password import PasswordSource
 from ckpt.store.blocks.blockstore import PAGE
 from ckpt.store.materialize import materialize, materialize_lazily
@@ -54,6 +55,10 @@ class RestoreRequest:
     # The destination of `ckpt migrate`: a connection comes back established where this host
     # holds its local address (it moved with the tree), closed otherwise (tcp_close None only).
     migrated: bool = False
+    # Copy k of a clone (docs/design.md, "Clones"): restored into a PID namespace of its own
+    # whose init is ckpt's reaper, in a network namespace of its own or the host's, its
+    # established TCP connections closed; several such sessions may run at once (threads).
+    copy: CopyPlacement | None = None
 
 
 @dataclass
@@ -72,6 +77,8 @@ class RestoreResult:
     tcp_connections: str | None = None
     connections: list[tcppeers.ConnectionPlan] = field(default_factory=list)
     host_warnings: list[str] = field(default_factory=list)  # differences with the dump's host, not refused
+    # Where a copy runs (a copy, or the restore of a copy's checkpoint): its init, namespaces, address.
+    copy: CopyInfo | None = None
 
     def to_json(self) -> dict:
         return {"id": self.manifest.id, "name": self.manifest.name, "pid": self.pid,
@@ -79,7 +86,7 @@ class RestoreResult:
                 "processes": len(self.manifest.processes), "duration_ms": self.duration_ms,
                 "log": str(self.log_path), "lazy": self.lazy, "another_host": self.another_host,
                 "tcp_connections": self.tcp_connections, "connections": [c.to_json() for c in self.connections],
-                "host_warnings": self.host_warnings}
+                "host_warnings": self.host_warnings, "copy": self.copy.to_json() if self.copy else None}
 
 
 def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter(), *,
@@ -115,6 +122,8 @@ class RestoreSession(Session[RestoreRequest]):
         self.lazy_info: dict | None = None
         self.pid: int | None = None
         self.inner: int | None = None
+        self.network: copynet.CopyNetwork | None = None  # a copy's own network namespace
+        self.copy_info: CopyInfo | None = None
 
     # ---- prepare: nothing runs yet ------------------------------------------------------
 
@@ -130,7 +139,8 @@ class RestoreSession(Session[RestoreRequest]):
             store, manifest, self.request, self.binary, self.reporter, self.settings.lazy_min_bytes).lay_out()
         phase("restore.materialized")
         tell_copies_read_again(store, self.reporter)
-        if not self.request.new_pidns:
+        self._check_copy()
+        if not self.request.new_pidns and not self._in_own_pidns():
             self.reporter.step("waiting for the tree's PIDs to be free")
             procs.wait_for_pids_free(manifest.all_pids, timeout=self.request.pid_wait_s)
         self._options()
@@ -152,6 +162,8 @@ class RestoreSession(Session[RestoreRequest]):
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         log_dir = self._store().logs_dir(manifest.id)
         self.output, self.inherit = _relays_to_output(manifest, request.output, log_dir / f"output-{stamp}.log")
+        if self._in_own_pidns():
+            request = replace(request, tcp_close=True)  # its peers are the original's, or in another namespace
         self.connections = _tcp_connections(manifest, images_dir, options.tcp_established, request,
                                             self.host, self.reporter)
         self.tcp = tcppeers.summary(self.connections)
@@ -172,12 +184,59 @@ class RestoreSession(Session[RestoreRequest]):
             # it is still backed, instead of memory the VM gave back to its host
             # (docs/performance.md, "Restore"). The staged image is ours, and deleted after anyway.
             extra["auto_dedup"] = True
-        self.criu_options = options.to_criu_restore(images_dir, self.work_dir,
-                                                    f"restore-{stamp}-{os.getpid()}.log", inherit_stdio=has_tty,
-                                                    inherit_fds=self.inherit, extra=extra)
+        self._copy_network(extra)
+        # Copies of one checkpoint are restored at once, by threads of one process.
+        log_name = f"restore-{stamp}-{os.getpid()}" + (f"-copy{request.copy.index}" if request.copy else "")
+        self.criu_options = options.to_criu_restore(images_dir, self.work_dir, f"{log_name}.log",
+                                                    inherit_stdio=has_tty, inherit_fds=self.inherit, extra=extra)
+        if request.copy is not None:
+            from ckpt.criu.images import proc_of_new_pid_namespace  # deferred: imports pycriu
+
+            proc_of_new_pid_namespace(images_dir)
+            self.criu_options.join_ns = list(copies.JOIN_HOST_NAMESPACES)
         if self.output:
             self.reporter.info(f"what the tree wrote into pipes or sockets to programs outside it now goes to "
                                f"{self.output}")
+
+    def _check_copy(self) -> None:
+        copy = self.request.copy
+        if copy is None:
+            return
+        copy.check()
+        if self.request.new_pidns or self.request.lazy:
+            raise UsageError("a copy of a clone is restored into a PID namespace of its own, fully",
+                             hint="leave out --new-pidns and --lazy")
+        if self._copy_of() is not None:
+            raise UsageError(f"checkpoint {self.manifest.id} is of a copy (its PID namespace with it): it cannot be "
+                             "cloned", hint=f"restore it with 'ckpt restore {self.manifest.id}'")
+
+    def _copy_of(self) -> dict | None:
+        """The clone and copy a checkpoint of a copy was taken of (its PID namespace dumped
+        from its init, which CRIU makes again on restore), or None."""
+        copy_of = self.manifest.criu.get("copy")
+        return copy_of if isinstance(copy_of, dict) else None
+
+    def _in_own_pidns(self) -> bool:
+        """The tree comes back in a PID namespace of its own: its PIDs clash with nothing."""
+        return self.request.copy is not None or self._copy_of() is not None
+
+    def _copy_network(self, extra: dict) -> None:
+        """A network namespace for a copy with network "own", or for the restore of a copy's
+        checkpoint whose copy had one (CRIU takes it as the external namespace's descriptor)."""
+        copy, copy_of = self.request.copy, self._copy_of()
+        if copy is not None and copy.network == "own":
+            tag, index = copy.tag, copy.index
+        elif copy_of is not None and copy_of.get("network") == "own":
+            # Its own namespace's name: a new tag for each restore of the checkpoint.
+            tag, index = ids.new_id()[-6:], int(copy_of.get("copy", 1))
+        else:
+            return
+        self.reporter.step("making the copy's network namespace")
+        self.network = copynet.set_up(self.settings.copies_dir, tag, index)
+        self.reporter.info(f"the copy's network: namespace {self.network.name}, address {self.network.address} "
+                           f"(the host is {self.network.host_address})")
+        if copy_of is not None:
+            self.inherit.append((copies.NET_KEY, os.open(self.network.path, os.O_RDONLY | os.O_CLOEXEC)))
 
     # ---- restore: the tree runs ---------------------------------------------------------
 
@@ -187,13 +246,17 @@ class RestoreSession(Session[RestoreRequest]):
                            f"{self.binary.version_text}")
         phase("restore.before-criu")
         client = self.criu
-        if self.request.new_pidns:
+        if self.request.copy is not None:
+            self.pid = self._restore_copy(self.request.copy, lambda: client.restore(self.criu_options, self._notified))
+        elif self.request.new_pidns:
             from ckpt.restore.pidns import run_in_new_pidns
 
             self.reporter.step("restoring into a new PID namespace")
             self.pid, self.inner = run_in_new_pidns(lambda: client.restore(self.criu_options, self._notified))
         else:
             self.pid = client.restore(self.criu_options, self._notified)
+            if self._copy_of() is not None:
+                self.pid = self._found_copy(self.pid)
         phase("restore.restored")
         if self.server is not None:
             server, self.server = self.server, None
@@ -203,6 +266,39 @@ class RestoreSession(Session[RestoreRequest]):
             self.images_dir = None  # the page server owns the images now, and removes them when done
         return self.pid
 
+    def _restore_copy(self, copy: CopyPlacement, restore_inside: Callable[[], int]) -> int:
+        self.reporter.step(f"restoring copy {copy.index} of {copy.count} into a PID namespace of its own")
+        from ckpt.criu.client import bindings_version
+
+        # Imported before the fork: copies restored by threads of one process fork while another
+        # thread may be importing it, and a forked child must not find it half-imported.
+        bindings_version()
+        started = copies.run_copy(restore_inside, self.network.path if self.network else None)
+        self.pid, self.inner = started.pid, started.pid_in_namespace
+        self.copy_info = CopyInfo(copy.index, started.init_pid, started.pid, started.pid_in_namespace,
+                                  started.pidns_inode, *self._network_facts())
+        if self.network is not None:
+            copynet.adopt(self.settings.copies_dir, self.network, started.init_pid)
+        return started.pid
+
+    def _found_copy(self, init_pid: int) -> int:
+        """After the restore of a copy's checkpoint: CRIU returned the init; the tree's root is
+        the init's child."""
+        copy_of = self._copy_of() or {}
+        inode = copies.pidns_inode(init_pid)
+        # The copy's root, by its PID inside (CRIU gives each process its PID back there).
+        self.inner = int(copy_of.get("root_in_namespace") or 0)
+        root = copies.host_pid(inode, self.inner) if self.inner else _only_child(init_pid)
+        self.inner = self.inner or copies.pid_in_namespace(root)
+        self.copy_info = CopyInfo(int(copy_of.get("copy", 1)), init_pid, root, self.inner, inode,
+                                  *self._network_facts())
+        if self.network is not None:
+            copynet.adopt(self.settings.copies_dir, self.network, init_pid)
+        return root
+
+    def _network_facts(self) -> tuple[str | None, str | None]:
+        return (self.network.name, self.network.address) if self.network else (None, None)
+
     def restore_held(self, hold_limit: float = 300.0) -> None:
         """restore() in two steps, for a coordinator that must have several trees back before
         any of them runs (a group restore) or act before the tree runs (a migration): CRIU
@@ -210,7 +306,7 @@ class RestoreSession(Session[RestoreRequest]):
         (CRIU's post-restore notification). release() lets the tree run (then self.pid is
         its root); abort() refuses the notification, and CRIU ends what it restored. After
         hold_limit seconds the hold ends as an abort would."""
-        if self.request.new_pidns:
+        if self.request.new_pidns or self.request.copy is not None:
             # CRIU runs in a forked init there: its notifications are answered in that process.
             raise UsageError("a held restore cannot go into a new PID namespace yet",
                              hint="restore the group's members without --new-pidns")
@@ -219,6 +315,11 @@ class RestoreSession(Session[RestoreRequest]):
     def _notified(self, script: str, _pid: int) -> None:
         if script == "post-restore":
             phase("restore.post-restore")
+            copy = self.request.copy
+            if copy is not None:
+                # In the CRIU runner, inside the copy's PID namespace: the tree runs only once
+                # this returns, so its first look at its identity finds it.
+                copies.write_identity(self.settings.copies_dir, copy, self.manifest.id, self.manifest.name)
             if self.server is not None:
                 # Every process has registered its lazy memory and none runs yet: the watcher
                 # takes hold of it now, or CRIU aborts the restore.
@@ -237,7 +338,8 @@ class RestoreSession(Session[RestoreRequest]):
                                             self.settings.hook_timeout)
         return RestoreResult(self.manifest, self.pid, round((self.clock() - self.started) * 1000, 1),
                              self.criu_options.log_path, self.inner, hook_error, self.output, self.lazy_info,
-                             self.host.another_host, self.tcp, self.connections, self.host.warnings)
+                             self.host.another_host, self.tcp, self.connections, self.host.warnings,
+                             self.copy_info)
 
     def abort(self) -> None:
         """From any phase; after restore, the restored tree is ended (SIGKILL, every process
@@ -245,10 +347,15 @@ class RestoreSession(Session[RestoreRequest]):
         finished, self._finished = self._finished, True
         self._drop_hold()  # CRIU ends what it restored, and restore() fails: no PID to end here
         try:
+            if self.copy_info is not None and not finished:
+                copies.end_copy(self.copy_info.init_pid)  # its whole PID namespace
             if self.pid is not None and not finished:
                 procs.kill_tree(self.pid)
         finally:
             self._clean_up()
+            if self.network is not None and not finished:
+                network, self.network = self.network, None
+                copynet.tear_down(self.settings.copies_dir, network)
 
     def _clean_up(self) -> None:
         try:
@@ -327,6 +434,14 @@ class _ImageLayout:
         return holes or {}
 
 
+def _only_child(pid: int) -> int:
+    """The restored root of a copy: its init's only child."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    if len(children) != 1:
+        raise UsageError(f"the restored copy's init (PID {pid}) has {len(children)} children, not one")
+    return int(children[0])
+
+
 def _run_post_restore_hook(request: RestoreRequest, pid: int, manifest: Manifest, reporter: Reporter,
                            timeout: float) -> str | None:
     """Runs --post-restore once the tree runs; returns its failure, which leaves the tree alone."""
@@ -383,6 +498,8 @@ def _wants_lazy(request: RestoreRequest, manifest: Manifest, binary, lazy_min_by
     """Whether to try a lazy restore (LazyPlan.prepare then decides from the images)."""
     if request.lazy is False:
         return False
+    if request.copy is not None:
+        return False  # run_copy restores fully (as --new-pidns)
     if request.new_pidns:
         if request.lazy:
             raise UsageError("--lazy and --new-pidns cannot be combined",

@@ -93,6 +93,9 @@ class CriuOptions:
     inherit_fds: list = field(default_factory=list)
     # Resources CRIU is to treat as external (--external), e.g. "unix[123]".
     external: list = field(default_factory=list)
+    # (namespace, file): the restored tree joins these namespaces instead of the ones CRIU would
+    # give it (--join-ns), e.g. ("mnt", "/proc/1/ns/mnt") for a copy's tree (restore/copies.py).
+    join_ns: list = field(default_factory=list)
     # A dump's pages go to this connected socket (CRIU's page-server protocol, ckpt/dump/
     # pagestream.py) instead of a pages image in images_dir; CRIU inherits it.
     page_stream_fd: int | None = None
@@ -142,16 +145,24 @@ def _fill_opts(rpc, opts_msg, options: CriuOptions, images_fd: int, work_fd: int
     lock = {"nftables": rpc.NFTABLES, "iptables": rpc.IPTABLES, "skip": rpc.SKIP}[flags.network_lock]
     opts_msg.network_lock = lock
     opts_msg.notify_scripts = True
+    _fill_lists(opts_msg, options)
+    for key, value in options.extra.items():
+        setattr(opts_msg, key, value)
+
+
+def _fill_lists(opts_msg, options: CriuOptions) -> None:
     for key in options.external:
         opts_msg.external.append(key)
     for key, fd in options.inherit_fds:
         inherited = opts_msg.inherit_fd.add()
         inherited.key = key
         inherited.fd = fd
+    for ns, ns_file in options.join_ns:
+        joined = opts_msg.join_ns.add()
+        joined.ns = ns
+        joined.ns_file = ns_file
     if options.page_stream_fd is not None:
         opts_msg.ps.fd = options.page_stream_fd
-    for key, value in options.extra.items():
-        setattr(opts_msg, key, value)
 
 
 def error_lines(log_path: Path, limit: int = 6) -> list[str]:

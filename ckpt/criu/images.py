@@ -484,3 +484,38 @@ def close_connections(image_dir: Path, ids: set[int]) -> None:
         return False
 
     _rewrite_files_image(image_dir, close)
+
+
+def proc_of_new_pid_namespace(image_dir: Path) -> None:
+    """Rewrites the staged images so that CRIU's restore of the tree into a copy's PID namespace
+    (restore/copies.py) mounts a /proc of that namespace for the restored tasks.
+
+    The copy's tree joins the host's mount namespace (join_ns mnt, so that a dump of the copy
+    has no mount namespace to dump). CRIU's restore then opens that namespace's /proc, the
+    host's, whenever it restores in no namespace of its own (criu/cr-restore.c, mount_proc:
+    root_ns_mask == 0), and looks the restored tasks up there by their PIDs inside the copy:
+    it fails when the host has no such PID ("Can't open PROC_SELF"), and opens the original's
+    /proc/PID (its map_files, for shared memory) when it runs. Told that the root has a time
+    namespace of its own (root_ids.time_ns_id of inventory.img made different, the clocks
+    image copied under the root's time namespace id), CRIU mounts a new /proc of the current
+    PID namespace instead; the join_ns time that follows puts the tree back in the host's
+    time namespace, which the copy's init is in (CRIU dumps no nested time namespace)."""
+    import io
+
+    from pycriu import images  # deferred: importing pycriu costs ~0.1 s
+
+    inventory = load_image(image_dir / "inventory.img")
+    root = int(load_image(image_dir / "pstree.img")["entries"][0]["pid"])
+    time_ns = int(load_image(image_dir / f"ids-{root}.img")["entries"][0]["time_ns_id"])
+    root_ids = inventory["entries"][0]["root_ids"]
+    if int(root_ids.get("time_ns_id", 0)) != time_ns:
+        return  # the tree has a time namespace of its own already
+    clocks = image_dir / "timens-0.img"
+    if not clocks.exists():
+        raise ImageUnreadable("the checkpoint has no clocks image (timens-0.img), which a copy's restore needs",
+                              hint="restore it without --copies (this kernel had no time namespaces at the dump?)")
+    root_ids["time_ns_id"] = max(int(v) for v in root_ids.values() if isinstance(v, int)) + 1
+    out = io.BytesIO()
+    images.dump(inventory, out)
+    atomic_write_bytes(image_dir / "inventory.img", out.getvalue(), durable=False)  # staged: may be a hard link
+    atomic_write_bytes(image_dir / f"timens-{time_ns}.img", clocks.read_bytes(), durable=False)
