@@ -16,21 +16,22 @@ import os
 import stat
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckpt.store import ids
 
-DEFAULT_COPIES_DIR = Path("/run/ckpt/copies")
+if TYPE_CHECKING:
+    from ckpt.settings import Settings
+
 FORMAT = 1
 # What a file must hold to be taken for an identity (readers ignore other keys).
 REQUIRED = ("clone", "copy", "checkpoint")
 MAX_BYTES = 65536
 
 
-def copies_dir(config: object) -> Path:
-    """Where the identity files and clone registries are: the settings' copies_dir
-    (CKPT_COPIES_DIR). The one place that reads it: the setting comes with the restore of
-    copies (ckpt/restore/copies.py), and until a build has it, its default is used."""
-    return Path(getattr(config, "copies_dir", DEFAULT_COPIES_DIR))
+def copies_dir(config: Settings) -> Path:
+    """Where the identity files and clone registries are: the settings' copies_dir (CKPT_COPIES_DIR)."""
+    return config.copies_dir
 
 
 def pidns_inode(pid: int | str = "self") -> int:

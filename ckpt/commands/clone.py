@@ -10,7 +10,6 @@ id>.json` lists them for `ckpt list` and `ckpt show` (running_copies below).
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import threading
@@ -24,6 +23,7 @@ from ckpt.agent.identity import copies_dir
 from ckpt.commands.results import JsonResult
 from ckpt.errors import CkptError, CloneFailed, UsageError
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.restore.copies import CopyPlacement
 from ckpt.settings import Settings, StoreLocation
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.password import PasswordSource
@@ -117,7 +117,7 @@ class CopySession(Protocol):
         ...
 
 
-SessionFactory = Callable[[Any, "CloneRequest", str, Reporter], CopySession]
+SessionFactory = Callable[[CopyPlacement, "CloneRequest", str, Reporter], CopySession]
 
 
 def check_request(request: CloneRequest) -> None:
@@ -191,24 +191,12 @@ def _restore_session_factory(store_root: StoreLocation, settings: Settings,
     """A RestoreSession per copy, with copy=placement (ckpt/restore/copies.py)."""
     from ckpt.commands.restore import RestoreRequest, RestoreSession
 
-    def make(placement: Any, request: CloneRequest, checkpoint: str, reporter: Reporter) -> CopySession:
-        # Built by keyword from a dict: RestoreRequest takes `copy` with the restore of copies.
-        fields: dict[str, Any] = {"ref": checkpoint, "lazy": request.lazy, "output": request.output,
-                                  "tcp_close": request.tcp_close, "pid_wait_s": request.pid_wait_s,
-                                  "copy": placement}
-        return RestoreSession(store_root, RestoreRequest(**fields), reporter, settings=settings,
-                              passwords=passwords)
+    def make(placement: CopyPlacement, request: CloneRequest, checkpoint: str, reporter: Reporter) -> CopySession:
+        restore = RestoreRequest(ref=checkpoint, lazy=request.lazy, output=request.output, tcp_close=request.tcp_close,
+                                 pid_wait_s=request.pid_wait_s, copy=placement)
+        return RestoreSession(store_root, restore, reporter, settings=settings, passwords=passwords)
 
     return make
-
-
-def copy_placement(clone_id: str, index: int, count: int, network: str) -> Any:
-    """ckpt.restore.copies.CopyPlacement: where copy `index` of the clone goes."""
-    try:
-        copies = importlib.import_module("ckpt.restore.copies")
-    except ImportError as exc:
-        raise UsageError("this ckpt cannot restore copies yet (ckpt.restore.copies is missing)") from exc
-    return copies.CopyPlacement(clone_id=clone_id, index=index, count=count, network=network)
 
 
 def _running_copy(index: int, result: Any) -> RunningCopy:
@@ -253,7 +241,7 @@ class _Cloning:
         finished = False
         try:
             for index in range(1, count + 1):
-                placement = copy_placement(self.clone_id, index, count, self.network)
+                placement = CopyPlacement(clone_id=self.clone_id, index=index, count=count, network=self.network)
                 told = _CopyReporter(self.reporter, index, count)
                 self.sessions.append(self.make(placement, self.request, self.checkpoint, told))
             self.reporter.step(f"preparing {count} copies")

@@ -305,7 +305,6 @@ def test_copy_info_prints_shell_assignments(capsys, tmp_path, monkeypatch):
     assert assignments(record) == ["CKPT_COPY=3", "CKPT_COPIES=4", "CKPT_CLONE=20261130-231500-000-abcdef",
                                    "CKPT_CHECKPOINT=20261130-230102-123-3fa9c1"]
     (tmp_path / f"pidns-{identity.pidns_inode()}.json").write_text(json.dumps(record))
-    monkeypatch.setattr(identity, "DEFAULT_COPIES_DIR", tmp_path)  # until settings has copies_dir
     monkeypatch.setenv("CKPT_COPIES_DIR", str(tmp_path))
     code, out, _ = run(capsys, "copy-info")
     assert code == 0 and out.splitlines()[0] == "CKPT_COPY=3"

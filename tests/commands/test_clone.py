@@ -30,10 +30,6 @@ def settings(tmp_path):
 def copies_dir(tmp_path, monkeypatch):
     directory = tmp_path / "copies"
     monkeypatch.setattr(clone_module, "copies_dir", lambda _settings: directory)
-    # Placements as ckpt/restore/copies.py makes them, whether or not this build has it.
-    monkeypatch.setattr(clone_module, "copy_placement",
-                        lambda clone_id, index, count, network: SimpleNamespace(
-                            clone_id=clone_id, index=index, count=count, network=network))
     return directory
 
 

@@ -144,9 +144,6 @@ def namespaces(monkeypatch, tmp_path):
     monkeypatch.setattr(identity, "remembered", identity.Remembered())
     directory = tmp_path / "copies"
     monkeypatch.setenv("CKPT_COPIES_DIR", str(directory))
-    # Until settings has copies_dir (the restore of copies brings it), the default is read:
-    # point the default at the temp dir too.
-    monkeypatch.setattr(identity, "DEFAULT_COPIES_DIR", directory)
     return current, directory
 
 
