@@ -49,11 +49,9 @@ def register(app: typer.Typer) -> None:
         copies: CopiesOption = 2,
         net: NetOption = "auto",
         output: CloneOutputOption = None,
-        lazy: Annotated[Optional[bool], typer.Option(
-            "--lazy/--eager", help="Restore each copy's memory lazily or all of it first (as 'ckpt restore').")] = None,
         flags: SharedFlags = NO_FLAGS,
     ) -> None:
-        run_clone(flags, CloneRequest(ref=ref, copies=copies, network=net, lazy=lazy, output=output))
+        run_clone(flags, CloneRequest(ref=ref, copies=copies, network=net, output=output))
 
 
 def run_clone(flags: SharedFlags, request: CloneRequest) -> None:
