@@ -145,8 +145,10 @@ def migrate(store_root: StoreLocation, request: MigrateRequest, reporter: Report
     passwords = PasswordSource.passed_or_settings(passwords, settings)
     store = Store.open(store_root, False, settings=settings, passwords=passwords)
     far = destination or ssh_destination(settings, passwords, request, reporter)
-    target = far(store, RestoreRequest(ref="", lazy=request.lazy, tcp_close=request.tcp_close, migrated=True))
-    return _Migration(store, request, target, reporter, settings, passwords).run()
+    template = RestoreRequest(ref="", lazy=request.lazy, tcp_close=request.tcp_close, migrated=True)
+    migration = _Migration(store, request, far(store, template), reporter, settings, passwords)
+    migration.rehearsal = far(store, template)
+    return migration.run()
 
 
 def ssh_destination(settings: Settings, passwords: PasswordSource, request: MigrateRequest,
@@ -197,6 +199,9 @@ class _Migration:
         self.origin = Origin("migrate", request.name)
         self.started = time.monotonic()
         self.rounds: list[PrecopyRound] = []
+        # A second destination member: prepares a restore of the last pre-copy checkpoint there
+        # and lets it go, so that a host that cannot take the tree refuses before it is frozen.
+        self.rehearsal: Destination | None = None
 
     @property
     def destination(self) -> Destination:
@@ -209,12 +214,26 @@ class _Migration:
             self.reporter.step(f"reaching {self.request.to}")
             self.destination.connect()
             self._precopy()
+            self._rehearse()
             return self._move()
         except BaseException:
             self.destination.abort()
             raise
         finally:
             self._remove_rounds()
+
+    def _rehearse(self) -> None:
+        """The destination prepares the restore of the last pre-copy checkpoint (its images
+        checked against that host, the tree's PIDs free there) and drops it: a host that lacks
+        what the tree needs, or holds one of its PIDs, refuses while the tree still runs."""
+        rehearsal, self.rehearsal = self.rehearsal, None
+        if rehearsal is None or not self.rounds:
+            return
+        self.reporter.step(f"checking that {self.request.to} can restore the tree (before freezing it)")
+        try:
+            rehearsal.prepare_checkpoint(self.rounds[-1].checkpoint)
+        finally:
+            rehearsal.abort()
 
     def _session(self, stop: bool) -> DumpSession:
         request = DumpRequest(pid=self.request.pid, name=self.request.name, stop=stop, origin=self.origin)

@@ -117,6 +117,8 @@ def test_the_destination_refuses_and_the_source_runs_on(hosts, store, tmp_path):
 
     assert done.returncode == 7, done.stderr  # a PID in use
     assert "Error: host-b:" in done.stderr and "Traceback" not in done.stderr
+    # refused while the tree ran: its final (--stop) dump never started
+    assert "checkpoint committed; CRIU ends the target" not in done.stderr, done.stderr
     assert hosts.is_running(hosts.a, worker.pid)
     held_by = hosts.b.host_pid(squatter)
     assert held_by is not None and b"sleep" in Path(f"/proc/{held_by}/cmdline").read_bytes(), "B's restore ran"
