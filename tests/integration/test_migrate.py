@@ -332,3 +332,29 @@ def test_a_group_moves_as_one_cut_and_its_stream_goes_on(hosts, store, tmp_path)
     # the group's two members, and no pre-copy checkpoint
     assert [(entry["group"] or {}).get("id") for entry in listed] == [result["group"]] * 2, listed
     assert 0 < result["downtime_ms"]
+
+
+@pytest.mark.parametrize("phase", ["migrate.restored-held", "migrate.decided"])
+def test_kill_9_of_a_group_migration_leaves_one_copy_of_each_member(hosts, store, tmp_path, phase):
+    outs = [tmp_path / "count-1.txt", tmp_path / "count-2.txt"]
+    workers = [start_worker(hosts, out, 16) for out in outs]
+    pause = tmp_path / "pause"
+    environment = {**os.environ, **migrate_env(hosts), PAUSE_AT: phase, PAUSE_FILE: str(pause),
+                   "CKPT_CACHE": str(hosts.a.workdir / "cache"), "PYTHONPATH": str(ROOT)}
+    log = open(tmp_path / "coordinator.log", "wb")
+    coordinator = subprocess.Popen(hosts.a.command(sys.executable, "-m", "ckpt", "migrate", "--group", "pair",
+                                                   *[w.pid for w in workers], "--to", hosts.b.alias, "--store",
+                                                   store, "--rounds", "1"),
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=environment, cwd=ROOT,
+                                   start_new_session=True)
+    log.close()
+    hosts.processes.popens.append(coordinator)
+    os.kill(wait_for_pause(pause, coordinator), signal.SIGKILL)
+    coordinator.wait(30)
+
+    in_a = phase in SOURCE_RUNS_AFTER
+    for worker, out in zip(workers, outs, strict=True):
+        wait_until(lambda w=worker: hosts.is_running(hosts.a, w.pid) == in_a
+                   and hosts.is_running(hosts.b, w.pid) != in_a and not agents_in(hosts.b),
+                   timeout=30, what=f"one copy of {worker.pid} after a kill at {phase}")
+        assert_counts_on(out, f"member {worker.pid} after a kill at {phase}")
