@@ -31,7 +31,7 @@ class FileEntry:
 class Origin:
     """Who made a checkpoint (docs/design.md, "Origins"): `ckpt dump` by hand ("dump"), a
     program's ckpt.checkpoint() through a detached dumper ("api"), schedule NAME ("schedule"),
-    or `ckpt run --name NAME` ("run"). The retention of a schedule or a run touches only its own."""
+    `ckpt run --name NAME` ("run"), or `ckpt migrate` ("migrate"). The retention of a schedule or a run touches only its own."""
 
     kind: str
     name: str | None = None
@@ -57,6 +57,8 @@ class Origin:
             return f"schedule '{self.name}'"
         if self.kind == "run":
             return f"ckpt run --name {self.name}"
+        if self.kind == "migrate":
+            return "ckpt migrate (the final checkpoint of a move)"
         return f"{self.kind} {self.name or ''}".strip()  # a kind a newer ckpt wrote
 
 
