@@ -13,6 +13,7 @@ unfinished.
 from __future__ import annotations
 
 import threading
+from contextlib import AbstractContextManager, nullcontext
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -241,6 +242,9 @@ class GroupDumpHooks:
 
     before_release: Callable[[GroupManifest], None] | None = None
     after_release: Callable[[GroupManifest], None] | None = None
+    # Around the release and after_release: the migration's deferral of Ctrl-C (ending the
+    # sources and recording it are one step for it).
+    around_release: Callable[[], AbstractContextManager[object]] = nullcontext
 
 
 def group_dump(store_root: StoreLocation, request: GroupDumpRequest, reporter: Reporter = NullReporter(), *,
@@ -292,10 +296,11 @@ class _GroupDump:
                 self._commit_group()  # before any tree is let go: none is ended unless the group exists
                 self._before_release(coordinator)
             self.reporter.step(f"letting {len(members)} member(s) go")
-            self.released = coordinator.each("let its tree go", lambda m: m.release())
-            phase("group.released")
-            if self.hooks.after_release is not None and self.group is not None:
-                self.hooks.after_release(self.group)
+            with self.hooks.around_release():
+                self.released = coordinator.each("let its tree go", lambda m: m.release())
+                phase("group.released")
+                if self.hooks.after_release is not None and self.group is not None:
+                    self.hooks.after_release(self.group)
             self.reporter.step("committing each member's checkpoint")
             # Storing a large tree's memory takes longer than a freeze; the trees run meanwhile.
             self.committed = coordinator.each("commit", lambda m: m.commit(), slack=COMMIT_SLACK)
@@ -319,6 +324,7 @@ class _GroupDump:
             return
         try:
             self.hooks.before_release(self.group)
+            self._still_held()  # the hook took time: a member that let its tree go would run on
         except BaseException:
             coordinator.abort_all()
             raise

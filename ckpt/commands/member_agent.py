@@ -178,11 +178,13 @@ class MigrationDestination:
     """The destination of `ckpt migrate` (docs/design.md, "Migration"): a restore member that,
     aborted, first reads the migration's decision. Once the coordinator has recorded it the
     source tree is gone and this tree is the only copy: an abort (the coordinator died, its
-    channel ended) then lets it run and finishes it instead of ending it."""
+    channel ended) then lets it run and finishes it instead of ending it. A tree whose release
+    failed is never tried again: the coordinator, told so, restores it at the source."""
 
     def __init__(self, member: Member, store: Store, reporter: Reporter):
         self.member, self.label, self.store, self.reporter = member, member.label, store, reporter
         self.checkpoint = ""  # the restored checkpoint's ID, once prepared
+        self.release_tried = False
         self.released = False
 
     def prepare(self) -> Prepared:
@@ -194,6 +196,7 @@ class MigrationDestination:
         return self.member.capture()
 
     def release(self) -> Released:
+        self.release_tried = True
         released = self.member.release()
         self.released = True
         return released
@@ -202,25 +205,32 @@ class MigrationDestination:
         return self.member.commit()
 
     def abort(self) -> None:
-        if self.checkpoint and self._decided():
-            self.reporter.warn("the coordinator is gone after the source tree was ended: this host's tree is "
-                               "the only copy, and runs")
+        if self.released:  # it runs (released after the decision): finished, never ended
+            self._finish("the coordinator is gone after this host's tree was let run; it runs on")
+        elif self.checkpoint and not self.release_tried and self._decided():
             try:
-                if not self.released:
-                    self.release()
-                self.commit()
+                self.release()
             except CkptError as exc:
                 self.reporter.warn(f"the tree could not be let run here: {exc.message}")
-                if not self.released:
-                    self.member.abort()
-            return
-        self.member.abort()
+                self.member.abort()
+                return
+            self._finish("the coordinator is gone after the source tree was ended: this host's tree is the "
+                         "only copy, and runs")
+        else:
+            self.member.abort()
+
+    def _finish(self, why: str) -> None:
+        self.reporter.warn(why)
+        try:
+            self.commit()
+        except CkptError as exc:
+            self.reporter.warn(f"the tree runs, but did not finish cleanly: {exc.message}")
 
     def _decided(self) -> bool:
         try:
             return self.store.migrations.decided(self.checkpoint)
-        except CkptError as exc:  # the store unreachable: nobody can tell, the source may live
-            self.reporter.warn(f"cannot read the migration's decision ({exc.message}): this host's tree is ended")
+        except (CkptError, OSError) as exc:  # the store unreachable: nobody can tell, the source may live
+            self.reporter.warn(f"cannot read the migration's decision ({exc}): this host's tree is ended")
             return False
 
     def _session(self) -> RestoreSession:

@@ -10,19 +10,21 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol
+from typing import Callable, Protocol, TypeVar
 
 from ckpt.commands.dump import DumpRequest, DumpResult, DumpSession
 from ckpt.commands.group_member import Committed, Held, LocalDumpMember, Prepared, Released
 from ckpt.commands.restore import RestoreRequest
 from ckpt.commands.results import JsonResult
-from ckpt.errors import CkptError, MigrationFailed, UsageError
+from ckpt.errors import CkptError, MemberLost, MigrationFailed, UsageError
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.settings import Settings, StoreLocation
 from ckpt.store import Origin, Store
+from ckpt.store.groups import GroupManifest
 from ckpt.store.password import PasswordSource
 from ckpt.system import procs
+from ckpt.system.signals import deferred_interrupts
 
 # The pre-copy stops once a round found this many pages or fewer new (P.Haul's floor), or
 # this share of the tree's pages: without the kernel's dirty-page tracking every round
@@ -34,6 +36,7 @@ PRECOPY_FLOOR_SHARE = 0.01
 # ...or found more than this share of the round before's (the rounds stopped shrinking).
 PRECOPY_SHRINK = 0.9
 MAX_ROUNDS = 16
+T = TypeVar("T")
 
 
 @dataclass
@@ -97,6 +100,47 @@ def precopy_done(rounds: list[PrecopyRound], limit: int) -> bool:
     return len(rounds) >= 2 and last > PRECOPY_SHRINK * rounds[-2].new_pages
 
 
+def final_stats(source: LocalDumpMember) -> dict:
+    """What the final dump sent (its manifest is committed inside the hold)."""
+    manifest = source.session.manifest
+    stats = manifest.stats if manifest is not None else {}
+    return {"pages": stats.get("pages"), "new_pages": stats.get("pages_new"),
+            "bytes_new": manifest.bytes_stored if manifest is not None else None, "frozen_ms": stats.get("freeze_ms")}
+
+
+def decide(store: Store, checkpoint: str, pid: int, destination: str, reporter: Reporter) -> None:
+    """Records that the source of checkpoint is gone. Not recorded (the store failed), the
+    destination's tree runs all the same: only a coordinator that dies from here on leaves it
+    to an agent that will not find the decision."""
+    try:
+        store.migrations.decide(checkpoint, socket.gethostname(), pid, destination)
+    except CkptError as exc:
+        reporter.warn(f"the move of {pid} could not be recorded ({exc.message}); going on")
+
+
+def forget_decision(store: Store, checkpoint: str, reporter: Reporter) -> None:
+    try:
+        store.migrations.forget(checkpoint)
+    except CkptError as exc:
+        reporter.warn(f"the migration's decision stays in the store ({exc.message})")
+
+
+def restore_here(store: Store, checkpoint: str, host: str, failure: CkptError, reporter: Reporter,  # noqa: PLR0913
+                 settings: Settings, passwords: PasswordSource):
+    """The checkpoint of a tree its destination could not run, restored on this host."""
+    from ckpt.commands.restore import restore
+
+    try:
+        return restore(store.location, RestoreRequest(ref=checkpoint), reporter, settings=settings,
+                       passwords=passwords)
+    except CkptError as exc:
+        raise MigrationFailed(f"the migration failed on {host} ({failure.message}) and the restore here failed "
+                              f"too ({exc.message})",
+                              hint=f"checkpoint {checkpoint} holds the tree: 'ckpt restore {checkpoint}'") from exc
+    finally:
+        forget_decision(store, checkpoint, reporter)
+
+
 class Destination(Protocol):
     """The destination's restore member (a RemoteMember over ssh), told its checkpoint late."""
 
@@ -106,7 +150,7 @@ class Destination(Protocol):
     def connect(self) -> None:  # ssh and hello: before the freeze, so not downtime
         ...
 
-    def prepare_checkpoint(self, checkpoint: str) -> Prepared:
+    def prepare_checkpoint(self, checkpoint: str, group_peers: list | None = None) -> Prepared:
         ...
 
     def capture(self) -> Held:
@@ -122,7 +166,7 @@ class Destination(Protocol):
         ...
 
 
-DestinationFactory = Callable[[Store, RestoreRequest], Destination]
+DestinationFactory = Callable[[Store, RestoreRequest, str], Destination]  # ..., the host
 
 
 def check_request(request: MigrateRequest) -> None:
@@ -144,21 +188,21 @@ def migrate(store_root: StoreLocation, request: MigrateRequest, reporter: Report
     procs.require_root()
     passwords = PasswordSource.passed_or_settings(passwords, settings)
     store = Store.open(store_root, False, settings=settings, passwords=passwords)
-    far = destination or ssh_destination(settings, passwords, request, reporter)
+    far = destination or ssh_destination(settings, passwords, request.phase_timeout, request.hold_limit, reporter)
     template = RestoreRequest(ref="", lazy=request.lazy, tcp_close=request.tcp_close, migrated=True)
-    migration = _Migration(store, request, far(store, template), reporter, settings, passwords)
-    migration.rehearsal = far(store, template)
+    migration = _Migration(store, request, far(store, template, request.to), reporter, settings, passwords)
+    migration.rehearsal = far(store, template, request.to)
     return migration.run()
 
 
-def ssh_destination(settings: Settings, passwords: PasswordSource, request: MigrateRequest,
+def ssh_destination(settings: Settings, passwords: PasswordSource, timeout: float, hold_limit: float,
                     reporter: Reporter) -> DestinationFactory:
+    """Destinations reached over ssh (`ckpt _member` there), as group members on other hosts are."""
     from ckpt.commands.group_remote import RemoteLink, RemoteMember
 
-    def make(store: Store, restore: RestoreRequest) -> Destination:
-        link = RemoteLink.for_store(store, settings, passwords, timeout=request.phase_timeout,
-                                    hold_limit=request.hold_limit)
-        return RemoteDestination(RemoteMember(request.to, restore, link, reporter, label=request.to))
+    def make(store: Store, restore: RestoreRequest, host: str) -> Destination:
+        link = RemoteLink.for_store(store, settings, passwords, timeout=timeout, hold_limit=hold_limit)
+        return RemoteDestination(RemoteMember(host, restore, link, reporter, label=host))
     return make
 
 
@@ -173,9 +217,9 @@ class RemoteDestination:
     def connect(self) -> None:
         self.member.connect()
 
-    def prepare_checkpoint(self, checkpoint: str) -> Prepared:
+    def prepare_checkpoint(self, checkpoint: str, group_peers: list | None = None) -> Prepared:
         self.checkpoint = checkpoint
-        self.member.request = replace(self.member.request, ref=checkpoint)
+        self.member.request = replace(self.member.request, ref=checkpoint, group_peers=group_peers or [])
         return self.member.prepare(extra={"migration": True})
 
     def capture(self) -> Held:
@@ -260,23 +304,27 @@ class _Migration:
 
     def _move(self) -> MigrateResult:
         source = LocalDumpMember(self._session(stop=True), str(self.request.pid), self.request.hold_limit)
-        ended = False
         try:
-            source.prepare()
-            held = source.capture()  # frozen, dumped, its checkpoint committed: held in CRIU's post-dump
-            phase("migrate.frozen")
-            self.reporter.step(f"checkpoint {held.checkpoint} committed; restoring it on {self.request.to}")
-            self.destination.prepare_checkpoint(held.checkpoint)
-            self.destination.capture()
-            phase("migrate.restored-held")
-            ended = self._end_source(source)
-        except BaseException:
-            if not ended:
-                source.abort()  # CRIU thaws the source: it runs on
-            raise
-        return self._run_destination(source, held)
+            try:
+                source.prepare()
+                held = source.capture()  # frozen, dumped, its checkpoint committed: held in CRIU's post-dump
+                phase("migrate.frozen")
+                self.reporter.step(f"checkpoint {held.checkpoint} committed; restoring it on {self.request.to}")
+                self.destination.prepare_checkpoint(held.checkpoint)
+                self.destination.capture()
+                phase("migrate.restored-held")
+                # Ending the source and recording it are one step for Ctrl-C: cut in two, neither
+                # copy would run (the destination's agent ends its tree without the decision).
+                with deferred_interrupts():
+                    self._end_source(source)
+            except BaseException:
+                source.abort()  # not ended: CRIU thaws the source, which runs on; ended: its staging goes
+                raise
+            return self._run_destination(held, final_stats(source))
+        finally:
+            self._finish_source(source)
 
-    def _end_source(self, source: LocalDumpMember) -> bool:
+    def _end_source(self, source: LocalDumpMember) -> None:
         """CRIU ends the source tree (--stop); then the decision is recorded."""
         try:
             source.release()
@@ -284,48 +332,49 @@ class _Migration:
             if procs.process_state(self.request.pid) not in (None, "Z", "X"):
                 raise  # CRIU failed and thawed it: the source runs on
             self.reporter.warn("CRIU reported a failure after ending the source tree; the destination takes over")
-        try:
-            self.store.migrations.decide(source.session.checkpoint_id, socket.gethostname(), self.request.pid,
-                                         self.request.to)
-        except CkptError as exc:
-            # The source is gone: the destination's tree runs whatever, only a coordinator that
-            # dies from here on leaves none running.
-            self.reporter.warn(f"the migration's decision could not be recorded ({exc.message}); going on")
+        decide(self.store, source.session.checkpoint_id, self.request.pid, self.request.to, self.reporter)
         phase("migrate.decided")
-        return True
 
-    def _run_destination(self, source: LocalDumpMember, held: Held) -> MigrateResult:
+    def _run_destination(self, held: Held, final: dict) -> MigrateResult:
         checkpoint = held.checkpoint
         try:
             released = self.destination.release()
-        except CkptError as exc:
-            return self._back_at_source(source, held, exc)
+        except MemberLost as exc:
+            # The agent may have let the tree run, or may yet (it finds the decision): restoring
+            # it here too could make two copies. The decision stays for the agent to read.
+            raise MemberLost(f"{exc.message}; the source was ended and the move recorded: the tree runs on "
+                             f"{self.request.to} once its agent sees the channel end, unless that host failed too",
+                             hint=f"look on {self.request.to}; if it is not there, 'ckpt restore {checkpoint}' "
+                                  "brings it back") from exc
+        except CkptError as exc:  # the agent answered: its tree did not run, and it ended it
+            return self._back_at_source(held, final, exc)
         downtime_ms = round((time.time() - held.frozen_at) * 1000, 1)
         phase("migrate.running")
         self.reporter.step(f"the tree runs on {self.request.to} (PID {released.pid}); it was down {downtime_ms:.0f} ms")
-        committed = self.destination.commit()
-        final = source.commit().result or {}
-        self._forget_decision(checkpoint)
-        return self._result(checkpoint, final, downtime_ms, {"host": self.request.to, "pid": released.pid},
-                            committed.result or {})
+        try:
+            restored = self.destination.commit().result or {}
+        except CkptError as exc:
+            self.reporter.warn(f"the tree runs on {self.request.to}, but its agent did not finish cleanly "
+                               f"({exc.message})")
+            restored = {}
+        forget_decision(self.store, checkpoint, self.reporter)
+        return self._result(checkpoint, final, downtime_ms, {"host": self.request.to, "pid": released.pid}, restored)
 
-    def _back_at_source(self, source: LocalDumpMember, held: Held, failure: CkptError) -> MigrateResult:
+    def _finish_source(self, source: LocalDumpMember) -> None:
+        """The final dump's own clean-up (its tree is gone, or runs on after an abort)."""
+        if source.session.manifest is None or source.session.aborted:
+            return
+        try:
+            source.commit()
+        except CkptError as exc:
+            self.reporter.warn(f"the final dump did not clean up after itself ({exc.message})")
+
+    def _back_at_source(self, held: Held, final: dict, failure: CkptError) -> MigrateResult:
         """The destination's tree failed after the source ended: the checkpoint comes back here."""
-        from ckpt.commands.restore import restore
-
         self.reporter.warn(f"{self.request.to} could not run the tree ({failure.message}); restoring it here")
         self.destination.abort()
-        final = source.commit().result or {}
-        try:
-            result = restore(self.store.location, RestoreRequest(ref=held.checkpoint), self.reporter,
-                             settings=self.settings, passwords=self.passwords)
-        except CkptError as exc:
-            raise MigrationFailed(f"the migration failed on {self.request.to} ({failure.message}) and the restore "
-                                  f"here failed too ({exc.message})",
-                                  hint=f"checkpoint {held.checkpoint} holds the tree: "
-                                       f"'ckpt restore {held.checkpoint}'") from exc
-        finally:
-            self._forget_decision(held.checkpoint)
+        result = restore_here(self.store, held.checkpoint, self.request.to, failure, self.reporter, self.settings,
+                              self.passwords)
         downtime_ms = round((time.time() - held.frozen_at) * 1000, 1)
         outcome = self._result(held.checkpoint, final, downtime_ms, {"host": socket.gethostname(), "pid": result.pid},
                                result.to_json())
@@ -335,17 +384,9 @@ class _Migration:
     def _result(self, checkpoint: str, final: dict, downtime_ms: float, destination: dict,  # noqa: PLR0913
                 restored: dict) -> MigrateResult:
         return MigrateResult(
-            checkpoint, {"host": socket.gethostname(), "pid": self.request.pid}, destination, self.rounds,
-            {"pages": final.get("pages"), "new_pages": final.get("pages_new"),
-             "bytes_new": final.get("bytes_stored"), "frozen_ms": final.get("freeze_ms")},
+            checkpoint, {"host": socket.gethostname(), "pid": self.request.pid}, destination, self.rounds, final,
             downtime_ms, restored.get("lazy") is not None if restored else self.request.lazy,
             round((time.monotonic() - self.started) * 1000, 1), restored)
-
-    def _forget_decision(self, checkpoint: str) -> None:
-        try:
-            self.store.migrations.forget(checkpoint)
-        except CkptError as exc:
-            self.reporter.warn(f"the migration's decision stays in the store ({exc.message})")
 
     def _remove_rounds(self) -> None:
         """The pre-copy checkpoints: their pages are the final checkpoint's too (or, after a
@@ -417,31 +458,43 @@ def migrate_group(store_root: StoreLocation, request: MigrateGroupRequest, repor
 
 
 class _GroupMigration:
+    """A group's migration: its members' pre-copy rounds, then a --stop group dump whose hooks
+    restore every member held at its destination (before_release) and, once every source is
+    ended, record the decisions and let the destinations run (after_release)."""
+
     def __init__(self, store: Store, request: MigrateGroupRequest, reporter: Reporter,  # noqa: PLR0913
                  settings: Settings, passwords: PasswordSource, destination: DestinationFactory | None):
         self.store, self.request, self.reporter = store, request, reporter
         self.settings, self.passwords = settings, passwords
-        self.make = destination or _ssh_destinations(settings, passwords, request, reporter)
+        make = destination or ssh_destination(settings, passwords, request.phase_timeout, request.hold_limit,
+                                              reporter)
+        template = RestoreRequest(ref="", lazy=request.lazy, tcp_close=request.tcp_close, migrated=True)
+        self.destinations = [make(store, template, request.destination(pid)) for pid in request.members]
         # each member's pre-copy rounds, as a migration of its own would take them
         self.single = [_Migration(store, MigrateRequest(pid=pid, to=request.destination(pid), name=request.name,
                                                         rounds=request.rounds), None, reporter, settings, passwords)
                        for pid in request.members]
-        self.destinations: list[Destination] = []
-        self.released: list[Released] = []
+        self.group: GroupManifest | None = None  # committed, every source held
+        self.outcomes: list[dict] = [{} for _ in request.members]  # per member: released, restored here
         self.started = time.monotonic()
 
     def run(self) -> MigrateGroupResult:
         try:
+            self._each("reach its destination", lambda d: d.connect())
             rounds = self._precopy()
-            result = self._move()
+            dumped = self._move()
         except BaseException:
-            for destination in self.destinations:
-                destination.abort()
+            self._settle()
             raise
         finally:
             for single in self.single:
                 single._remove_rounds()
-        return self._result(result, rounds)
+        return self._result(dumped.group, rounds)
+
+    def _each(self, what: str, step: Callable[[Destination], T]) -> list[T]:
+        from ckpt.commands.group import Coordinator
+
+        return Coordinator(self.destinations, self.request.phase_timeout, self.reporter).each(what, step)
 
     def _precopy(self) -> list[dict]:
         """Rounds of every member, one after the other, until their sum stops shrinking."""
@@ -462,66 +515,89 @@ class _GroupMigration:
         dump = GroupDumpRequest(members=[str(pid) for pid in self.request.members], name=self.request.name,
                                 stop=True, hold_limit=self.request.hold_limit,
                                 phase_timeout=self.request.phase_timeout, origin=Origin("migrate", self.request.name))
-        hooks = GroupDumpHooks(before_release=self._restore_held, after_release=self._let_run)
-        self.reporter.step(f"reaching {', '.join(sorted({self.request.destination(p) for p in self.request.members}))}")
+        hooks = GroupDumpHooks(before_release=self._restore_held, after_release=self._let_run,
+                               around_release=deferred_interrupts)
         return group_dump(self.store.location, dump, self.reporter, settings=self.settings,
                           passwords=self.passwords, hooks=hooks)
 
-    def _restore_held(self, group) -> None:
+    def _restore_held(self, group: GroupManifest) -> None:
         """Every member restored at its destination and held (the sources frozen)."""
-        from ckpt.commands.group import Coordinator, member_connections
+        from ckpt.commands.group import member_connections
 
+        self.group = group
         phase("migrate.frozen")
         connections = member_connections(self.store, group)
-        for index, member in enumerate(group.members):
-            host = self.request.destination(member.pid)
-            peers = [pair for i, pairs in enumerate(connections) if i != index
-                     and self.request.destination(group.members[i].pid) == host for pair in pairs]
-            restore = RestoreRequest(ref=member.checkpoint, lazy=self.request.lazy, tcp_close=self.request.tcp_close,
-                                     migrated=True, group_peers=[[list(a), list(b)] for a, b in peers])
-            self.destinations.append(self.make(self.store, restore))
-        coordinator = Coordinator(self.destinations, self.request.phase_timeout, self.reporter)
-        coordinator.each("reach its destination", lambda d: d.connect())
-        coordinator.each("prepare its restore", lambda d: d.prepare_checkpoint(d.checkpoint))
-        coordinator.each("restore", lambda d: d.capture())
+        hosts = [self.request.destination(m.pid) for m in group.members]
+        peers = [[[list(a), list(b)] for i, pairs in enumerate(connections) if i != index and hosts[i] == hosts[index]
+                  for a, b in pairs] for index in range(len(group.members))]
+        self._each("prepare its restore", lambda d: d.prepare_checkpoint(
+            group.members[self.destinations.index(d)].checkpoint, peers[self.destinations.index(d)]))
+        self._each("restore", lambda d: d.capture())
         phase("migrate.restored-held")
 
-    def _let_run(self, group) -> None:
+    def _let_run(self, group: GroupManifest) -> None:
         """Every source ended: the decisions, then every member runs at its destination."""
-        from ckpt.commands.group import Coordinator
-
         for member in group.members:
-            self.store.migrations.decide(member.checkpoint, socket.gethostname(), member.pid,
-                                         self.request.destination(member.pid))
+            decide(self.store, member.checkpoint, member.pid, self.request.destination(member.pid), self.reporter)
         phase("migrate.decided")
-        coordinator = Coordinator(self.destinations, self.request.phase_timeout, self.reporter)
-        self.released = coordinator.each("run", lambda d: d.release())
+        for index in range(len(group.members)):
+            self.outcomes[index]["decided"] = True
+        self._each("run", self._run_one)
         phase("migrate.running")
-        coordinator.each("finish", lambda d: d.commit())
-        for member in group.members:
-            self.store.migrations.forget(member.checkpoint)
 
-    def _result(self, dumped, rounds: list[dict]) -> MigrateGroupResult:
-        group = dumped.group
+    def _run_one(self, destination: Destination) -> None:
+        """One member's destination let run and finished; its failure handled for it alone."""
+        index = self.destinations.index(destination)
+        member, outcome = self._members()[index], self.outcomes[index]
+        try:
+            outcome["released"] = destination.release()
+        except MemberLost as exc:
+            outcome["lost"] = exc.message  # the agent may let it run yet: not restored here
+            return
+        except CkptError as exc:
+            outcome["here"] = restore_here(self.store, member.checkpoint, destination.label, exc, self.reporter,
+                                           self.settings, self.passwords)
+            return
+        try:
+            destination.commit()
+        except CkptError as exc:
+            self.reporter.warn(f"member {member.pid} runs on {destination.label}, but its agent did not finish "
+                               f"cleanly ({exc.message})")
+        forget_decision(self.store, member.checkpoint, self.reporter)
+
+    def _members(self) -> list:
+        if self.group is None:
+            raise RuntimeError("no group yet")
+        return self.group.members
+
+    def _settle(self) -> None:
+        """After a failure: a member whose source is gone has its destination decided and let
+        run (or finished); one whose source runs on has its destination ended."""
+        for index, destination in enumerate(self.destinations):
+            outcome = self.outcomes[index]
+            if "released" in outcome or "here" in outcome or "lost" in outcome:
+                continue
+            pid = self.request.members[index]
+            gone = self.group is not None and procs.process_state(pid) in (None, "Z", "X")
+            if gone and not outcome.get("decided"):
+                decide(self.store, self._members()[index].checkpoint, pid, destination.label, self.reporter)
+            # aborted after its decision, the agent lets the tree run; without one, it ends it
+            destination.abort()
+
+    def _result(self, group: GroupManifest, rounds: list[dict]) -> MigrateGroupResult:
         first_freeze = min(m.frozen_at for m in group.members)
-        last_running = max(r.released_at for r in self.released)
-        members = [{"pid": m.pid, "checkpoint": m.checkpoint,
-                    "destination": {"host": self.request.destination(m.pid), "pid": r.pid}}
-                   for m, r in zip(group.members, self.released, strict=True)]
+        members, last_running = [], first_freeze
+        for member, outcome, destination in zip(group.members, self.outcomes, self.destinations, strict=True):
+            row: dict = {"pid": member.pid, "checkpoint": member.checkpoint,
+                         "destination": {"host": destination.label, "pid": None}}
+            if "released" in outcome:
+                row["destination"] = {"host": destination.label, "pid": outcome["released"].pid}
+                last_running = max(last_running, outcome["released"].released_at)
+            elif "here" in outcome:
+                row["destination"] = {"host": socket.gethostname(), "pid": outcome["here"].pid}
+                row["restored_at_source"] = True
+            else:
+                row["lost"] = outcome.get("lost")
+            members.append(row)
         return MigrateGroupResult(group.id, members, rounds, round((last_running - first_freeze) * 1000, 1),
                                   round((time.monotonic() - self.started) * 1000, 1))
-
-
-def _ssh_destinations(settings: Settings, passwords: PasswordSource, request: MigrateGroupRequest,
-                      reporter: Reporter) -> DestinationFactory:
-    from ckpt.commands.group_remote import RemoteLink, RemoteMember
-
-    def make(store: Store, restore: RestoreRequest) -> Destination:
-        link = RemoteLink.for_store(store, settings, passwords, timeout=request.phase_timeout,
-                                    hold_limit=request.hold_limit)
-        pid = store.load(restore.ref).pid
-        host = request.destination(pid)
-        destination = RemoteDestination(RemoteMember(host, restore, link, reporter, label=f"{host}:{pid}"))
-        destination.checkpoint = restore.ref
-        return destination
-    return make

@@ -69,6 +69,11 @@ class Session(Generic[Request]):
         self._aborted = False
         self._finished = False
 
+    @property
+    def aborted(self) -> bool:
+        """abort() was called: nothing more of this session is to be done."""
+        return self._aborted
+
     def __enter__(self) -> Self:
         return self
 

@@ -31,7 +31,8 @@ class FileEntry:
 class Origin:
     """Who made a checkpoint (docs/design.md, "Origins"): `ckpt dump` by hand ("dump"), a
     program's ckpt.checkpoint() through a detached dumper ("api"), schedule NAME ("schedule"),
-    `ckpt run --name NAME` ("run"), or `ckpt migrate` ("migrate"). The retention of a schedule or a run touches only its own."""
+    `ckpt run --name NAME` ("run"), or `ckpt migrate` ("migrate"). The retention of a schedule
+    or a run touches only its own."""
 
     kind: str
     name: str | None = None

@@ -358,3 +358,50 @@ def test_kill_9_of_a_group_migration_leaves_one_copy_of_each_member(hosts, store
                    and hosts.is_running(hosts.b, w.pid) != in_a and not agents_in(hosts.b),
                    timeout=30, what=f"one copy of {worker.pid} after a kill at {phase}")
         assert_counts_on(out, f"member {worker.pid} after a kill at {phase}")
+
+
+def test_ssh_lost_after_the_decision_leaves_the_tree_to_b(hosts, store, tmp_path):
+    """The source is ended and the move recorded when the channel dies: B's agent lets the
+    tree run, and the coordinator must not restore it here too (two copies)."""
+    out = tmp_path / "count.txt"
+    worker = start_worker(hosts, out, 16)
+    pause = tmp_path / "pause"
+    coordinator = start_migration(hosts, store, worker, tmp_path, pause_at="migrate.decided", pause=pause)
+    pid = wait_for_pause(pause, coordinator)
+    ssh = [p for p in children(pid) if b"ssh" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    for channel in ssh:
+        os.kill(channel, signal.SIGKILL)
+    pause.unlink()
+    assert coordinator.wait(120) == 11, coordinator_output(tmp_path)
+    wait_until(lambda: hosts.is_running(hosts.b, worker.pid) and not agents_in(hosts.b), timeout=30,
+               what="the tree running in B")
+    time.sleep(1.0)
+    assert not hosts.is_running(hosts.a, worker.pid), "restored here too: two copies"
+    assert_counts_on(out, "after ssh was lost past the decision")
+
+
+def test_ctrl_c_while_a_groups_sources_are_ended_still_moves_every_member(hosts, store, tmp_path):
+    """Ctrl-C once the sources are being ended: the move is finished first (else the members
+    would run nowhere), then ckpt stops."""
+    outs = [tmp_path / "count-1.txt", tmp_path / "count-2.txt"]
+    workers = [start_worker(hosts, out, 16) for out in outs]
+    pause = tmp_path / "pause"
+    environment = {**os.environ, **migrate_env(hosts), PAUSE_AT: "group.released", PAUSE_FILE: str(pause),
+                   "CKPT_CACHE": str(hosts.a.workdir / "cache"), "PYTHONPATH": str(ROOT)}
+    log = open(tmp_path / "coordinator.log", "wb")
+    coordinator = subprocess.Popen(hosts.a.command(sys.executable, "-m", "ckpt", "migrate", "--group", "pair",
+                                                   *[w.pid for w in workers], "--to", hosts.b.alias, "--store",
+                                                   store, "--rounds", "1"),
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=environment, cwd=ROOT,
+                                   start_new_session=True)
+    log.close()
+    hosts.processes.popens.append(coordinator)
+    os.kill(wait_for_pause(pause, coordinator), signal.SIGINT)
+    time.sleep(0.5)
+    pause.unlink()
+    assert coordinator.wait(120) != 0
+    for worker, out in zip(workers, outs, strict=True):
+        wait_until(lambda w=worker: hosts.is_running(hosts.b, w.pid) and not agents_in(hosts.b), timeout=30,
+                   what=f"{worker.pid} running in B")
+        assert not hosts.is_running(hosts.a, worker.pid)
+        assert_counts_on(out, f"member {worker.pid} after Ctrl-C")
