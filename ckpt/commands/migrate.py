@@ -16,7 +16,7 @@ from ckpt.commands.dump import DumpRequest, DumpResult, DumpSession
 from ckpt.commands.group_member import Committed, Held, LocalDumpMember, Prepared, Released
 from ckpt.commands.restore import RestoreRequest
 from ckpt.commands.results import JsonResult
-from ckpt.errors import CkptError, MemberLost, MigrationFailed, UsageError
+from ckpt.errors import CkptError, GroupFailed, MemberLost, MigrationFailed, UsageError
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.settings import Settings, StoreLocation
@@ -483,6 +483,11 @@ class _GroupMigration:
             self._each("reach its destination", lambda d: d.connect())
             rounds = self._precopy()
             dumped = self._move()
+        except CkptError as exc:
+            self._settle()
+            raise GroupFailed(f"the group's migration failed: {exc.message} ({self._fates()})",
+                              hint=exc.hint if self.group is None else "ckpt list shows the group's checkpoint",
+                              exit_code=int(exc.exit_code)) from exc
         except BaseException:
             self._settle()
             raise
@@ -583,6 +588,14 @@ class _GroupMigration:
                 decide(self.store, self._members()[index].checkpoint, pid, destination.label, self.reporter)
             # aborted after its decision, the agent lets the tree run; without one, it ends it
             destination.abort()
+
+    def _fates(self) -> str:
+        """Where each member is left after a failure: its source runs on, or its destination has it."""
+        fates = []
+        for pid, destination in zip(self.request.members, self.destinations, strict=True):
+            here = procs.process_state(pid) not in (None, "Z", "X")
+            fates.append(f"{pid} runs on here" if here else f"{pid} is left to {destination.label}")
+        return "; ".join(fates)
 
     def _result(self, group: GroupManifest, rounds: list[dict]) -> MigrateGroupResult:
         first_freeze = min(m.frozen_at for m in group.members)
