@@ -16,7 +16,7 @@ from ckpt.commands.dump import DumpRequest, DumpResult, DumpSession
 from ckpt.commands.group_member import Committed, Held, LocalDumpMember, Prepared, Released
 from ckpt.commands.restore import RestoreRequest
 from ckpt.commands.results import JsonResult
-from ckpt.errors import CkptError, GroupFailed, MemberLost, MigrationFailed, UsageError
+from ckpt.errors import CkptError, GroupFailed, MemberLost, MigrationFailed, ProcessNotFound, UsageError
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.settings import Settings, StoreLocation
@@ -179,6 +179,12 @@ def check_request(request: MigrateRequest) -> None:
         raise UsageError(f"--rounds {request.rounds} is out of range", hint=f"give 0 to {MAX_ROUNDS}")
 
 
+def _check_running(pid: int) -> None:
+    procs.check_pid(pid)
+    if procs.process_state(pid) in (None, "Z", "X"):
+        raise ProcessNotFound(f"no process with PID {pid}", hint="give the root PID of a running tree ('ps -ef')")
+
+
 def migrate(store_root: StoreLocation, request: MigrateRequest, reporter: Reporter = NullReporter(), *,
             settings: Settings, passwords: PasswordSource | None = None,
             destination: DestinationFactory | None = None) -> MigrateResult:
@@ -186,8 +192,9 @@ def migrate(store_root: StoreLocation, request: MigrateRequest, reporter: Report
     destination must reach: an S3 store or a directory shared at the same path)."""
     check_request(request)
     procs.require_root()
+    _check_running(request.pid)
     passwords = PasswordSource.passed_or_settings(passwords, settings)
-    store = Store.open(store_root, False, settings=settings, passwords=passwords)
+    store = Store.open(store_root, True, settings=settings, passwords=passwords)  # as a dump would
     far = destination or ssh_destination(settings, passwords, request.phase_timeout, request.hold_limit, reporter)
     template = RestoreRequest(ref="", lazy=request.lazy, tcp_close=request.tcp_close, migrated=True)
     migration = _Migration(store, request, far(store, template, request.to), reporter, settings, passwords)
@@ -452,8 +459,10 @@ def migrate_group(store_root: StoreLocation, request: MigrateGroupRequest, repor
     for host in request.places.values():
         check_host(host)
     procs.require_root()
+    for pid in request.members:
+        _check_running(pid)
     passwords = PasswordSource.passed_or_settings(passwords, settings)
-    store = Store.open(store_root, False, settings=settings, passwords=passwords)
+    store = Store.open(store_root, True, settings=settings, passwords=passwords)  # as a dump would
     return _GroupMigration(store, request, reporter, settings, passwords, destination).run()
 
 
