@@ -23,12 +23,14 @@ from ckpt.agent.identity import copies_dir
 from ckpt.commands.results import JsonResult
 from ckpt.errors import CkptError, CloneFailed, UsageError
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.restore import copies as copies_module
+from ckpt.restore import copynet, copywatch
 from ckpt.restore.copies import CopyPlacement
 from ckpt.settings import Settings, StoreLocation
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.password import PasswordSource
 from ckpt.system import procfs, procs
-from ckpt.system.files import atomic_write_bytes, make_private_dir
+from ckpt.system.files import atomic_write_bytes, make_readable_dir
 
 MAX_COPIES = 64
 NETWORKS = ("auto", "own", "host")
@@ -94,11 +96,13 @@ class CloneResult(JsonResult):
     registry: Path
     duration_ms: float
     restores: list[dict] = field(default_factory=list)  # each copy's RestoreResult.to_json()
+    watcher: int | None = None  # the PID of the clean-up watcher (ckpt/restore/copywatch.py)
 
     def to_json(self) -> dict:
         return {"clone": self.clone, "checkpoint": self.manifest.id, "name": self.manifest.name,
                 "network": self.network, "ports": self.ports, "copies": [c.to_json() for c in self.copies],
-                "registry": str(self.registry), "duration_ms": self.duration_ms, "restores": self.restores}
+                "registry": str(self.registry), "duration_ms": self.duration_ms, "restores": self.restores,
+                "watcher": self.watcher}
 
 
 class CopySession(Protocol):
@@ -118,6 +122,8 @@ class CopySession(Protocol):
 
 
 SessionFactory = Callable[[CopyPlacement, "CloneRequest", str, Reporter], CopySession]
+# Starts the watcher that cleans up after each copy once it ends: (copies dir, clone id) -> its PID.
+WatcherStarter = Callable[[Path, str], int]
 
 
 def check_request(request: CloneRequest) -> None:
@@ -132,12 +138,12 @@ def check_request(request: CloneRequest) -> None:
 
 def clone(store_root: StoreLocation, request: CloneRequest, reporter: Reporter = NullReporter(), *,
           settings: Settings, passwords: PasswordSource | None = None, store: Store | None = None,
-          new_session: SessionFactory | None = None) -> CloneResult:
+          new_session: SessionFactory | None = None, start_watcher: WatcherStarter = copywatch.start) -> CloneResult:
     """Restores the checkpoint request.ref names request.copies times at once, each copy in a
     PID namespace of its own; all of them run, or none (the error names the copy that failed).
     new_session(placement, request, checkpoint id, reporter) makes a copy's restore (default:
     a RestoreSession with copy=placement); store: the store to read the checkpoint from
-    (default: opened at store_root)."""
+    (default: opened at store_root); start_watcher: starts the clean-up after the copies end."""
     check_request(request)
     started = time.monotonic()
     if store is None:
@@ -150,19 +156,46 @@ def clone(store_root: StoreLocation, request: CloneRequest, reporter: Reporter =
     reporter.step(f"clone {clone_id}: {request.copies} cop{'y' if request.copies == 1 else 'ies'} of checkpoint "
                   f"{manifest.id}, network {network}" + (f" (it listens on TCP {_ports(ports)})" if ports else ""))
     make = new_session or _restore_session_factory(store_root, settings, passwords)
+    _remove_stale(copies_dir(settings), reporter)
     run = _Cloning(clone_id, manifest.id, request, network, reporter, make)
     results = run.run()
     copies = [_running_copy(index, result) for index, result in enumerate(results, 1)]
-    registry = copies_dir(settings) / f"clone-{clone_id}.json"
+    registry = copywatch.registry_path(copies_dir(settings), clone_id)
     try:
         write_registry(registry, clone_id, manifest, copies)
     except OSError as exc:
         run.end_running(copies)
         raise CloneFailed(f"clone {clone_id}: could not write its registry {registry}: {exc.strerror or exc}",
                           hint="every copy was ended: none runs unlisted") from exc
+    watcher = _start_watcher(start_watcher, copies_dir(settings), clone_id, reporter)
     return CloneResult(clone_id, manifest, network, ports, copies, registry,
                        round((time.monotonic() - started) * 1000, 1),
-                       [r.to_json() if hasattr(r, "to_json") else {} for r in results])
+                       [r.to_json() if hasattr(r, "to_json") else {} for r in results], watcher)
+
+
+def _remove_stale(directory: Path, reporter: Reporter) -> None:
+    """What copies that ended left when their watcher could not clean up (it was killed): their
+    networks, and identity files (a new copy's namespace may take one's inode)."""
+    try:
+        networks = copynet.remove_stale(directory) if any(directory.glob("net-*.json")) else []
+        identities = copies_module.remove_stale_identities(directory)
+    except (OSError, CkptError) as exc:
+        reporter.warn(f"could not clean up after ended copies in {directory}: {exc}")
+        return
+    if networks or identities:
+        reporter.info(f"removed what ended copies left: {len(networks)} network namespace(s), "
+                      f"{len(identities)} identity file(s)")
+
+
+def _start_watcher(start: WatcherStarter, directory: Path, clone_id: str, reporter: Reporter) -> int | None:
+    """The copies run either way: without a watcher, what each leaves is removed by the next
+    clone's clean-up instead."""
+    try:
+        return start(directory, clone_id)
+    except OSError as exc:
+        reporter.warn(f"no watcher cleans up after the copies of clone {clone_id} ({exc.strerror or exc}): the "
+                      "next 'ckpt clone' removes what they leave")
+        return None
 
 
 def _ports(ports: list[int]) -> str:
@@ -313,7 +346,7 @@ def _copy_failed(clone_id: str, index: int, what: str, exc: BaseException) -> Ba
 
 def write_registry(path: Path, clone_id: str, manifest: Manifest, copies: list[RunningCopy]) -> None:
     """<copies dir>/clone-<clone id>.json, owner-only, atomically (docs/design.md, "Clones")."""
-    make_private_dir(path.parent)
+    make_readable_dir(path.parent)
     record = {"format": REGISTRY_FORMAT, "clone": clone_id, "checkpoint": manifest.id, "name": manifest.name,
               "created": datetime.now(timezone.utc).isoformat(), "copies": [c.to_json() for c in copies]}
     atomic_write_bytes(path, json.dumps(record).encode() + b"\n", durable=False)  # tmpfs
@@ -321,7 +354,7 @@ def write_registry(path: Path, clone_id: str, manifest: Manifest, copies: list[R
 
 def read_registries(directory: Path) -> list[dict]:
     """Every clone registry in directory that can be read (a stranger's or damaged file is
-    skipped: the directory is root's, 0700, and the files are written whole)."""
+    skipped: only root writes in the directory (0755), and the files are written whole)."""
     found = []
     try:
         names = sorted(os.listdir(directory))

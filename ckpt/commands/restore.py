@@ -124,6 +124,7 @@ class RestoreSession(Session[RestoreRequest]):
         self.inner: int | None = None
         self.network: copynet.CopyNetwork | None = None  # a copy's own network namespace
         self.copy_info: CopyInfo | None = None
+        self.copy_init: tuple[int, int] = (0, 0)  # a copy's init (host PID, start ticks), known in its runner
 
     # ---- prepare: nothing runs yet ------------------------------------------------------
 
@@ -140,6 +141,9 @@ class RestoreSession(Session[RestoreRequest]):
         phase("restore.materialized")
         tell_copies_read_again(store, self.reporter)
         self._check_copy()
+        if self._in_own_pidns():
+            # A new copy's namespace may take the inode of one that ended and left its file.
+            copies.remove_stale_identities(self.settings.copies_dir)
         if not self.request.new_pidns and not self._in_own_pidns():
             self.reporter.step("waiting for the tree's PIDs to be free")
             procs.wait_for_pids_free(manifest.all_pids, timeout=self.request.pid_wait_s)
@@ -247,7 +251,7 @@ class RestoreSession(Session[RestoreRequest]):
         phase("restore.before-criu")
         client = self.criu
         if self.request.copy is not None:
-            self.pid = self._restore_copy(self.request.copy, lambda: client.restore(self.criu_options, self._notified))
+            self.pid = self._restore_copy(self.request.copy, self._restore_inside)
         elif self.request.new_pidns:
             from ckpt.restore.pidns import run_in_new_pidns
 
@@ -266,7 +270,7 @@ class RestoreSession(Session[RestoreRequest]):
             self.images_dir = None  # the page server owns the images now, and removes them when done
         return self.pid
 
-    def _restore_copy(self, copy: CopyPlacement, restore_inside: Callable[[], int]) -> int:
+    def _restore_copy(self, copy: CopyPlacement, restore_inside: copies.InsideRestore) -> int:
         self.reporter.step(f"restoring copy {copy.index} of {copy.count} into a PID namespace of its own")
         from ckpt.criu.client import bindings_version
 
@@ -280,6 +284,11 @@ class RestoreSession(Session[RestoreRequest]):
         if self.network is not None:
             copynet.adopt(self.settings.copies_dir, self.network, started.init_pid)
         return started.pid
+
+    def _restore_inside(self, init: tuple[int, int]) -> int:
+        """In the copy's CRIU runner (a forked process: this object is its own copy there)."""
+        self.copy_init = init  # for the identity file, written in the post-restore notification
+        return self.criu.restore(self.criu_options, self._notified)
 
     def _found_copy(self, init_pid: int) -> int:
         """After the restore of a copy's checkpoint: CRIU returned the init; the tree's root is
@@ -319,7 +328,8 @@ class RestoreSession(Session[RestoreRequest]):
             if copy is not None:
                 # In the CRIU runner, inside the copy's PID namespace: the tree runs only once
                 # this returns, so its first look at its identity finds it.
-                copies.write_identity(self.settings.copies_dir, copy, self.manifest.id, self.manifest.name)
+                copies.write_identity(self.settings.copies_dir, copy, self.manifest.id, self.manifest.name,
+                                      self.copy_init)
             if self.server is not None:
                 # Every process has registered its lazy memory and none runs yet: the watcher
                 # takes hold of it now, or CRIU aborts the restore.

@@ -18,7 +18,7 @@ from ckpt.commands.clone import CloneRequest, check_request, clone, read_registr
 from ckpt.errors import CloneFailed, CriuFailed, UsageError
 from ckpt.reporting import NullReporter
 from ckpt.system import procfs
-from tests.helpers import env_settings
+from tests.helpers import env_settings, wait_until
 
 
 @pytest.fixture
@@ -125,6 +125,16 @@ def test_every_copy_runs_and_the_registry_lists_them(store, checkpoints, setting
     second.wait()
     assert [c["index"] for c in running_copies(copies_dir, made.id)[made.id]] == [1, 3, 4]
     json.dumps(result.to_json())
+    # The clone's watcher (a detached process) drops the row of the copy that ended.
+    watcher = (result.watcher, procfs.start_ticks(result.watcher))
+    assert procfs.is_running(*watcher)
+    wait_until(lambda: [c["index"] for c in json.loads(registry.read_text())["copies"]] == [1, 3, 4],
+               timeout=10, what="the watcher to drop copy 2's row")
+    for process in inits:
+        process.kill()
+        process.wait()
+    wait_until(lambda: not registry.exists(), timeout=10, what="the watcher to remove the registry")
+    wait_until(lambda: not procfs.is_running(*watcher), timeout=10, what="the watcher to end")  # (a zombie: ours)
 
 
 def test_one_copy_failing_ends_every_other(store, checkpoints, settings, copies_dir, inits):
