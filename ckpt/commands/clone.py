@@ -111,6 +111,9 @@ class CopySession(Protocol):
     def prepare(self) -> None:
         ...
 
+    def prepared_images(self) -> Path | None:
+        ...
+
     def restore(self) -> int:
         ...
 
@@ -121,7 +124,8 @@ class CopySession(Protocol):
         ...
 
 
-SessionFactory = Callable[[CopyPlacement, "CloneRequest", str, Reporter], CopySession]
+# (placement, request, checkpoint id, reporter, images laid out by the first copy or None).
+SessionFactory = Callable[[CopyPlacement, "CloneRequest", str, Reporter, "Path | None"], CopySession]
 # Starts the watcher that cleans up after each copy once it ends: (copies dir, clone id) -> its PID.
 WatcherStarter = Callable[[Path, str], int]
 
@@ -141,8 +145,8 @@ def clone(store_root: StoreLocation, request: CloneRequest, reporter: Reporter =
           new_session: SessionFactory | None = None, start_watcher: WatcherStarter = copywatch.start) -> CloneResult:
     """Restores the checkpoint request.ref names request.copies times at once, each copy in a
     PID namespace of its own; all of them run, or none (the error names the copy that failed).
-    new_session(placement, request, checkpoint id, reporter) makes a copy's restore (default:
-    a RestoreSession with copy=placement); store: the store to read the checkpoint from
+    new_session(placement, request, checkpoint id, reporter, images) makes a copy's restore
+    (default: a RestoreSession with copy=placement, images_from=images); store: the store to read the checkpoint from
     (default: opened at store_root); start_watcher: starts the clean-up after the copies end."""
     check_request(request)
     started = time.monotonic()
@@ -224,9 +228,10 @@ def _restore_session_factory(store_root: StoreLocation, settings: Settings,
     """A RestoreSession per copy, with copy=placement (ckpt/restore/copies.py)."""
     from ckpt.commands.restore import RestoreRequest, RestoreSession
 
-    def make(placement: CopyPlacement, request: CloneRequest, checkpoint: str, reporter: Reporter) -> CopySession:
+    def make(placement: CopyPlacement, request: CloneRequest, checkpoint: str, reporter: Reporter,
+             images: Path | None) -> CopySession:
         restore = RestoreRequest(ref=checkpoint, lazy=request.lazy, output=request.output, tcp_close=request.tcp_close,
-                                 pid_wait_s=request.pid_wait_s, copy=placement)
+                                 pid_wait_s=request.pid_wait_s, copy=placement, images_from=images)
         return RestoreSession(store_root, restore, reporter, settings=settings, passwords=passwords)
 
     return make
@@ -273,12 +278,15 @@ class _Cloning:
         count = self.request.copies
         finished = False
         try:
-            for index in range(1, count + 1):
-                placement = CopyPlacement(clone_id=self.clone_id, index=index, count=count, network=self.network)
-                told = _CopyReporter(self.reporter, index, count)
-                self.sessions.append(self.make(placement, self.request, self.checkpoint, told))
             self.reporter.step(f"preparing {count} copies")
+            # The first copy lays the images out once; the others share its files (hard links),
+            # prepared at once: N copies of a large checkpoint do not write it N times.
+            self._add(1, None)
             self._each("be prepared", lambda s: s.prepare())
+            images = self.sessions[0].prepared_images()
+            for index in range(2, count + 1):
+                self._add(index, images)
+            self._each("be prepared", lambda s: s.prepare(), start=1)
             self.reporter.step(f"restoring {count} copies")
             self._each("be restored", lambda s: s.restore())
             results = self._each("finish", lambda s: s.finish())
@@ -288,9 +296,15 @@ class _Cloning:
             if not finished:
                 self._abort_all()
 
-    def _each(self, what: str, step: Callable[[CopySession], T]) -> list[T]:
-        """step(session) for every copy at once; the lowest-numbered failure raises CloneFailed
-        once every step has ended (or PHASE_TIMEOUT passed)."""
+    def _add(self, index: int, images: Path | None) -> None:
+        count = self.request.copies
+        placement = CopyPlacement(clone_id=self.clone_id, index=index, count=count, network=self.network)
+        told = _CopyReporter(self.reporter, index, count)
+        self.sessions.append(self.make(placement, self.request, self.checkpoint, told, images))
+
+    def _each(self, what: str, step: Callable[[CopySession], T], start: int = 0) -> list[T]:
+        """step(session) for every copy from sessions[start] on, at once; the lowest-numbered
+        failure raises CloneFailed once every step has ended (or PHASE_TIMEOUT passed)."""
         answers: dict[int, T] = {}
         failures: dict[int, BaseException] = {}
 
@@ -301,19 +315,19 @@ class _Cloning:
                 failures[index] = exc
 
         threads = [threading.Thread(target=run, args=(i, s), name=f"ckpt-copy-{i + 1}", daemon=True)
-                   for i, s in enumerate(self.sessions)]
+                   for i, s in enumerate(self.sessions) if i >= start]
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + PHASE_TIMEOUT
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        late = [i + 1 for i, t in enumerate(threads) if t.is_alive()]
+        late = [i + 1 + start for i, t in enumerate(threads) if t.is_alive()]
         if failures:
             raise _copy_failed(self.clone_id, min(failures) + 1, what, failures[min(failures)])
         if late:
             raise CloneFailed(f"clone {self.clone_id}: copy {late[0]} did not {what} within {PHASE_TIMEOUT:g} s",
                               hint="every copy was ended: no half clone runs")
-        return [answers[i] for i in range(len(self.sessions))]
+        return [answers[i] for i in range(start, len(self.sessions))]
 
     def _abort_all(self) -> None:
         """Every session aborted (a running copy ended); one whose abort fails is told of."""

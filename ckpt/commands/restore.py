@@ -25,7 +25,7 @@ from ckpt.restore.lazy import supported as lazy_supported
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.password import PasswordSource
 from ckpt.store.blocks.blockstore import PAGE
-from ckpt.store.materialize import materialize, materialize_lazily
+from ckpt.store.materialize import link_images, materialize, materialize_lazily
 from ckpt.store.staging import discard
 from ckpt.system import procs
 from ckpt.system.files import can_punch_holes, make_private_dir
@@ -59,6 +59,11 @@ class RestoreRequest:
     # whose init is ckpt's reaper, in a network namespace of its own or the host's, its
     # established TCP connections closed; several such sessions may run at once (threads).
     copy: CopyPlacement | None = None
+    # The checkpoint's images as another session of this process laid them out and checked them
+    # (a clone's first copy): hard-linked into this session's own directory instead of written
+    # again (store/materialize.py, link_images). Every session sharing them restores with CRIU's
+    # auto_dedup off: it punches holes into the pages images it has read, which the others read too.
+    images_from: Path | None = None
 
 
 @dataclass
@@ -182,7 +187,7 @@ class RestoreSession(Session[RestoreRequest]):
             self.work_dir = log_dir / f"lazy-{stamp}-{os.getpid()}"
             make_private_dir(self.work_dir)
             extra["lazy_pages"] = True
-        elif can_punch_holes(images_dir):
+        elif can_punch_holes(images_dir) and not self._images_shared():
             # CRIU punches each 128 MiB of the staged pages image out once it has read it into
             # the tree: that page cache is free again, and the tree's next pages take it while
             # it is still backed, instead of memory the VM gave back to its host
@@ -201,6 +206,14 @@ class RestoreSession(Session[RestoreRequest]):
         if self.output:
             self.reporter.info(f"what the tree wrote into pipes or sockets to programs outside it now goes to "
                                f"{self.output}")
+
+    def _images_shared(self) -> bool:
+        """Other sessions restore from these very image files (hard links): a clone of several copies."""
+        return self.request.images_from is not None or (self.request.copy is not None and self.request.copy.count > 1)
+
+    def prepared_images(self) -> Path | None:
+        """After prepare: the laid out images, for another copy's RestoreRequest.images_from."""
+        return self.images_dir
 
     def _check_copy(self) -> None:
         copy = self.request.copy
@@ -402,6 +415,10 @@ class _ImageLayout:
     def lay_out(self) -> tuple[Path, bool, LazyPlan, hostcheck.HostReport]:
         """Returns the directory, whether the restore is lazy after all, the plan and the host's report."""
         lazy = _wants_lazy(self.request, self.manifest, self.binary, self.lazy_min_bytes)
+        if self.request.images_from is not None:
+            self.reporter.step(f"sharing the images of checkpoint {self.manifest.id} laid out for another copy")
+            images_dir = link_images(self.store.staging_area(), self.request.images_from)
+            return images_dir, False, self.plan, self._checked(images_dir)
         self.reporter.step(f"verifying checkpoint {self.manifest.id}")
         if not lazy:
             images_dir = materialize(self.store.objects, self.store.staging_area(), self.manifest, self.reporter,
