@@ -10,7 +10,7 @@ never waited for. Killed itself, it leaves the clean-up to the next `ckpt clone`
 a copy, which remove what belongs to no running copy (copynet.remove_stale,
 copies.remove_stale_identities).
 
-Run as `python -m ckpt.restore.copywatch COPIES_DIR CLONE_ID`.
+Run as `python -c ... <ckpt's root> COPIES_DIR CLONE_ID` (start() below).
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ POLL_S = 2.0
 def start(copies_dir: Path, clone_id: str) -> int:
     """Starts the watcher of clone `clone_id`, detached (its own session, no descriptor of ours:
     a caller reading ckpt's output sees its end); returns its PID."""
-    package_root = str(Path(__file__).resolve().parents[2])  # where `ckpt` is imported from
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-    process = subprocess.Popen([sys.executable, "-m", "ckpt.restore.copywatch", str(copies_dir), clone_id],
+    # Imported from where this ckpt is (a checkout run with PYTHONPATH, or an installed one).
+    package_root = str(Path(__file__).resolve().parents[2])
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from ckpt.restore.copywatch import main; "
+            "sys.exit(main(sys.argv[2:]))")
+    process = subprocess.Popen([sys.executable, "-c", code, package_root, str(copies_dir), clone_id],
                                start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, close_fds=True, env=env, cwd="/")
+                               stderr=subprocess.DEVNULL, close_fds=True, cwd="/")
     return process.pid
 
 
