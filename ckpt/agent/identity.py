@@ -2,11 +2,16 @@
 of its own, and ckpt writes, before the copy runs, `<copies dir>/pidns-<inode>.json` (the
 inode of that namespace; docs/design.md, "Clones"):
 
-    {"format": 1, "clone": ID, "copy": k, "copies": N, "checkpoint": ID, "name": NAME|null,
-     "created": TIME}
+    {"format": 2, "clone": ID, "copy": k, "copies": N, "checkpoint": ID, "name": NAME|null,
+     "created": TIME, "init": [HOST PID, START TICKS]}
 
 copy_info() reads the file of the caller's own PID namespace (`/proc/self/ns/pid`): outside a
 copy there is none. The journal (ckpt/agent/journal.py) takes its branch from it.
+
+A namespace's inode is reused once the namespace is gone, and a file whose copy ended may
+still be there (its watcher was killed): a file counts only while the init it names (host PID
+and start time) still runs and is in the namespace asked about. While that init runs its
+namespace lives, so the inode is still that namespace's and no other's.
 """
 
 from __future__ import annotations
@@ -19,13 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpt.store import ids
+from ckpt.system import procfs
 
 if TYPE_CHECKING:
     from ckpt.settings import Settings
 
-FORMAT = 1
+FORMAT = 2
 # What a file must hold to be taken for an identity (readers ignore other keys).
-REQUIRED = ("clone", "copy", "checkpoint")
+REQUIRED = ("clone", "copy", "checkpoint", "init")
 MAX_BYTES = 65536
 
 
@@ -48,7 +54,8 @@ def read_identity(directory: Path, inode: int | None = None) -> dict | None:
     None: no file (not a copy), or one that is not an identity. Only a regular file owned by
     root or by the caller counts: another user may be able to create names in the directory,
     but not make a process believe it is a copy."""
-    path = identity_path(directory, pidns_inode() if inode is None else inode)
+    inode = pidns_inode() if inode is None else inode
+    path = identity_path(directory, inode)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -64,7 +71,32 @@ def read_identity(directory: Path, inode: int | None = None) -> dict | None:
         record = json.loads(data)
     except ValueError:
         return None
-    return record if _valid(record) else None
+    return record if _valid(record) and init_runs_in(record, inode) else None
+
+
+def init_of(record: dict) -> tuple[int, int] | None:
+    """The (host PID, start ticks) of the init an identity names, or None."""
+    init = record.get("init")
+    if not isinstance(init, list) or len(init) != 2 or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in init):
+        return None
+    return int(init[0]), int(init[1])
+
+
+def init_runs_in(record: dict, inode: int) -> bool:
+    """Whether the identity's init still runs and is in PID namespace `inode`. The init's host
+    PID is looked up in this /proc: a copy's tree sees the host's (it joined the host's mount
+    namespace). A process that may not look at the init's namespace link (another user's
+    copy) has its liveness: a live init keeps its namespace, and its inode, from anyone else."""
+    init = init_of(record)
+    if init is None or not procfs.is_running(*init):
+        return False
+    try:
+        return pidns_inode(init[0]) == inode
+    except PermissionError:
+        return True
+    except OSError:
+        return False
 
 
 def _valid(record: object) -> bool:

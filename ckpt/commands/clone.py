@@ -23,12 +23,14 @@ from ckpt.agent.identity import copies_dir
 from ckpt.commands.results import JsonResult
 from ckpt.errors import CkptError, CloneFailed, UsageError
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.restore import copies as copies_module
+from ckpt.restore import copynet, copywatch
 from ckpt.restore.copies import CopyPlacement
 from ckpt.settings import Settings, StoreLocation
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.password import PasswordSource
 from ckpt.system import procfs, procs
-from ckpt.system.files import atomic_write_bytes, make_private_dir
+from ckpt.system.files import atomic_write_bytes, make_readable_dir
 
 MAX_COPIES = 64
 NETWORKS = ("auto", "own", "host")
@@ -94,17 +96,22 @@ class CloneResult(JsonResult):
     registry: Path
     duration_ms: float
     restores: list[dict] = field(default_factory=list)  # each copy's RestoreResult.to_json()
+    watcher: int | None = None  # the PID of the clean-up watcher (ckpt/restore/copywatch.py)
 
     def to_json(self) -> dict:
         return {"clone": self.clone, "checkpoint": self.manifest.id, "name": self.manifest.name,
                 "network": self.network, "ports": self.ports, "copies": [c.to_json() for c in self.copies],
-                "registry": str(self.registry), "duration_ms": self.duration_ms, "restores": self.restores}
+                "registry": str(self.registry), "duration_ms": self.duration_ms, "restores": self.restores,
+                "watcher": self.watcher}
 
 
 class CopySession(Protocol):
     """What the clone asks of each copy's restore (RestoreSession; a fake in the tests)."""
 
     def prepare(self) -> None:
+        ...
+
+    def prepared_images(self) -> Path | None:
         ...
 
     def restore(self) -> int:
@@ -117,7 +124,10 @@ class CopySession(Protocol):
         ...
 
 
-SessionFactory = Callable[[CopyPlacement, "CloneRequest", str, Reporter], CopySession]
+# (placement, request, checkpoint id, reporter, images laid out by the first copy or None).
+SessionFactory = Callable[[CopyPlacement, "CloneRequest", str, Reporter, "Path | None"], CopySession]
+# Starts the watcher that cleans up after each copy once it ends: (copies dir, clone id) -> its PID.
+WatcherStarter = Callable[[Path, str], int]
 
 
 def check_request(request: CloneRequest) -> None:
@@ -132,12 +142,12 @@ def check_request(request: CloneRequest) -> None:
 
 def clone(store_root: StoreLocation, request: CloneRequest, reporter: Reporter = NullReporter(), *,
           settings: Settings, passwords: PasswordSource | None = None, store: Store | None = None,
-          new_session: SessionFactory | None = None) -> CloneResult:
+          new_session: SessionFactory | None = None, start_watcher: WatcherStarter = copywatch.start) -> CloneResult:
     """Restores the checkpoint request.ref names request.copies times at once, each copy in a
     PID namespace of its own; all of them run, or none (the error names the copy that failed).
-    new_session(placement, request, checkpoint id, reporter) makes a copy's restore (default:
-    a RestoreSession with copy=placement); store: the store to read the checkpoint from
-    (default: opened at store_root)."""
+    new_session(placement, request, checkpoint id, reporter, images) makes a copy's restore
+    (default: a RestoreSession with copy=placement, images_from=images); store: the store to read the checkpoint from
+    (default: opened at store_root); start_watcher: starts the clean-up after the copies end."""
     check_request(request)
     started = time.monotonic()
     if store is None:
@@ -150,19 +160,46 @@ def clone(store_root: StoreLocation, request: CloneRequest, reporter: Reporter =
     reporter.step(f"clone {clone_id}: {request.copies} cop{'y' if request.copies == 1 else 'ies'} of checkpoint "
                   f"{manifest.id}, network {network}" + (f" (it listens on TCP {_ports(ports)})" if ports else ""))
     make = new_session or _restore_session_factory(store_root, settings, passwords)
+    _remove_stale(copies_dir(settings), reporter)
     run = _Cloning(clone_id, manifest.id, request, network, reporter, make)
     results = run.run()
     copies = [_running_copy(index, result) for index, result in enumerate(results, 1)]
-    registry = copies_dir(settings) / f"clone-{clone_id}.json"
+    registry = copywatch.registry_path(copies_dir(settings), clone_id)
     try:
         write_registry(registry, clone_id, manifest, copies)
     except OSError as exc:
         run.end_running(copies)
         raise CloneFailed(f"clone {clone_id}: could not write its registry {registry}: {exc.strerror or exc}",
                           hint="every copy was ended: none runs unlisted") from exc
+    watcher = _start_watcher(start_watcher, copies_dir(settings), clone_id, reporter)
     return CloneResult(clone_id, manifest, network, ports, copies, registry,
                        round((time.monotonic() - started) * 1000, 1),
-                       [r.to_json() if hasattr(r, "to_json") else {} for r in results])
+                       [r.to_json() if hasattr(r, "to_json") else {} for r in results], watcher)
+
+
+def _remove_stale(directory: Path, reporter: Reporter) -> None:
+    """What copies that ended left when their watcher could not clean up (it was killed): their
+    networks, and identity files (a new copy's namespace may take one's inode)."""
+    try:
+        networks = copynet.remove_stale(directory) if any(directory.glob("net-*.json")) else []
+        identities = copies_module.remove_stale_identities(directory)
+    except (OSError, CkptError) as exc:
+        reporter.warn(f"could not clean up after ended copies in {directory}: {exc}")
+        return
+    if networks or identities:
+        reporter.info(f"removed what ended copies left: {len(networks)} network namespace(s), "
+                      f"{len(identities)} identity file(s)")
+
+
+def _start_watcher(start: WatcherStarter, directory: Path, clone_id: str, reporter: Reporter) -> int | None:
+    """The copies run either way: without a watcher, what each leaves is removed by the next
+    clone's clean-up instead."""
+    try:
+        return start(directory, clone_id)
+    except OSError as exc:
+        reporter.warn(f"no watcher cleans up after the copies of clone {clone_id} ({exc.strerror or exc}): the "
+                      "next 'ckpt clone' removes what they leave")
+        return None
 
 
 def _ports(ports: list[int]) -> str:
@@ -191,9 +228,10 @@ def _restore_session_factory(store_root: StoreLocation, settings: Settings,
     """A RestoreSession per copy, with copy=placement (ckpt/restore/copies.py)."""
     from ckpt.commands.restore import RestoreRequest, RestoreSession
 
-    def make(placement: CopyPlacement, request: CloneRequest, checkpoint: str, reporter: Reporter) -> CopySession:
+    def make(placement: CopyPlacement, request: CloneRequest, checkpoint: str, reporter: Reporter,
+             images: Path | None) -> CopySession:
         restore = RestoreRequest(ref=checkpoint, lazy=request.lazy, output=request.output, tcp_close=request.tcp_close,
-                                 pid_wait_s=request.pid_wait_s, copy=placement)
+                                 pid_wait_s=request.pid_wait_s, copy=placement, images_from=images)
         return RestoreSession(store_root, restore, reporter, settings=settings, passwords=passwords)
 
     return make
@@ -240,12 +278,15 @@ class _Cloning:
         count = self.request.copies
         finished = False
         try:
-            for index in range(1, count + 1):
-                placement = CopyPlacement(clone_id=self.clone_id, index=index, count=count, network=self.network)
-                told = _CopyReporter(self.reporter, index, count)
-                self.sessions.append(self.make(placement, self.request, self.checkpoint, told))
             self.reporter.step(f"preparing {count} copies")
+            # The first copy lays the images out once; the others share its files (hard links),
+            # prepared at once: N copies of a large checkpoint do not write it N times.
+            self._add(1, None)
             self._each("be prepared", lambda s: s.prepare())
+            images = self.sessions[0].prepared_images()
+            for index in range(2, count + 1):
+                self._add(index, images)
+            self._each("be prepared", lambda s: s.prepare(), start=1)
             self.reporter.step(f"restoring {count} copies")
             self._each("be restored", lambda s: s.restore())
             results = self._each("finish", lambda s: s.finish())
@@ -255,9 +296,15 @@ class _Cloning:
             if not finished:
                 self._abort_all()
 
-    def _each(self, what: str, step: Callable[[CopySession], T]) -> list[T]:
-        """step(session) for every copy at once; the lowest-numbered failure raises CloneFailed
-        once every step has ended (or PHASE_TIMEOUT passed)."""
+    def _add(self, index: int, images: Path | None) -> None:
+        count = self.request.copies
+        placement = CopyPlacement(clone_id=self.clone_id, index=index, count=count, network=self.network)
+        told = _CopyReporter(self.reporter, index, count)
+        self.sessions.append(self.make(placement, self.request, self.checkpoint, told, images))
+
+    def _each(self, what: str, step: Callable[[CopySession], T], start: int = 0) -> list[T]:
+        """step(session) for every copy from sessions[start] on, at once; the lowest-numbered
+        failure raises CloneFailed once every step has ended (or PHASE_TIMEOUT passed)."""
         answers: dict[int, T] = {}
         failures: dict[int, BaseException] = {}
 
@@ -268,19 +315,19 @@ class _Cloning:
                 failures[index] = exc
 
         threads = [threading.Thread(target=run, args=(i, s), name=f"ckpt-copy-{i + 1}", daemon=True)
-                   for i, s in enumerate(self.sessions)]
+                   for i, s in enumerate(self.sessions) if i >= start]
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + PHASE_TIMEOUT
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        late = [i + 1 for i, t in enumerate(threads) if t.is_alive()]
+        late = [i + 1 + start for i, t in enumerate(threads) if t.is_alive()]
         if failures:
             raise _copy_failed(self.clone_id, min(failures) + 1, what, failures[min(failures)])
         if late:
             raise CloneFailed(f"clone {self.clone_id}: copy {late[0]} did not {what} within {PHASE_TIMEOUT:g} s",
                               hint="every copy was ended: no half clone runs")
-        return [answers[i] for i in range(len(self.sessions))]
+        return [answers[i] for i in range(start, len(self.sessions))]
 
     def _abort_all(self) -> None:
         """Every session aborted (a running copy ended); one whose abort fails is told of."""
@@ -313,7 +360,7 @@ def _copy_failed(clone_id: str, index: int, what: str, exc: BaseException) -> Ba
 
 def write_registry(path: Path, clone_id: str, manifest: Manifest, copies: list[RunningCopy]) -> None:
     """<copies dir>/clone-<clone id>.json, owner-only, atomically (docs/design.md, "Clones")."""
-    make_private_dir(path.parent)
+    make_readable_dir(path.parent)
     record = {"format": REGISTRY_FORMAT, "clone": clone_id, "checkpoint": manifest.id, "name": manifest.name,
               "created": datetime.now(timezone.utc).isoformat(), "copies": [c.to_json() for c in copies]}
     atomic_write_bytes(path, json.dumps(record).encode() + b"\n", durable=False)  # tmpfs
@@ -321,7 +368,7 @@ def write_registry(path: Path, clone_id: str, manifest: Manifest, copies: list[R
 
 def read_registries(directory: Path) -> list[dict]:
     """Every clone registry in directory that can be read (a stranger's or damaged file is
-    skipped: the directory is root's, 0700, and the files are written whole)."""
+    skipped: only root writes in the directory (0755), and the files are written whole)."""
     found = []
     try:
         names = sorted(os.listdir(directory))

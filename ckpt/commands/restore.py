@@ -25,7 +25,7 @@ from ckpt.restore.lazy import supported as lazy_supported
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.password import PasswordSource
 from ckpt.store.blocks.blockstore import PAGE
-from ckpt.store.materialize import materialize, materialize_lazily
+from ckpt.store.materialize import link_images, materialize, materialize_lazily
 from ckpt.store.staging import discard
 from ckpt.system import procs
 from ckpt.system.files import can_punch_holes, make_private_dir
@@ -59,6 +59,11 @@ class RestoreRequest:
     # whose init is ckpt's reaper, in a network namespace of its own or the host's, its
     # established TCP connections closed; several such sessions may run at once (threads).
     copy: CopyPlacement | None = None
+    # The checkpoint's images as another session of this process laid them out and checked them
+    # (a clone's first copy): hard-linked into this session's own directory instead of written
+    # again (store/materialize.py, link_images). Every session sharing them restores with CRIU's
+    # auto_dedup off: it punches holes into the pages images it has read, which the others read too.
+    images_from: Path | None = None
 
 
 @dataclass
@@ -124,6 +129,7 @@ class RestoreSession(Session[RestoreRequest]):
         self.inner: int | None = None
         self.network: copynet.CopyNetwork | None = None  # a copy's own network namespace
         self.copy_info: CopyInfo | None = None
+        self.copy_init: tuple[int, int] = (0, 0)  # a copy's init (host PID, start ticks), known in its runner
 
     # ---- prepare: nothing runs yet ------------------------------------------------------
 
@@ -140,6 +146,9 @@ class RestoreSession(Session[RestoreRequest]):
         phase("restore.materialized")
         tell_copies_read_again(store, self.reporter)
         self._check_copy()
+        if self._in_own_pidns():
+            # A new copy's namespace may take the inode of one that ended and left its file.
+            copies.remove_stale_identities(self.settings.copies_dir)
         if not self.request.new_pidns and not self._in_own_pidns():
             self.reporter.step("waiting for the tree's PIDs to be free")
             procs.wait_for_pids_free(manifest.all_pids, timeout=self.request.pid_wait_s)
@@ -178,7 +187,7 @@ class RestoreSession(Session[RestoreRequest]):
             self.work_dir = log_dir / f"lazy-{stamp}-{os.getpid()}"
             make_private_dir(self.work_dir)
             extra["lazy_pages"] = True
-        elif can_punch_holes(images_dir):
+        elif can_punch_holes(images_dir) and not self._images_shared():
             # CRIU punches each 128 MiB of the staged pages image out once it has read it into
             # the tree: that page cache is free again, and the tree's next pages take it while
             # it is still backed, instead of memory the VM gave back to its host
@@ -197,6 +206,14 @@ class RestoreSession(Session[RestoreRequest]):
         if self.output:
             self.reporter.info(f"what the tree wrote into pipes or sockets to programs outside it now goes to "
                                f"{self.output}")
+
+    def _images_shared(self) -> bool:
+        """Other sessions restore from these very image files (hard links): a clone of several copies."""
+        return self.request.images_from is not None or (self.request.copy is not None and self.request.copy.count > 1)
+
+    def prepared_images(self) -> Path | None:
+        """After prepare: the laid out images, for another copy's RestoreRequest.images_from."""
+        return self.images_dir
 
     def _check_copy(self) -> None:
         copy = self.request.copy
@@ -247,7 +264,7 @@ class RestoreSession(Session[RestoreRequest]):
         phase("restore.before-criu")
         client = self.criu
         if self.request.copy is not None:
-            self.pid = self._restore_copy(self.request.copy, lambda: client.restore(self.criu_options, self._notified))
+            self.pid = self._restore_copy(self.request.copy, self._restore_inside)
         elif self.request.new_pidns:
             from ckpt.restore.pidns import run_in_new_pidns
 
@@ -266,7 +283,7 @@ class RestoreSession(Session[RestoreRequest]):
             self.images_dir = None  # the page server owns the images now, and removes them when done
         return self.pid
 
-    def _restore_copy(self, copy: CopyPlacement, restore_inside: Callable[[], int]) -> int:
+    def _restore_copy(self, copy: CopyPlacement, restore_inside: copies.InsideRestore) -> int:
         self.reporter.step(f"restoring copy {copy.index} of {copy.count} into a PID namespace of its own")
         from ckpt.criu.client import bindings_version
 
@@ -280,6 +297,11 @@ class RestoreSession(Session[RestoreRequest]):
         if self.network is not None:
             copynet.adopt(self.settings.copies_dir, self.network, started.init_pid)
         return started.pid
+
+    def _restore_inside(self, init: tuple[int, int]) -> int:
+        """In the copy's CRIU runner (a forked process: this object is its own copy there)."""
+        self.copy_init = init  # for the identity file, written in the post-restore notification
+        return self.criu.restore(self.criu_options, self._notified)
 
     def _found_copy(self, init_pid: int) -> int:
         """After the restore of a copy's checkpoint: CRIU returned the init; the tree's root is
@@ -319,7 +341,8 @@ class RestoreSession(Session[RestoreRequest]):
             if copy is not None:
                 # In the CRIU runner, inside the copy's PID namespace: the tree runs only once
                 # this returns, so its first look at its identity finds it.
-                copies.write_identity(self.settings.copies_dir, copy, self.manifest.id, self.manifest.name)
+                copies.write_identity(self.settings.copies_dir, copy, self.manifest.id, self.manifest.name,
+                                      self.copy_init)
             if self.server is not None:
                 # Every process has registered its lazy memory and none runs yet: the watcher
                 # takes hold of it now, or CRIU aborts the restore.
@@ -392,6 +415,10 @@ class _ImageLayout:
     def lay_out(self) -> tuple[Path, bool, LazyPlan, hostcheck.HostReport]:
         """Returns the directory, whether the restore is lazy after all, the plan and the host's report."""
         lazy = _wants_lazy(self.request, self.manifest, self.binary, self.lazy_min_bytes)
+        if self.request.images_from is not None:
+            self.reporter.step(f"sharing the images of checkpoint {self.manifest.id} laid out for another copy")
+            images_dir = link_images(self.store.staging_area(), self.request.images_from)
+            return images_dir, False, self.plan, self._checked(images_dir)
         self.reporter.step(f"verifying checkpoint {self.manifest.id}")
         if not lazy:
             images_dir = materialize(self.store.objects, self.store.staging_area(), self.manifest, self.reporter,

@@ -40,12 +40,14 @@ from typing import Callable
 
 from ckpt.errors import CkptError, ProcessNotFound, UsageError, from_record, to_record
 from ckpt.restore.pidns import CLONE_NEWNS, CLONE_NEWPID, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, MS_REC, _check
+from ckpt.system import procfs
 from ckpt.system.detach import detach_stdio
-from ckpt.system.files import atomic_write_bytes, make_private_dir
+from ckpt.system.files import atomic_write_bytes, make_readable_dir
 
 CLONE_NEWNET = 0x40000000
 NETWORKS = ("own", "host")
 INIT_COMM = "ckpt-init"
+IDENTITY_FORMAT = 2  # docs/design.md, "Clones"; read by ckpt/agent/identity.py
 # The key of a copy's network namespace when it is dumped as external, and restored from a
 # descriptor of a fresh one.
 NET_KEY = "ckpt-copy-net"
@@ -115,17 +117,43 @@ def identity_path(copies_dir: Path, pidns_inode: int) -> Path:
     return copies_dir / f"pidns-{pidns_inode}.json"
 
 
-def write_identity(copies_dir: Path, placement: CopyPlacement, checkpoint: str, name: str | None) -> int:
+def write_identity(copies_dir: Path, placement: CopyPlacement, checkpoint: str, name: str | None,
+                   init: tuple[int, int]) -> int:
     """Writes the identity file of the copy whose PID namespace the caller is in (the CRIU
     runner, in CRIU's post-restore notification: before the copy's tree runs); returns the
-    namespace's inode."""
+    namespace's inode. init: the copy's init as (host PID, start ticks), which readers check
+    (ckpt/agent/identity.py): the file is no longer true once that init is gone. World-readable
+    in a directory everyone reads: a copy running as another user reads it, and it holds no
+    secret (the clone, the copy's number, the checkpoint's id and name)."""
     inode = os.stat("/proc/self/ns/pid").st_ino
-    data = {"format": 1, "clone": placement.clone_id, "copy": placement.index, "copies": placement.count,
-            "checkpoint": checkpoint, "name": name,
-            "created": datetime.now(timezone.utc).isoformat(timespec="milliseconds")}
-    make_private_dir(copies_dir)
-    atomic_write_bytes(identity_path(copies_dir, inode), json.dumps(data).encode(), durable=False)
+    data = {"format": IDENTITY_FORMAT, "clone": placement.clone_id, "copy": placement.index,
+            "copies": placement.count, "checkpoint": checkpoint, "name": name,
+            "created": datetime.now(timezone.utc).isoformat(timespec="milliseconds"), "init": list(init)}
+    make_readable_dir(copies_dir)
+    atomic_write_bytes(identity_path(copies_dir, inode), json.dumps(data).encode(), mode=0o644, durable=False)
     return inode
+
+
+def remove_stale_identities(copies_dir: Path) -> list[str]:
+    """Removes the identity files whose init is gone (or that name none: an older format's,
+    which no reader takes any more); returns their names. ckpt clone, a restore
+    of a copy and the clone's watcher call it."""
+    removed = []
+    for path in copies_dir.glob("pidns-*.json"):
+        try:
+            with open(path, "rb") as file:
+                inode = os.fstat(file.fileno()).st_ino
+                data = json.loads(file.read(65536))
+            init = data.get("init") if isinstance(data, dict) else None
+            if isinstance(init, list) and len(init) == 2 and procfs.is_running(int(init[0]), int(init[1])):
+                continue
+            # Only the file read: a new copy whose namespace took the inode may have replaced it.
+            if os.stat(path).st_ino == inode:
+                path.unlink()
+                removed.append(path.name)
+        except (OSError, ValueError, TypeError):
+            continue
+    return removed
 
 
 @dataclass
@@ -136,9 +164,13 @@ class CopyStarted:
     pidns_inode: int
 
 
-def run_copy(restore_inside: Callable[[], int], netns: Path | None) -> CopyStarted:
-    """Runs restore_inside() (CRIU's restore, returning the root's PID as CRIU sees it) in the
-    CRIU runner of a new PID namespace, in the network namespace at `netns` (None: the host's).
+InsideRestore = Callable[[tuple[int, int]], int]
+
+
+def run_copy(restore_inside: InsideRestore, netns: Path | None) -> CopyStarted:
+    """Runs restore_inside(init) (CRIU's restore, returning the root's PID as CRIU sees it; init:
+    the copy's init as (host PID, start ticks), for its identity file) in the CRIU runner of a
+    new PID namespace, in the network namespace at `netns` (None: the host's).
     Re-raises the CkptError restore_inside raised (same class, message, hint, exit code)."""
     read_end, write_end = os.pipe()
     helper = os.fork()
@@ -178,7 +210,7 @@ def _report(write_end: int, record: dict) -> None:
     os.write(write_end, json.dumps(record).encode() + b"\n")
 
 
-def _helper(write_end: int, restore_inside: Callable[[], int], netns: Path | None) -> None:
+def _helper(write_end: int, restore_inside: InsideRestore, netns: Path | None) -> None:
     """Leaves ckpt's session, joins the network namespace, makes the PID namespace whose first
     child, the init, it forks; never returns."""
     try:
@@ -190,23 +222,33 @@ def _helper(write_end: int, restore_inside: Callable[[], int], netns: Path | Non
             finally:
                 os.close(fd)
         _check(_libc.unshare(CLONE_NEWPID), "unshare")
+        # The init knows itself as PID 1 only, and the runner's /proc is the new namespace's:
+        # its host PID and start time are told from here.
+        told, tell = os.pipe()
         init = os.fork()
         if init == 0:
-            _as_init(write_end, restore_inside)
+            os.close(tell)
+            _as_init(write_end, restore_inside, told)
+        os.close(told)
+        os.write(tell, f"{init} {procfs.start_ticks(init)}".encode())
+        os.close(tell)
         _report(write_end, {"init": init})
     except BaseException as exc:  # reported to the parent, never raised in a forked child
         _report(write_end, {"error": f"{type(exc).__name__}: {exc}"})
     os._exit(0)
 
 
-def _as_init(write_end: int, restore_inside: Callable[[], int]) -> None:
+def _as_init(write_end: int, restore_inside: InsideRestore, told: int) -> None:
     """PID 1: leads its own session (CRIU dumps no namespace whose init's session leader is
     outside it), forks the CRIU runner and becomes the reaper at once (its name is set by the
-    time CRIU is done, and it reaps the runner too)."""
+    time CRIU is done, and it reaps the runner too). told: where the helper writes the init's
+    host PID and start time (read to its end: the helper closes it at once, or exits)."""
     try:
         os.setsid()
+        with os.fdopen(told, "rb") as reader:
+            pid, start = (int(v) for v in reader.read(64).split())
         if os.fork() == 0:
-            _as_runner(write_end, restore_inside)
+            _as_runner(write_end, lambda: restore_inside((pid, start)))
     except BaseException as exc:
         _report(write_end, {"error": f"{type(exc).__name__}: {exc}"})
         os._exit(1)
@@ -291,8 +333,12 @@ def find_copy(pid: int, copies_dir: Path) -> CopyTarget | None:
     identity = None
     try:
         identity = json.loads(identity_path(copies_dir, inode).read_text())
-    except (OSError, ValueError):
-        pass
+        recorded = identity.get("init")
+        # A file left by a copy that ended names a namespace whose inode another may have now.
+        if not (isinstance(recorded, list) and recorded[0] == init and procfs.is_running(*recorded)):
+            identity = None
+    except (OSError, ValueError, AttributeError, TypeError, IndexError):
+        identity = None
     if init is None or (identity is None and Path(f"/proc/{init}/comm").read_text().strip() != INIT_COMM):
         return None
     netns = os.stat(f"/proc/{init}/ns/net").st_ino

@@ -25,7 +25,7 @@ from typing import Iterator
 
 from ckpt.errors import CopyNetworkFailed
 from ckpt.system import procfs
-from ckpt.system.files import atomic_write_bytes, make_private_dir
+from ckpt.system.files import atomic_write_bytes, make_readable_dir
 from ckpt.system.locks import wait_for_flock
 
 NETNS_DIR = Path("/run/netns")  # where `ip netns` keeps a namespace alive (a bind mount)
@@ -148,8 +148,8 @@ def _alive(identity: object) -> bool:
     if not isinstance(identity, list) or len(identity) != 2:
         return False
     try:
-        return procfs.start_ticks(int(identity[0])) == int(identity[1])
-    except (OSError, ValueError, IndexError):
+        return procfs.is_running(int(identity[0]), int(identity[1]))
+    except (ValueError, TypeError):
         return False
 
 
@@ -174,7 +174,7 @@ def _free_slot(copies_dir: Path) -> int:
 
 @contextmanager
 def _locked(copies_dir: Path) -> Iterator[None]:
-    make_private_dir(copies_dir)
+    make_readable_dir(copies_dir)
     fd = os.open(copies_dir / ".network.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         wait_for_flock(fd, fcntl.LOCK_EX, time.monotonic() + LOCK_TIMEOUT, lambda: CopyNetworkFailed(

@@ -34,6 +34,26 @@ def materialize(objects: Objects, area: StagingArea, manifest: Manifest, reporte
     return _lay_out(objects, area, manifest, reporter, skip_pages, no_holes)[0]
 
 
+def link_images(area: StagingArea, source: Path) -> Path:
+    """A fresh restore-* directory of area whose files are hard links to those of source: the
+    same checkpoint laid out (and verified) by materialize for another restore of it (the
+    copies of a clone), so that no byte is written twice. The files are then shared: an edit
+    must replace a file (an atomic rewrite, as every edit of staged images is: they may be
+    links to stored objects anyway), never write into it, and CRIU must not punch holes into
+    the pages images it has read (auto_dedup). Each directory is removed on its own; the
+    data goes with the last link."""
+    dest = area.new_dir("restore")
+    try:
+        for entry in os.scandir(source):
+            if not entry.is_file(follow_symlinks=False):
+                raise DamagedCheckpoint(f"{entry.path} is not a regular file: the laid out images cannot be shared")
+            os.link(entry.path, dest / entry.name, follow_symlinks=False)
+    except BaseException:
+        discard(dest)
+        raise
+    return dest
+
+
 def materialize_lazily(objects: Objects, area: StagingArea, manifest: Manifest, holes_for: HolesFor,
                        reporter: Reporter = NullReporter()) -> tuple[Path, dict[str, list[int]]]:
     """Like materialize, for a lazy restore: holes_for(directory), called once every image

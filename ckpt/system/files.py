@@ -56,6 +56,13 @@ def make_private_dir(path: Path) -> None:
     os.chmod(path, DIR_MODE)
 
 
+def make_readable_dir(path: Path) -> None:
+    """A directory only its owner writes and everyone reads (0755): the copies' directory, whose
+    identity files a copy running as another user must read."""
+    path.mkdir(mode=0o755, parents=True, exist_ok=True)
+    os.chmod(path, 0o755)
+
+
 def atomic_write_bytes(path: Path, data: bytes, replace: bool = True, mode: int = FILE_MODE,
                        durable: bool = True, owner: int | None = None) -> None:
     """Temp file in the same directory, write, fsync, rename, fsync the directory: readers see

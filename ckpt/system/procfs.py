@@ -36,6 +36,17 @@ def start_ticks(pid: int | str) -> int:
     return int(stat_fields(pid)[19])
 
 
+def is_running(pid: int, start: int) -> bool:
+    """Whether process PID still is the one that started at `start` (clock ticks since boot):
+    a PID alone may be another process's by the time it is looked at. A zombie does not count:
+    it has ended (what watches it must act, not wait for whoever reaps it)."""
+    try:
+        fields = stat_fields(pid) if pid > 0 else []
+        return bool(fields) and int(fields[19]) == start and fields[0] not in ("Z", "X")
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def boot_id() -> str:
     """This boot's random id: what was true of processes and the kernel before a reboot is not."""
     return Path("/proc/sys/kernel/random/boot_id").read_text().strip()

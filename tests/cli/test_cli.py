@@ -300,8 +300,14 @@ def test_copy_info_prints_shell_assignments(capsys, tmp_path, monkeypatch):
     from ckpt.agent import identity
     from ckpt.cli.cmd_copy_info import assignments
 
-    record = {"format": 1, "clone": "20261130-231500-000-abcdef", "copy": 3, "copies": 4,
-              "checkpoint": "20261130-230102-123-3fa9c1", "name": "agent", "created": "2026-11-30T23:15:00+00:00"}
+    import os
+
+    from ckpt.system import procfs
+
+    # Its init: this test's process (alive, in the namespace the file is named by).
+    record = {"format": 2, "clone": "20261130-231500-000-abcdef", "copy": 3, "copies": 4,
+              "checkpoint": "20261130-230102-123-3fa9c1", "name": "agent", "created": "2026-11-30T23:15:00+00:00",
+              "init": [os.getpid(), procfs.start_ticks(os.getpid())]}
     assert assignments(record) == ["CKPT_COPY=3", "CKPT_COPIES=4", "CKPT_CLONE=20261130-231500-000-abcdef",
                                    "CKPT_CHECKPOINT=20261130-230102-123-3fa9c1"]
     (tmp_path / f"pidns-{identity.pidns_inode()}.json").write_text(json.dumps(record))

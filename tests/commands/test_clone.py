@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 from dataclasses import dataclass, replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +19,7 @@ from ckpt.commands.clone import CloneRequest, check_request, clone, read_registr
 from ckpt.errors import CloneFailed, CriuFailed, UsageError
 from ckpt.reporting import NullReporter
 from ckpt.system import procfs
-from tests.helpers import env_settings
+from tests.helpers import env_settings, wait_until
 
 
 @pytest.fixture
@@ -52,9 +53,13 @@ class FakeCopy:
     inits: list
     log: list
     fail: str | None = None
+    images: Path | None = None  # the images it was given to share
 
     def prepare(self) -> None:
         self._phase("prepare")
+
+    def prepared_images(self) -> Path:
+        return self.images or Path(f"/staged-by-copy-{self.placement.index}")
 
     def restore(self) -> int:
         self._phase("restore")
@@ -84,10 +89,13 @@ class FakeCopy:
             raise CriuFailed(f"CRIU failed to {name} copy {self.placement.index}", hint="see its log")
 
 
-def factory(inits, log, failing: dict[int, str] | None = None):
-    def make(placement, request, checkpoint, reporter):
+def factory(inits, log, failing: dict[int, str] | None = None, given: dict | None = None):
+    """given: filled with the images each copy was made to share (by its number)."""
+    def make(placement, request, checkpoint, reporter, images):
         assert request.copies == placement.count
-        return FakeCopy(placement, inits, log, (failing or {}).get(placement.index))
+        if given is not None:
+            given[placement.index] = images
+        return FakeCopy(placement, inits, log, (failing or {}).get(placement.index), images)
     return make
 
 
@@ -103,10 +111,15 @@ def test_bad_requests_are_refused_before_anything(copies, network, message):
 def test_every_copy_runs_and_the_registry_lists_them(store, checkpoints, settings, copies_dir, inits):
     made = checkpoints.make("agent")
     log: list = []
+    given: dict = {}
     result = clone(store.root, CloneRequest("agent", 4), NullReporter(), settings=settings, store=store,
-                   new_session=factory(inits, log))
+                   new_session=factory(inits, log, given=given))
     assert result.network == "host" and result.ports == []  # no listening socket in the images
     assert [c.index for c in result.copies] == [1, 2, 3, 4]
+    # The first copy lays the images out; the others share them.
+    assert given == {1: None, 2: Path("/staged-by-copy-1"), 3: Path("/staged-by-copy-1"),
+                         4: Path("/staged-by-copy-1")}
+    assert log[0] == ("prepare", 1)
     assert {phase for phase, _ in log} == {"prepare", "restore", "finish"}
     # Every copy is prepared before any is restored.
     assert max(i for i, (p, _) in enumerate(log) if p == "prepare") < min(i for i, (p, _) in enumerate(log)
@@ -125,6 +138,16 @@ def test_every_copy_runs_and_the_registry_lists_them(store, checkpoints, setting
     second.wait()
     assert [c["index"] for c in running_copies(copies_dir, made.id)[made.id]] == [1, 3, 4]
     json.dumps(result.to_json())
+    # The clone's watcher (a detached process) drops the row of the copy that ended.
+    watcher = (result.watcher, procfs.start_ticks(result.watcher))
+    assert procfs.is_running(*watcher)
+    wait_until(lambda: [c["index"] for c in json.loads(registry.read_text())["copies"]] == [1, 3, 4],
+               timeout=10, what="the watcher to drop copy 2's row")
+    for process in inits:
+        process.kill()
+        process.wait()
+    wait_until(lambda: not registry.exists(), timeout=10, what="the watcher to remove the registry")
+    wait_until(lambda: not procfs.is_running(*watcher), timeout=10, what="the watcher to end")  # (a zombie: ours)
 
 
 def test_one_copy_failing_ends_every_other(store, checkpoints, settings, copies_dir, inits):
@@ -154,7 +177,7 @@ def test_auto_network_is_own_for_a_listening_tree(store, checkpoints, settings, 
     monkeypatch.setattr(clone_module, "listening_ports", lambda _store, _manifest: [8080])
     seen: list = []
 
-    def make(placement, request, checkpoint, reporter):
+    def make(placement, request, checkpoint, reporter, images):
         seen.append(placement.network)
         return FakeCopy(placement, inits, [])
 

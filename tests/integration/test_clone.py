@@ -7,6 +7,7 @@ in its namespace; each copy's ckpt.checkpoint() returned restored=True and its o
 
 Needs the restore of one copy (ckpt/restore/copies.py): skipped until that is in the tree."""
 
+import contextlib
 import json
 import os
 import signal
@@ -16,9 +17,12 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
+from ckpt.restore import copynet
+from ckpt.system import procfs
 from tests.helpers import ROOT, ckpt_json, wait_until
 
 pytest.importorskip("ckpt.restore.copies", reason="the restore of copies (ckpt/restore/copies.py) is not here yet")
@@ -87,6 +91,7 @@ def test_four_copies_each_do_their_next_action_once(tmp_path, counter, monkeypat
         original = json.loads((tmp_path / "result-original.json").read_text())
         assert original["restored"] is False and original["copy"] is None and original["info"] is None
         cloned = ckpt_json("clone", original["id"], "--copies", str(COPIES), env=env)
+        cloned["watcher_identity"] = (cloned["watcher"], procfs.start_ticks(cloned["watcher"]))
         assert cloned["network"] == "own" and listen_port in cloned["ports"]
         assert [c["index"] for c in cloned["copies"]] == [1, 2, 3, 4]
         for k in range(1, COPIES + 1):
@@ -107,12 +112,93 @@ def test_four_copies_each_do_their_next_action_once(tmp_path, counter, monkeypat
         listed = ckpt_json("list", env=env)
         (row,) = [r for r in listed if r["id"] == original["id"]]
         assert sorted(c["index"] for c in row["running_copies"]) == [1, 2, 3, 4]
+        end_copies(cloned)
+        expect_cleaned_up(cloned, tmp_path / "copies")
     finally:
         if cloned is not None:
-            for copy in cloned["copies"]:  # each copy's init: its namespace ends with it
-                try:
-                    os.kill(copy["init_pid"], signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            end_copies(cloned)
+            remove_leftovers(cloned, tmp_path / "copies")
         agent.kill()
         agent.wait()
+
+
+def end_copies(cloned: dict) -> None:
+    """Each copy's init killed: its PID namespace ends with it."""
+    for copy in cloned["copies"]:
+        try:
+            os.kill(copy["init_pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def expect_cleaned_up(cloned: dict, copies_dir: Path, timeout: float = 10.0) -> None:
+    """The clone's watcher removes, within seconds of the copies' end, their network namespaces
+    and records, identity files, the registry, and the nft table once no copy network is left."""
+    netns = [c["netns"] for c in cloned["copies"] if c["netns"]]
+    registry = Path(cloned["registry"])
+
+    def clean() -> bool:
+        return (not any(Path("/run/netns", n).exists() for n in netns) and not list(copies_dir.glob("net-*.json"))
+                and not list(copies_dir.glob("pidns-*.json")) and not registry.exists())
+
+    wait_until(clean, timeout=timeout, what="the watcher to clean up after the copies")
+    others = [n for n in os.listdir("/run/netns") if n.startswith("ckpt-")] if os.path.isdir("/run/netns") else []
+    if netns and not others:  # (another clone's copies on this machine keep the table)
+        wait_until(lambda: f"ip {copynet.TABLE}" not in nft_tables(), timeout=timeout, what="the nft table to go")
+    wait_until(lambda: not procfs.is_running(*cloned["watcher_identity"]), timeout=timeout, what="the watcher to end")
+
+
+def nft_tables() -> str:
+    return subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, timeout=30).stdout
+
+
+def remove_leftovers(cloned: dict, copies_dir: Path) -> None:
+    """Whatever the watcher did not remove (the test failed before it could): networks by their
+    records, identity files, the registry; the watcher itself, by its PID and start time."""
+    if cloned.get("watcher_identity") and procfs.is_running(*cloned["watcher_identity"]):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(cloned["watcher_identity"][0], signal.SIGKILL)
+    for copy in cloned["copies"]:
+        wait_until(lambda c=copy: not procfs.is_running(c["init_pid"], c["init_start"]), timeout=10,
+                   what="a copy's init to end")
+    copynet.remove_stale(copies_dir)
+    for path in [*copies_dir.glob("pidns-*.json"), Path(cloned["registry"])]:
+        path.unlink(missing_ok=True)
+
+
+def test_copies_share_one_layout_of_the_images_and_keep_the_memory(tmp_path, procs, monkeypatch):
+    """The first copy lays the images out and the others restore from links to its files
+    (CRIU's auto_dedup off: it would punch holes the others then read as zeros): each copy's
+    64 MiB of random data is the original's, byte for byte (dirtymem.py's checksum)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CRIU, namespaces)")
+    copies_dir = tmp_path / "copies"
+    monkeypatch.setenv("CKPT_COPIES_DIR", str(copies_dir))
+    out = tmp_path / "mem.txt"
+    original = procs.start("dirtymem.py", out, 64, "off", 1)
+    wait_until(lambda: out.exists() and "ready" in out.read_text(), timeout=60, what="the data to be written")
+    os.kill(original.pid, signal.SIGUSR1)
+    wait_until(lambda: "sum" in out.read_text(), what="the original's checksum")
+    (expected,) = [line.split()[1] for line in out.read_text().splitlines() if line.startswith("sum")]
+    dumped = ckpt_json("dump", original.pid)
+    procs.kill_tree(original.pid)
+    cloned = None
+    try:
+        from tests.helpers import ckpt
+
+        run = ckpt("clone", dumped["id"], "--copies", "3", "--net", "host", "--json")
+        cloned = json.loads(run.stdout)
+        cloned["watcher_identity"] = (cloned["watcher"], procfs.start_ticks(cloned["watcher"]))
+        assert run.stderr.count("sharing the images of checkpoint") == 2, run.stderr
+        for copy in cloned["copies"]:
+            sums = len(out.read_text().splitlines())
+            os.kill(copy["pid"], signal.SIGUSR1)
+            wait_until(lambda n=sums: len(out.read_text().splitlines()) > n, what=f"copy {copy['index']}'s checksum")
+        found = [line.split()[1] for line in out.read_text().splitlines() if line.startswith("sum")][1:]
+        assert found == [expected] * 3
+        end_copies(cloned)
+        expect_cleaned_up(cloned, copies_dir)
+    finally:
+        if cloned is not None:
+            end_copies(cloned)
+            remove_leftovers(cloned, copies_dir)

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from ckpt.commands.restore import RestoreRequest, RestoreResult, RestoreSession
-from ckpt.restore import copynet
+from ckpt.restore import copynet, copywatch
 from ckpt.restore.copies import CopyPlacement
 from ckpt.store import ids
+from ckpt.system import procfs
 from tests.helpers import alive, ckpt_json, env_settings, read_lines, wait_until
 
 pytestmark = pytest.mark.integration
@@ -113,8 +114,12 @@ def test_three_copies_count_on_from_the_checkpoint_beside_the_original(procs, tm
         assert Path(f"/proc/{info.init_pid}/comm").read_text().strip() == "ckpt-init"
         identity = json.loads((copies_dir / f"pidns-{info.pidns_inode}.json").read_text())
         assert {k2: identity[k2] for k2 in ("format", "copy", "copies", "checkpoint")} == \
-            {"format": 1, "copy": k, "copies": 3, "checkpoint": dumped["id"]}
-        assert oct((copies_dir / f"pidns-{info.pidns_inode}.json").stat().st_mode & 0o777) == "0o600"
+            {"format": 2, "copy": k, "copies": 3, "checkpoint": dumped["id"]}
+        # Its init, by host PID and start time: the file is true only while that init runs.
+        assert identity["init"] == [info.init_pid, procfs.start_ticks(info.init_pid)]
+        # Readable by a copy running as another user; the directory too.
+        assert oct((copies_dir / f"pidns-{info.pidns_inode}.json").stat().st_mode & 0o777) == "0o644"
+        assert oct(copies_dir.stat().st_mode & 0o777) == "0o755"
     wait_until(lambda: all(len(counts(out).get(n, [])) >= 5 for n in namespaces), what="every copy to count")
     for namespace in namespaces:
         values = counts(out)[namespace]
@@ -222,3 +227,41 @@ def _as_result(copy: dict):
     from types import SimpleNamespace
 
     return SimpleNamespace(copy=SimpleNamespace(init_pid=copy["init_pid"]))
+
+
+def test_the_watcher_removes_what_each_copy_leaves_once_it_ends(procs, tmp_path, copies_dir, copies):
+    """ckpt/restore/copywatch.py with real copies (what `ckpt clone` starts): once a copy's init
+    is killed, its network namespace, veth, record and identity file go within seconds; the nft
+    table and the registry with the last copy."""
+    log = tmp_path / "server.txt"
+    server = procs.start("echo_server.py", log)
+    wait_until(lambda: read_lines(log), what="the echo server's port")
+    dumped = ckpt_json("dump", server.pid)
+    results = restore_copies(dumped["id"], 2, "own", copies)
+    clone_id = ids.new_id()
+    registry = copywatch.registry_path(copies_dir, clone_id)
+    registry.write_text(json.dumps({"format": 1, "clone": clone_id, "copies": [
+        {"index": r.copy.index, "init_pid": r.copy.init_pid, "init_start": procfs.start_ticks(r.copy.init_pid)}
+        for r in results if r.copy]}))
+    watcher = copywatch.start(copies_dir, clone_id)
+    watcher_identity = (watcher, procfs.start_ticks(watcher))
+    try:
+        first, second = (r.copy for r in results)
+        assert first is not None and second is not None and first.netns and second.netns
+        os.kill(first.init_pid, 9)
+        wait_until(lambda: not Path("/run/netns", first.netns).exists()
+                   and not (copies_dir / f"net-{first.netns}.json").exists()
+                   and not (copies_dir / f"pidns-{first.pidns_inode}.json").exists(),
+                   timeout=10, what="copy 1's network and identity to go")
+        assert Path("/run/netns", second.netns).exists() and (copies_dir / f"pidns-{second.pidns_inode}.json").exists()
+        assert [c["index"] for c in json.loads(registry.read_text())["copies"]] == [2]
+        os.kill(second.init_pid, 9)
+        wait_until(lambda: not Path("/run/netns", second.netns).exists() and not registry.exists()
+                   and not list(copies_dir.glob("pidns-*.json")), timeout=10, what="copy 2's network and identity")
+        if not [n for n in os.listdir("/run/netns") if n.startswith("ckpt-")]:
+            tables = lambda: subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout  # noqa: E731
+            wait_until(lambda: f"ip {copynet.TABLE}" not in tables(), timeout=10, what="the nft table to go")
+        wait_until(lambda: not procfs.is_running(*watcher_identity), timeout=10, what="the watcher to end")
+    finally:
+        if procfs.is_running(*watcher_identity):
+            os.kill(watcher, 9)

@@ -5,6 +5,7 @@ later ones; prune and `ckpt journal` keep working with branches in the store."""
 
 import json
 import os
+import subprocess
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -14,6 +15,7 @@ from ckpt.agent import identity
 from ckpt.agent.journal import Journal as AgentJournal
 from ckpt.store import ids
 from ckpt.store.journal import BRANCH_RE, Branch, Journal, blob_name, branch_name, prunable
+from ckpt.system import procfs
 from tests.unit.test_backends import open_backend
 
 CHECKPOINT = "20261130-230102-123-3fa9c1"
@@ -129,11 +131,15 @@ def test_removing_an_agents_records_leaves_its_branches_to_prune(backend):
 # ---- the agent's side: the identity file picks the branch ------------------------------------
 
 
-def write_identity(directory, inode, copy_number, checkpoint=CHECKPOINT):
+def write_identity(directory, inode, copy_number, checkpoint=CHECKPOINT, init=None):
+    """init: (host PID, start ticks); default this test's process, alive (the namespaces
+    fixture makes every process's PID namespace the test's current one)."""
     directory.mkdir(parents=True, exist_ok=True)
+    if init is None:
+        init = (os.getpid(), procfs.start_ticks(os.getpid()))
     (directory / f"pidns-{inode}.json").write_text(json.dumps({
-        "format": 1, "clone": CLONE, "copy": copy_number, "copies": 4, "checkpoint": checkpoint,
-        "name": "agent", "created": "2026-11-30T23:15:00+00:00"}))
+        "format": 2, "clone": CLONE, "copy": copy_number, "copies": 4, "checkpoint": checkpoint,
+        "name": "agent", "created": "2026-11-30T23:15:00+00:00", "init": list(init)}))
 
 
 @pytest.fixture
@@ -182,7 +188,10 @@ def test_the_original_has_no_identity(namespaces):
 
 
 @pytest.mark.parametrize("record", [
-    {"format": 2, "clone": CLONE, "copy": 1, "checkpoint": CHECKPOINT},
+    {"format": 3, "clone": CLONE, "copy": 1, "checkpoint": CHECKPOINT, "init": [1, 1]},
+    {"format": 1, "clone": CLONE, "copy": 1, "copies": 4, "checkpoint": CHECKPOINT},  # names no init
+    {"format": 2, "clone": CLONE, "copy": 1, "copies": 4, "checkpoint": CHECKPOINT},
+    {"format": 2, "clone": CLONE, "copy": 1, "checkpoint": CHECKPOINT, "init": "1"},
     {"format": 1, "clone": CLONE, "copy": 0, "checkpoint": CHECKPOINT},
     {"format": 1, "clone": CLONE, "copy": True, "checkpoint": CHECKPOINT},
     {"format": 1, "clone": "../x", "copy": 1, "checkpoint": CHECKPOINT},
@@ -194,12 +203,39 @@ def test_what_is_not_an_identity_is_ignored(tmp_path, record):
     assert identity.read_identity(tmp_path, 7) is None
 
 
-def test_an_identity_of_another_user_is_ignored(tmp_path):
+def test_an_identity_of_another_user_is_ignored(namespaces):
     if os.geteuid() != 0:
         pytest.skip("needs root to give the file to another user")
-    write_identity(tmp_path, 7, 1)
-    os.chown(tmp_path / "pidns-7.json", 65534, 65534)
-    assert identity.read_identity(tmp_path, 7) is None
+    _, directory = namespaces
+    write_identity(directory, 1000, 1)
+    assert identity.read_identity(directory)["copy"] == 1
+    os.chown(directory / "pidns-1000.json", 65534, 65534)
+    assert identity.read_identity(directory) is None
+
+
+def test_an_identity_whose_init_is_gone_is_ignored(namespaces):
+    """A namespace's inode is reused once it is gone: a file left by a copy that ended must not
+    make a later process think it is that copy."""
+    _, directory = namespaces
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    write_identity(directory, 1000, 1, init=(ended.pid, 1))
+    assert identity.read_identity(directory) is None
+    me = os.getpid()
+    write_identity(directory, 1000, 1, init=(me, procfs.start_ticks(me) + 1))  # the PID, another process
+    assert identity.read_identity(directory) is None
+    write_identity(directory, 1000, 1)
+    assert identity.read_identity(directory)["copy"] == 1
+
+
+def test_an_identity_whose_init_is_in_another_namespace_is_ignored(tmp_path):
+    """Real namespaces: the init named lives, but is not in the namespace the file is named by."""
+    me = os.getpid()
+    own = identity.pidns_inode()
+    write_identity(tmp_path, own, 1, init=(me, procfs.start_ticks(me)))
+    assert identity.read_identity(tmp_path)["copy"] == 1
+    write_identity(tmp_path, own + 1, 2, init=(me, procfs.start_ticks(me)))
+    assert identity.read_identity(tmp_path, own + 1) is None
 
 
 def _id_now() -> str:
