@@ -198,7 +198,7 @@ def migrate(store_root: StoreLocation, request: MigrateRequest, reporter: Report
     far = destination or ssh_destination(settings, passwords, request.phase_timeout, request.hold_limit, reporter)
     template = RestoreRequest(ref="", lazy=request.lazy, tcp_close=request.tcp_close, migrated=True)
     migration = _Migration(store, request, far(store, template, request.to), reporter, settings, passwords)
-    migration.rehearsal = far(store, template, request.to)
+    migration.rehearsal = far(store, replace(template, rehearsal=True), request.to)
     return migration.run()
 
 

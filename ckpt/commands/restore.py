@@ -55,6 +55,9 @@ class RestoreRequest:
     # The destination of `ckpt migrate`: a connection comes back established where this host
     # holds its local address (it moved with the tree), closed otherwise (tcp_close None only).
     migrated: bool = False
+    # A migration's rehearsal before the final freeze: prepare checks what it would (the images
+    # but the pages, this host against them, the PIDs free) and nothing else; no restore follows.
+    rehearsal: bool = False
     # Copy k of a clone (docs/design.md, "Clones"): restored into a PID namespace of its own
     # whose init is ckpt's reaper, in a network namespace of its own or the host's, its
     # established TCP connections closed; several such sessions may run at once (threads).
@@ -139,6 +142,9 @@ class RestoreSession(Session[RestoreRequest]):
         store = self._open_store(create=False)
         self._hold_store_lock()
         self.manifest = manifest = store.load(store.resolve(self.request.ref))
+        if self.request.rehearsal:
+            self._rehearse()
+            return
         if any(entry.kind == "pages" for entry in manifest.files):
             store.blocks.preload_index()  # meanwhile, the other images are written and checked
         self.images_dir, self.lazy, self.plan, self.host = _ImageLayout(
@@ -158,6 +164,19 @@ class RestoreSession(Session[RestoreRequest]):
                                "will come back while the tree runs")
             self.server = start_page_server(store, manifest.id, self.binary, self._images(), self.work_dir,
                                             self.plan, manifest.all_pids, self.binary.log_level)
+
+    def _rehearse(self) -> None:
+        """A migration's rehearsal: what prepare checks (every image but the pages, this host
+        against them, the tree's PIDs free), nothing laid out for CRIU and nothing started."""
+        directory = materialize(self._store().objects, self._store().staging_area(), self.manifest, self.reporter,
+                                skip_pages=True)
+        try:
+            self.reporter.step("checking this host against the checkpoint")
+            self.host = hostcheck.check(self.manifest, self.binary, directory)
+            hostcheck.require_match(self.manifest, self.host)
+        finally:
+            discard(directory)
+        procs.wait_for_pids_free(self.manifest.all_pids, timeout=self.request.pid_wait_s)
 
     def _options(self) -> None:
         """CRIU's options: the dump's, the relays to the output, each TCP connection's fate,
