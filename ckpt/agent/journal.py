@@ -166,7 +166,7 @@ def _branch(environment: settings.Settings) -> Branch | None:
     found = identity.remembered.current(identity.copies_dir(environment))
     if found is None:
         return None
-    return Branch.of_checkpoint(found["clone"], found["copy"], found["checkpoint"])
+    return Branch.of_checkpoint(found["clone"], found["copy"], found["checkpoint"], found.get("frozen_at"))
 
 
 # ---- the CKPT_SOCKET protocol ---------------------------------------------------------------

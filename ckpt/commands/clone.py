@@ -25,11 +25,11 @@ from ckpt.errors import CkptError, CloneFailed, UsageError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore import copies as copies_module
 from ckpt.restore import copynet, copywatch
-from ckpt.restore.copies import CopyPlacement
+from ckpt.restore.copies import CopyPlacement, end_copy
 from ckpt.settings import Settings, StoreLocation
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.password import PasswordSource
-from ckpt.system import procfs, procs
+from ckpt.system import procfs
 from ckpt.system.files import atomic_write_bytes, make_readable_dir
 
 MAX_COPIES = 64
@@ -163,14 +163,17 @@ def clone(store_root: StoreLocation, request: CloneRequest, reporter: Reporter =
     _remove_stale(copies_dir(settings), reporter)
     run = _Cloning(clone_id, manifest.id, request, network, reporter, make)
     results = run.run()
-    copies = [_running_copy(index, result) for index, result in enumerate(results, 1)]
     registry = copywatch.registry_path(copies_dir(settings), clone_id)
     try:
+        copies = [_running_copy(index, result) for index, result in enumerate(results, 1)]
         write_registry(registry, clone_id, manifest, copies)
-    except OSError as exc:
-        run.end_running(copies)
-        raise CloneFailed(f"clone {clone_id}: could not write its registry {registry}: {exc.strerror or exc}",
+    except OSError as exc:  # a copy already ended (its init gone), or the registry not written
+        run.end_all()
+        raise CloneFailed(f"clone {clone_id}: could not list its copies in {registry}: {exc.strerror or exc}",
                           hint="every copy was ended: none runs unlisted") from exc
+    except BaseException:
+        run.end_all()  # interrupted before the copies were listed: none may run unlisted
+        raise
     watcher = _start_watcher(start_watcher, copies_dir(settings), clone_id, reporter)
     return CloneResult(clone_id, manifest, network, ports, copies, registry,
                        round((time.monotonic() - started) * 1000, 1),
@@ -237,6 +240,16 @@ def _restore_session_factory(store_root: StoreLocation, settings: Settings,
     return make
 
 
+def _join_quietly(threads: list[threading.Thread], deadline: float) -> None:
+    """Joins threads until deadline, through further interrupts."""
+    for thread in threads:
+        while thread.is_alive() and time.monotonic() < deadline:
+            try:
+                thread.join(max(0.0, min(1.0, deadline - time.monotonic())))
+            except KeyboardInterrupt:
+                continue
+
+
 def _running_copy(index: int, result: Any) -> RunningCopy:
     """The registry's row of a copy, from its RestoreResult (its `copy`: a CopyInfo)."""
     info = result.copy
@@ -294,7 +307,7 @@ class _Cloning:
             return results
         finally:
             if not finished:
-                self._abort_all()
+                self.end_all()
 
     def _add(self, index: int, images: Path | None) -> None:
         count = self.request.copies
@@ -319,8 +332,14 @@ class _Cloning:
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + PHASE_TIMEOUT
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        try:
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            # Interrupted (Ctrl-C): the copies' steps end first, so that the abort that follows
+            # finds every copy they started (a copy's init is in a session of its own).
+            _join_quietly(threads, deadline)
+            raise
         late = [i + 1 + start for i, t in enumerate(threads) if t.is_alive()]
         if failures:
             raise _copy_failed(self.clone_id, min(failures) + 1, what, failures[min(failures)])
@@ -329,20 +348,18 @@ class _Cloning:
                               hint="every copy was ended: no half clone runs")
         return [answers[i] for i in range(start, len(self.sessions))]
 
-    def _abort_all(self) -> None:
-        """Every session aborted (a running copy ended); one whose abort fails is told of."""
+    def end_all(self) -> None:
+        """Every session aborted and every copy ended, finished or not (a finished session's
+        abort leaves its tree: a failed clone must leave none running); one whose end fails
+        is told of, the others are ended all the same."""
         for index, session in enumerate(self.sessions, 1):
             try:
                 session.abort()
+                info = getattr(session, "copy_info", None)
+                if info is not None:
+                    end_copy(info.init_pid)
             except Exception as exc:  # noqa: BLE001 (the others must be ended all the same)
                 self.reporter.warn(f"copy {index} could not be ended cleanly: {exc}")
-
-    def end_running(self, copies: list[RunningCopy]) -> None:
-        """After finish (the trees are the user's, abort leaves them): each copy's init and tree
-        killed, as a failed clone must leave none running."""
-        for running in copies:
-            if running.alive():
-                procs.kill_tree(running.init_pid)
 
 
 def _copy_failed(clone_id: str, index: int, what: str, exc: BaseException) -> BaseException:

@@ -365,7 +365,10 @@ class DumpSession(Session[DumpRequest]):
             checkpoint_id=self.checkpoint_id, pid=self.request.pid, command=facts.command, processes=processes,
             started=self.started, name=self.request.name, origin=self.request.origin, criu=criu_facts,
             criu_stats={"freeze_ms": stats.get("frozen_ms", frozen_ms), "pages_written": stats.get("pages_written"),
-                        "pages_scanned": stats.get("pages_scanned")},
+                        "pages_scanned": stats.get("pages_scanned"),
+                        # the wall time CRIU froze the tree (its pre-dump notification): what the
+                        # copies of a clone see of the agent's journal ends there
+                        "frozen_at": self.wall_marks.get("pre-dump")},
             tracking={"target": tracking.target.key, "parent": tracking.parent.id if tracking.parent else None}
             if tracking is not None else None, group=self.request.group, clock=self.clock)
 

@@ -132,6 +132,7 @@ class RestoreSession(Session[RestoreRequest]):
         self.inner: int | None = None
         self.network: copynet.CopyNetwork | None = None  # a copy's own network namespace
         self.copy_info: CopyInfo | None = None
+        self.began_init: int | None = None  # a copy's init PID, told from its start (copy_info: once restored)
         self.copy_init: tuple[int, int] = (0, 0)  # a copy's init (host PID, start ticks), known in its runner
 
     # ---- prepare: nothing runs yet ------------------------------------------------------
@@ -309,7 +310,8 @@ class RestoreSession(Session[RestoreRequest]):
         # Imported before the fork: copies restored by threads of one process fork while another
         # thread may be importing it, and a forked child must not find it half-imported.
         bindings_version()
-        started = copies.run_copy(restore_inside, self.network.path if self.network else None)
+        started = copies.run_copy(restore_inside, self.network.path if self.network else None,
+                                  on_init=self._copy_begun)
         self.pid, self.inner = started.pid, started.pid_in_namespace
         self.copy_info = CopyInfo(copy.index, started.init_pid, started.pid, started.pid_in_namespace,
                                   started.pidns_inode, *self._network_facts())
@@ -321,6 +323,10 @@ class RestoreSession(Session[RestoreRequest]):
         """In the copy's CRIU runner (a forked process: this object is its own copy there)."""
         self.copy_init = init  # for the identity file, written in the post-restore notification
         return self.criu.restore(self.criu_options, self._notified)
+
+    def _copy_begun(self, init_pid: int) -> None:
+        """The copy's init, known while CRIU still restores: what abort() ends from then on."""
+        self.began_init = init_pid
 
     def _found_copy(self, init_pid: int) -> int:
         """After the restore of a copy's checkpoint: CRIU returned the init; the tree's root is
@@ -361,7 +367,7 @@ class RestoreSession(Session[RestoreRequest]):
                 # In the CRIU runner, inside the copy's PID namespace: the tree runs only once
                 # this returns, so its first look at its identity finds it.
                 copies.write_identity(self.settings.copies_dir, copy, self.manifest.id, self.manifest.name,
-                                      self.copy_init)
+                                      self.copy_init, self.manifest.stats.get("frozen_at"))
             if self.server is not None:
                 # Every process has registered its lazy memory and none runs yet: the watcher
                 # takes hold of it now, or CRIU aborts the restore.
@@ -389,8 +395,9 @@ class RestoreSession(Session[RestoreRequest]):
         finished, self._finished = self._finished, True
         self._drop_hold()  # CRIU ends what it restored, and restore() fails: no PID to end here
         try:
-            if self.copy_info is not None and not finished:
-                copies.end_copy(self.copy_info.init_pid)  # its whole PID namespace
+            init = self.copy_info.init_pid if self.copy_info is not None else self.began_init
+            if init is not None and not finished:
+                copies.end_copy(init)  # its whole PID namespace (CRIU too, if it still restores)
             if self.pid is not None and not finished:
                 procs.kill_tree(self.pid)
         finally:

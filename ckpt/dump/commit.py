@@ -67,7 +67,7 @@ def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, co
         files=entries,
         criu=criu,
         group=record.group,
-        stats={"freeze_ms": record.criu_stats.get("freeze_ms"),
+        stats={"freeze_ms": record.criu_stats.get("freeze_ms"), "frozen_at": record.criu_stats.get("frozen_at"),
                "pages_written": record.criu_stats.get("pages_written"),
                "pages_scanned": record.criu_stats.get("pages_scanned"),
                "pages": block_stats.pages, "pages_new": block_stats.new_pages,

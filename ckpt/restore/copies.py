@@ -117,8 +117,8 @@ def identity_path(copies_dir: Path, pidns_inode: int) -> Path:
     return copies_dir / f"pidns-{pidns_inode}.json"
 
 
-def write_identity(copies_dir: Path, placement: CopyPlacement, checkpoint: str, name: str | None,
-                   init: tuple[int, int]) -> int:
+def write_identity(copies_dir: Path, placement: CopyPlacement, checkpoint: str, name: str | None,  # noqa: PLR0913
+                   init: tuple[int, int], frozen_at: float | None = None) -> int:
     """Writes the identity file of the copy whose PID namespace the caller is in (the CRIU
     runner, in CRIU's post-restore notification: before the copy's tree runs); returns the
     namespace's inode. init: the copy's init as (host PID, start ticks), which readers check
@@ -128,7 +128,8 @@ def write_identity(copies_dir: Path, placement: CopyPlacement, checkpoint: str, 
     inode = os.stat("/proc/self/ns/pid").st_ino
     data = {"format": IDENTITY_FORMAT, "clone": placement.clone_id, "copy": placement.index,
             "copies": placement.count, "checkpoint": checkpoint, "name": name,
-            "created": datetime.now(timezone.utc).isoformat(timespec="milliseconds"), "init": list(init)}
+            "created": datetime.now(timezone.utc).isoformat(timespec="milliseconds"), "init": list(init),
+            "frozen_at": frozen_at}
     make_readable_dir(copies_dir)
     atomic_write_bytes(identity_path(copies_dir, inode), json.dumps(data).encode(), mode=0o644, durable=False)
     return inode
@@ -167,7 +168,8 @@ class CopyStarted:
 InsideRestore = Callable[[tuple[int, int]], int]
 
 
-def run_copy(restore_inside: InsideRestore, netns: Path | None) -> CopyStarted:
+def run_copy(restore_inside: InsideRestore, netns: Path | None,
+             on_init: Callable[[int], None] | None = None) -> CopyStarted:
     """Runs restore_inside(init) (CRIU's restore, returning the root's PID as CRIU sees it; init:
     the copy's init as (host PID, start ticks), for its identity file) in the CRIU runner of a
     new PID namespace, in the network namespace at `netns` (None: the host's).
@@ -179,9 +181,16 @@ def run_copy(restore_inside: InsideRestore, netns: Path | None) -> CopyStarted:
         _helper(write_end, restore_inside, netns)
     os.close(write_end)
     os.waitpid(helper, 0)
+    result: dict = {}
     with os.fdopen(read_end) as reader:  # EOF once the init has exec'd the reaper and the runner exited
-        messages = [json.loads(line) for line in reader if line.strip()]
-    result = {k: v for m in messages for k, v in m.items()}
+        for line in reader:
+            if line.strip():
+                message = json.loads(line)
+                result.update(message)
+                if "init" in message and on_init is not None:
+                    # told at once (the helper's line comes first): an abort while CRIU still
+                    # restores ends the copy by its init, which leads a session of its own
+                    on_init(int(message["init"]))
     if "error_type" in result:
         raise from_record(result)
     if "error" in result:

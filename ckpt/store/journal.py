@@ -94,10 +94,10 @@ BRANCH_RE = re.compile(r"^[0-9a-f]{12}-[1-9][0-9]{0,2}$")
 @dataclass(frozen=True)
 class Branch:
     """Where copy `copy` of clone `clone` keeps its records, and up to when it sees the
-    agent's own: `cutoff`, when the dump of the checkpoint it was restored from began (the
-    time in the checkpoint's ID, chosen before the freeze). A record of the agent written
-    later is the original's, after the checkpoint: the copy never sees it, and does that
-    action itself (once, in its branch).
+    agent's own: `cutoff`, when CRIU froze the tree for the checkpoint it was restored from
+    (the identity file's frozen_at; for a checkpoint that did not record it, the time in its
+    ID, when its dump began). A record of the agent written later is the original's, after
+    the checkpoint: the copy never sees it, and does that action itself (once, in its branch).
 
     The branch's name is short, a hash of the clone ID (not copies/<clone id>-<k>): an
     encrypted store turns the name after "journal/" into a file name 1.6 times as long (plus
@@ -113,7 +113,11 @@ class Branch:
         return branch_name(self.clone, self.copy)
 
     @classmethod
-    def of_checkpoint(cls, clone: str, copy: int, checkpoint_id: str) -> Branch:
+    def of_checkpoint(cls, clone: str, copy: int, checkpoint_id: str, frozen_at: float | None = None) -> Branch:
+        """frozen_at: when CRIU froze the tree (seconds since the epoch; the checkpoint's
+        stats.frozen_at), else the time in its ID (older checkpoints: when the dump began)."""
+        if isinstance(frozen_at, (int, float)) and frozen_at > 0:
+            return cls(clone, copy, datetime.fromtimestamp(frozen_at, timezone.utc))
         return cls(clone, copy, _id_time(ids.check_id(checkpoint_id)))
 
 
