@@ -48,6 +48,20 @@ def test_the_branch_is_the_time_in_the_checkpoint_id():
             branch_name(CLONE, bad)
 
 
+def test_a_record_between_the_dumps_start_and_the_freeze_is_the_copys_past(backend):
+    """The cutoff is the freeze (stats.frozen_at), not the dump's start (the ID's time): what
+    the agent recorded while ckpt prepared the dump is in the copy's memory already."""
+    frozen_at = (AT + timedelta(seconds=0.4)).timestamp()
+    Journal(backend, "agent").record("call-1", "one", now=stamp(0.2))  # after the ID's time, before the freeze
+    Journal(backend, "agent").record("call-2", "two", now=stamp(0.6))  # after the freeze: the original's
+    branch = Branch.of_checkpoint(CLONE, 1, CHECKPOINT, frozen_at)
+    assert branch.cutoff == AT + timedelta(seconds=0.4)
+    copy_1 = Journal(backend, "agent", branch)
+    assert copy_1.get("call-1") == "one"
+    assert copy_1.intent("call-2") is None  # not seen: the copy does it itself
+    assert Branch.of_checkpoint(CLONE, 1, CHECKPOINT, None).cutoff == AT  # older checkpoints: the ID's time
+
+
 def test_the_longest_branch_name_fits_an_encrypted_store(tmp_path):
     backend = open_backend("enc:" + str(tmp_path / "store"))
     agent = "a" * 64
