@@ -32,6 +32,26 @@ class NullReporter:
         pass
 
 
+class PrefixedReporter:
+    """Tells `reporter` every message after a prefix: the members of a group, the copies of a
+    clone, report at once, from threads ("[host-b:4242] ...", "[copy 2/4] ...")."""
+
+    def __init__(self, reporter: Reporter, prefix: str):
+        self.reporter, self.prefix = reporter, prefix
+
+    def step(self, message: str) -> None:
+        self.reporter.step(self.prefix + message)
+
+    def progress(self, done: int, total: int, what: str) -> None:
+        self.reporter.progress(done, total, self.prefix + what)
+
+    def info(self, message: str) -> None:
+        self.reporter.info(self.prefix + message)
+
+    def warn(self, message: str) -> None:
+        self.reporter.warn(self.prefix + message)
+
+
 class LogReporter:
     """Tells `reporter` and appends every message, with its time, to `log` (a text file the
     caller opened and closes).

@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol, TypeVar
 from ckpt.agent.identity import copies_dir
 from ckpt.commands.results import JsonResult
 from ckpt.errors import CkptError, CloneFailed, UsageError
-from ckpt.reporting import NullReporter, Reporter
+from ckpt.reporting import NullReporter, PrefixedReporter, Reporter
 from ckpt.restore import copies as copies_module
 from ckpt.restore import copynet, copywatch
 from ckpt.restore.copies import CopyPlacement, end_copy
@@ -257,25 +257,6 @@ def _running_copy(index: int, result: Any) -> RunningCopy:
                        int(info.pid_in_namespace), int(info.pidns_inode), info.netns, info.address)
 
 
-class _CopyReporter:
-    """A copy's messages, prefixed with its number: copies report at once, from threads."""
-
-    def __init__(self, reporter: Reporter, index: int, count: int):
-        self.reporter, self.prefix = reporter, f"[copy {index}/{count}] "
-
-    def step(self, message: str) -> None:
-        self.reporter.step(self.prefix + message)
-
-    def progress(self, done: int, total: int, what: str) -> None:
-        self.reporter.progress(done, total, self.prefix + what)
-
-    def info(self, message: str) -> None:
-        self.reporter.info(self.prefix + message)
-
-    def warn(self, message: str) -> None:
-        self.reporter.warn(self.prefix + message)
-
-
 class _Cloning:
     """The copies' sessions, driven phase by phase, all at once: prepare (nothing runs), restore
     (the copies run), finish. A failure in any phase aborts every session (a restored copy is
@@ -312,7 +293,7 @@ class _Cloning:
     def _add(self, index: int, images: Path | None) -> None:
         count = self.request.copies
         placement = CopyPlacement(clone_id=self.clone_id, index=index, count=count, network=self.network)
-        told = _CopyReporter(self.reporter, index, count)
+        told = PrefixedReporter(self.reporter, f"[copy {index}/{count}] ")
         self.sessions.append(self.make(placement, self.request, self.checkpoint, told, images))
 
     def _each(self, what: str, step: Callable[[CopySession], T], start: int = 0) -> list[T]:

@@ -25,7 +25,7 @@ from ckpt.commands.group_member import (Committed, Held, LocalDumpMember, LocalR
 from ckpt.commands.results import JsonResult
 from ckpt.errors import CheckpointNotFound, CkptError, GroupFailed, UsageError
 from ckpt.phases import phase
-from ckpt.reporting import NullReporter, Reporter
+from ckpt.reporting import NullReporter, PrefixedReporter, Reporter
 from ckpt.restore.netlock import ConnectionLock, Pair, locked_connections
 from ckpt.settings import Settings, StoreLocation
 from ckpt.store import Origin, Store, ids
@@ -92,25 +92,6 @@ class GroupRestoreResult(JsonResult):
                 "member_results": self.results}
 
 
-class _MemberReporter:
-    """A member's messages, prefixed with its label: members report at once, from threads."""
-
-    def __init__(self, reporter: Reporter, label: str):
-        self.reporter, self.prefix = reporter, f"[{label}] "
-
-    def step(self, message: str) -> None:
-        self.reporter.step(self.prefix + message)
-
-    def progress(self, done: int, total: int, what: str) -> None:
-        self.reporter.progress(done, total, self.prefix + what)
-
-    def info(self, message: str) -> None:
-        self.reporter.info(self.prefix + message)
-
-    def warn(self, message: str) -> None:
-        self.reporter.warn(self.prefix + message)
-
-
 def local_member_factory(store_root: StoreLocation, reporter: Reporter, *, settings: Settings,
                          passwords: PasswordSource | None, restore: bool = False) -> MemberFactory:
     """Makes the members of this host: a DumpSession (restore: RestoreSession) each. A HOST:PID
@@ -122,7 +103,7 @@ def local_member_factory(store_root: StoreLocation, reporter: Reporter, *, setti
         if spec.host:
             raise UsageError(f"group member {spec.label} is on another host, which this ckpt cannot reach yet",
                              hint="give the PIDs of this host's members only")
-        told = _MemberReporter(reporter, spec.label)
+        told = PrefixedReporter(reporter, f"[{spec.label}] ")
         request = member_request(spec, restore)
         if isinstance(request, RestoreRequest):
             return LocalRestoreMember(RestoreSession(store_root, request, told, settings=settings,
