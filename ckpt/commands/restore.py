@@ -244,8 +244,12 @@ class RestoreSession(Session[RestoreRequest]):
             raise UsageError("a copy of a clone is restored into a PID namespace of its own, fully",
                              hint="leave out --new-pidns and --lazy")
         if self._copy_of() is not None:
-            raise UsageError(f"checkpoint {self.manifest.id} is of a copy (its PID namespace with it): it cannot be "
-                             "cloned", hint=f"restore it with 'ckpt restore {self.manifest.id}'")
+            # Its copies' journals would need the copy's branch under their own, and the
+            # agent's records under that, each to its own freeze: one level is kept today.
+            raise UsageError(f"checkpoint {self.manifest.id} is of a copy of a clone: it cannot be cloned again yet "
+                             "(its journal is a branch of the agent's, and a branch of a branch is not kept)",
+                             hint=f"'ckpt restore {self.manifest.id}' runs it on (its journal with it), or clone the "
+                                  "checkpoint the copy was cloned from")
 
     def _copy_of(self) -> dict | None:
         """The clone and copy a checkpoint of a copy was taken of (its PID namespace dumped
