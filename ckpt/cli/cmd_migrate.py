@@ -146,6 +146,10 @@ def _render_group(flags: SharedFlags, result: MigrateGroupResult) -> None:
     if not flags.quiet:
         for member in result.members:
             where = member["destination"]
+            if member.get("restored_at_source"):
+                stderr.print(styled(f"member {member['pid']} could not run on its destination", "yellow",
+                                    f": it runs here again, PID {where['pid']} (checkpoint {member['checkpoint']})"))
+                continue
             stderr.print(styled(f"member {member['pid']} moved to {where['host']}", "green",
                                 f": PID {where['pid']}, checkpoint {member['checkpoint']}"))
         stderr.print(styled(f"group {result.group} moved", "green", f": down {result.downtime_ms:.0f} ms, "

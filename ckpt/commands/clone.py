@@ -336,9 +336,9 @@ class _Cloning:
         for index, session in enumerate(self.sessions, 1):
             try:
                 session.abort()
-                info = getattr(session, "copy_info", None)
-                if info is not None:
-                    end_copy(info.init_pid)
+                began = getattr(session, "began_init", None)
+                if began is not None:
+                    end_copy(*began)
             except Exception as exc:  # noqa: BLE001 (the others must be ended all the same)
                 self.reporter.warn(f"copy {index} could not be ended cleanly: {exc}")
 

@@ -189,7 +189,11 @@ class MigrationDestination:
 
     def prepare(self) -> Prepared:
         prepared = self.member.prepare()
-        self.checkpoint = self._session().manifest.id
+        session = self._session()
+        self.checkpoint = session.manifest.id
+        # Held past its limit (the coordinator silent: a partition, not an end of file), the
+        # tree runs if the move was recorded: its source is gone.
+        session.on_hold_expiry = self._decided
         return prepared
 
     def capture(self) -> Held:
@@ -207,7 +211,7 @@ class MigrationDestination:
     def abort(self) -> None:
         if self.released:  # it runs (released after the decision): finished, never ended
             self._finish("the coordinator is gone after this host's tree was let run; it runs on")
-        elif self.checkpoint and not self.release_tried and self._decided():
+        elif self.checkpoint and not self.release_tried and (self._session().released_on_expiry or self._decided()):
             try:
                 self.release()
             except CkptError as exc:
@@ -418,7 +422,12 @@ class MemberAgent:
         return self._member().capture().to_json()
 
     def _release(self, _message: dict) -> dict:
-        return self._member().release().to_json()
+        member = self._member()
+        if isinstance(member, MigrationDestination):
+            # Its source is gone: cut short by the channel's end (once CRIU was told to go),
+            # the abort that follows would end the only copy. The end of file is acted on after.
+            self._busy = False
+        return member.release().to_json()
 
     def _commit(self, _message: dict) -> dict:
         return self._member().commit().to_json()

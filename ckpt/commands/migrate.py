@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, TypeVar
 
@@ -24,7 +26,7 @@ from ckpt.store import Origin, Store
 from ckpt.store.groups import GroupManifest
 from ckpt.store.password import PasswordSource
 from ckpt.system import procs
-from ckpt.system.signals import deferred_interrupts
+from ckpt.system.signals import Deferral, deferred_interrupts
 
 # The pre-copy stops once a round found this many pages or fewer new (P.Haul's floor), or
 # this share of the tree's pages: without the kernel's dirty-page tracking every round
@@ -36,6 +38,9 @@ PRECOPY_FLOOR_SHARE = 0.01
 # ...or found more than this share of the round before's (the rounds stopped shrinking).
 PRECOPY_SHRINK = 0.9
 MAX_ROUNDS = 16
+# A group member's last phase (release, then commit, or its restore here) has this many phase
+# timeouts: each of its steps is bounded on its own.
+RUN_SLACK = 20.0
 T = TypeVar("T")
 
 
@@ -106,6 +111,17 @@ def final_stats(source: LocalDumpMember) -> dict:
     stats = manifest.stats if manifest is not None else {}
     return {"pages": stats.get("pages"), "new_pages": stats.get("pages_new"),
             "bytes_new": manifest.bytes_stored if manifest is not None else None, "frozen_ms": stats.get("freeze_ms")}
+
+
+def source_gone(pid: int, wait: float = 2.0) -> bool:
+    """Whether a source tree's root is gone (or a zombie), waiting a little: a root CRIU has
+    just killed may still be running its way out (state R or D) for a moment."""
+    deadline = time.monotonic() + wait
+    while procs.process_state(pid) not in (None, "Z", "X"):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def decide(store: Store, checkpoint: str, pid: int, destination: str, reporter: Reporter) -> None:
@@ -336,7 +352,7 @@ class _Migration:
         try:
             source.release()
         except CkptError:
-            if procs.process_state(self.request.pid) not in (None, "Z", "X"):
+            if not source_gone(self.request.pid):
                 raise  # CRIU failed and thawed it: the source runs on
             self.reporter.warn("CRIU reported a failure after ending the source tree; the destination takes over")
         decide(self.store, source.session.checkpoint_id, self.request.pid, self.request.to, self.reporter)
@@ -485,6 +501,7 @@ class _GroupMigration:
                        for pid in request.members]
         self.group: GroupManifest | None = None  # committed, every source held
         self.outcomes: list[dict] = [{} for _ in request.members]  # per member: released, restored here
+        self.deferral: Deferral | None = None  # the interrupts deferred through the sources' end
         self.started = time.monotonic()
 
     def run(self) -> MigrateGroupResult:
@@ -503,12 +520,17 @@ class _GroupMigration:
         finally:
             for single in self.single:
                 single._remove_rounds()
+        lost = [(pid, o["lost"]) for pid, o in zip(self.request.members, self.outcomes, strict=True) if "lost" in o]
+        if lost:
+            raise MemberLost(f"the group's sources were ended, but the channel to {len(lost)} destination(s) was "
+                             f"lost: {'; '.join(f'{pid}: {why}' for pid, why in lost)} ({self._fates()})",
+                             hint="each such tree runs there once its agent sees the channel end; look there")
         return self._result(dumped.group, rounds)
 
-    def _each(self, what: str, step: Callable[[Destination], T]) -> list[T]:
+    def _each(self, what: str, step: Callable[[Destination], T], slack: float = 1.0) -> list[T]:
         from ckpt.commands.group import Coordinator
 
-        return Coordinator(self.destinations, self.request.phase_timeout, self.reporter).each(what, step)
+        return Coordinator(self.destinations, self.request.phase_timeout, self.reporter).each(what, step, slack)
 
     def _precopy(self) -> list[dict]:
         """Rounds of every member, one after the other, until their sum stops shrinking."""
@@ -530,7 +552,7 @@ class _GroupMigration:
                                 stop=True, hold_limit=self.request.hold_limit,
                                 phase_timeout=self.request.phase_timeout, origin=Origin("migrate", self.request.name))
         hooks = GroupDumpHooks(before_release=self._restore_held, after_release=self._let_run,
-                               around_release=deferred_interrupts)
+                               around_release=self._deferred)
         return group_dump(self.store.location, dump, self.reporter, settings=self.settings,
                           passwords=self.passwords, hooks=hooks)
 
@@ -549,29 +571,45 @@ class _GroupMigration:
         self._each("restore", lambda d: d.capture())
         phase("migrate.restored-held")
 
+    @contextmanager
+    def _deferred(self) -> Iterator[None]:
+        """Ctrl-C deferred from the sources' release until every decision is written (then the
+        agents have what they need to run the trees, whatever happens to this process)."""
+        with deferred_interrupts() as deferral:
+            self.deferral = deferral
+            yield
+
     def _let_run(self, group: GroupManifest) -> None:
         """Every source ended: the decisions, then every member runs at its destination."""
-        for member in group.members:
+        for index, member in enumerate(group.members):
             decide(self.store, member.checkpoint, member.pid, self.request.destination(member.pid), self.reporter)
-        phase("migrate.decided")
-        for index in range(len(group.members)):
             self.outcomes[index]["decided"] = True
-        self._each("run", self._run_one)
+        phase("migrate.decided")
+        if self.deferral is not None:
+            self.deferral.end()  # an interrupt noted meanwhile is raised here
+        # each member's steps are bounded on their own (release, commit; a restore here)
+        self._each("run", self._run_one, slack=RUN_SLACK)
         phase("migrate.running")
 
     def _run_one(self, destination: Destination) -> None:
         """One member's destination let run and finished; its failure handled for it alone."""
         index = self.destinations.index(destination)
         member, outcome = self._members()[index], self.outcomes[index]
+        outcome["busy"] = True  # _settle leaves it alone while this runs
         try:
             outcome["released"] = destination.release()
         except MemberLost as exc:
             outcome["lost"] = exc.message  # the agent may let it run yet: not restored here
+            self.reporter.warn(f"member {member.pid}: {exc.message}; its tree runs on {destination.label} once its "
+                               f"agent sees the channel end (else 'ckpt restore {member.checkpoint}')")
             return
         except CkptError as exc:
+            outcome["failed"] = member.checkpoint
             outcome["here"] = restore_here(self.store, member.checkpoint, destination.label, exc, self.reporter,
                                            self.settings, self.passwords)
             return
+        finally:
+            outcome["busy"] = False
         try:
             destination.commit()
         except CkptError as exc:
@@ -586,24 +624,36 @@ class _GroupMigration:
 
     def _settle(self) -> None:
         """After a failure: a member whose source is gone has its destination decided and let
-        run (or finished); one whose source runs on has its destination ended."""
-        for index, destination in enumerate(self.destinations):
-            outcome = self.outcomes[index]
-            if "released" in outcome or "here" in outcome or "lost" in outcome:
-                continue
-            pid = self.request.members[index]
-            gone = self.group is not None and procs.process_state(pid) in (None, "Z", "X")
-            if gone and not outcome.get("decided"):
-                decide(self.store, self._members()[index].checkpoint, pid, destination.label, self.reporter)
-            # aborted after its decision, the agent lets the tree run; without one, it ends it
-            destination.abort()
+        run (or finished); one whose source runs on has its destination ended. Each member on
+        its own, Ctrl-C deferred: one left undecided with its source gone would run nowhere."""
+        with deferred_interrupts():
+            for index, destination in enumerate(self.destinations):
+                outcome = self.outcomes[index]
+                if outcome.get("busy") or {"released", "here", "lost", "failed"} & outcome.keys():
+                    continue
+                try:
+                    self._settle_one(index, destination)
+                except Exception as exc:  # noqa: BLE001 (the other members must be settled all the same)
+                    self.reporter.warn(f"member {self.request.members[index]} could not be settled: {exc}")
+
+    def _settle_one(self, index: int, destination: Destination) -> None:
+        pid = self.request.members[index]
+        if self.group is not None and not self.outcomes[index].get("decided") and source_gone(pid):
+            decide(self.store, self._members()[index].checkpoint, pid, destination.label, self.reporter)
+        # aborted after its decision, the agent lets the tree run; without one, it ends it
+        destination.abort()
 
     def _fates(self) -> str:
         """Where each member is left after a failure: its source runs on, or its destination has it."""
         fates = []
         for pid, destination in zip(self.request.members, self.destinations, strict=True):
-            here = procs.process_state(pid) not in (None, "Z", "X")
-            fates.append(f"{pid} runs on here" if here else f"{pid} is left to {destination.label}")
+            outcome = self.outcomes[self.request.members.index(pid)]
+            if "failed" in outcome and "here" not in outcome:
+                fates.append(f"{pid} runs nowhere: 'ckpt restore {outcome['failed']}'")
+            elif procs.process_state(pid) not in (None, "Z", "X"):
+                fates.append(f"{pid} runs on here")
+            else:
+                fates.append(f"{pid} is left to {destination.label}")
         return "; ".join(fates)
 
     def _result(self, group: GroupManifest, rounds: list[dict]) -> MigrateGroupResult:

@@ -132,7 +132,7 @@ class RestoreSession(Session[RestoreRequest]):
         self.inner: int | None = None
         self.network: copynet.CopyNetwork | None = None  # a copy's own network namespace
         self.copy_info: CopyInfo | None = None
-        self.began_init: int | None = None  # a copy's init PID, told from its start (copy_info: once restored)
+        self.began_init: tuple[int, int] | None = None  # a copy's init (PID, start ticks), told from its start
         self.copy_init: tuple[int, int] = (0, 0)  # a copy's init (host PID, start ticks), known in its runner
 
     # ---- prepare: nothing runs yet ------------------------------------------------------
@@ -328,9 +328,9 @@ class RestoreSession(Session[RestoreRequest]):
         self.copy_init = init  # for the identity file, written in the post-restore notification
         return self.criu.restore(self.criu_options, self._notified)
 
-    def _copy_begun(self, init_pid: int) -> None:
+    def _copy_begun(self, init_pid: int, start: int) -> None:
         """The copy's init, known while CRIU still restores: what abort() ends from then on."""
-        self.began_init = init_pid
+        self.began_init = (init_pid, start)
 
     def _found_copy(self, init_pid: int) -> int:
         """After the restore of a copy's checkpoint: CRIU returned the init; the tree's root is
@@ -399,10 +399,11 @@ class RestoreSession(Session[RestoreRequest]):
         finished, self._finished = self._finished, True
         self._drop_hold()  # CRIU ends what it restored, and restore() fails: no PID to end here
         try:
-            init = self.copy_info.init_pid if self.copy_info is not None else self.began_init
-            if init is not None and not finished:
-                copies.end_copy(init)  # its whole PID namespace (CRIU too, if it still restores)
-            if self.pid is not None and not finished:
+            if self.began_init is not None and not finished:
+                copies.end_copy(*self.began_init)  # its whole PID namespace (CRIU too, if it still restores)
+            elif self.copy_info is not None and not finished:
+                copies.end_copy(self.copy_info.init_pid)
+            elif self.pid is not None and not finished:
                 procs.kill_tree(self.pid)
         finally:
             self._clean_up()

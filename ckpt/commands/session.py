@@ -68,6 +68,14 @@ class Session(Generic[Request]):
         # be on its way to the notification, which must then refuse whatever comes late.
         self._aborted = False
         self._finished = False
+        # Asked when a hold reaches its limit: True lets the tree go on as a release would (a
+        # migration's destination whose move was recorded); None or False refuses it.
+        self.on_hold_expiry: Callable[[], bool] | None = None
+
+    @property
+    def released_on_expiry(self) -> bool:
+        """The tree held went on at its hold limit (on_hold_expiry said so)."""
+        return self._hold is not None and self._hold.released_on_expiry
 
     @property
     def aborted(self) -> bool:
@@ -93,7 +101,7 @@ class Session(Generic[Request]):
         notification (CRIU then thaws, or ends, the tree and fails)."""
         if self._aborted:
             raise SessionAborted(f"{what}: the session was aborted before CRIU started")
-        hold = self._hold = Hold(what, hold_limit)
+        hold = self._hold = Hold(what, hold_limit, self.on_hold_expiry)
         hold.start(step)
         try:
             hold.wait_until_held()
@@ -166,11 +174,12 @@ class Hold:
     `limit` seconds at most: a coordinator that died must not leave a tree frozen); refused,
     CRIU undoes what it did (thaws a dumped tree, ends a restored one)."""
 
-    def __init__(self, what: str, limit: float):
-        self.what, self.limit = what, limit
+    def __init__(self, what: str, limit: float, on_expiry: Callable[[], bool] | None = None):
+        self.what, self.limit, self.on_expiry = what, limit, on_expiry
         self.held = threading.Event()  # CRIU waits in the notification: the tree is held
         self.decided = threading.Event()
         self.released = False
+        self.released_on_expiry = False  # on_expiry let it go on
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None  # what the step raised in the thread
 
@@ -195,6 +204,9 @@ class Hold:
     def wait_for_release(self) -> None:
         self.held.set()
         if not self.decided.wait(self.limit):
+            if self.on_expiry is not None and self.on_expiry():
+                self.released_on_expiry = True
+                return
             raise SessionAborted(f"{self.what} for {self.limit:g} s without being released",
                                  hint="the coordinator did not go on; nothing was committed")
         if not self.released:

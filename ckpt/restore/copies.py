@@ -169,7 +169,7 @@ InsideRestore = Callable[[tuple[int, int]], int]
 
 
 def run_copy(restore_inside: InsideRestore, netns: Path | None,
-             on_init: Callable[[int], None] | None = None) -> CopyStarted:
+             on_init: Callable[[int, int], None] | None = None) -> CopyStarted:
     """Runs restore_inside(init) (CRIU's restore, returning the root's PID as CRIU sees it; init:
     the copy's init as (host PID, start ticks), for its identity file) in the CRIU runner of a
     new PID namespace, in the network namespace at `netns` (None: the host's).
@@ -190,7 +190,7 @@ def run_copy(restore_inside: InsideRestore, netns: Path | None,
                 if "init" in message and on_init is not None:
                     # told at once (the helper's line comes first): an abort while CRIU still
                     # restores ends the copy by its init, which leads a session of its own
-                    on_init(int(message["init"]))
+                    on_init(int(message["init"]), int(message.get("init_start") or 0))
     if "error_type" in result:
         raise from_record(result)
     if "error" in result:
@@ -239,9 +239,10 @@ def _helper(write_end: int, restore_inside: InsideRestore, netns: Path | None) -
             os.close(tell)
             _as_init(write_end, restore_inside, told)
         os.close(told)
-        os.write(tell, f"{init} {procfs.start_ticks(init)}".encode())
+        start = procfs.start_ticks(init)
+        os.write(tell, f"{init} {start}".encode())
         os.close(tell)
-        _report(write_end, {"init": init})
+        _report(write_end, {"init": init, "init_start": start})
     except BaseException as exc:  # reported to the parent, never raised in a forked child
         _report(write_end, {"error": f"{type(exc).__name__}: {exc}"})
     os._exit(0)
@@ -381,8 +382,12 @@ def _init_of(pid: int, inode: int, limit: int = 64) -> int | None:
     return None
 
 
-def end_copy(init_pid: int) -> None:
-    """Ends a copy: SIGKILL to its init ends every process of its namespace."""
+def end_copy(init_pid: int, start: int | None = None) -> None:
+    """Ends a copy: SIGKILL to its init ends every process of its namespace. start: the init's
+    start ticks, when known: a PID that another process took since is left alone (the init is
+    reaped by the host's init, not by ckpt: its PID may be free, or reused, by now)."""
+    if start and not procfs.is_running(init_pid, start):
+        return
     try:
         os.kill(init_pid, 9)
     except ProcessLookupError:

@@ -1,7 +1,7 @@
 """Steps that must not be cut in two by Ctrl-C: a migration ends its source tree and then
 records that its destination's tree is the only copy; interrupted in between, neither copy
 would run. Inside deferred_interrupts() SIGINT, SIGTERM and SIGHUP are only noted; the first one
-is delivered again, with the disposition it had, when the block ends."""
+is delivered again, with the disposition it had, when the block ends (or at Deferral.end())."""
 
 from __future__ import annotations
 
@@ -13,19 +13,39 @@ from contextlib import contextmanager
 DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-@contextmanager
-def deferred_interrupts() -> Iterator[None]:
-    """Python runs signal handlers in the main thread only, so elsewhere this does nothing (a
-    thread cannot be interrupted by them anyway)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    noted: list[int] = []
-    previous = {number: signal.signal(number, lambda number, _frame: noted.append(number)) for number in DEFERRED}
-    try:
-        yield
-    finally:
+class Deferral:
+    """The interrupts noted so far; end() restores the handlers and delivers the first."""
+
+    def __init__(self) -> None:
+        self.noted: list[int] = []
+        self.previous: dict[int, object] = {}
+
+    def begin(self) -> None:
+        for number in DEFERRED:
+            handler = signal.getsignal(number)
+            if handler is None:  # installed outside Python: left alone
+                continue
+            self.previous[number] = handler
+            signal.signal(number, lambda number, _frame: self.noted.append(number))
+
+    def end(self) -> None:
+        previous, self.previous = self.previous, {}
         for number, handler in previous.items():
-            signal.signal(number, handler)
-        if noted:
-            signal.raise_signal(noted[0])
+            signal.signal(number, handler)  # type: ignore[arg-type]
+        if previous and self.noted:
+            signal.raise_signal(self.noted[0])
+
+
+@contextmanager
+def deferred_interrupts() -> Iterator[Deferral | None]:
+    """Python runs signal handlers in the main thread only, so elsewhere this defers nothing
+    (and yields None): a thread cannot be interrupted by them anyway."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    deferral = Deferral()
+    deferral.begin()
+    try:
+        yield deferral
+    finally:
+        deferral.end()
