@@ -31,6 +31,7 @@ from ckpt.store import Manifest, Store, ids
 from ckpt.store.password import PasswordSource
 from ckpt.system import procfs
 from ckpt.system.files import atomic_write_bytes, make_readable_dir
+from ckpt.system.signals import terminations_interrupt
 
 MAX_COPIES = 64
 NETWORKS = ("auto", "own", "host")
@@ -162,18 +163,19 @@ def clone(store_root: StoreLocation, request: CloneRequest, reporter: Reporter =
     make = new_session or _restore_session_factory(store_root, settings, passwords)
     _remove_stale(copies_dir(settings), reporter)
     run = _Cloning(clone_id, manifest.id, request, network, reporter, make)
-    results = run.run()
     registry = copywatch.registry_path(copies_dir(settings), clone_id)
-    try:
-        copies = [_running_copy(index, result) for index, result in enumerate(results, 1)]
-        write_registry(registry, clone_id, manifest, copies)
-    except OSError as exc:  # a copy already ended (its init gone), or the registry not written
-        run.end_all()
-        raise CloneFailed(f"clone {clone_id}: could not list its copies in {registry}: {exc.strerror or exc}",
-                          hint="every copy was ended: none runs unlisted") from exc
-    except BaseException:
-        run.end_all()  # interrupted before the copies were listed: none may run unlisted
-        raise
+    with terminations_interrupt():  # `timeout ckpt clone`: the copies are ended, never left unlisted
+        results = run.run()
+        try:
+            copies = [_running_copy(index, result) for index, result in enumerate(results, 1)]
+            write_registry(registry, clone_id, manifest, copies)
+        except OSError as exc:  # a copy already ended (its init gone), or the registry not written
+            run.end_all()
+            raise CloneFailed(f"clone {clone_id}: could not list its copies in {registry}: {exc.strerror or exc}",
+                              hint="every copy was ended: none runs unlisted") from exc
+        except BaseException:
+            run.end_all()  # interrupted before the copies were listed: none may run unlisted
+            raise
     watcher = _start_watcher(start_watcher, copies_dir(settings), clone_id, reporter)
     return CloneResult(clone_id, manifest, network, ports, copies, registry,
                        round((time.monotonic() - started) * 1000, 1),

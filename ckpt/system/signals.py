@@ -49,3 +49,27 @@ def deferred_interrupts() -> Iterator[Deferral | None]:
         yield deferral
     finally:
         deferral.end()
+
+
+@contextmanager
+def terminations_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP (`timeout`, a closed terminal) raise KeyboardInterrupt in the block,
+    as Ctrl-C does, where their default action would end ckpt at once: a command that starts
+    processes of its own (the copies of a clone) then ends them before it exits. Handlers that
+    are not the default are left alone; nothing changes outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_number: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {}
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(number) == signal.SIG_DFL:
+            previous[number] = signal.signal(number, interrupt)
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
