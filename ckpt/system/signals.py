@@ -23,7 +23,7 @@ class Deferral:
     def begin(self) -> None:
         for number in DEFERRED:
             handler = signal.getsignal(number)
-            if handler is None:  # installed outside Python: left alone
+            if handler is None or handler == signal.SIG_IGN:  # installed outside Python, or ignored: left alone
                 continue
             self.previous[number] = handler
             signal.signal(number, lambda number, _frame: self.noted.append(number))

@@ -198,6 +198,13 @@ def test_a_server_keeps_its_client_when_b_takes_its_address(hosts, store, tmp_pa
         assert hosts.is_running(hosts.b, server.pid) and not hosts.is_running(hosts.a, server.pid)
 
 
+# Runs argv with SIGINT's default disposition (exec keeps it). A test run started in the
+# background by a shell (`make test &`, CI) inherits SIGINT ignored, and Python then never makes
+# it a KeyboardInterrupt: the coordinator would not see the Ctrl-C a test sends.
+DEFAULT_SIGINT = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                                        "os.execvp(sys.argv[1], sys.argv[1:])"]
+
+
 def received(status: Path) -> int:
     text = status.read_text() if status.exists() else ""
     fields = dict(part.split("=", 1) for part in text.split() if "=" in part)
@@ -389,9 +396,10 @@ def test_ctrl_c_while_a_groups_sources_are_ended_still_moves_every_member(hosts,
     environment = {**os.environ, **migrate_env(hosts), PAUSE_AT: "group.released", PAUSE_FILE: str(pause),
                    "CKPT_CACHE": str(hosts.a.workdir / "cache"), "PYTHONPATH": str(ROOT)}
     log = open(tmp_path / "coordinator.log", "wb")
-    coordinator = subprocess.Popen(hosts.a.command(sys.executable, "-m", "ckpt", "migrate", "--group", "pair",
-                                                   *[w.pid for w in workers], "--to", hosts.b.alias, "--store",
-                                                   store, "--rounds", "1"),
+    coordinator = subprocess.Popen([*DEFAULT_SIGINT, *hosts.a.command(
+                                        sys.executable, "-m", "ckpt", "migrate", "--group", "pair",
+                                        *[w.pid for w in workers], "--to", hosts.b.alias, "--store", store,
+                                        "--rounds", "1")],
                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=environment, cwd=ROOT,
                                    start_new_session=True)
     log.close()
