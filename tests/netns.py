@@ -25,6 +25,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -390,3 +392,15 @@ class TwoHosts:
             self.weed.stop()
         for host in self.hosts:
             run("ip", "netns", "del", host.netns, check=False)  # its veth end goes with it
+
+
+@contextmanager
+def hosts_with_own_pids(tmp_path: Path) -> Iterator[TwoHosts]:
+    """Hosts A and B, B with PIDs of its own, without the S3 server (a directory store both
+    reach): a migration's hosts. Everything started through them is ended on the way out."""
+    processes = Processes(tmp_path)
+    try:
+        with TwoHosts(tmp_path / "hosts", processes, own_pids=True, s3=False) as made:
+            yield made
+    finally:
+        processes.cleanup()

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from ckpt.phases import PAUSE_AT, PAUSE_FILE, PHASES
-from tests.helpers import FIXTURES, ROOT, Processes, read_lines, wait_until
-from tests.netns import NetHost, Started, TwoHosts, run
+from tests.helpers import FIXTURES, ROOT, read_lines, wait_until
+from tests.netns import hosts_with_own_pids, NetHost, Started, TwoHosts, run
 
 pytestmark = pytest.mark.integration
 
@@ -32,12 +32,8 @@ SOURCE_RUNS_AFTER = {"migrate.precopy", "migrate.frozen", "migrate.restored-held
 
 @pytest.fixture
 def hosts(tmp_path):
-    processes = Processes(tmp_path)
-    try:
-        with TwoHosts(tmp_path / "hosts", processes, own_pids=True, s3=False) as made:
-            yield made
-    finally:
-        processes.cleanup()
+    with hosts_with_own_pids(tmp_path) as made:
+        yield made
 
 
 @pytest.fixture

@@ -14,20 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FIXTURES, Processes, read_lines, state, wait_until
-from tests.netns import TwoHosts
+from tests.helpers import FIXTURES, read_lines, state, wait_until
+from tests.netns import hosts_with_own_pids, TwoHosts
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
 def hosts(tmp_path):
-    processes = Processes(tmp_path)
-    try:
-        with TwoHosts(tmp_path / "hosts", processes, own_pids=True, s3=False) as made:
-            yield made
-    finally:
-        processes.cleanup()
+    with hosts_with_own_pids(tmp_path) as made:
+        yield made
 
 
 def test_host_b_has_its_own_pids_and_name(hosts: TwoHosts, tmp_path: Path):
