@@ -1192,12 +1192,15 @@ def bench_clones(size_mib: int, counts: list[int], runs: int, work: Path, criu: 
             result = json.loads(out)
             copies = result["copies"]
             roots = [c["init_pid"] for c in copies]
-            rss, pss, waited = settled_memory(roots)
-            samples[n].append({"wall_s": elapsed, "reported_s": result["duration_ms"] / 1000,
-                               "copy_s": [r.get("duration_ms", 0) / 1000 for r in result.get("restores", [])], "rss_kib": rss, "pss_kib": pss,
-                               "available_drop_kib": before - meminfo_kib(), "memory_settled_s": waited,
-                               "running": sum(1 for c in copies if state(c["pid"]) not in (None, "Z"))})
-            end_trees(roots)
+            try:  # the copies are ended whatever happens here (a bench that stops must leave none)
+                rss, pss, waited = settled_memory(roots)
+                samples[n].append({"wall_s": elapsed, "reported_s": result["duration_ms"] / 1000,
+                                   "copy_s": [r.get("duration_ms", 0) / 1000 for r in result.get("restores", [])],
+                                   "rss_kib": rss, "pss_kib": pss,
+                                   "available_drop_kib": before - meminfo_kib(), "memory_settled_s": waited,
+                                   "running": sum(1 for c in copies if state(c["pid"]) not in (None, "Z"))})
+            finally:
+                end_trees(roots)
             for c in copies:
                 if c.get("netns"):
                     subprocess.run(["ip", "netns", "del", c["netns"]], capture_output=True)
