@@ -134,7 +134,7 @@ def test_ssh_lost_mid_migration_leaves_the_source_running(hosts, store, tmp_path
     out = tmp_path / "count.txt"
     worker = start_worker(hosts, out, 16)
     pause = tmp_path / "pause"
-    coordinator = start_migration(hosts, store, worker, tmp_path, pause_at="migrate.frozen", pause=pause)
+    coordinator = start_migration(hosts, store, [worker], tmp_path, pause_at="migrate.frozen", pause=pause)
     pid = wait_for_pause(pause, coordinator)
     ssh = [p for p in children(pid) if "ssh" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
     assert ssh, "no ssh under the coordinator"
@@ -152,7 +152,7 @@ def test_kill_9_at_every_phase_leaves_exactly_one_copy(hosts, store, tmp_path, p
     out = tmp_path / "count.txt"
     worker = start_worker(hosts, out, 16)
     pause = tmp_path / "pause"
-    coordinator = start_migration(hosts, store, worker, tmp_path, pause_at=phase, pause=pause)
+    coordinator = start_migration(hosts, store, [worker], tmp_path, pause_at=phase, pause=pause)
     pid = wait_for_pause(pause, coordinator)
     os.kill(pid, signal.SIGKILL)
     coordinator.wait(30)
@@ -261,13 +261,17 @@ class ClientHost:
 
 # ---- a migration paused at a phase -------------------------------------------------------------
 
-def start_migration(hosts: TwoHosts, store: Path, worker: Started, tmp_path: Path, *, pause_at: str,
-                    pause: Path) -> subprocess.Popen:
+def start_migration(hosts: TwoHosts, store: Path, workers: list[Started], tmp_path: Path, *, pause_at: str,
+                    pause: Path, group: str | None = None, rounds: int = 2) -> subprocess.Popen:
+    """`ckpt migrate` of workers (a group when named) in A, to pause at phase pause_at; SIGINT
+    has its default disposition in it (DEFAULT_SIGINT), so that a test's Ctrl-C is one."""
     environment = {**os.environ, **migrate_env(hosts), PAUSE_AT: pause_at, PAUSE_FILE: str(pause),
                    "CKPT_CACHE": str(hosts.a.workdir / "cache"), "PYTHONPATH": str(ROOT)}
+    members = ["--group", group] if group else []
     log = open(tmp_path / "coordinator.log", "wb")
-    coordinator = subprocess.Popen(hosts.a.command(sys.executable, "-m", "ckpt", "migrate", worker.pid, "--to",
-                                                   hosts.b.alias, "--store", store, "--rounds", "2"),
+    coordinator = subprocess.Popen([*DEFAULT_SIGINT, *hosts.a.command(
+                                        sys.executable, "-m", "ckpt", "migrate", *members, *[w.pid for w in workers],
+                                        "--to", hosts.b.alias, "--store", store, "--rounds", rounds)],
                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=environment, cwd=ROOT,
                                    start_new_session=True)
     log.close()
@@ -342,16 +346,8 @@ def test_kill_9_of_a_group_migration_leaves_one_copy_of_each_member(hosts, store
     outs = [tmp_path / "count-1.txt", tmp_path / "count-2.txt"]
     workers = [start_worker(hosts, out, 16) for out in outs]
     pause = tmp_path / "pause"
-    environment = {**os.environ, **migrate_env(hosts), PAUSE_AT: phase, PAUSE_FILE: str(pause),
-                   "CKPT_CACHE": str(hosts.a.workdir / "cache"), "PYTHONPATH": str(ROOT)}
-    log = open(tmp_path / "coordinator.log", "wb")
-    coordinator = subprocess.Popen(hosts.a.command(sys.executable, "-m", "ckpt", "migrate", "--group", "pair",
-                                                   *[w.pid for w in workers], "--to", hosts.b.alias, "--store",
-                                                   store, "--rounds", "1"),
-                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=environment, cwd=ROOT,
-                                   start_new_session=True)
-    log.close()
-    hosts.processes.popens.append(coordinator)
+    coordinator = start_migration(hosts, store, workers, tmp_path, pause_at=phase, pause=pause,
+                                  group="pair", rounds=1)
     os.kill(wait_for_pause(pause, coordinator), signal.SIGKILL)
     coordinator.wait(30)
 
@@ -369,7 +365,7 @@ def test_ssh_lost_after_the_decision_leaves_the_tree_to_b(hosts, store, tmp_path
     out = tmp_path / "count.txt"
     worker = start_worker(hosts, out, 16)
     pause = tmp_path / "pause"
-    coordinator = start_migration(hosts, store, worker, tmp_path, pause_at="migrate.decided", pause=pause)
+    coordinator = start_migration(hosts, store, [worker], tmp_path, pause_at="migrate.decided", pause=pause)
     pid = wait_for_pause(pause, coordinator)
     ssh = [p for p in children(pid) if b"ssh" in Path(f"/proc/{p}/cmdline").read_bytes()]
     for channel in ssh:
@@ -389,17 +385,8 @@ def test_ctrl_c_while_a_groups_sources_are_ended_still_moves_every_member(hosts,
     outs = [tmp_path / "count-1.txt", tmp_path / "count-2.txt"]
     workers = [start_worker(hosts, out, 16) for out in outs]
     pause = tmp_path / "pause"
-    environment = {**os.environ, **migrate_env(hosts), PAUSE_AT: "group.released", PAUSE_FILE: str(pause),
-                   "CKPT_CACHE": str(hosts.a.workdir / "cache"), "PYTHONPATH": str(ROOT)}
-    log = open(tmp_path / "coordinator.log", "wb")
-    coordinator = subprocess.Popen([*DEFAULT_SIGINT, *hosts.a.command(
-                                        sys.executable, "-m", "ckpt", "migrate", "--group", "pair",
-                                        *[w.pid for w in workers], "--to", hosts.b.alias, "--store", store,
-                                        "--rounds", "1")],
-                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=environment, cwd=ROOT,
-                                   start_new_session=True)
-    log.close()
-    hosts.processes.popens.append(coordinator)
+    coordinator = start_migration(hosts, store, workers, tmp_path, pause_at="group.released", pause=pause,
+                                  group="pair", rounds=1)
     os.kill(wait_for_pause(pause, coordinator), signal.SIGINT)
     time.sleep(0.5)
     pause.unlink()
