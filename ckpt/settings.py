@@ -231,6 +231,9 @@ class Settings:
     # Dumps stream their pages out of CRIU into ckpt (ckpt/dump/pagestream.py) rather than
     # have CRIU write a pages image first; off: the pages image (the path of dirty tracking).
     page_stream: bool = field(default=True, metadata=_env("CKPT_PAGE_STREAM", _switch))
+    # A full restore copies the tree's memory in through userfaultfd, from the packs straight
+    # into the tree (ckpt/restore/uffdfill.py); off: a pages image is written first for CRIU to read.
+    uffd_fill: bool = field(default=True, metadata=_env("CKPT_UFFD_FILL", _switch))
     # The ssh client, with any options of its own, that a group checkpoint reaches its members on
     # other hosts (HOST:PID) with; the user's ~/.ssh/config, keys and known_hosts apply.
     ssh: str = field(default="ssh", metadata=_env("CKPT_SSH", _command("'ssh -F /root/.ssh/ckpt_config'")))

@@ -22,6 +22,7 @@ from ckpt.restore import copies, copynet, hostcheck, tcppeers
 from ckpt.restore.copies import CopyInfo, CopyPlacement
 from ckpt.restore.lazy import LazyPlan, PageServer, lazy_processes, start_page_server
 from ckpt.restore.lazy import supported as lazy_supported
+from ckpt.restore.uffdfill import FillStats, UffdFiller
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.password import PasswordSource
 from ckpt.store.blocks.blockstore import PAGE
@@ -79,6 +80,9 @@ class RestoreResult:
     hook_error: str | None = None
     output: str | None = None  # where output to pipes and sockets outside the tree now goes
     lazy: dict | None = None  # a lazy restore: pages, bytes, page server PID, its log
+    # A full restore whose memory ckpt copied in through userfaultfd before the tree ran
+    # (ckpt/restore/uffdfill.py): pages, bytes, seconds, threads.
+    filled: dict | None = None
     another_host: bool = False  # the checkpoint was taken on another machine
     # How the tree's established TCP connections came back: "established", "closed", "mixed" (some
     # of each), or None (it had none); and each of them.
@@ -92,7 +96,8 @@ class RestoreResult:
         return {"id": self.manifest.id, "name": self.manifest.name, "pid": self.pid,
                 "pid_in_namespace": self.pid_in_namespace, "hook_error": self.hook_error, "output": self.output,
                 "processes": len(self.manifest.processes), "duration_ms": self.duration_ms,
-                "log": str(self.log_path), "lazy": self.lazy, "another_host": self.another_host,
+                "log": str(self.log_path), "lazy": self.lazy, "filled": self.filled,
+                "another_host": self.another_host,
                 "tcp_connections": self.tcp_connections, "connections": [c.to_json() for c in self.connections],
                 "host_warnings": self.host_warnings, "copy": self.copy.to_json() if self.copy else None}
 
@@ -128,6 +133,8 @@ class RestoreSession(Session[RestoreRequest]):
         self.inherit: list[tuple[str, int]] = []
         self.server: PageServer | None = None
         self.lazy_info: dict | None = None
+        self.filler: UffdFiller | None = None  # a full restore whose memory ckpt copies in
+        self.fill_stats: FillStats | None = None
         self.pid: int | None = None
         self.inner: int | None = None
         self.network: copynet.CopyNetwork | None = None  # a copy's own network namespace
@@ -148,8 +155,9 @@ class RestoreSession(Session[RestoreRequest]):
             return
         if any(entry.kind == "pages" for entry in manifest.files):
             store.blocks.preload_index()  # meanwhile, the other images are written and checked
-        self.images_dir, self.lazy, self.plan, self.host = _ImageLayout(
-            store, manifest, self.request, self.binary, self.reporter, self.settings.lazy_min_bytes).lay_out()
+        self.images_dir, self.memory, self.plan, self.host = _ImageLayout(
+            store, manifest, self.request, self.binary, self.reporter, self.settings).lay_out()
+        self.lazy = self.memory == "lazy"
         phase("restore.materialized")
         tell_copies_read_again(store, self.reporter)
         self._check_copy()
@@ -165,6 +173,8 @@ class RestoreSession(Session[RestoreRequest]):
                                "will come back while the tree runs")
             self.server = start_page_server(store, manifest.id, self.binary, self._images(), self.work_dir,
                                             self.plan, manifest.all_pids, self.binary.log_level)
+        elif self.memory == "fill":
+            self.filler = UffdFiller(store, self.plan, self.work_dir)
 
     def _rehearse(self) -> None:
         """A migration's rehearsal: what prepare checks (every image but the pages, this host
@@ -202,9 +212,10 @@ class RestoreSession(Session[RestoreRequest]):
 
             close_connections(images_dir, {c.id for c in self.connections if c.restored == "closed"})
         self.work_dir = log_dir
-        if self.lazy:
-            # CRIU finds the daemon at <work dir>/lazy-pages.socket: one directory per restore.
-            self.work_dir = log_dir / f"lazy-{stamp}-{os.getpid()}"
+        if self.memory in ("lazy", "fill"):
+            # CRIU finds the daemon (or ckpt's filler) at <work dir>/lazy-pages.socket: one
+            # directory per restore.
+            self.work_dir = log_dir / f"{self.memory}-{stamp}-{os.getpid()}"
             make_private_dir(self.work_dir)
             extra["lazy_pages"] = True
         elif can_punch_holes(images_dir) and not self._images_shared():
@@ -299,6 +310,9 @@ class RestoreSession(Session[RestoreRequest]):
             if self._copy_of() is not None:
                 self.pid = self._found_copy(self.pid)
         phase("restore.restored")
+        if self.filler is not None:
+            filler, self.filler = self.filler, None
+            filler.close()
         if self.server is not None:
             server, self.server = self.server, None
             self.lazy_info = {"pages": self.plan.pages, "bytes": self.plan.pages * PAGE, "server_pid": server.pid,
@@ -376,6 +390,10 @@ class RestoreSession(Session[RestoreRequest]):
                 # Every process has registered its lazy memory and none runs yet: the watcher
                 # takes hold of it now, or CRIU aborts the restore.
                 self.server.hand_over(lazy_processes(self.plan))
+            if self.filler is not None:
+                # Likewise: every page goes in now, before any process runs (or CRIU aborts).
+                self.reporter.step(f"copying {self.plan.pages * PAGE / (1 << 20):.0f} MiB of memory into the tree")
+                self.fill_stats = self.filler.fill()
             self._held_here()
 
     # ---- finish, abort ------------------------------------------------------------------
@@ -390,6 +408,7 @@ class RestoreSession(Session[RestoreRequest]):
                                             self.settings.hook_timeout)
         return RestoreResult(self.manifest, self.pid, round((self.clock() - self.started) * 1000, 1),
                              self.criu_options.log_path, self.inner, hook_error, self.output, self.lazy_info,
+                             self.fill_stats.to_json() if self.fill_stats else None,
                              self.host.another_host, self.tcp, self.connections, self.host.warnings,
                              self.copy_info)
 
@@ -413,12 +432,14 @@ class RestoreSession(Session[RestoreRequest]):
 
     def _clean_up(self) -> None:
         try:
+            if self.filler is not None:
+                self.filler.close()
             if self.server is not None:
                 self.server.stop()
             if self.images_dir is not None:
                 discard(self.images_dir)
         finally:
-            self.server, self.images_dir = None, None
+            self.server, self.filler, self.images_dir = None, None, None
             for _, fd in self.inherit:
                 os.close(fd)
             self.inherit = []
@@ -437,28 +458,37 @@ class _ImageLayout:
     other images: a mismatch (HostMismatch) ends the restore before anything else is done."""
 
     def __init__(self, store: Store, manifest: Manifest, request: RestoreRequest, binary, reporter: Reporter,
-                 lazy_min_bytes: int):
+                 settings: Settings):
         self.store, self.manifest, self.request = store, manifest, request
-        self.binary, self.reporter, self.lazy_min_bytes = binary, reporter, lazy_min_bytes
+        self.binary, self.reporter, self.lazy_min_bytes = binary, reporter, settings.lazy_min_bytes
+        self.fill_enabled = settings.uffd_fill
         self.plan = LazyPlan()
         self.host: hostcheck.HostReport | None = None  # once checked
+        self.memory = "image"
 
-    def lay_out(self) -> tuple[Path, bool, LazyPlan, hostcheck.HostReport]:
-        """Returns the directory, whether the restore is lazy after all, the plan and the host's report."""
-        lazy = _wants_lazy(self.request, self.manifest, self.binary, self.lazy_min_bytes)
+    def lay_out(self) -> tuple[Path, str, LazyPlan, hostcheck.HostReport]:
+        """Returns the directory, how the tree's memory comes back ("lazy": a page server fills
+        it in while the tree runs; "fill": ckpt copies it in before the tree runs; "image": CRIU
+        reads it from the pages images), the plan and the host's report."""
         if self.request.images_from is not None:
             self.reporter.step(f"sharing the images of checkpoint {self.manifest.id} laid out for another copy")
             images_dir = link_images(self.store.staging_area(), self.request.images_from)
-            return images_dir, False, self.plan, self._checked(images_dir)
+            return images_dir, "image", self.plan, self._checked(images_dir)
+        if _wants_lazy(self.request, self.manifest, self.binary, self.lazy_min_bytes):
+            self.memory = "lazy"
+        elif self.fill_enabled and _wants_fill(self.request, self.manifest, self.binary):
+            self.memory = "fill"
         self.reporter.step(f"verifying checkpoint {self.manifest.id}")
-        if not lazy:
+        if self.memory == "image":
             images_dir = materialize(self.store.objects, self.store.staging_area(), self.manifest, self.reporter,
                                      before_pages=self._check_host)
-            return images_dir, False, self.plan, self._checked(images_dir)
+            return images_dir, "image", self.plan, self._checked(images_dir)
+        # Filled in: each segment is checked by the thread that copies it, before the tree runs.
         images_dir, self.plan.locations = materialize_lazily(self.store.objects, self.store.staging_area(),
-                                                             self.manifest, self._holes_for, self.reporter)
+                                                             self.manifest, self._holes_for, self.reporter,
+                                                             check_holes=self.memory == "lazy")
         # none left out: nothing to serve
-        return images_dir, bool(self.plan.locations), self.plan, self._checked(images_dir)
+        return images_dir, self.memory if self.plan.locations else "image", self.plan, self._checked(images_dir)
 
     def _check_host(self, directory: Path) -> None:
         self._host_report(directory)
@@ -484,7 +514,10 @@ class _ImageLayout:
 
     def _holes_for(self, directory: Path) -> dict[str, list[tuple[int, int]]]:
         self._check_host(directory)
-        minimum = self.lazy_min_bytes if self.request.lazy is None else 1
+        if self.memory == "fill":
+            minimum = FILL_MIN_BYTES
+        else:
+            minimum = self.lazy_min_bytes if self.request.lazy is None else 1
         holes = self.plan.prepare(directory, self.manifest, minimum)
         if holes is None:
             self.reporter.info("restoring all memory first: a mapping that may use huge pages holds pages "
@@ -571,6 +604,21 @@ def _wants_lazy(request: RestoreRequest, manifest: Manifest, binary, lazy_min_by
                              hint="restore with --eager")
         return False
     return True
+
+
+# Below this much memory, writing the pages image costs less than handing the tree's
+# userfaultfds over.
+FILL_MIN_BYTES = 16 << 20
+
+
+def _wants_fill(request: RestoreRequest, manifest: Manifest, binary) -> bool:
+    """Whether a full restore copies the tree's memory in through userfaultfd (LazyPlan.prepare
+    then decides from the images): the kernel must be able to restore lazily. Copies of a clone
+    share one laid out pages image, and a restore into a new PID namespace runs CRIU in
+    another process: both read the pages images."""
+    if request.copy is not None or request.new_pidns or request.images_from is not None:
+        return False
+    return manifest.bytes_total >= FILL_MIN_BYTES and lazy_supported(binary)
 
 
 def _relays_to_output(manifest: Manifest, output: str | None, default_path: Path

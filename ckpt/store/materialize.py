@@ -55,16 +55,18 @@ def link_images(area: StagingArea, source: Path) -> Path:
 
 
 def materialize_lazily(objects: Objects, area: StagingArea, manifest: Manifest, holes_for: HolesFor,
-                       reporter: Reporter = NullReporter()) -> tuple[Path, dict[str, list[int]]]:
+                       reporter: Reporter = NullReporter(), check_holes: bool = True
+                       ) -> tuple[Path, dict[str, list[int]]]:
     """Like materialize, for a lazy restore: holes_for(directory), called once every image
     but the pages images is written, names per pages image the page ranges a page server
-    is to serve; they are verified but left out. Returns the directory and, per pages
-    image, the location of each page (what the page server reads)."""
-    return _lay_out(objects, area, manifest, reporter, False, holes_for)
+    is to serve; they are verified but left out (check_holes=False: not verified here, the
+    caller checks each segment before its pages reach the tree). Returns the directory and,
+    per pages image, the location of each page (what the page server reads)."""
+    return _lay_out(objects, area, manifest, reporter, False, holes_for, check_holes)
 
 
 def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: Reporter, skip_pages: bool,
-             holes_for: HolesFor) -> tuple[Path, dict[str, list[int]]]:
+             holes_for: HolesFor, check_holes: bool = True) -> tuple[Path, dict[str, list[int]]]:
     """The images into a fresh restore-* directory of area, each verified; holes_for names the
     page ranges to verify but leave out. Returns the directory and, per pages image with
     holes, the location of each page (what a page server reads)."""
@@ -81,7 +83,8 @@ def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: 
                     continue
                 if holes is None:
                     holes = holes_for(dest)
-                found = objects.check_entry(entry, dest / entry.name, holes=holes.get(entry.name, ()))
+                found = objects.check_entry(entry, dest / entry.name, holes=holes.get(entry.name, ()),
+                                            check_holes=check_holes)
                 if holes.get(entry.name) and found is not None:
                     locations[entry.name] = found
             else:

@@ -1,0 +1,341 @@
+"""A full restore that writes no pages image: the tree's memory copied in by userfaultfd.
+
+A full restore used to write every page into a staged pages image (a copy of the packs into
+fresh page cache: on a VM that hands freed memory back to its host, most of an eager restore's
+time), which CRIU then read into the tree (a second copy). Here CRIU restores the tree as for a
+lazy restore (its private anonymous memory left out and registered with userfaultfd), but the
+userfaultfds come to ckpt instead of CRIU's lazy-pages daemon: CRIU hands them over on the
+socket it would connect the daemon by (work_dir/lazy-pages.socket), and in CRIU's post-restore
+notification, before any process of the tree runs, ckpt copies every page in from the store
+(UFFDIO_COPY from the packs' page cache straight into the tree's memory: one copy, on several
+threads), each segment checked against its checksum first. Then it closes the userfaultfds: the
+tree runs with all of its memory, and nothing is left running beside it. A damaged segment, or
+any failure to copy, fails the notification: CRIU then ends what it restored, and no process
+has run on memory that is not the checkpoint's.
+
+The wire format CRIU speaks on that socket (criu/uffd.c, send_uffd and
+lazy_pages_finish_restore): per process, its PID (a 32-bit int, negative for a zombie), then
+one byte carrying its userfaultfd (SCM_RIGHTS), none for a zombie; after the post-restore
+notification, LAZY_PAGES_RESTORE_FINISHED (32 bits). CRIU fails the restore if that last send
+fails, so the connection stays open until the restore is over.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ckpt.errors import CriuFailed, DamagedCheckpoint
+from ckpt.restore.lazy import LazyPlan
+from ckpt.store import Store
+from ckpt.store.blocks.blockstore import PAGE
+from ckpt.store.blocks.segments import split_location
+
+SOCKET_NAME = "lazy-pages.socket"
+_RESTORE_FINISHED = 0x52535446  # "RSTF": criu/uffd.c, LAZY_PAGES_RESTORE_FINISHED
+# _IOWR(0xAA, 0x03, struct uffdio_copy) and _IOWR(0xAA, 0x04, struct uffdio_zeropage)
+_UFFDIO_COPY = 0xC028AA03
+_UFFDIO_ZEROPAGE = 0xC020AA04
+_UFFD_MSG = struct.Struct("=BBHI24s")  # struct uffd_msg: event, reserved..., arg (a union)
+_EVENT_PAGEFAULT, _EVENT_FORK, _EVENT_REMAP, _EVENT_REMOVE, _EVENT_UNMAP = 0x12, 0x13, 0x14, 0x15, 0x16
+HANDOVER_TIMEOUT_S = 30.0
+# Threads that copy: UFFDIO_COPY allocates the tree's memory as it copies, which costs most
+# (faulting memory back from the hypervisor, here) and scales with cores.
+MAX_THREADS = 4
+
+
+class _UffdioCopy(ctypes.Structure):
+    _fields_ = [("dst", ctypes.c_uint64), ("src", ctypes.c_uint64), ("len", ctypes.c_uint64),
+                ("mode", ctypes.c_uint64), ("copy", ctypes.c_int64)]
+
+
+class _UffdioZeropage(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_uint64), ("len", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("zeropage", ctypes.c_int64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)  # ctypes releases the GIL during the call: threads copy at once
+
+
+@dataclass
+class FillStats:
+    pages: int = 0  # copied in
+    seconds: float = 0.0  # from the post-restore notification until every page was in
+    threads: int = 0
+    early_faults: int = 0  # pages the restore touched before the notification (served at once)
+
+    def to_json(self) -> dict:
+        return {"pages": self.pages, "bytes": self.pages * PAGE, "seconds": round(self.seconds, 3),
+                "threads": self.threads}
+
+
+@dataclass
+class _Work:
+    """One run of pages to copy: count pages at vaddr of the process behind fd, which are
+    pages within.. of segment key."""
+    fd: int
+    vaddr: int
+    key: int
+    within: int
+    count: int
+
+
+class UffdFiller:
+    """Stands in for CRIU's lazy-pages daemon during one restore (see the module's doc)."""
+
+    def __init__(self, store: Store, plan: LazyPlan, work_dir: Path):
+        self.store, self.plan = store, plan
+        self.path = work_dir / SOCKET_NAME
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.path.unlink(missing_ok=True)
+        # Bound through the directory's descriptor: the work directory's own path may be longer
+        # than a UNIX socket's address can be (108 bytes). CRIU connects by the relative name
+        # from within the directory.
+        directory = os.open(work_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self.listener.bind(f"/proc/self/fd/{directory}/{SOCKET_NAME}")
+        finally:
+            os.close(directory)
+        self.listener.listen(1)
+        self.uffds: dict[int, int] = {}  # the restored PID CRIU names -> its userfaultfd
+        self.removed: dict[int, list[tuple[int, int]]] = {}  # ranges the tree gave up before the copy
+        self.failure: str | None = None
+        self.stats = FillStats()
+        self._lock = threading.Condition()
+        self._finished = False  # CRIU said the restore is finished, or hung up
+        self._stop_events = threading.Event()
+        self._connection: socket.socket | None = None
+        self._receiver = threading.Thread(target=self._receive, name="ckpt-uffd-receiver", daemon=True)
+        self._events = threading.Thread(target=self._serve_events, name="ckpt-uffd-events", daemon=True)
+        self._receiver.start()
+        self._events.start()
+
+    # ---- the userfaultfds, from CRIU ----------------------------------------------------
+
+    def _receive(self) -> None:
+        try:
+            connection, _ = self.listener.accept()
+        except OSError:
+            return  # closed: the restore ended before CRIU connected
+        self._connection = connection
+        try:
+            while True:
+                head = connection.recv(4, socket.MSG_WAITALL)
+                if len(head) < 4:
+                    break
+                (pid,) = struct.unpack("=i", head)
+                if pid == _RESTORE_FINISHED:
+                    break
+                if pid < 0:
+                    continue  # a zombie: no memory, no userfaultfd
+                _, fds, _, _ = socket.recv_fds(connection, 1, 1)
+                if not fds:
+                    raise OSError(f"CRIU sent no userfaultfd for PID {pid}")
+                for extra in fds[1:]:
+                    os.close(extra)
+                with self._lock:
+                    self.uffds[pid] = fds[0]
+                    self._lock.notify_all()
+        except OSError as exc:
+            with self._lock:
+                self.failure = f"the userfaultfds could not be received from CRIU: {exc}"
+        finally:
+            with self._lock:
+                self._finished = True
+                self._lock.notify_all()
+
+    def _wait_for_uffds(self) -> None:
+        wanted = {pid for pid, (_, runs) in self.plan.runs.items() if any(nr for _, nr, _ in runs)}
+        deadline = time.monotonic() + HANDOVER_TIMEOUT_S
+        with self._lock:
+            while not wanted <= self.uffds.keys():
+                remaining = deadline - time.monotonic()
+                if self.failure or self._finished or remaining <= 0:
+                    missing = sorted(wanted - self.uffds.keys())
+                    raise CriuFailed(f"CRIU handed over no userfaultfd for PID(s) {missing[:5]}"
+                                     + (f" ({self.failure})" if self.failure else ""),
+                                     hint="restore with --eager after setting CKPT_UFFD_FILL=0 (pages image)")
+                self._lock.wait(min(remaining, 0.5))
+
+    # ---- events before the copy: the restore itself touching registered memory -----------
+
+    def _serve_events(self) -> None:
+        """Until the copy is done: what the kernel reports on the userfaultfds is read (a
+        process that unmaps registered memory waits until it is), and a page the restore
+        touches is copied in at once (it would wait for ever otherwise)."""
+        reader = None
+        try:
+            while not self._stop_events.is_set():
+                with self._lock:
+                    fds = {fd: pid for pid, fd in self.uffds.items()}
+                if not fds:
+                    self._stop_events.wait(0.02)
+                    continue
+                poller = select.poll()
+                for fd in fds:
+                    poller.register(fd, select.POLLIN)
+                for fd, _ in poller.poll(20):
+                    try:
+                        data = os.read(fd, _UFFD_MSG.size * 16)
+                    except BlockingIOError:
+                        continue
+                    for at in range(0, len(data) - _UFFD_MSG.size + 1, _UFFD_MSG.size):
+                        event, _, _, _, arg = _UFFD_MSG.unpack_from(data, at)
+                        if reader is None:
+                            reader = self.store.blocks.page_reader()
+                        self._event(fds[fd], fd, event, arg, reader)
+        except (OSError, DamagedCheckpoint, ValueError) as exc:
+            with self._lock:
+                self.failure = self.failure or f"serving the restore's own page faults failed: {exc}"
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def _event(self, pid: int, fd: int, event: int, arg: bytes, reader) -> None:
+        if event == _EVENT_PAGEFAULT:
+            _, address = struct.unpack_from("=QQ", arg)
+            self._copy_page(pid, fd, address & ~(PAGE - 1), reader)
+            self.stats.early_faults += 1
+        elif event in (_EVENT_REMOVE, _EVENT_UNMAP):
+            start, end = struct.unpack_from("=QQ", arg)
+            with self._lock:
+                self.removed.setdefault(pid, []).append((start, end))
+        else:  # a fork or a move of memory: nothing of the tree may run yet
+            raise ValueError(f"unexpected userfaultfd event {event:#x} of PID {pid} before the tree ran")
+
+    def _copy_page(self, pid: int, fd: int, address: int, reader) -> None:
+        image_runs = self.plan.runs.get(pid)
+        if image_runs is not None:
+            image, runs = image_runs
+            for vaddr, nr_pages, first in runs:
+                if vaddr <= address < vaddr + nr_pages * PAGE:
+                    location = self.plan.locations[image][first + (address - vaddr) // PAGE]
+                    key, within = split_location(location)
+                    with reader.reader.view(key, within, 1) as page:
+                        _copy(fd, address, page, 1)
+                    return
+        zero = _UffdioZeropage(address, PAGE, 0, 0)  # not in the checkpoint: a page of zeros
+        if _libc.ioctl(fd, ctypes.c_ulong(_UFFDIO_ZEROPAGE), ctypes.byref(zero)) != 0:
+            code = ctypes.get_errno()
+            if code not in (errno.EEXIST, errno.ENOENT, errno.ESRCH):
+                raise OSError(code, os.strerror(code))
+
+    # ---- the copy, in the post-restore notification --------------------------------------
+
+    def fill(self) -> FillStats:
+        """Copies every lazy page of the plan into the tree (none of it runs yet); raises
+        CriuFailed (the restore is then aborted) if any could not be."""
+        started = time.monotonic()
+        self._wait_for_uffds()
+        work = self._work()
+        threads = max(1, min(MAX_THREADS, os.cpu_count() or 1, len(work)))
+        # Each segment is read, checked and decoded by one thread: a thread per share of segments.
+        shares: list[list[_Work]] = [[] for _ in range(threads)]
+        for item in work:
+            shares[item.key % threads].append(item)
+        errors: list[BaseException] = []
+        copied = [0] * threads
+
+        def copy_share(k: int) -> None:
+            reader = self.store.blocks.page_reader()
+            try:
+                for item in shares[k]:
+                    with reader.reader.view(item.key, item.within, item.count) as pages:
+                        _copy(item.fd, item.vaddr, pages, item.count)
+                    copied[k] += item.count
+            except BaseException as exc:  # noqa: BLE001 - reported below, in the notification
+                errors.append(exc)
+            finally:
+                reader.close()
+
+        runners = [threading.Thread(target=copy_share, args=(k,), name=f"ckpt-uffd-fill-{k}") for k in range(threads)]
+        for runner in runners:
+            runner.start()
+        for runner in runners:
+            runner.join()
+        self._stop_events.set()
+        self._events.join()
+        self.stats.pages, self.stats.threads = sum(copied), threads
+        self.stats.seconds = time.monotonic() - started
+        if errors or self.failure:
+            first = errors[0] if errors else None
+            if isinstance(first, DamagedCheckpoint):
+                raise first
+            raise CriuFailed(f"the tree's memory could not be copied in: {first or self.failure}",
+                             hint="restore with --eager after setting CKPT_UFFD_FILL=0 (pages image)")
+        self._close_uffds()
+        return self.stats
+
+    def _work(self) -> list[_Work]:
+        """The plan's lazy pages as runs within one segment each, minus what the tree gave up."""
+        work: list[_Work] = []
+        for pid, (image, runs) in self.plan.runs.items():
+            fd = self.uffds.get(pid)
+            if fd is None:
+                continue
+            locations = self.plan.locations[image]
+            removed = self.removed.get(pid, [])
+            for vaddr, nr_pages, first in runs:
+                if not nr_pages:
+                    continue
+                here = np.asarray(locations[first:first + nr_pages], dtype=np.int64)
+                starts = np.concatenate(([0], np.flatnonzero(np.diff(here) != 1) + 1, [nr_pages]))
+                for begin, end in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+                    address = vaddr + begin * PAGE
+                    if any(start < address + (end - begin) * PAGE and address < stop for start, stop in removed):
+                        continue  # unmapped or dropped by the restore: nothing to put back
+                    key, within = split_location(int(here[begin]))
+                    work.append(_Work(fd, address, key, within, end - begin))
+        return work
+
+    # ---- the end -------------------------------------------------------------------------
+
+    def _close_uffds(self) -> None:
+        """Every page is in: the userfaultfds let go (the kernel unregisters the memory)."""
+        with self._lock:
+            fds, self.uffds = list(self.uffds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def close(self) -> None:
+        """After the restore (or its failure): nothing of this filler is left."""
+        self._stop_events.set()
+        try:
+            self.listener.close()
+        finally:
+            if self._connection is not None:
+                self._connection.close()
+            self._receiver.join(timeout=5)
+            self._events.join(timeout=5)
+            self._close_uffds()
+            self.path.unlink(missing_ok=True)
+
+
+def _copy(fd: int, dst: int, pages: memoryview, count: int) -> None:
+    """UFFDIO_COPY of count pages to dst: a page the tree has already (the restore touched it
+    and it was served) is skipped, memory the tree no longer has is not copied."""
+    source = np.frombuffer(pages, dtype=np.uint8)
+    src, length = source.ctypes.data, count * PAGE
+    while length > 0:
+        request = _UffdioCopy(dst, src, length, 0, 0)
+        if _libc.ioctl(fd, ctypes.c_ulong(_UFFDIO_COPY), ctypes.byref(request)) == 0:
+            return
+        code = ctypes.get_errno()
+        done = request.copy if request.copy > 0 else 0
+        if code == errno.EEXIST and done == 0:
+            done = PAGE  # this page is there already
+        elif code in (errno.ENOENT, errno.ESRCH):
+            return  # unmapped, or the process is gone
+        elif code != errno.EAGAIN and code != errno.EEXIST:
+            raise OSError(code, f"UFFDIO_COPY at {dst:#x}: {os.strerror(code)}")
+        dst, src, length = dst + done, src + done, length - done
