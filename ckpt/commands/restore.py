@@ -393,7 +393,8 @@ class RestoreSession(Session[RestoreRequest]):
             if self.filler is not None:
                 # Likewise: every page goes in now, before any process runs (or CRIU aborts).
                 self.reporter.step(f"copying {self.plan.pages * PAGE / (1 << 20):.0f} MiB of memory into the tree")
-                self.fill_stats = self.filler.fill()
+                self.fill_stats = self.filler.fill(
+                    lambda done, total: self.reporter.progress(done, total, "copying memory into the tree"))
             self._held_here()
 
     # ---- finish, abort ------------------------------------------------------------------

@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -49,6 +50,7 @@ _UFFDIO_ZEROPAGE = 0xC020AA04
 _UFFD_MSG = struct.Struct("=BBHI24s")  # struct uffd_msg: event, reserved..., arg (a union)
 _EVENT_PAGEFAULT, _EVENT_FORK, _EVENT_REMAP, _EVENT_REMOVE, _EVENT_UNMAP = 0x12, 0x13, 0x14, 0x15, 0x16
 HANDOVER_TIMEOUT_S = 30.0
+EAGAIN_LIMIT_S = 10.0
 # Threads that copy: UFFDIO_COPY allocates the tree's memory as it copies, which costs most
 # (faulting memory back from the hypervisor, here) and scales with cores.
 MAX_THREADS = 4
@@ -232,9 +234,10 @@ class UffdFiller:
 
     # ---- the copy, in the post-restore notification --------------------------------------
 
-    def fill(self) -> FillStats:
+    def fill(self, progress: Callable[[int, int], None] | None = None) -> FillStats:
         """Copies every lazy page of the plan into the tree (none of it runs yet); raises
-        CriuFailed (the restore is then aborted) if any could not be."""
+        CriuFailed (the restore is then aborted) if any could not be. progress(pages copied,
+        pages in all) is called from this thread a few times a second."""
         started = time.monotonic()
         self._wait_for_uffds()
         work = self._work()
@@ -261,8 +264,12 @@ class UffdFiller:
         runners = [threading.Thread(target=copy_share, args=(k,), name=f"ckpt-uffd-fill-{k}") for k in range(threads)]
         for runner in runners:
             runner.start()
+        total = sum(item.count for item in work)
         for runner in runners:
-            runner.join()
+            while runner.is_alive():
+                runner.join(0.2)
+                if progress is not None:
+                    progress(sum(copied), total)
         self._stop_events.set()
         self._events.join()
         self.stats.pages, self.stats.threads = sum(copied), threads
@@ -326,6 +333,7 @@ def _copy(fd: int, dst: int, pages: memoryview, count: int) -> None:
     and it was served) is skipped, memory the tree no longer has is not copied."""
     source = np.frombuffer(pages, dtype=np.uint8)
     src, length = source.ctypes.data, count * PAGE
+    stalled_since = None
     while length > 0:
         request = _UffdioCopy(dst, src, length, 0, 0)
         if _libc.ioctl(fd, ctypes.c_ulong(_UFFDIO_COPY), ctypes.byref(request)) == 0:
@@ -336,6 +344,14 @@ def _copy(fd: int, dst: int, pages: memoryview, count: int) -> None:
             done = PAGE  # this page is there already
         elif code in (errno.ENOENT, errno.ESRCH):
             return  # unmapped, or the process is gone
-        elif code != errno.EAGAIN and code != errno.EEXIST:
+        elif code == errno.EAGAIN and done == 0:
+            # The memory's layout is changing: an event waits to be read (by _serve_events).
+            stalled_since = stalled_since or time.monotonic()
+            if time.monotonic() - stalled_since > EAGAIN_LIMIT_S:
+                raise OSError(code, f"UFFDIO_COPY at {dst:#x} could not go on for {EAGAIN_LIMIT_S:.0f} s")
+            time.sleep(0.001)
+            continue
+        elif code not in (errno.EAGAIN, errno.EEXIST):
             raise OSError(code, f"UFFDIO_COPY at {dst:#x}: {os.strerror(code)}")
+        stalled_since = None
         dst, src, length = dst + done, src + done, length - done
