@@ -149,6 +149,9 @@ def _restore_one(flags: SharedFlags, request: RestoreRequest) -> None:
         if result.lazy:
             stderr.print(f"{result.lazy['bytes'] / (1 << 20):.0f} MiB of its memory is being filled in by page "
                          f"server {result.lazy['server_pid']} (log: {result.lazy['log']})")
+        elif result.filled:
+            stderr.print(f"{result.filled['bytes'] / (1 << 20):.0f} MiB of its memory was copied in before it ran "
+                         f"({result.filled['seconds']:.2f} s, {result.filled['threads']} thread(s))")
     print(result.pid)
 
 

@@ -284,7 +284,9 @@ class UffdFiller:
         return self.stats
 
     def _work(self) -> list[_Work]:
-        """The plan's lazy pages as runs within one segment each, minus what the tree gave up."""
+        """The plan's lazy pages as runs within one segment and one mapping each (UFFDIO_COPY
+        fails for a range across two mappings, and a pagemap entry may cross one), minus what
+        the restore gave up."""
         work: list[_Work] = []
         for pid, (image, runs) in self.plan.runs.items():
             fd = self.uffds.get(pid)
@@ -292,11 +294,15 @@ class UffdFiller:
                 continue
             locations = self.plan.locations[image]
             removed = self.removed.get(pid, [])
+            bounds = _mapping_bounds(pid)
             for vaddr, nr_pages, first in runs:
                 if not nr_pages:
                     continue
                 here = np.asarray(locations[first:first + nr_pages], dtype=np.int64)
-                starts = np.concatenate(([0], np.flatnonzero(np.diff(here) != 1) + 1, [nr_pages]))
+                pages = np.arange(nr_pages + 1)
+                cut = (pages[1:-1][np.diff(here) != 1],
+                       (bounds[(bounds > vaddr) & (bounds < vaddr + nr_pages * PAGE)] - vaddr) // PAGE)
+                starts = np.unique(np.concatenate(([0], *cut, [nr_pages])))
                 for begin, end in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
                     address = vaddr + begin * PAGE
                     if any(start < address + (end - begin) * PAGE and address < stop for start, stop in removed):
@@ -328,6 +334,17 @@ class UffdFiller:
             self.path.unlink(missing_ok=True)
 
 
+def _mapping_bounds(pid: int) -> np.ndarray:
+    """Where the restored process's mappings begin and end (the kernel's, as they are now)."""
+    bounds = []
+    with open(f"/proc/{pid}/maps", "rb") as maps:
+        for line in maps:
+            start, _, end = line.split(b" ", 1)[0].partition(b"-")
+            if int(end, 16) < 1 << 63:  # not [vsyscall], which is no memory of the tree's
+                bounds += (int(start, 16), int(end, 16))
+    return np.unique(np.array(bounds, dtype=np.int64))
+
+
 def _copy(fd: int, dst: int, pages: memoryview, count: int) -> None:
     """UFFDIO_COPY of count pages to dst: a page the tree has already (the restore touched it
     and it was served) is skipped, memory the tree no longer has is not copied."""
@@ -342,8 +359,8 @@ def _copy(fd: int, dst: int, pages: memoryview, count: int) -> None:
         done = request.copy if request.copy > 0 else 0
         if code == errno.EEXIST and done == 0:
             done = PAGE  # this page is there already
-        elif code in (errno.ENOENT, errno.ESRCH):
-            return  # unmapped, or the process is gone
+        elif code == errno.ESRCH:
+            return  # the process is gone
         elif code == errno.EAGAIN and done == 0:
             # The memory's layout is changing: an event waits to be read (by _serve_events).
             stalled_since = stalled_since or time.monotonic()
