@@ -336,7 +336,7 @@ class UffdFiller:
 
 def _mapping_bounds(pid: int) -> np.ndarray:
     """Where the restored process's mappings begin and end (the kernel's, as they are now)."""
-    bounds = []
+    bounds: list[int] = []
     with open(f"/proc/{pid}/maps", "rb") as maps:
         for line in maps:
             start, _, end = line.split(b" ", 1)[0].partition(b"-")
