@@ -349,7 +349,15 @@ def _copy(fd: int, dst: int, pages: memoryview, count: int) -> None:
     """UFFDIO_COPY of count pages to dst: a page the tree has already (the restore touched it
     and it was served) is skipped, memory the tree no longer has is not copied."""
     source = np.frombuffer(pages, dtype=np.uint8)
-    src, length = source.ctypes.data, count * PAGE
+    try:
+        _copy_from(fd, dst, source.ctypes.data, count * PAGE)
+    finally:
+        # An exception's traceback keeps this frame: the array would keep the mapping exported,
+        # and neither the view nor the pack's mapping could be released.
+        del source
+
+
+def _copy_from(fd: int, dst: int, src: int, length: int) -> None:
     stalled_since = None
     while length > 0:
         request = _UffdioCopy(dst, src, length, 0, 0)

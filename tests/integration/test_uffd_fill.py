@@ -71,3 +71,21 @@ def test_a_damaged_segment_stops_the_restore_before_any_process_runs(procs, tmp_
     wait_until(lambda: not any(alive(pid) for pid in tree), timeout=10, what="the tree's PIDs to be free")
     assert len(read_lines(out)) == lines
     assert not any((isolated_env / "tmp").iterdir()), "the failed restore left staged images"
+
+
+def test_pages_of_two_mappings_side_by_side_come_back(procs, tmp_path):
+    """CRIU dumps the pages of adjacent mappings as one run; one UFFDIO_COPY cannot cross from
+    one mapping into the next (a JVM's heap crashed on the zeros left there)."""
+    out = tmp_path / "sums.txt"
+    target = procs.start("split_mapping.py", out, 32)
+    wait_until(lambda: read_lines(out), timeout=60, what="the target to fill its memory")
+    original = read_lines(out)[0].split()[0]
+    dumped = ckpt_json("dump", target.pid, "--stop")
+    target.wait(timeout=10)
+    restored = ckpt_json("restore", dumped["id"], "--eager")
+    procs.adopt(restored["pid"])
+    assert restored["filled"] is not None and restored["filled"]["bytes"] >= 32 << 20, restored
+    before = len(read_lines(out))
+    os.kill(restored["pid"], signal.SIGUSR1)
+    wait_until(lambda: len(read_lines(out)) > before, timeout=30, what="the restored target's checksum")
+    assert read_lines(out)[-1].split()[0] == original
