@@ -166,7 +166,7 @@ class UffdFiller:
                     missing = sorted(wanted - self.uffds.keys())
                     raise CriuFailed(f"CRIU handed over no userfaultfd for PID(s) {missing[:5]}"
                                      + (f" ({self.failure})" if self.failure else ""),
-                                     hint="restore with --eager after setting CKPT_UFFD_FILL=0 (pages image)")
+                                     hint="CKPT_UFFD_FILL=0 restores through a pages image instead")
                 self._lock.wait(min(remaining, 0.5))
 
     # ---- events before the copy: the restore itself touching registered memory -----------
@@ -279,7 +279,7 @@ class UffdFiller:
             if isinstance(first, DamagedCheckpoint):
                 raise first
             raise CriuFailed(f"the tree's memory could not be copied in: {first or self.failure}",
-                             hint="restore with --eager after setting CKPT_UFFD_FILL=0 (pages image)")
+                             hint="CKPT_UFFD_FILL=0 restores through a pages image instead")
         self._close_uffds()
         return self.stats
 
