@@ -49,7 +49,7 @@ def test_a_damaged_or_too_large_blob_is_not_kept(remote, tmp_path):
     cache = cached(remote, tmp_path, max_bytes=MiB)
     with pytest.raises(DamagedCheckpoint, match="does not hold what its name says"):
         cache.warm(name)
-    with pytest.raises(OSError, match="larger than the cache's cap"):
+    with pytest.raises(OSError, match="larger than the cache's cap.*packs/cd/cdef01"):
         cache.warm("packs/cd/cdef01")
     assert [p for p in cache.directory.rglob("*") if p.is_file()] == []
     with pytest.raises(ValueError):

@@ -593,12 +593,12 @@ class CachingBackend(Backend):
             self.inner.get_file(name, tmp)
             size = os.stat(tmp).st_size
             if size > self.max_bytes:
-                raise OSError(errno.EFBIG, f"{name} ({size} bytes) is larger than the cache's cap")
+                raise OSError(errno.EFBIG, f"{size} bytes, larger than the cache's cap", name)
             if not _content_ok(name, tmp):
                 raise DamagedCheckpoint(f"{self.inner.where(name)} does not hold what its name says",
                                         hint="run `ckpt verify`")
             if not self._install(name, tmp):
-                raise OSError(errno.EIO, f"the copy of {name} could not be put into {self.directory}")
+                raise OSError(errno.EIO, "the copy could not be put in place", str(path))
         finally:
             tmp.unlink(missing_ok=True)
         with self._lock:
