@@ -65,10 +65,9 @@ def warm_command(
 
 def _print_report(report: WarmReport) -> None:
     ids = ", ".join(m.id for m in report.checkpoints)
-    stderr.print(f"warm: {ids}: {report.blobs} blobs, {human_bytes(report.bytes)} in the cache; downloaded "
-                 f"{report.fetched_blobs} ({human_bytes(report.fetched_bytes)}) in {report.duration_ms / 1000:.1f} s, "
-                 f"{report.cached_blobs} were there")
-
+    stderr.print(f"{ids}: {report.blobs} blobs ({human_bytes(report.bytes)}) in the cache: {report.fetched_blobs} "
+                 f"downloaded ({human_bytes(report.fetched_bytes)}) in {report.duration_ms / 1000:.1f} s, "
+                 f"{report.cached_blobs} there already")
 
 def register(app: typer.Typer) -> None:
     app.add_typer(cache_app, name="cache")
