@@ -33,8 +33,7 @@ def test_a_warmed_standby_restores_without_downloading_content(s3_store, s3_serv
     big = procs.start("bigmem.py", out, 72)  # lazy by default (64 MiB and more): the page server reads too
     wait_until(lambda: sums(out), timeout=30, what="bigmem")
     before = report(big.pid, out)  # then dumped: the restored counter goes on from at least there
-    dumped = ckpt_json("dump", big.pid, "--name", "big")
-    procs.kill_tree(big.pid)
+    first = ckpt_json("dump", big.pid, "--name", "big")
 
     # A cap too small: one line, exit 2, no pack downloaded.
     small = tmp_path / "small-cache"
@@ -46,14 +45,20 @@ def test_a_warmed_standby_restores_without_downloading_content(s3_store, s3_serv
     standby = {"CKPT_CACHE": str(tmp_path / "standby-cache")}
     warmed = ckpt_json("cache", "warm", "big", env=standby)
     jsonshape.assert_shape(warmed, "cache warm")
-    assert [c["id"] for c in warmed["checkpoints"]] == [dumped["id"]]
+    assert [c["id"] for c in warmed["checkpoints"]] == [first["id"]]
     assert warmed["fetched_blobs"] == warmed["blobs"] > 0 and warmed["cached_blobs"] == 0
     assert warmed["fetched_bytes"] == warmed["bytes"] >= 72 * MiB  # random memory: stored as it is
     assert blobs_in(tmp_path / "standby-cache", "packs")
 
+    # The next checkpoint (its memory unchanged): only what it added comes down, then nothing.
+    second = ckpt_json("dump", big.pid, "--name", "big")
+    procs.kill_tree(big.pid)
+    newer = ckpt_json("cache", "warm", "big", env=standby)
+    assert [c["id"] for c in newer["checkpoints"]] == [second["id"]]
+    assert 0 < newer["fetched_bytes"] < MiB and newer["cached_bytes"] >= 72 * MiB, newer
     again = ckpt_json("cache", "warm", "big", env=standby)
     assert again["fetched_blobs"] == again["fetched_bytes"] == 0
-    assert again["cached_blobs"] == again["blobs"] == warmed["blobs"] and again["bytes"] == warmed["bytes"]
+    assert again["cached_blobs"] == again["blobs"] == newer["blobs"] and again["bytes"] == newer["bytes"]
 
     # The failover: restore on the standby, every request to the bucket counted.
     upstream = urlsplit(s3_server.endpoint)
