@@ -15,8 +15,8 @@ from typer._click.exceptions import NoArgsIsHelpError, UsageError as ClickUsageE
 from typer.exceptions import Abort, Exit, TyperException
 
 from ckpt import __version__, settings
-from ckpt.cli import (cmd_check, cmd_clone, cmd_copy, cmd_copy_info, cmd_diff, cmd_dump, cmd_forget, cmd_init,
-                      cmd_journal, cmd_key, cmd_list, cmd_migrate, cmd_prune, cmd_restore, cmd_rm, cmd_run,
+from ckpt.cli import (cmd_cache, cmd_check, cmd_clone, cmd_copy, cmd_copy_info, cmd_diff, cmd_dump, cmd_forget,
+                      cmd_init, cmd_journal, cmd_key, cmd_list, cmd_migrate, cmd_prune, cmd_restore, cmd_rm, cmd_run,
                       cmd_schedule, cmd_show, cmd_verify)
 from ckpt.cli import cmd_member, options
 from ckpt.cli.options import DebugOption, PasswordFileOption, use_password_file
@@ -64,7 +64,7 @@ def root(
 
 for module in (cmd_init, cmd_check, cmd_dump, cmd_restore, cmd_migrate, cmd_clone, cmd_list, cmd_show, cmd_diff,
                cmd_rm, cmd_verify, cmd_forget, cmd_prune, cmd_copy, cmd_schedule, cmd_run, cmd_key, cmd_journal,
-               cmd_copy_info):
+               cmd_copy_info, cmd_cache):
     module.register(app)
 cmd_member.register(app)  # hidden: `ckpt _member`, the far end of a group's ssh channel
 

@@ -15,6 +15,7 @@ COMMANDS = ["init", "check", "dump", "restore", "list", "show", "diff", "rm", "v
 SCHEDULE_COMMANDS = ["add", "list", "rm", "run"]
 KEY_COMMANDS = ["list", "add", "remove", "passwd"]
 JOURNAL_COMMANDS = ["list", "show", "rm"]
+CACHE_COMMANDS = ["warm"]
 
 
 def run(capsys, *argv):
@@ -31,7 +32,8 @@ def test_every_command_is_registered_and_has_help_with_examples(capsys):
         code, out, err = run(capsys, command, "--help")
         assert code == 0, err
         assert "Examples:" in out and f"ckpt {command}" in out, command
-    for group, commands in (("schedule", SCHEDULE_COMMANDS), ("key", KEY_COMMANDS), ("journal", JOURNAL_COMMANDS)):
+    for group, commands in (("schedule", SCHEDULE_COMMANDS), ("key", KEY_COMMANDS), ("journal", JOURNAL_COMMANDS),
+                            ("cache", CACHE_COMMANDS)):
         for command in commands:
             code, out, err = run(capsys, group, command, "--help")
             assert code == 0, err
@@ -316,3 +318,14 @@ def test_copy_info_prints_shell_assignments(capsys, tmp_path, monkeypatch):
     assert code == 0 and out.splitlines()[0] == "CKPT_COPY=3"
     code, out, _ = run(capsys, "copy-info", "--json")
     assert json.loads(out) == record
+
+
+def test_cache_warm_of_a_local_store_says_it_has_no_cache(capsys, isolated_env):
+    from ckpt.store import Store
+
+    Store.open_local(isolated_env, create=True, settings=env_settings())
+    code, out, err = run(capsys, "cache", "warm", "latest")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "is a local directory: it has no cache" in err and "--store s3://" in err
+    code, out, err = run(capsys, "cache", "warm")
+    assert code == 2 and "Missing argument" in err, err

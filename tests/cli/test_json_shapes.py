@@ -37,7 +37,7 @@ def test_every_command_has_json_and_a_documented_shape():
     documented = {name.split(":")[0] for name in schemas if name.split(":")[0] in commands_with_json()}
     # (hidden: `ckpt _member`, whose stdout is the group protocol's, JSON already)
     every_command = {c.name for c in app.registered_commands if not c.hidden} - {None}
-    for group in ("schedule", "key", "journal"):
+    for group in ("schedule", "key", "journal", "cache"):
         every_command |= {f"{group} {c.name}" for c in typer.main.get_command(app).commands[group].commands.values()}
     assert commands_with_json() == every_command, "every command takes --json"
     assert documented == every_command, "docs/json.md has a schema for every command"

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 import blake3
 
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, DamagedCheckpoint
 from ckpt.store.backends.base import (Backend, BlobInfo, BlobNotFound, BlobWriter, LockOwner, RangeReader,
                                       check_name)
 from ckpt.store.backends.local import LocalBackend
@@ -570,6 +570,40 @@ class CachingBackend(Backend):
                     Path(entry.path).unlink(missing_ok=True)
                 continue
             found.append((st.st_mtime, st.st_size, Path(entry.path)))
+
+    # ---- warming (`ckpt cache warm`, ckpt/commands/cache_warm.py) --------------------------
+
+    def warm(self, name: str) -> int:
+        """Makes sure the cache holds a whole copy of name (an index file, object or pack),
+        downloading it whole if it lacks one; returns the bytes downloaded, 0 if the copy was
+        there (then marked as just used, as every read marks it: eviction takes it last). The
+        download is checked before it is installed, as every download is (an index file or
+        object against its name; a pack is authenticated by the encryption beneath). Safe from
+        several threads. BlobNotFound and the remote store's errors pass; DamagedCheckpoint if
+        the remote blob fails its check; OSError if the copy cannot be kept (the cache's disk,
+        or a blob larger than the cap)."""
+        if not _cached(name) or self.max_bytes == 0:
+            raise ValueError(f"{name} is not a blob the cache keeps")
+        if self._use(name) is not None:
+            return 0
+        path = self._path(name)
+        self._local._ensure_dir(path.parent)
+        tmp = _temp_name(path)
+        try:
+            self.inner.get_file(name, tmp)
+            size = os.stat(tmp).st_size
+            if size > self.max_bytes:
+                raise OSError(errno.EFBIG, f"{size} bytes, larger than the cache's cap", name)
+            if not _content_ok(name, tmp):
+                raise DamagedCheckpoint(f"{self.inner.where(name)} does not hold what its name says",
+                                        hint="run `ckpt verify`")
+            if not self._install(name, tmp):
+                raise OSError(errno.EIO, "the copy could not be put in place", str(path))
+        finally:
+            tmp.unlink(missing_ok=True)
+        with self._lock:
+            self._checked.add(name)
+        return size
 
 
 class _TeeWriter(BlobWriter):
