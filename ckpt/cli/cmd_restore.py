@@ -26,7 +26,9 @@ goes to a file instead (--output).
 A large tree is restored lazily where the kernel can (userfaultfd): it runs again before its
 memory is all back, and a page server that ckpt leaves running fills the memory in from the
 store, where the tree touches it first, then the rest in the background (seconds for GiBs).
---eager restores all memory first; --lazy restores lazily whatever the size.
+--eager restores all memory first (ckpt copies it in from the store through userfaultfd
+before the tree runs, where the kernel can: no pages image is written); --lazy restores
+lazily whatever the size.
 Before CRIU runs, ckpt checks that this host has what the checkpoint needs (the files the
 tree had open or mapped, with the same size, mode and ELF build id; a CRIU as new; the same
 architecture) and names every mismatch in one error (exit code 10). On another host,
