@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import threading
 import time
 from typing import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
+
+import numpy as np
 
 from ckpt.commands.session import Criu, Session, host_criu
 from ckpt.settings import Settings, StoreLocation
@@ -26,6 +29,7 @@ from ckpt.restore.uffdfill import FillStats, UffdFiller
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.password import PasswordSource
 from ckpt.store.blocks.blockstore import PAGE
+from ckpt.store.blocks.segments import WITHIN_BITS
 from ckpt.store.materialize import link_images, materialize, materialize_lazily
 from ckpt.store.staging import discard
 from ckpt.system import procs
@@ -134,6 +138,7 @@ class RestoreSession(Session[RestoreRequest]):
         self.server: PageServer | None = None
         self.lazy_info: dict | None = None
         self.filler: UffdFiller | None = None  # a full restore whose memory ckpt copies in
+        self.segment_check: _SegmentCheck | None = None  # a lazy restore's segments, checked while CRIU runs
         self.fill_stats: FillStats | None = None
         self.pid: int | None = None
         self.inner: int | None = None
@@ -169,6 +174,8 @@ class RestoreSession(Session[RestoreRequest]):
             procs.wait_for_pids_free(manifest.all_pids, timeout=self.request.pid_wait_s)
         self._options()
         if self.lazy:
+            if not store.objects.remote:
+                self.segment_check = _SegmentCheck(store, self.plan)
             self.reporter.step(f"starting a page server: {self.plan.pages * PAGE / (1 << 20):.0f} MiB of memory "
                                "will come back while the tree runs")
             self.server = start_page_server(store, manifest.id, self.binary, self._images(), self.work_dir,
@@ -386,6 +393,9 @@ class RestoreSession(Session[RestoreRequest]):
                 # this returns, so its first look at its identity finds it.
                 copies.write_identity(self.settings.copies_dir, copy, self.manifest.id, self.manifest.name,
                                       self.copy_init, self.manifest.stats.get("frozen_at"))
+            if self.segment_check is not None:
+                # A damaged segment of the lazy memory: CRIU aborts the restore, nothing ran.
+                self.segment_check.result()
             if self.server is not None:
                 # Every process has registered its lazy memory and none runs yet: the watcher
                 # takes hold of it now, or CRIU aborts the restore.
@@ -433,6 +443,8 @@ class RestoreSession(Session[RestoreRequest]):
 
     def _clean_up(self) -> None:
         try:
+            if self.segment_check is not None:
+                self.segment_check.stop()
             if self.filler is not None:
                 self.filler.close()
             if self.server is not None:
@@ -440,7 +452,7 @@ class RestoreSession(Session[RestoreRequest]):
             if self.images_dir is not None:
                 discard(self.images_dir)
         finally:
-            self.server, self.filler, self.images_dir = None, None, None
+            self.server, self.filler, self.images_dir, self.segment_check = None, None, None, None
             for _, fd in self.inherit:
                 os.close(fd)
             self.inherit = []
@@ -450,6 +462,42 @@ class RestoreSession(Session[RestoreRequest]):
         if self.images_dir is None:
             raise RuntimeError("the images are laid out by prepare")
         return self.images_dir
+
+
+class _SegmentCheck:
+    """The segments a page server will serve from a local store, checked against their
+    checksums in a thread while CRIU restores the tree (they used to be checked before CRIU
+    ran: 0.2 s of a 2 GiB restore); result() in the post-restore notification, before any
+    process runs, raises DamagedCheckpoint if one is damaged (CRIU then ends the restore)."""
+
+    def __init__(self, store: Store, plan: LazyPlan):
+        keys = np.unique(np.concatenate([np.asarray(locations, dtype=np.int64) >> WITHIN_BITS
+                                         for locations in plan.locations.values()])).tolist()
+        self.error: BaseException | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(store, keys), name="ckpt-segment-check", daemon=True)
+        self.thread.start()
+
+    def _run(self, store: Store, keys: list[int]) -> None:
+        reader = store.blocks.page_reader()
+        try:
+            for key in keys:
+                if self.stopping.is_set():
+                    return
+                reader.reader.check(key, 0, 1)
+        except BaseException as exc:  # noqa: BLE001 - raised in result()
+            self.error = exc
+        finally:
+            reader.close()
+
+    def result(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
 
 
 class _ImageLayout:
@@ -484,10 +532,11 @@ class _ImageLayout:
             images_dir = materialize(self.store.objects, self.store.staging_area(), self.manifest, self.reporter,
                                      before_pages=self._check_host)
             return images_dir, "image", self.plan, self._checked(images_dir)
-        # Filled in: each segment is checked by the thread that copies it, before the tree runs.
+        # Not checked here: filled in, each segment is checked by the thread that copies it;
+        # served lazily, by a thread while CRIU restores (RestoreSession._check_lazy_segments).
         images_dir, self.plan.locations = materialize_lazily(self.store.objects, self.store.staging_area(),
                                                              self.manifest, self._holes_for, self.reporter,
-                                                             check_holes=self.memory == "lazy")
+                                                             check_holes=False)
         # none left out: nothing to serve
         return images_dir, self.memory if self.plan.locations else "image", self.plan, self._checked(images_dir)
 
