@@ -157,6 +157,11 @@ class RangeReader:
         costs nothing, and copy_to() copies without passing the bytes through Python."""
         return False
 
+    def checked(self, name: str, offset: int, checksum: bytes) -> bool:
+        """Whether this session already checked the bytes at offset of the blob against that
+        checksum (a lazy restore's prefetch checks segments on its fetching threads)."""
+        return False
+
     def read_again(self, name: str) -> bool:
         """Called when bytes read from the blob failed their check: drops any local copy the
         session read them from (the cache of a remote store), so that its next reads come
@@ -283,6 +288,15 @@ class Backend(abc.ABC):
 
     def reader(self) -> RangeReader:
         return RangeReader(self)
+
+    def held_locally(self, name: str) -> bool:
+        """Whether reading the blob costs no request to a remote store (a local directory, a
+        cached copy): a lazy restore fetches ahead only the packs that are not."""
+        return True
+
+    def without_copies(self) -> Backend:
+        """The store itself, past any local copies kept in front of it (a cache)."""
+        return self
 
     def drop_copy(self, name: str) -> bool:
         """Drops a local copy of the blob kept in front of the store (a cache) whose bytes

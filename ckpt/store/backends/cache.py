@@ -258,6 +258,18 @@ class CachingBackend(Backend):
     def reader(self) -> RangeReader:
         return _CachingReader(self)
 
+    def without_copies(self) -> Backend:
+        return self.inner.without_copies()
+
+    def held_locally(self, name: str) -> bool:
+        if _cached(name) and self.max_bytes:
+            try:
+                if os.path.exists(self._path(name)):
+                    return True
+            except ValueError:
+                pass
+        return self.inner.held_locally(name)
+
     def drop_copy(self, name: str) -> bool:
         if not _cached(name) or self.max_bytes == 0:
             return False

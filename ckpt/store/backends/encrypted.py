@@ -357,6 +357,9 @@ class EncryptedBackend(Backend):
             if got != stored - HEADER_LEN:  # immutable: a blob changed in between is damaged
                 raise self._damaged(name, f"{HEADER_LEN + got} bytes read, {stored} expected")
 
+    def held_locally(self, name: str) -> bool:
+        return self.inner.held_locally(self._inner_name(name))
+
     def stat(self, name: str) -> BlobInfo:
         info = self.inner.stat(self._inner_name(name))
         return BlobInfo(name, self.plain_size(info.size), info.modified)
