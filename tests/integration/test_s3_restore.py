@@ -61,7 +61,8 @@ def test_a_256_mib_tree_from_s3_gets_its_segments_once_in_large_requests(procs, 
     assert stats["status"] == "done" and stats["pages_served"] == stats["pages_total"] >= (200 << 20) // PAGE
     fetches = stats["fetches"]
     assert stats["store_requests"] == len(fetches) and stats["bytes_fetched"] == sum(f[2] for f in fetches)
-    assert stats["bytes_fetched"] >= stats["pages_total"] * PAGE  # random memory: stored as it is
+    # The random memory is stored as it is (the rest compressed): every byte of it came down once.
+    assert 256 << 20 <= stats["bytes_fetched"] <= stats["pages_total"] * PAGE
     by_pack: dict[str, list[tuple[int, int]]] = {}
     for pack, offset, length, segments in fetches:
         by_pack.setdefault(pack, []).append((offset, offset + length))
