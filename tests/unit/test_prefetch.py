@@ -76,3 +76,20 @@ def test_a_failed_fetch_is_handed_to_whoever_needs_its_segments():
     queue.finish(taken, OSError("the store did not answer"))
     action, found = queue.claim(1, segs)
     assert action == "ready" and found.state == "failed" and isinstance(found.error, OSError)
+
+
+def test_the_encrypted_backends_view_of_a_range_is_its_get():
+    import os
+    import random
+
+    from ckpt.store.backends.encrypted import EncryptedBackend
+    from ckpt.store.backends.memory import MemoryBackend
+
+    backend = EncryptedBackend(MemoryBackend(), os.urandom(32), chunk_size=4096)
+    data = os.urandom(50_000)
+    backend.put("packs/ab/abcd", data)
+    picks = random.Random(7)
+    for _ in range(200):
+        offset, length = picks.randrange(0, 52_000), picks.randrange(1, 30_000)
+        with backend.get_view("packs/ab/abcd", offset, length) as view:
+            assert bytes(view) == data[offset:offset + length] == backend.get("packs/ab/abcd", offset, length)

@@ -250,6 +250,11 @@ class Backend(abc.ABC):
     def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
         """The blob, or length bytes of it from offset (fewer where it ends)."""
 
+    def get_view(self, name: str, offset: int, length: int) -> memoryview:
+        """As get(name, offset, length), as a view: a backend may spare copies (the encrypted
+        one decrypts into one buffer)."""
+        return memoryview(self.get(name, offset, length))
+
     @abc.abstractmethod
     def get_file(self, name: str, dest: Path) -> None:
         """Writes the whole blob to a new local file dest (local: a hard link where it can)."""

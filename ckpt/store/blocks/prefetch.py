@@ -28,8 +28,8 @@ from ckpt.store.backends.base import Backend, RangeReader
 from ckpt.store.blocks.segments import Segment, pack_name
 from ckpt.system.files import FILE_MODE, pwrite_all
 
-RANGE_BYTES = 4 << 20  # a request's size: its latency small next to its transfer, THREADS of them in memory
-THREADS = 6  # S3Backend's pool keeps 2 x 4 + 2 connections: these and the page server's own
+RANGE_BYTES = 8 << 20  # a request's size: its latency small next to its transfer, THREADS of them in memory
+THREADS = 4  # S3Backend's pool keeps 2 x 4 + 2 connections: these and the page server's own
 
 
 @dataclass
@@ -191,8 +191,8 @@ class Prefetcher:
 
     def _fetch(self, taken: FetchRange) -> None:
         try:
-            data = self.source.get(pack_name(taken.pack), taken.start, taken.end - taken.start)
-            with memoryview(data) as view:
+            with self.source.get_view(pack_name(taken.pack), taken.start, taken.end - taken.start) as view:
+                got = len(view)
                 for key in taken.keys:
                     seg = self.segments[key]
                     at = seg.offset - taken.start
@@ -207,8 +207,8 @@ class Prefetcher:
             return
         with self._stats_lock:
             self.stats.requests += 1
-            self.stats.bytes += len(data)
-            self.stats.fetches.append((taken.pack, taken.start, len(data), len(taken.keys)))
+            self.stats.bytes += got
+            self.stats.fetches.append((taken.pack, taken.start, got, len(taken.keys)))
             self._keys_left -= len(taken.keys)
             if self._keys_left == 0:
                 self.stats.all_down_at = time.monotonic()
