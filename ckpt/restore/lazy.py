@@ -131,7 +131,12 @@ class _StorePages:
         if self.served >= self.plan.pages and self.last_page_at is None:
             self.last_page_at = time.monotonic()
 
-    def close(self) -> None:
+    def close(self, keep_copies_in: Store | None = None) -> None:
+        """Ends the prefetch; with keep_copies_in (all served), first hands the spooled packs
+        to that store's cache (Prefetcher.keep_in)."""
+        prefetcher = self.sender.prefetcher
+        if keep_copies_in is not None and prefetcher is not None and self.last_page_at is not None:
+            prefetcher.keep_in(keep_copies_in.backend)
         self.sender.close()
 
 
@@ -358,28 +363,32 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
             finally:
                 sock.close()
                 record.stop()
-                if figures.pages is not None:
-                    figures.pages.close()  # the prefetch's threads and spool files
+                if figures.pages is not None:  # the prefetch's threads and spool files
+                    figures.pages.close(keep_copies_in=store if figures.status == "done" else None)
             daemon.wait()
             (work_dir / "lazy-pages.socket").unlink(missing_ok=True)
-            final = figures.to_json(final=True)
-            _write_private(work_dir / STATS_FILE, json.dumps(final) + "\n")
-            with open(os.open(work_dir / "page-server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
-                      "w") as log:
-                read_again = store.backend.copies_read_again()
-                fetched = (f"; {final['bytes_fetched']} bytes fetched ahead from the store in "
-                           f"{final['store_requests']} requests" if final["store_requests"] else "")
-                log.write(f"{figures.status}; {served} pages served of {plan.pages} in {requests} requests in "
-                          f"{time.monotonic() - figures.began:.2f} s" + fetched
-                          + f"; daemon exit code {daemon.returncode}"
-                          + (f"; {len(read_again)} damaged cache copies read again from the store (intact)"
-                             if read_again else "")
-                          + (f"; not protected from the OOM killer ({oom_refused})" if oom_refused else "") + "\n")
+            _write_final(work_dir, store, figures, served, requests, daemon.returncode, oom_refused)
     finally:
         record.stop()
         record.path.unlink(missing_ok=True)
         discard(images_dir)
     return 0
+
+
+def _write_final(work_dir: Path, store: Store, figures: _Figures, served: int, requests: int,  # noqa: PLR0913
+                 daemon_code: int | None, oom_refused: str | None) -> None:  # pragma: no cover - in the server
+    """The final figures (page-server-stats.json) and the line of page-server.log."""
+    final = figures.to_json(final=True)
+    _write_private(work_dir / STATS_FILE, json.dumps(final) + "\n")
+    with open(os.open(work_dir / "page-server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "w") as log:
+        read_again = store.backend.copies_read_again()
+        fetched = (f"; {final['bytes_fetched']} bytes fetched ahead from the store in "
+                   f"{final['store_requests']} requests" if final["store_requests"] else "")
+        log.write(f"{figures.status}; {served} pages served of {figures.plan.pages} in {requests} requests in "
+                  f"{time.monotonic() - figures.began:.2f} s" + fetched + f"; daemon exit code {daemon_code}"
+                  + (f"; {len(read_again)} damaged cache copies read again from the store (intact)"
+                     if read_again else "")
+                  + (f"; not protected from the OOM killer ({oom_refused})" if oom_refused else "") + "\n")
 
 
 SPOOL_DIR = "spool"  # in the work directory: the prefetched segments, removed when the server ends

@@ -42,7 +42,8 @@ def dumped_bigmem(procs, tmp_path: Path, mib: int) -> tuple[str, str, Path]:
 def final_stats(restored: dict) -> dict:
     lazy = restored["lazy"]
     work_dir = Path(lazy["log"]).parent
-    wait_until(lambda: (page_server_stats(lazy["server_pid"], work_dir, LAZY_DIR) or {}).get("status") != "serving",
+    # (the final figures, with "fetches", are written once the server is done)
+    wait_until(lambda: "fetches" in (page_server_stats(lazy["server_pid"], work_dir, LAZY_DIR) or {}),
                timeout=120, what="the page server to end")
     stats = page_server_stats(lazy["server_pid"], work_dir, LAZY_DIR)
     assert stats is not None and "fetches" in stats, stats
@@ -74,6 +75,16 @@ def test_a_256_mib_tree_from_s3_gets_its_segments_once_in_large_requests(procs, 
     # Coalesced: far fewer requests than 1 MiB segments.
     assert len(fetches) <= stats["bytes_fetched"] / (2 << 20) + 4, len(fetches)
     assert stats["last_page_s"] is not None and stats["all_fetched_s"] is not None
+
+    # The spooled packs were made whole and kept in that host's cache: a next restore there
+    # downloads no page.
+    procs.kill_tree(result["pid"])
+    again = on_another_host(["restore", dumped, "--lazy", "--json"], tmp_path / "cache-b", tmp_path / "cache")
+    assert again.returncode == 0, again.stderr
+    second = json.loads(again.stdout)
+    procs.adopt(second["pid"])
+    assert report(second["pid"], out)[0] == checksum
+    assert final_stats(second)["store_requests"] == 0
 
 
 def restore_while(action, procs, tmp_path: Path, dumped: str) -> tuple[subprocess.Popen, dict]:

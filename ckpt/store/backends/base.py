@@ -303,6 +303,16 @@ class Backend(abc.ABC):
         """The store itself, past any local copies kept in front of it (a cache)."""
         return self
 
+    def copy_room(self) -> int:
+        """How large a blob's local copy may be for keep_copy to take it (a cache's cap; 0: none kept)."""
+        return 0
+
+    def keep_copy(self, name: str, path: Path) -> bool:
+        """Takes a whole local copy of the blob made by the caller (a lazy restore's spool of a
+        pack once every byte is down) as the copy kept in front of the store, moving it (the
+        same filesystem); whether it did. This default keeps no copies."""
+        return False
+
     def drop_copy(self, name: str) -> bool:
         """Drops a local copy of the blob kept in front of the store (a cache) whose bytes
         failed their check, so that the next reads come from the store itself; whether there

@@ -286,6 +286,20 @@ class CachingBackend(Backend):
         with self._lock:
             return sorted(self._read_again)
 
+    def copy_room(self) -> int:
+        return self.max_bytes
+
+    def keep_copy(self, name: str, path: Path) -> bool:
+        if not _cached(name) or self.max_bytes == 0:
+            return False
+        try:
+            if os.stat(path).st_size > self.max_bytes:
+                return False
+            self._local._ensure_dir(self._path(name).parent)
+        except (OSError, ValueError):
+            return False
+        return self._install(name, path)  # fsync, rename, counted, evicts above the cap
+
     # ---- deleting and locking: the remote store's -----------------------------------------
 
     def delete(self, names: builtins.list[str]) -> None:

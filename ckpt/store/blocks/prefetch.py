@@ -230,6 +230,36 @@ class Prefetcher:
         seg = self.segments[key]
         return memoryview(os.pread(self._fds[seg.pack], seg.length, seg.offset))
 
+    def keep_in(self, cache: Backend) -> None:
+        """Once every range is down, makes each spooled pack whole (its bytes not fetched: other
+        pages, eager or of other checkpoints) and hands it to the cache, if it fits its cap: a
+        next restore on this host downloads nothing. After the last page: the tree never waits
+        for it. Best effort: a failure leaves the pack uncached."""
+        if self.queue.left or any(r.state != "done" for r in self.ranges):
+            return
+        for pack, fd in list(self._fds.items()):
+            name = pack_name(pack)
+            try:
+                size = self.source.stat(name).size
+                if size > cache.copy_room():
+                    continue
+                spans = sorted((f[1], f[1] + f[2]) for f in self.stats.fetches if f[0] == pack)
+                at = 0
+                for start, end in [*spans, (size, size)]:
+                    while at < start:  # a gap: fetched in ranges of RANGE_BYTES at most
+                        with self.source.get_view(name, at, min(start, at + RANGE_BYTES) - at) as view:
+                            if not len(view):
+                                raise OSError(f"{name} ends at {at}, before {size}")
+                            pwrite_all(fd, view, at)
+                            at += len(view)
+                    at = max(at, end)
+                os.ftruncate(fd, size)
+                if cache.keep_copy(name, self.spool_dir / pack):
+                    os.close(fd)
+                    del self._fds[pack]
+            except Exception:  # noqa: BLE001 - the cache is an optimisation: any failure only leaves it out
+                continue
+
     def close(self) -> None:
         """Stops the threads (a range being fetched is let finish) and removes the spool files."""
         self.queue.stop()
