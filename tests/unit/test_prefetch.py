@@ -93,3 +93,33 @@ def test_the_encrypted_backends_view_of_a_range_is_its_get():
         offset, length = picks.randrange(0, 52_000), picks.randrange(1, 30_000)
         with backend.get_view("packs/ab/abcd", offset, length) as view:
             assert bytes(view) == data[offset:offset + length] == backend.get("packs/ab/abcd", offset, length)
+
+
+def test_the_prefetcher_serves_every_segment_fetched_once_while_its_threads_run(tmp_path):
+    import os
+    import random
+
+    import xxhash
+
+    from ckpt.store.backends.memory import MemoryBackend
+    from ckpt.store.blocks.prefetch import Prefetcher
+
+    backend = MemoryBackend()
+    pack = os.urandom(64 * 4096)
+    backend.put("packs/pa/pack1", pack)
+    segs = [Segment("pack1", i * 4096, 4096 * (1 + i % 3), 1 + i % 3, 0, b"") for i in range(0, 60, 3)]
+    for seg in segs:
+        seg.checksum = xxhash.xxh3_128_digest(pack[seg.offset:seg.offset + seg.length])
+    wanted = list(range(len(segs)))
+    prefetcher = Prefetcher(backend, segs, wanted, tmp_path / "spool", threads=3, range_bytes=5 * 4096)
+    prefetcher.start()
+    try:
+        for key in random.Random(3).sample(wanted, len(wanted)):  # faults in any order, jumping the queue
+            with prefetcher.segment(key) as got:
+                assert bytes(got) == pack[segs[key].offset:segs[key].offset + segs[key].length]
+    finally:
+        prefetcher.close()
+    spans = sorted((offset, offset + length) for _, offset, length, _ in prefetcher.stats.fetches)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)), "fetched twice"
+    assert sum(end - start for start, end in spans) == sum(seg.length for seg in segs)
+    assert prefetcher.checked == set(wanted) and not (tmp_path / "spool").exists()

@@ -235,8 +235,9 @@ class Prefetcher:
         pages, eager or of other checkpoints) and hands it to the cache, if it fits its cap: a
         next restore on this host downloads nothing. After the last page: the tree never waits
         for it. Best effort: a failure leaves the pack uncached."""
-        if self.queue.left or any(r.state != "done" for r in self.ranges):
-            return
+        with self._stats_lock:
+            if self._keys_left:  # a fetch failed (or the server stopped early)
+                return
         for pack, fd in list(self._fds.items()):
             name = pack_name(pack)
             try:
