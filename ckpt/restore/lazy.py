@@ -100,7 +100,8 @@ class _StorePages:
     def __init__(self, store: Store, plan: LazyPlan, spool_dir: Path | None = None):
         self.plan = plan
         self.starts = {pid: [vaddr for vaddr, _, _ in runs] for pid, (_, runs) in plan.runs.items()}
-        self.sender = store.blocks.page_sender(needed_segments(plan), spool_dir)
+        # (a local store's packs are mapped: nothing to fetch ahead, no order to work out)
+        self.sender = store.blocks.page_sender(needed_segments(plan) if store.remote else (), spool_dir)
         self.served = 0
         self.last_page_at: float | None = None  # time.monotonic() of the plan's last page sent
 
