@@ -857,8 +857,12 @@ class BlockStore:
         from ckpt.store.blocks.prefetch import PrefetchedRanges, Prefetcher
 
         prefetcher = Prefetcher(self.backend.without_copies(), segments, fetched, spool_dir)
+        try:
+            prefetcher.start()
+        except OSError:  # no room for the spool: every segment read when first asked for, as before
+            prefetcher.close()
+            return PageSender(_SegmentReader(self, index))
         ranges = PrefetchedRanges(self.backend.reader(), prefetcher, self.backend.without_copies())
-        prefetcher.start()
         return PageSender(_SegmentReader(self, index, ranges), prefetcher)
 
 
