@@ -19,12 +19,14 @@ that a page server which ended early did not fill in.
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import os
 import select
 import signal
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,7 @@ from ckpt.errors import CriuFailed, UsageError
 from ckpt.restore.lazywatch import HANDOVER_TIMEOUT_S, Watcher, protect_from_oom
 from ckpt.store import Manifest, Store
 from ckpt.store.blocks.blockstore import PAGE
+from ckpt.store.blocks.segments import segment_key
 from ckpt.store.staging import discard
 from ckpt.system.detach import detach_stdio
 
@@ -91,12 +94,16 @@ class LazyPlan:
 
 
 class _StorePages:
-    """lazypages.PageSource over a LazyPlan: pages come out of the store's packs."""
+    """lazypages.PageSource over a LazyPlan: pages come out of the store's packs; those of a
+    remote store are fetched ahead (BlockStore.page_sender) into spool_dir."""
 
-    def __init__(self, store: Store, plan: LazyPlan):
-        self.sender = store.blocks.page_sender()
+    def __init__(self, store: Store, plan: LazyPlan, spool_dir: Path | None = None):
         self.plan = plan
         self.starts = {pid: [vaddr for vaddr, _, _ in runs] for pid, (_, runs) in plan.runs.items()}
+        # (a local store's packs are mapped: nothing to fetch ahead, no order to work out)
+        self.sender = store.blocks.page_sender(needed_segments(plan) if store.remote else (), spool_dir)
+        self.served = 0
+        self.last_page_at: float | None = None  # time.monotonic() of the plan's last page sent
 
     def _run(self, pid: int, vaddr: int) -> tuple[str, tuple[int, int, int]] | None:
         starts = self.starts.get(pid)
@@ -121,6 +128,37 @@ class _StorePages:
             raise LookupError(f"process {pid} has no lazy pages at {vaddr:#x}")
         image, (start, _, first) = found
         self.sender.send(self.plan.locations[image], first + (vaddr - start) // PAGE, nr_pages, out_fd)
+        self.served += nr_pages
+        if self.served >= self.plan.pages and self.last_page_at is None:
+            self.last_page_at = time.monotonic()
+
+    def close(self, keep_copies_in: Store | None = None) -> None:
+        """Ends the prefetch; with keep_copies_in (all served), first hands the spooled packs
+        to that store's cache (Prefetcher.keep_in)."""
+        prefetcher = self.sender.prefetcher
+        if keep_copies_in is not None and prefetcher is not None and self.last_page_at is not None:
+            prefetcher.keep_in(keep_copies_in.backend)
+        self.sender.close()
+
+
+def needed_segments(plan: LazyPlan) -> list[int]:
+    """The segments holding the plan's lazy pages, each once, in the order the daemon will
+    likely ask for them: it fills in each process's memory by address, the processes in turn,
+    so the processes' segments are taken in turn, each process's by address."""
+    per_process: list[list[int]] = []
+    for image, runs in plan.runs.values():
+        locations = plan.locations.get(image, [])
+        keys: dict[int, None] = {}
+        for _, nr_pages, first in sorted(runs):
+            for location in locations[first:first + nr_pages]:
+                keys[segment_key(location)] = None
+        per_process.append(list(keys))
+    order: dict[int, None] = {}
+    for turn in itertools.zip_longest(*per_process):
+        for key in turn:
+            if key is not None:
+                order[key] = None
+    return list(order)
 
 
 @dataclass
@@ -298,43 +336,156 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
     _detach_stdio({ours_fd, theirs_fd, ready_write, status_fd})
     oom_refused = protect_from_oom()
     records = store.settings.lazy_dir  # tmpfs by default: forgotten at reboot, as the servers are
-    record = records / f"{os.getpid()}.json"
+    record = _Record(records / f"{os.getpid()}.json",
+                     {"server_pid": os.getpid(), "checkpoint": checkpoint_id, "pids": tree_pids,
+                      "store": str(store.root)})
     served = requests = 0
     try:
         with store.lock(exclusive=False, timeout=READY_TIMEOUT_S):
             records.mkdir(mode=0o700, parents=True, exist_ok=True)
-            record.write_text(json.dumps({"server_pid": os.getpid(), "checkpoint": checkpoint_id,
-                                          "pids": tree_pids, "store": str(store.root)}))
+            record.write()
             daemon = lazypages.start_daemon(binary, images_dir, work_dir, theirs_fd, ready_write,
                                             "lazy-pages.log", log_level)
             os.close(theirs_fd)
             os.close(ready_write)
             _tell(status_fd, b"P%d" % daemon.pid)
             sock = socket.socket(fileno=ours_fd)
-            began = time.monotonic()
+            figures = _Figures(plan, time.monotonic())
             try:
-                served, requests = lazypages.serve(sock, _StorePages(store, plan))
-                status = "done"
+                pages = _StorePages(store, plan, work_dir / SPOOL_DIR)
+                figures.pages = pages
+                record.follow(figures)
+                served, requests = lazypages.serve(sock, pages)
+                figures.status = "done"
                 _tell(status_fd, b"D")  # every page is in: the watcher lets the tree go
             except Exception as exc:  # noqa: BLE001 - any failure is logged: nobody else would see it
-                status = f"failed: {exc}"
+                figures.status = f"failed: {exc}"
                 _tell(status_fd, b"F" + str(exc).encode()[:400].replace(b"\n", b" "))
             finally:
                 sock.close()
+                record.stop()
+                if figures.pages is not None:  # the prefetch's threads and spool files
+                    figures.pages.close(keep_copies_in=store if figures.status == "done" else None)
             daemon.wait()
             (work_dir / "lazy-pages.socket").unlink(missing_ok=True)
-            with open(os.open(work_dir / "page-server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
-                      "w") as log:
-                read_again = store.backend.copies_read_again()
-                log.write(f"{status}; {served} pages served of {plan.pages} in {requests} requests in "
-                          f"{time.monotonic() - began:.2f} s; daemon exit code {daemon.returncode}"
-                          + (f"; {len(read_again)} damaged cache copies read again from the store (intact)"
-                             if read_again else "")
-                          + (f"; not protected from the OOM killer ({oom_refused})" if oom_refused else "") + "\n")
+            _write_final(work_dir, store, figures, served, requests, daemon.returncode, oom_refused)
     finally:
-        record.unlink(missing_ok=True)
+        record.stop()
+        record.path.unlink(missing_ok=True)
         discard(images_dir)
     return 0
+
+
+def _write_final(work_dir: Path, store: Store, figures: _Figures, served: int, requests: int,  # noqa: PLR0913
+                 daemon_code: int | None, oom_refused: str | None) -> None:  # pragma: no cover - in the server
+    """The final figures (page-server-stats.json) and the line of page-server.log."""
+    final = figures.to_json(final=True)
+    _write_private(work_dir / STATS_FILE, json.dumps(final) + "\n")
+    with open(os.open(work_dir / "page-server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "w") as log:
+        read_again = store.backend.copies_read_again()
+        fetched = (f"; {final['bytes_fetched']} bytes fetched ahead from the store in "
+                   f"{final['store_requests']} requests" if final["store_requests"] else "")
+        log.write(f"{figures.status}; {served} pages served of {figures.plan.pages} in {requests} requests in "
+                  f"{time.monotonic() - figures.began:.2f} s" + fetched + f"; daemon exit code {daemon_code}"
+                  + (f"; {len(read_again)} damaged cache copies read again from the store (intact)"
+                     if read_again else "")
+                  + (f"; not protected from the OOM killer ({oom_refused})" if oom_refused else "") + "\n")
+
+
+SPOOL_DIR = "spool"  # in the work directory: the prefetched segments, removed when the server ends
+STATS_FILE = "page-server-stats.json"  # in the work directory: the final figures
+STATS_EVERY_S = 0.25  # the record's figures are rewritten this often at most
+
+
+class _Figures:
+    """What the page server tells about its progress (see page_server_stats)."""
+
+    def __init__(self, plan: LazyPlan, began: float):
+        self.plan, self.began = plan, began
+        self.began_at = time.time()
+        self.pages: _StorePages | None = None
+        self.status = "serving"
+
+    def to_json(self, final: bool = False) -> dict:
+        pages = self.pages
+        prefetcher = pages.sender.prefetcher if pages is not None else None
+        fetch = prefetcher.stats if prefetcher is not None else None
+        last = pages.last_page_at if pages is not None else None
+        figures = {
+            "status": self.status,
+            "pages_total": self.plan.pages,
+            "pages_served": pages.served if pages is not None else 0,
+            "bytes_fetched": fetch.bytes if fetch is not None else 0,
+            "store_requests": fetch.requests if fetch is not None else 0,
+            "started_at": self.began_at,
+            "last_page_s": None if last is None else round(last - self.began, 3),
+            "all_fetched_s": None if fetch is None or fetch.all_down_at is None
+            else round(fetch.all_down_at - self.began, 3),
+        }
+        if final:
+            figures["fetches"] = [list(f) for f in fetch.fetches] if fetch is not None else []
+        return figures
+
+
+class _Record:
+    """The server's record in CKPT_LAZY_DIR (what a dump of the tree waits for), with its live
+    figures rewritten by a thread every STATS_EVERY_S, each time whole (written aside, renamed)."""
+
+    def __init__(self, path: Path, fields: dict):
+        self.path, self.fields = path, fields
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def write(self, figures: _Figures | None = None) -> None:
+        content = dict(self.fields)
+        if figures is not None:
+            content["stats"] = figures.to_json()
+        aside = self.path.with_name(f".{self.path.name}.tmp")
+        _write_private(aside, json.dumps(content))
+        os.replace(aside, self.path)
+
+    def follow(self, figures: _Figures) -> None:
+        def loop() -> None:
+            while not self._stop.wait(STATS_EVERY_S):
+                try:
+                    self.write(figures)
+                except (OSError, RuntimeError):
+                    pass  # figures are best effort
+        self._thread = threading.Thread(target=loop, name="ckpt-lazy-record", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def _write_private(path: Path, text: str) -> None:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+        out.write(text)
+
+
+def page_server_stats(server_pid: int, work_dir: Path, records: Path) -> dict | None:
+    """A lazy restore's page server's figures, given its PID, its work directory and
+    CKPT_LAZY_DIR (PageServer.pid, .work_dir, .records): the final ones once it ended
+    (work_dir/page-server-stats.json, with "fetches": [pack, offset, length, segments] of each
+    request to the store), else the live ones of its record (rewritten 4 times a second), else
+    None (not started yet, or ended without figures). Keys: status ("serving", "done",
+    "failed: ..."), pages_total, pages_served, bytes_fetched and store_requests (what the
+    prefetch of a remote store's segments downloaded, in how many requests), started_at
+    (epoch seconds when it began serving), last_page_s and all_fetched_s (seconds after
+    started_at when the last page was sent and the last segment was down; None until then)."""
+    try:
+        return json.loads((work_dir / STATS_FILE).read_text())
+    except (OSError, ValueError):
+        pass
+    try:
+        record = json.loads((records / f"{server_pid}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    stats = record.get("stats")
+    return stats if isinstance(stats, dict) else None
 
 
 def _tell(fd: int, message: bytes) -> None:  # pragma: no cover - runs in the forked server

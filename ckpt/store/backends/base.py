@@ -157,6 +157,11 @@ class RangeReader:
         costs nothing, and copy_to() copies without passing the bytes through Python."""
         return False
 
+    def checked(self, name: str, offset: int, checksum: bytes) -> bool:
+        """Whether this session already checked the bytes at offset of the blob against that
+        checksum (a lazy restore's prefetch checks segments on its fetching threads)."""
+        return False
+
     def read_again(self, name: str) -> bool:
         """Called when bytes read from the blob failed their check: drops any local copy the
         session read them from (the cache of a remote store), so that its next reads come
@@ -245,6 +250,11 @@ class Backend(abc.ABC):
     def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
         """The blob, or length bytes of it from offset (fewer where it ends)."""
 
+    def get_view(self, name: str, offset: int, length: int) -> memoryview:
+        """As get(name, offset, length), as a view: a backend may spare copies (the encrypted
+        one decrypts into one buffer)."""
+        return memoryview(self.get(name, offset, length))
+
     @abc.abstractmethod
     def get_file(self, name: str, dest: Path) -> None:
         """Writes the whole blob to a new local file dest (local: a hard link where it can)."""
@@ -283,6 +293,25 @@ class Backend(abc.ABC):
 
     def reader(self) -> RangeReader:
         return RangeReader(self)
+
+    def held_locally(self, name: str) -> bool:
+        """Whether reading the blob costs no request to a remote store (a local directory, a
+        cached copy): a lazy restore fetches ahead only the packs that are not."""
+        return True
+
+    def without_copies(self) -> Backend:
+        """The store itself, past any local copies kept in front of it (a cache)."""
+        return self
+
+    def copy_room(self) -> int:
+        """How large a blob's local copy may be for keep_copy to take it (a cache's cap; 0: none kept)."""
+        return 0
+
+    def keep_copy(self, name: str, path: Path) -> bool:
+        """Takes a whole local copy of the blob made by the caller (a lazy restore's spool of a
+        pack once every byte is down) as the copy kept in front of the store, moving it (the
+        same filesystem); whether it did. This default keeps no copies."""
+        return False
 
     def drop_copy(self, name: str) -> bool:
         """Drops a local copy of the blob kept in front of the store (a cache) whose bytes

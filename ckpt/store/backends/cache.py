@@ -258,6 +258,18 @@ class CachingBackend(Backend):
     def reader(self) -> RangeReader:
         return _CachingReader(self)
 
+    def without_copies(self) -> Backend:
+        return self.inner.without_copies()
+
+    def held_locally(self, name: str) -> bool:
+        if _cached(name) and self.max_bytes:
+            try:
+                if os.path.exists(self._path(name)):
+                    return True
+            except ValueError:
+                pass
+        return self.inner.held_locally(name)
+
     def drop_copy(self, name: str) -> bool:
         if not _cached(name) or self.max_bytes == 0:
             return False
@@ -273,6 +285,20 @@ class CachingBackend(Backend):
     def copies_read_again(self) -> builtins.list[str]:
         with self._lock:
             return sorted(self._read_again)
+
+    def copy_room(self) -> int:
+        return self.max_bytes
+
+    def keep_copy(self, name: str, path: Path) -> bool:
+        if not _cached(name) or self.max_bytes == 0:
+            return False
+        try:
+            if os.stat(path).st_size > self.max_bytes:
+                return False
+            self._local._ensure_dir(self._path(name).parent)
+        except (OSError, ValueError):
+            return False
+        return self._install(name, path)  # fsync, rename, counted, evicts above the cap
 
     # ---- deleting and locking: the remote store's -----------------------------------------
 

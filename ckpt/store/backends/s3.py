@@ -502,6 +502,9 @@ class S3Backend(Backend):
         with new_file(dest) as fd:
             self.get_parts(name, self.part_size, lambda offset, piece: pwrite_all(fd, piece, offset))
 
+    def held_locally(self, name: str) -> bool:
+        return False
+
     def stat(self, name: str) -> BlobInfo:
         response = self._request("HeadObject", name, Key=self._key(name))
         return BlobInfo(name, int(response["ContentLength"]), _epoch(response.get("LastModified")))

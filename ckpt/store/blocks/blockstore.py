@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ckpt.store.blocks.index import BlockIndex
+    from ckpt.store.blocks.prefetch import Prefetcher
 
 SEGMENT_PAGES = 256  # 1 MiB of pages per segment at most
 MERGE_ABOVE = 32  # index files; then the MERGE_COUNT with the fewest entries become one
@@ -840,8 +841,29 @@ class BlockStore:
         """Reads pages by location, each segment checked against its checksum (`ckpt copy`)."""
         return PageReader(_SegmentReader(self, self.index()))
 
-    def page_sender(self) -> PageSender:
-        return PageSender(_SegmentReader(self, self.index()))
+    def page_sender(self, wanted: Sequence[int] = (), spool_dir: Path | None = None) -> PageSender:
+        """A sender of pages by location (a lazy restore's page server). wanted: the segments
+        it will send, in the order it will likely send them; those of packs the backend does
+        not hold locally (a store in S3, not cached) are fetched ahead, in parallel, into
+        spool files in spool_dir (ckpt/store/blocks/prefetch.py)."""
+        index = self.index()
+        segments = index.segment_list
+        remote: dict[str, bool] = {}
+        fetched = [key for key in wanted
+                   if remote.setdefault(segments[key].pack,
+                                        not self.backend.held_locally(pack_name(segments[key].pack)))]
+        if not fetched or spool_dir is None:
+            return PageSender(_SegmentReader(self, index))
+        from ckpt.store.blocks.prefetch import PrefetchedRanges, Prefetcher
+
+        prefetcher = Prefetcher(self.backend.without_copies(), segments, fetched, spool_dir)
+        try:
+            prefetcher.start()
+        except OSError:  # no room for the spool: every segment read when first asked for, as before
+            prefetcher.close()
+            return PageSender(_SegmentReader(self, index))
+        ranges = PrefetchedRanges(self.backend.reader(), prefetcher, self.backend.without_copies())
+        return PageSender(_SegmentReader(self, index, ranges), prefetcher)
 
 
 def _between_holes(holes: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
@@ -957,8 +979,9 @@ class PageReader:
 class PageSender:
     """Writes pages, given their locations, to a descriptor (a lazy restore's page server)."""
 
-    def __init__(self, reader: _SegmentReader):
+    def __init__(self, reader: _SegmentReader, prefetcher: Prefetcher | None = None):
         self.reader = reader
+        self.prefetcher = prefetcher  # None: every segment read when first asked for
 
     def send(self, locations: list[int], first: int, count: int, out_fd: int) -> None:
         end = first + count
@@ -991,10 +1014,10 @@ class _SegmentReader:
     again) cost a remote store two requests and a 1 MiB transfer per 4 KiB page: 1.3 ms a
     page, a 192 MiB tree restored from S3 was still faulting its memory in 20 s later."""
 
-    def __init__(self, blocks: BlockStore, index: BlockIndex):
+    def __init__(self, blocks: BlockStore, index: BlockIndex, ranges: RangeReader | None = None):
         self.blocks = blocks
         self.index = index
-        self.ranges: RangeReader = blocks.backend.reader()
+        self.ranges: RangeReader = ranges if ranges is not None else blocks.backend.reader()
         self.checked: set[int] = set()
         self.held: collections.OrderedDict[int, memoryview] = collections.OrderedDict()
 
@@ -1039,6 +1062,8 @@ class _SegmentReader:
 
     def _stored_and_checked(self, key: int, seg: Segment) -> memoryview:
         stored = self._stored(seg)
+        if key not in self.checked and self.ranges.checked(pack_name(seg.pack), seg.offset, seg.checksum):
+            self.checked.add(key)
         if key not in self.checked:
             if xxhash.xxh3_128_digest(stored) != seg.checksum:
                 stored.release()

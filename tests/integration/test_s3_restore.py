@@ -1,0 +1,153 @@
+"""Lazy restores from a store in S3 (a real SeaweedFS server) on another host, with an empty
+cache: the page server fetches the tree's segments ahead in large parallel requests
+(ckpt/store/blocks/prefetch.py), each once; the tree checks its own memory; a server stopped
+for 10 s mid-fetch is waited for, a killed one ends the tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt.restore.lazy import page_server_stats
+from ckpt.settings import Settings
+from tests.helpers import ROOT, alive, ckpt, ckpt_json, wait_until
+from tests.integration import test_s3_store
+from tests.integration.test_s3_store import on_another_host, report, sums
+
+s3_store = test_s3_store.s3_store  # the fixture: an encrypted store at a fresh prefix, CKPT_STORE naming it
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("s3_store")]
+
+PAGE = 4096
+LAZY_DIR = Settings().lazy_dir
+
+
+def dumped_bigmem(procs, tmp_path: Path, mib: int) -> tuple[str, str, Path]:
+    """A bigmem of mib MiB of random memory dumped and killed: (checkpoint id, its checksum, its report file)."""
+    out = tmp_path / "big.txt"
+    big = procs.start("bigmem.py", out, mib)
+    wait_until(lambda: sums(out), timeout=60, what="bigmem")
+    checksum = sums(out)[-1][0]
+    dumped = ckpt_json("dump", big.pid)["id"]
+    procs.kill_tree(big.pid)
+    return dumped, checksum, out
+
+
+def final_stats(restored: dict) -> dict:
+    lazy = restored["lazy"]
+    work_dir = Path(lazy["log"]).parent
+    # (the final figures, with "fetches", are written once the server is done)
+    wait_until(lambda: "fetches" in (page_server_stats(lazy["server_pid"], work_dir, LAZY_DIR) or {}),
+               timeout=120, what="the page server to end")
+    stats = page_server_stats(lazy["server_pid"], work_dir, LAZY_DIR)
+    assert stats is not None and "fetches" in stats, stats
+    return stats
+
+
+def test_a_256_mib_tree_from_s3_gets_its_segments_once_in_large_requests(procs, tmp_path):
+    dumped, checksum, out = dumped_bigmem(procs, tmp_path, 256)
+    restored = on_another_host(["restore", dumped, "--lazy", "--json"], tmp_path / "cache-b", tmp_path / "cache")
+    assert restored.returncode == 0, restored.stderr
+    result = json.loads(restored.stdout)
+    procs.adopt(result["pid"])
+    assert report(result["pid"], out)[0] == checksum, "the restored memory differs from the checkpoint's"
+
+    stats = final_stats(result)
+    assert stats["status"] == "done" and stats["pages_served"] == stats["pages_total"] >= (200 << 20) // PAGE
+    fetches = stats["fetches"]
+    assert stats["store_requests"] == len(fetches) and stats["bytes_fetched"] == sum(f[2] for f in fetches)
+    # The random memory is stored as it is (the rest compressed): every byte of it came down once.
+    assert 256 << 20 <= stats["bytes_fetched"] <= stats["pages_total"] * PAGE
+    by_pack: dict[str, list[tuple[int, int]]] = {}
+    for pack, offset, length, segments in fetches:
+        by_pack.setdefault(pack, []).append((offset, offset + length))
+        assert length > PAGE or (segments == 1 and length <= PAGE), (pack, offset, length, segments)
+    for pack, spans in by_pack.items():
+        spans.sort()
+        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+            assert end <= start, f"pack {pack}: bytes {start}..{end} fetched twice"
+    # Coalesced: far fewer requests than 1 MiB segments.
+    assert len(fetches) <= stats["bytes_fetched"] / (2 << 20) + 4, len(fetches)
+    assert stats["last_page_s"] is not None and stats["all_fetched_s"] is not None
+
+    # The spooled packs were made whole and kept in that host's cache: a next restore there
+    # downloads no page.
+    procs.kill_tree(result["pid"])
+    again = on_another_host(["restore", dumped, "--lazy", "--json"], tmp_path / "cache-b", tmp_path / "cache")
+    assert again.returncode == 0, again.stderr
+    second = json.loads(again.stdout)
+    procs.adopt(second["pid"])
+    assert report(second["pid"], out)[0] == checksum
+    assert final_stats(second)["store_requests"] == 0
+
+
+def restore_while(action, procs, tmp_path: Path, dumped: str) -> tuple[subprocess.Popen, dict]:
+    """`ckpt restore --lazy` on another host, and action() called as soon as its page server's
+    record appears (the prefetch starting); returns the command and the live figures read
+    2 s after action()."""
+    script = (f"mount -t tmpfs -o mode=0700 none {tmp_path / 'cache'} && hostname other-host && "
+              f"exec {sys.executable} -m ckpt restore {dumped} --lazy --json")
+    command = subprocess.Popen(["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script],
+                               cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "CKPT_CACHE": str(tmp_path / "cache-b")})
+
+    def record() -> dict | None:
+        for path in LAZY_DIR.glob("*.json") if LAZY_DIR.is_dir() else []:
+            try:
+                found = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if found.get("checkpoint") == dumped:
+                return found
+        return None
+
+    wait_until(lambda: record() is not None or command.poll() is not None, timeout=60, interval=0.01,
+               what="the page server")
+    assert command.poll() is None, command.communicate()
+    action()
+    time.sleep(2)
+    live = (record() or {}).get("stats") or {}
+    return command, live
+
+
+def test_a_server_stopped_for_10_s_mid_fetch_is_waited_for(s3_server, procs, tmp_path):
+    dumped, checksum, out = dumped_bigmem(procs, tmp_path, 256)
+    server = s3_server.process.pid
+    try:
+        command, live = restore_while(lambda: os.kill(server, signal.SIGSTOP), procs, tmp_path, dumped)
+        assert "pages_total" in live and live["bytes_fetched"] < live["pages_total"] * PAGE, f"not mid-fetch: {live}"
+        time.sleep(8)
+    finally:
+        os.kill(server, signal.SIGCONT)
+    stdout, stderr = command.communicate(timeout=120)
+    assert command.returncode == 0, stderr
+    result = json.loads(stdout)
+    procs.adopt(result["pid"])
+    assert report(result["pid"], out)[0] == checksum, "the restored memory differs from the checkpoint's"
+    assert final_stats(result)["status"] == "done"
+
+
+def test_a_server_killed_mid_fetch_ends_the_tree_and_the_failure_is_recorded(s3_server, procs, tmp_path):
+    dumped, checksum, out = dumped_bigmem(procs, tmp_path, 256)
+    try:
+        command, live = restore_while(s3_server.stop, procs, tmp_path, dumped)
+        assert "pages_total" in live and live["bytes_fetched"] < live["pages_total"] * PAGE, f"not mid-fetch: {live}"
+        stdout, stderr = command.communicate(timeout=120)
+        if command.returncode == 0:  # the tree ran before the page server gave up: it must be ended
+            pid = json.loads(stdout)["pid"]
+            procs.adopt(pid)
+            os.kill(pid, signal.SIGUSR1)  # it sums its memory: faults in every page
+            wait_until(lambda: not alive(pid), timeout=60, what="the tree to be ended")
+        else:
+            assert "Traceback" not in stderr, stderr
+        assert all(line[0] == checksum for line in sums(out)), "the tree ran on memory never filled in"
+    finally:
+        s3_server.restart()
+    listed = ckpt("list", "--json", env={"CKPT_CACHE": str(tmp_path / "cache-b")})
+    assert [row["lazy_restore_failures"] for row in json.loads(listed.stdout)] == [1], listed.stdout

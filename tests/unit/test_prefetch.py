@@ -1,0 +1,125 @@
+"""The lazy restore's prefetch plan (ckpt/store/blocks/prefetch.py): ranges coalesced from
+adjacent segments, in the order of need, and the queue that fetches each segment once, a
+segment needed now jumping ahead of the rest."""
+
+from __future__ import annotations
+
+from ckpt.store.blocks.prefetch import FetchQueue, plan_ranges
+from ckpt.store.blocks.segments import Segment
+
+MIB = 1 << 20
+
+
+def segments(*layout: tuple[str, int, int]) -> list[Segment]:
+    return [Segment(pack, offset, length, max(1, length // 4096), 0, b"") for pack, offset, length in layout]
+
+
+def spans(ranges) -> list[tuple[str, int, int, list[int]]]:
+    return [(r.pack, r.start, r.end, r.keys) for r in ranges]
+
+
+def test_adjacent_segments_of_a_pack_are_coalesced_up_to_the_range_size():
+    segs = segments(("a", 0, MIB), ("a", MIB, MIB), ("a", 2 * MIB, MIB), ("a", 3 * MIB, MIB), ("a", 4 * MIB, MIB))
+    assert spans(plan_ranges([0, 1, 2, 3, 4], segs, range_bytes=2 * MIB)) == [
+        ("a", 0, 2 * MIB, [0, 1]), ("a", 2 * MIB, 4 * MIB, [2, 3]), ("a", 4 * MIB, 5 * MIB, [4])]
+
+
+def test_a_gap_or_another_pack_starts_a_new_range_and_unwanted_segments_are_never_fetched():
+    # Segment 1 (an eager page's) lies between 0 and 2: not wanted, so 0 and 2 are not adjacent.
+    segs = segments(("a", 0, 4096), ("a", 4096, 8192), ("a", 12288, 4096), ("b", 4096, 4096), ("b", 0, 4096))
+    ranges = plan_ranges([0, 2, 3, 4], segs, range_bytes=MIB)
+    assert spans(ranges) == [("a", 0, 4096, [0]), ("a", 12288, 16384, [2]), ("b", 0, 8192, [4, 3])]
+    assert sorted(k for r in ranges for k in r.keys) == [0, 2, 3, 4]
+
+
+def test_ranges_come_in_the_order_their_segments_are_needed_each_segment_once():
+    segs = segments(("a", 0, MIB), ("b", 0, MIB), ("a", 8 * MIB, MIB))
+    ranges = plan_ranges([1, 2, 1, 0, 2], segs, range_bytes=4 * MIB)
+    assert spans(ranges) == [("b", 0, MIB, [1]), ("a", 8 * MIB, 9 * MIB, [2]), ("a", 0, MIB, [0])]
+
+
+def test_a_segment_needed_now_jumps_the_queue_and_is_cut_out_of_its_range():
+    segs = segments(*(("a", i * MIB, MIB) for i in range(4)), ("a", 10 * MIB, MIB))
+    queue = FetchQueue(plan_ranges([0, 1, 2, 3, 4], segs, range_bytes=4 * MIB))
+    first = queue.take()
+    assert first is not None and first.keys == [0, 1, 2, 3]
+    # In flight: the page server waits for it instead of fetching segment 2 again.
+    assert queue.claim(2, segs)[0] == "wait"
+    queue.finish(first)
+    assert queue.claim(2, segs) == ("ready", first)
+    # Pending: segment 4 is fetched alone, at once, by whoever asks.
+    action, alone = queue.claim(4, segs)
+    assert action == "fetch" and (alone.start, alone.end, alone.keys) == (10 * MIB, 11 * MIB, [4])
+    assert queue.take() is None, "the range of segment 4 is still queued: it would be fetched twice"
+    queue.finish(alone)
+    assert queue.claim(4, segs)[0] == "ready"
+
+
+def test_cutting_a_segment_out_of_the_middle_leaves_both_sides_queued_in_place():
+    segs = segments(*(("a", i * MIB, MIB) for i in range(3)), ("b", 0, MIB))
+    queue = FetchQueue(plan_ranges([0, 1, 2, 3], segs, range_bytes=4 * MIB))
+    action, alone = queue.claim(1, segs)
+    assert action == "fetch" and alone.keys == [1]
+    assert queue.claim(1, segs)[0] == "wait"
+    taken = [queue.take(), queue.take(), queue.take(), queue.take()]
+    assert [(r.pack, r.keys) for r in taken if r is not None] == [("a", [0]), ("a", [2]), ("b", [3])]
+    assert taken[-1] is None
+    fetched = [k for r in [alone, *taken] if r is not None for k in r.keys]
+    assert sorted(fetched) == [0, 1, 2, 3], "a segment fetched twice or not at all"
+
+
+def test_a_failed_fetch_is_handed_to_whoever_needs_its_segments():
+    segs = segments(("a", 0, MIB), ("a", MIB, MIB))
+    queue = FetchQueue(plan_ranges([0, 1], segs))
+    taken = queue.take()
+    assert taken is not None
+    queue.finish(taken, OSError("the store did not answer"))
+    action, found = queue.claim(1, segs)
+    assert action == "ready" and found.state == "failed" and isinstance(found.error, OSError)
+
+
+def test_the_encrypted_backends_view_of_a_range_is_its_get():
+    import os
+    import random
+
+    from ckpt.store.backends.encrypted import EncryptedBackend
+    from ckpt.store.backends.memory import MemoryBackend
+
+    backend = EncryptedBackend(MemoryBackend(), os.urandom(32), chunk_size=4096)
+    data = os.urandom(50_000)
+    backend.put("packs/ab/abcd", data)
+    picks = random.Random(7)
+    for _ in range(200):
+        offset, length = picks.randrange(0, 52_000), picks.randrange(1, 30_000)
+        with backend.get_view("packs/ab/abcd", offset, length) as view:
+            assert bytes(view) == data[offset:offset + length] == backend.get("packs/ab/abcd", offset, length)
+
+
+def test_the_prefetcher_serves_every_segment_fetched_once_while_its_threads_run(tmp_path):
+    import os
+    import random
+
+    import xxhash
+
+    from ckpt.store.backends.memory import MemoryBackend
+    from ckpt.store.blocks.prefetch import Prefetcher
+
+    backend = MemoryBackend()
+    pack = os.urandom(64 * 4096)
+    backend.put("packs/pa/pack1", pack)
+    segs = [Segment("pack1", i * 4096, 4096 * (1 + i % 3), 1 + i % 3, 0, b"") for i in range(0, 60, 3)]
+    for seg in segs:
+        seg.checksum = xxhash.xxh3_128_digest(pack[seg.offset:seg.offset + seg.length])
+    wanted = list(range(len(segs)))
+    prefetcher = Prefetcher(backend, segs, wanted, tmp_path / "spool", threads=3, range_bytes=5 * 4096)
+    prefetcher.start()
+    try:
+        for key in random.Random(3).sample(wanted, len(wanted)):  # faults in any order, jumping the queue
+            with prefetcher.segment(key) as got:
+                assert bytes(got) == pack[segs[key].offset:segs[key].offset + segs[key].length]
+    finally:
+        prefetcher.close()
+    spans = sorted((offset, offset + length) for _, offset, length, _ in prefetcher.stats.fetches)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)), "fetched twice"
+    assert sum(end - start for start, end in spans) == sum(seg.length for seg in segs)
+    assert prefetcher.checked == set(wanted) and not (tmp_path / "spool").exists()
