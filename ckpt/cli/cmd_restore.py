@@ -1,3 +1,4 @@
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -9,7 +10,7 @@ from ckpt.cli.output import emit_json, stderr, styled
 from ckpt.commands.clone import CloneRequest, check_request
 from ckpt.commands.group_remote import parse_on
 from ckpt.commands.group import GroupRestoreRequest, GroupRestoreResult, group_restore, named_group
-from ckpt.commands.restore import RestoreRequest, restore
+from ckpt.commands.restore import RestoreRequest, RestoreResult, restore, wait_for_memory
 from ckpt.errors import UsageError
 
 HELP = """Restore a checkpoint: the tree continues where it stopped, detached from ckpt.
@@ -107,6 +108,12 @@ def register(app: typer.Typer) -> None:
         timeout: PhaseTimeoutOption = 120.0,
         copies: RestoreCopiesOption = None,
         net: NetOption = "auto",
+        wait: Annotated[Optional[bool], typer.Option(
+            "--wait/--no-wait",
+            help="After a lazy restore, wait until the page server has put the last page back, showing "
+                 "the pages coming in (and bytes fetched from a remote store); --json then adds the times "
+                 "to running and to the last page. Default: wait when stderr is a terminal (without --json "
+                 "or --quiet). The tree runs all along; Ctrl-C ends only the wait.")] = None,
         on: Annotated[Optional[list[str]], typer.Option(
             "--on", metavar="FROM=TO",
             help="A group's members taken on host FROM are restored on host TO instead (reached with ssh; "
@@ -130,31 +137,53 @@ def register(app: typer.Typer) -> None:
         if on:
             raise UsageError("--on is taken only for a group checkpoint",
                              hint=f"'{ref}' names a checkpoint: run 'ckpt restore' on the host it is to run on")
+        if wait is None:
+            wait = sys.stderr.isatty() and not flags.json_out and not flags.quiet
         _restore_one(flags, RestoreRequest(ref=ref, new_pidns=new_pidns, post_restore_hook=post_restore,
-                                           output=output, tcp_close=tcp_close, lazy=lazy))
+                                           output=output, tcp_close=tcp_close, lazy=lazy), wait)
 
 
-def _restore_one(flags: SharedFlags, request: RestoreRequest) -> None:
+def _restore_one(flags: SharedFlags, request: RestoreRequest, wait: bool = False) -> None:
     reporter = flags.reporter()
+    memory = None
     try:
         result = restore(store_root(flags.store), request, reporter, settings=invocation().settings(),
                          passwords=invocation().passwords())
+        if not flags.json_out:
+            _tell_restored(flags, result, waiting=wait)
+            print(result.pid, flush=True)  # the tree runs: its PID now, for whoever reads stdout
+        if wait and result.lazy is not None:
+            memory = wait_for_memory(result, invocation().settings(), reporter)
     finally:
         reporter.close()
     if flags.json_out:
-        emit_json(result.to_json())
+        data = result.to_json()
+        if memory is not None:
+            data["lazy"]["figures"] = memory
+        emit_json(data)
+    elif memory is not None and not flags.quiet:
+        last, lazy = memory["last_page_ms"], result.lazy or {}
+        fetched = (f", {memory['bytes_fetched'] / (1 << 20):.0f} MiB fetched in {memory['store_requests']} "
+                   "requests" if memory["bytes_fetched"] else "")
+        stderr.print(f"its memory is all back{f' after {last / 1000:.2f} s' if last is not None else ''}"
+                     f" ({lazy.get('bytes', 0) / (1 << 20):.0f} MiB filled in by the page server{fetched})")
+
+
+def _tell_restored(flags: SharedFlags, result: RestoreResult, waiting: bool) -> None:
+    if flags.quiet:
         return
-    if not flags.quiet:
-        inside = f" ({result.pid_in_namespace} in its PID namespace)" if result.pid_in_namespace else ""
-        stderr.print(styled(f"restored {result.manifest.id}", "green", f": root PID {result.pid}{inside}, "
-                            f"{len(result.manifest.processes)} process(es), took {result.duration_ms} ms"))
-        if result.lazy:
-            stderr.print(f"{result.lazy['bytes'] / (1 << 20):.0f} MiB of its memory is being filled in by page "
-                         f"server {result.lazy['server_pid']} (log: {result.lazy['log']})")
-        elif result.filled:
-            stderr.print(f"{result.filled['bytes'] / (1 << 20):.0f} MiB of its memory was copied in before it ran "
-                         f"({result.filled['seconds']:.2f} s, {result.filled['threads']} thread(s))")
-    print(result.pid)
+    inside = f" ({result.pid_in_namespace} in its PID namespace)" if result.pid_in_namespace else ""
+    stderr.print(styled(f"restored {result.manifest.id}", "green", f": root PID {result.pid}{inside}, "
+                        f"{len(result.manifest.processes)} process(es), took {result.duration_ms} ms"))
+    if result.lazy and waiting:
+        stderr.print(f"{result.lazy['bytes'] / (1 << 20):.0f} MiB of its memory is being filled in while it runs "
+                     "(Ctrl-C ends only this wait)")
+    elif result.lazy:
+        stderr.print(f"{result.lazy['bytes'] / (1 << 20):.0f} MiB of its memory is being filled in by page "
+                     f"server {result.lazy['server_pid']} (log: {result.lazy['log']})")
+    elif result.filled:
+        stderr.print(f"{result.filled['bytes'] / (1 << 20):.0f} MiB of its memory was copied in before it ran "
+                     f"({result.filled['seconds']:.2f} s, {result.filled['threads']} thread(s))")
 
 
 def _restore_copies(flags: SharedFlags, request: CloneRequest) -> None:

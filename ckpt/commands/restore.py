@@ -17,13 +17,13 @@ import numpy as np
 from ckpt.commands.session import Criu, Session, host_criu
 from ckpt.settings import Settings, StoreLocation
 from ckpt.dump.dump_options import DumpOptions
-from ckpt.errors import HookFailed, UsageError
+from ckpt.errors import CriuFailed, HookFailed, UsageError
 from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore import copies, copynet, hostcheck, tcppeers
 from ckpt.restore.copies import CopyInfo, CopyPlacement
-from ckpt.restore.lazy import LazyPlan, PageServer, lazy_processes, start_page_server
+from ckpt.restore.lazy import LazyPlan, PageServer, lazy_processes, page_server_stats, start_page_server
 from ckpt.restore.lazy import supported as lazy_supported
 from ckpt.restore.uffdfill import FillStats, UffdFiller
 from ckpt.store import Manifest, Store, ids
@@ -573,6 +573,46 @@ class _ImageLayout:
             self.reporter.info("restoring all memory first: a mapping that may use huge pages holds pages "
                                "that cannot come back lazily")
         return holes or {}
+
+
+def wait_for_memory(result: RestoreResult, settings: Settings, reporter: Reporter = NullReporter(),
+                    timeout: float | None = None) -> dict:
+    """After a lazy restore: waits until the page server has put the tree's last page back,
+    reporting pages in (and bytes fetched from a remote store) as they come; returns its
+    figures with the times from the restore's start (time_to_running_ms, last_page_ms).
+    Raises CriuFailed if the page server failed (its watcher has then ended the tree), and
+    leaves the tree and the server alone if the wait is interrupted or times out."""
+    lazy = result.lazy
+    if lazy is None:
+        raise RuntimeError("wait_for_memory after a restore that was not lazy")
+    began = time.time() - result.duration_ms / 1000  # when the restore began
+    work_dir = Path(lazy["log"]).parent
+    deadline = None if timeout is None else time.monotonic() + timeout
+    figures: dict | None = None
+    while True:
+        figures = page_server_stats(lazy["server_pid"], work_dir, settings.lazy_dir) or figures
+        status = (figures or {}).get("status", "serving")
+        if figures is not None:
+            fetched = figures.get("bytes_fetched") or 0
+            what = f"memory coming back ({fetched / (1 << 20):.0f} MiB fetched)" if fetched else "memory coming back"
+            reporter.progress(int(figures.get("pages_served") or 0), int(figures.get("pages_total") or 1), what)
+        if status != "serving" or procs.process_state(lazy["server_pid"]) in (None, "Z"):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            raise UsageError(f"the page server was still filling the tree's memory in after {timeout:.0f} s",
+                             hint=f"it goes on: 'ckpt show {result.manifest.id}' reports failures")
+        time.sleep(0.1)
+    figures = page_server_stats(lazy["server_pid"], work_dir, settings.lazy_dir) or figures or {}
+    status = figures.get("status", "unknown")
+    if status != "done":
+        raise CriuFailed(f"the lazy restore's page server ended before every page was back ({status}); "
+                         "its watcher ended the tree", log_path=str(work_dir / "page-server.log"))
+    last = figures.get("last_page_s")
+    started = figures.get("started_at") or began
+    return {"time_to_running_ms": result.duration_ms,
+            "last_page_ms": None if last is None else round((started + last - began) * 1000, 1),
+            "pages": figures.get("pages_served"), "bytes_fetched": figures.get("bytes_fetched", 0),
+            "store_requests": figures.get("store_requests", 0)}
 
 
 def _only_child(pid: int) -> int:

@@ -261,3 +261,23 @@ def test_criu_dies_with_ckpt_and_the_target_runs_on(procs, tmp_path):
         wait_until(lambda: len(read_lines(out)) > lines, timeout=30, what="the target to answer")
         assert read_lines(out)[-1].split()[0] == original_sum
     assert len(stopped) >= 2, f"CRIU was stopped at only {stopped} s into the dump"
+
+
+def test_restore_wait_reports_the_last_page(procs, tmp_path):
+    """--wait: the command returns once every page is back, with the times in --json."""
+    target, out, original_sum = started_bigmem(procs, tmp_path, 96)
+    dumped = ckpt_json("dump", target.pid, "--stop")
+    target.wait(timeout=10)
+    out.unlink()
+    restored = ckpt_json("restore", dumped["id"], "--lazy", "--wait")
+    procs.adopt(restored["pid"])
+    lazy = restored["lazy"]
+    procs.pids.add(lazy["server_pid"])
+    figures = lazy["figures"]
+    assert figures["pages"] == lazy["pages"] and figures["bytes_fetched"] == 0, figures
+    assert figures["last_page_ms"] >= figures["time_to_running_ms"] == restored["duration_ms"], figures
+    # Every page is back already: the page server is done, and the memory is the dumped one.
+    wait_until(lambda: not alive(lazy["server_pid"]), timeout=10, what="the page server to end")
+    os.kill(restored["pid"], signal.SIGUSR1)
+    wait_until(lambda: read_lines(out), timeout=60, what="restored bigmem to report")
+    assert read_lines(out)[0].split()[0] == original_sum
