@@ -42,6 +42,7 @@ from ckpt.store.blocks.blockstore import PAGE
 from ckpt.store.blocks.segments import segment_key
 from ckpt.store.staging import discard
 from ckpt.system.detach import detach_stdio
+from ckpt.system.textutil import human_bytes
 
 READY_TIMEOUT_S = 30.0
 
@@ -383,7 +384,7 @@ def _write_final(work_dir: Path, store: Store, figures: _Figures, served: int, r
     _write_private(work_dir / STATS_FILE, json.dumps(final) + "\n")
     with open(os.open(work_dir / "page-server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "w") as log:
         read_again = store.backend.copies_read_again()
-        fetched = (f"; {final['bytes_fetched']} bytes fetched ahead from the store in "
+        fetched = (f"; {human_bytes(final['bytes_fetched'])} fetched ahead from the store in "
                    f"{final['store_requests']} requests" if final["store_requests"] else "")
         log.write(f"{figures.status}; {served} pages served of {figures.plan.pages} in {requests} requests in "
                   f"{time.monotonic() - figures.began:.2f} s" + fetched + f"; daemon exit code {daemon_code}"
