@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import os
 import select
 import socket
@@ -75,10 +76,12 @@ class FillStats:
     seconds: float = 0.0  # from the post-restore notification until every page was in
     threads: int = 0
     early_faults: int = 0  # pages the restore touched before the notification (served at once)
+    bytes_fetched: int = 0  # from a remote store, ahead of the copy
+    store_requests: int = 0
 
     def to_json(self) -> dict:
         return {"pages": self.pages, "bytes": self.pages * PAGE, "seconds": round(self.seconds, 3),
-                "threads": self.threads}
+                "threads": self.threads, "bytes_fetched": self.bytes_fetched, "store_requests": self.store_requests}
 
 
 @dataclass
@@ -97,6 +100,7 @@ class UffdFiller:
 
     def __init__(self, store: Store, plan: LazyPlan, work_dir: Path):
         self.store, self.plan = store, plan
+        self.spool_dir = work_dir / "spool"  # a remote store's segments fetched ahead (blocks/prefetch.py)
         self.path = work_dir / SOCKET_NAME
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.path.unlink(missing_ok=True)
@@ -248,9 +252,13 @@ class UffdFiller:
             shares[item.key % threads].append(item)
         errors: list[BaseException] = []
         copied = [0] * threads
+        # A remote store's segments come down ahead, in large parallel requests, in the order
+        # the threads will copy them (round the shares); a local store's are read in place.
+        order = [item.key for round_ in itertools.zip_longest(*shares) for item in round_ if item is not None]
+        readers, prefetcher = self.store.blocks.page_readers(threads, list(dict.fromkeys(order)), self.spool_dir)
 
         def copy_share(k: int) -> None:
-            reader = self.store.blocks.page_reader()
+            reader = readers[k]
             try:
                 for item in shares[k]:
                     with reader.reader.view(item.key, item.within, item.count) as pages:
@@ -265,11 +273,16 @@ class UffdFiller:
         for runner in runners:
             runner.start()
         total = sum(item.count for item in work)
-        for runner in runners:
-            while runner.is_alive():
-                runner.join(0.2)
-                if progress is not None:
-                    progress(sum(copied), total)
+        try:
+            for runner in runners:
+                while runner.is_alive():
+                    runner.join(0.2)
+                    if progress is not None:
+                        progress(sum(copied), total)
+        finally:
+            if prefetcher is not None:
+                self.stats.bytes_fetched, self.stats.store_requests = prefetcher.stats.bytes, prefetcher.stats.requests
+                prefetcher.close()
         self._stop_events.set()
         self._events.join()
         self.stats.pages, self.stats.threads = sum(copied), threads

@@ -151,3 +151,17 @@ def test_a_server_killed_mid_fetch_ends_the_tree_and_the_failure_is_recorded(s3_
         s3_server.restart()
     listed = ckpt("list", "--json", env={"CKPT_CACHE": str(tmp_path / "cache-b")})
     assert [row["lazy_restore_failures"] for row in json.loads(listed.stdout)] == [1], listed.stdout
+
+
+def test_an_eager_restore_from_s3_fetches_ahead_and_copies_every_page_in(procs, tmp_path):
+    """A full restore from S3 (--eager: the memory copied in through userfaultfd before the tree
+    runs) fetches the segments ahead in large requests, as a lazy one does."""
+    dumped, checksum, out = dumped_bigmem(procs, tmp_path, 64)
+    restored = on_another_host(["restore", dumped, "--eager", "--json"], tmp_path / "cache-b", tmp_path / "cache")
+    assert restored.returncode == 0, restored.stderr
+    result = json.loads(restored.stdout)
+    procs.adopt(result["pid"])
+    filled = result["filled"]
+    assert result["lazy"] is None and filled is not None and filled["pages"] >= (64 << 20) // PAGE, result
+    assert 64 << 20 <= filled["bytes_fetched"] and 0 < filled["store_requests"] <= filled["bytes_fetched"] / (1 << 20)
+    assert report(result["pid"], out)[0] == checksum, "the restored memory differs from the checkpoint's"

@@ -841,6 +841,39 @@ class BlockStore:
         """Reads pages by location, each segment checked against its checksum (`ckpt copy`)."""
         return PageReader(_SegmentReader(self, self.index()))
 
+    def page_readers(self, count: int, wanted: Sequence[int] = (), spool_dir: Path | None = None
+                     ) -> tuple[list[PageReader], Prefetcher | None]:
+        """count readers of pages by location, for as many threads (a full restore copying the
+        tree's memory in, ckpt/restore/uffdfill.py); wanted: the segments they will read, in
+        about that order: those of packs the backend does not hold locally are fetched ahead
+        into spool_dir by one Prefetcher that every reader reads through (see page_sender).
+        The caller closes the readers, then the prefetcher."""
+        index = self.index()
+        fetched = self._not_held(wanted, index.segment_list) if spool_dir is not None else []
+        prefetcher = None
+        if fetched and spool_dir is not None:
+            from ckpt.store.blocks.prefetch import Prefetcher
+
+            prefetcher = Prefetcher(self.backend.without_copies(), index.segment_list, fetched, spool_dir)
+            try:
+                prefetcher.start()
+            except OSError:  # no room for the spool: every segment read when first asked for
+                prefetcher.close()
+                prefetcher = None
+        if prefetcher is None:
+            return [PageReader(_SegmentReader(self, index)) for _ in range(count)], None
+        from ckpt.store.blocks.prefetch import PrefetchedRanges
+
+        return [PageReader(_SegmentReader(self, index, PrefetchedRanges(
+            self.backend.reader(), prefetcher, self.backend.without_copies(), owns_prefetcher=False)))
+            for _ in range(count)], prefetcher
+
+    def _not_held(self, wanted: Sequence[int], segments: Sequence[Segment]) -> list[int]:
+        """The wanted segments of packs the backend does not hold locally."""
+        remote: dict[str, bool] = {}
+        return [key for key in wanted
+                if remote.setdefault(segments[key].pack, not self.backend.held_locally(pack_name(segments[key].pack)))]
+
     def page_sender(self, wanted: Sequence[int] = (), spool_dir: Path | None = None) -> PageSender:
         """A sender of pages by location (a lazy restore's page server). wanted: the segments
         it will send, in the order it will likely send them; those of packs the backend does

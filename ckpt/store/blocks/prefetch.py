@@ -281,9 +281,9 @@ class PrefetchedRanges(RangeReader):
     """A reading session whose reads of the prefetched segments come from the Prefetcher (the
     rest from the session it wraps): what the page server's _SegmentReader reads through."""
 
-    def __init__(self, inner: RangeReader, prefetcher: Prefetcher, backend: Backend):
+    def __init__(self, inner: RangeReader, prefetcher: Prefetcher, backend: Backend, owns_prefetcher: bool = True):
         super().__init__(backend)
-        self._inner, self._prefetcher = inner, prefetcher
+        self._inner, self._prefetcher, self._owns = inner, prefetcher, owns_prefetcher
         self._at = {(pack_name(prefetcher.segments[k].pack), prefetcher.segments[k].offset): k
                     for r in prefetcher.ranges for k in r.keys}
         self._packs = {name for name, _ in self._at}
@@ -320,6 +320,7 @@ class PrefetchedRanges(RangeReader):
         return self._inner.copy_to(name, offset, length, fd)
 
     def close(self) -> None:
-        self._prefetcher.close()
+        if self._owns:  # else several sessions read through it, and its owner closes it
+            self._prefetcher.close()
         self._inner.close()
         super().close()
