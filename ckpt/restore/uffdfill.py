@@ -336,6 +336,13 @@ class UffdFiller:
     def close(self) -> None:
         """After the restore (or its failure): nothing of this filler is left."""
         self._stop_events.set()
+        # shutdown() first: close() alone would not wake the receiver out of accept() or recv().
+        for sock in (self.listener, self._connection):
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # never connected, or CRIU hung up already
         try:
             self.listener.close()
         finally:
