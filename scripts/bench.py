@@ -1254,33 +1254,39 @@ RECOVERY_WORKERS = 4  # blobs downloaded at once by the bulk download (each get_
 
 
 def last_page_in(lazy: dict | None, timeout: float = LAST_PAGE_TIMEOUT_S) -> dict:
-    """Seconds from now until a lazy restore's page server has put back the last page. The
-    server removes its record (/run/ckpt/lazy/<pid>.json, CKPT_LAZY_DIR) right after CRIU's
-    lazy-pages daemon said it was done (every page is in) and the server wrote
-    page-server.log ("done; N pages served of M in R requests in T s; ..."); polled every
-    5 ms, bounded by timeout. The server's exit ends the wait too (it removes the record
-    before it exits, whatever happened); its log then says whether it was done. A restore
-    that was not lazy: 0 s."""
+    """Seconds from now until a lazy restore's page server has put back the last page. Once
+    CRIU's lazy-pages daemon says it is done (every page is in), the server writes
+    page-server.log ("done; N pages served of M in R requests in T s; ...") next to the
+    daemon's log, then removes its record (/run/ckpt/lazy/<pid>.json, CKPT_LAZY_DIR): the
+    wait ends when the log has its line and the record is gone, or when the server has
+    exited (it writes both before; a server killed meanwhile writes neither, and the wait
+    fails). Polled every 5 ms, bounded by timeout. A restore that was not lazy: 0 s."""
     if not lazy:
         return {"wait_s": 0.0}
     started = time.perf_counter()
     server = lazy["server_pid"]
     record = Settings.from_environment().lazy_dir / f"{server}.json"
+    log = Path(lazy["log"]).with_name("page-server.log")
+
+    def last_line() -> str:
+        try:
+            lines = log.read_text().strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
+
     deadline = time.monotonic() + timeout
-    # (a zombie is done: this machine's init reaps orphans a second or two late)
-    while record.exists() and state(server) not in (None, "Z"):
+    while True:
+        line = last_line()
+        # (a zombie is done: this machine's init reaps orphans a second or two late)
+        if (line and not record.exists()) or state(server) in (None, "Z"):
+            break
         if time.monotonic() > deadline:
             raise SystemExit(f"the page server {server} of a lazy restore was not done after {timeout:.0f} s "
-                             f"({record} is still there)")
+                             f"(no line in {log})")
         time.sleep(LAST_PAGE_POLL_S)
     waited = time.perf_counter() - started
-    log = Path(lazy["log"]).with_name("page-server.log")
-    line = ""
-    for _ in range(200):  # written before the record goes; a server killed meanwhile writes none
-        line = log.read_text().strip().splitlines()[-1] if log.exists() and log.stat().st_size else ""
-        if line or state(server) in (None, "Z"):
-            break
-        time.sleep(0.01)
+    line = line or last_line()
     if not line.startswith("done"):
         raise SystemExit(f"the page server {server} of a lazy restore failed: {line or 'no line in ' + str(log)}")
     found = re.search(r"(\d+) pages served of (\d+) in (\d+) requests in ([\d.]+) s", line)
@@ -1298,8 +1304,9 @@ def ckpt_restore_timed(args: list[str], env: dict) -> dict:
         filled = last_page_in(restored.get("lazy"))
     finally:
         end_trees([restored["pid"]])
+    # (the restore's own account of a lazy restore, as it says it: pages, bytes, and what later code adds)
     return {"running_s": elapsed, "last_page_s": elapsed + filled.pop("wait_s"), "lazy": bool(restored.get("lazy")),
-            **filled}
+            **filled, "reported": restored.get("lazy") or {}}
 
 
 def criu_restore_timed(criu: str, images: Path, root: int) -> float:
