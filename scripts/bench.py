@@ -1551,16 +1551,20 @@ def bench_recovery(work: Path, criu: str, s3_mib: int, local_mib: int, tree_coun
     reporting = free_page_reporting()
     server_dir = work / "recovery-weed"
     server_dir.mkdir()
+    began = time.monotonic()
     server = WeedServer(server_dir).start()
     try:
         server.client().create_bucket(Bucket=S3_BUCKET)
         from_s3 = bench_recovery_s3(server, work, criu, s3_mib, runs)
     finally:
         server.stop()
+    took = {"s3": time.monotonic() - began}
     local = bench_recovery_local(work, criu, local_mib, runs)
+    took["local"] = time.monotonic() - began - took["s3"]
     tree = bench_recovery_tree(work, criu, tree_counts, runs)
+    took["tree"] = time.monotonic() - began - took["s3"] - took["local"]
     result = {"return_pause_s": RETURN_PAUSE, "free_page_reporting": reporting["reporting"],
-              "load_average": {"before": load_before, "after": os.getloadavg()},
+              "load_average": {"before": load_before, "after": os.getloadavg()}, "took_s": took,
               "s3": from_s3, "local": local, "tree": tree}
     result["table"] = recovery_table(result)
     return result
@@ -1618,7 +1622,8 @@ def print_recovery(r: dict) -> None:
           f"after the step before freed its memory, once the page cache is written back (sync): every side faults "
           f"in memory the host took back (free page reporting {'on' if r['free_page_reporting'] else 'off'}), none "
           f"reuses memory another just freed; the order of the sides rotates from run to run; load average (1 min) "
-          f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after")
+          f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after; took "
+          + ", ".join(f"{part} {seconds:.0f} s" for part, seconds in r["took_s"].items()))
     print(f"  from S3: an encrypted store in SeaweedFS on 127.0.0.1 holding one checkpoint of a {s['size_mib']} MiB "
           f"target (dirtymem, random data; dump {s['dump_s']:.2f} s, raw criu dump to local disk "
           f"{s['raw_dump_s']:.2f} s); another host is a fresh empty CKPT_CACHE; the bulk download is get_file of "
