@@ -1350,6 +1350,20 @@ def pause() -> None:
     time.sleep(RETURN_PAUSE)
 
 
+def bulk_download(backend, names: list[str], dest: Path) -> float:
+    """Seconds to download the blobs into files in dest (removed afterwards) by the backend's
+    get_file, RECOVERY_WORKERS blobs at once; the page cache is written back before."""
+    dest.mkdir()
+    try:
+        settle()
+        began = time.perf_counter()
+        with ThreadPoolExecutor(RECOVERY_WORKERS) as pool:
+            list(pool.map(lambda name: backend.get_file(name, dest / name.replace("/", "-")), names))
+        return time.perf_counter() - began
+    finally:
+        shutil.rmtree(dest)
+
+
 def bench_recovery_s3(server: WeedServer, work: Path, criu: str, size_mib: int, runs: int) -> dict:
     """A size_mib DirtyTarget dumped once (the store's only checkpoint) into an encrypted store
     in S3, and by raw CRIU to local disk; the target then ends. Each run, in rotated order,
@@ -1395,25 +1409,20 @@ def bench_recovery_s3(server: WeedServer, work: Path, criu: str, size_mib: int, 
                     rows["ckpt_serving"].append({k: v for k, v in r.items() if k not in ("running_s", "last_page_s")})
                     shutil.rmtree(cache)
                 elif step == "download":
-                    dest = work / "recovery-download"
-                    dest.mkdir()
-
-                    def one(name: str, dest: Path = dest) -> None:
-                        backend.get_file(name, dest / name.replace("/", "-"))
-
                     with _environment(server.environment()):
-                        settle()
-                        began = time.perf_counter()
-                        with ThreadPoolExecutor(RECOVERY_WORKERS) as pool:
-                            list(pool.map(one, names))
-                        rows["download_s"].append(time.perf_counter() - began)
-                    shutil.rmtree(dest)
+                        rows["download_s"].append(bulk_download(backend, names, work / "recovery-download"))
                 elif step == "criu":
                     rows["criu_restore_s"].append(criu_restore_timed(criu, raw_images, pid))
-                else:
+                elif not warm_missing:
                     cache = work / f"recovery-cache-standby-{run}"
                     standby = {**env, "CKPT_CACHE": str(cache)}
-                    rows["warm_s"].append(timed(CKPT + ["cache", "warm", "recovery", "--store", url], standby)[0])
+                    try:
+                        rows["warm_s"].append(timed(CKPT + ["cache", "warm", "recovery", "--store", url],
+                                                    standby)[0])
+                    except SystemExit as failed:  # a command still being written: its row says why, the rest goes on
+                        warm_missing = f"`ckpt cache warm` failed: {str(failed).strip().splitlines()[-1]}"
+                        shutil.rmtree(cache, ignore_errors=True)
+                        continue
                     pause()
                     r = ckpt_restore_timed([checkpoint], standby)
                     rows["warm_running_s"].append(r["running_s"])
@@ -1589,7 +1598,7 @@ def recovery_table(r: dict) -> list[dict]:
         m["criu_restore_s"], raw)
     row("  ... until its last page is back", m["ckpt_last_page_s"], m["download_s"],
         f"bulk download, {s['blobs']} blobs, {s['blob_bytes'] / 2**20:.0f} MiB", 1.5)
-    if s["warm_missing"]:
+    if s["warm_missing"] or not s["samples"]["warm_running_s"]:
         row("from S3 after `ckpt cache warm`", None, None, "", note=s["warm_missing"])
     else:
         row("from S3 after `ckpt cache warm`: the tree runs", m["warm_running_s"], m["criu_restore_s"], raw, 1.0,
@@ -1645,7 +1654,7 @@ def print_recovery(r: dict) -> None:
     ss = s["samples"]
     print(f"  samples, from S3: runs {_samples(ss['ckpt_running_s'])} s, last page {_samples(ss['ckpt_last_page_s'])}"
           f" s; bulk download {_samples(ss['download_s'])} s; raw restore {_samples(ss['criu_restore_s'])} s"
-          + ("" if s["warm_missing"] else f"; warm {_samples(ss['warm_s'])} s, then runs "
+          + ("" if not ss["warm_running_s"] else f"; warm {_samples(ss['warm_s'])} s, then runs "
              f"{_samples(ss['warm_running_s'])} s, last page {_samples(ss['warm_last_page_s'])} s"))
     for label, serving in (("from S3", ss["ckpt_serving"]), ("local", loc["samples"]["lazy_serving"])):
         for sv in serving:
