@@ -1396,7 +1396,8 @@ def bench_recovery_s3(server: WeedServer, work: Path, criu: str, size_mib: int, 
     names = [info.name for info in blobs]
     steps = ["ckpt", "download", "criu"] + ([] if warm_missing else ["warm"])
     rows: dict[str, list] = {"ckpt_running_s": [], "ckpt_last_page_s": [], "ckpt_serving": [], "download_s": [],
-                             "criu_restore_s": [], "warm_s": [], "warm_running_s": [], "warm_last_page_s": []}
+                             "criu_restore_s": [], "warm_s": [], "warm_running_s": [], "warm_last_page_s": [],
+                             "warm_serving": []}
     try:
         for run in range(runs):
             for step in rotated(steps, run):
@@ -1427,6 +1428,7 @@ def bench_recovery_s3(server: WeedServer, work: Path, criu: str, size_mib: int, 
                     r = ckpt_restore_timed([checkpoint], standby)
                     rows["warm_running_s"].append(r["running_s"])
                     rows["warm_last_page_s"].append(r["last_page_s"])
+                    rows["warm_serving"].append({k: v for k, v in r.items() if k not in ("running_s", "last_page_s")})
                     shutil.rmtree(cache)
     finally:
         backend.close()
@@ -1656,7 +1658,8 @@ def print_recovery(r: dict) -> None:
           f" s; bulk download {_samples(ss['download_s'])} s; raw restore {_samples(ss['criu_restore_s'])} s"
           + ("" if not ss["warm_running_s"] else f"; warm {_samples(ss['warm_s'])} s, then runs "
              f"{_samples(ss['warm_running_s'])} s, last page {_samples(ss['warm_last_page_s'])} s"))
-    for label, serving in (("from S3", ss["ckpt_serving"]), ("local", loc["samples"]["lazy_serving"])):
+    for label, serving in (("from S3", ss["ckpt_serving"]), ("from S3, warmed cache", ss["warm_serving"]),
+                           ("local", loc["samples"]["lazy_serving"])):
         for sv in serving:
             if "requests" in sv:
                 print(f"    page server, {label}: {sv['pages_served']} pages served of {sv['pages']} in "
