@@ -1487,7 +1487,7 @@ class BenchTree:
         words: list[str] = []
         while not words:
             text = self.out.read_text() if self.out.exists() else ""
-            words = text.split()
+            words = text.split() if text.endswith("\n") else []  # a whole line, not one being written
             if (not words and self.proc.poll() is not None) or time.monotonic() > deadline:
                 self.end()
                 raise SystemExit("the benchmark's process tree died or hung")
