@@ -1303,7 +1303,7 @@ def ckpt_restore_timed(args: list[str], env: dict) -> dict:
     try:
         filled = last_page_in(restored.get("lazy"))
     finally:
-        end_trees([restored["pid"]])
+        end_tree(restored["pid"])
     # (the restore's own account of a lazy restore, as it says it: pages, bytes, and what later code adds)
     return {"running_s": elapsed, "last_page_s": elapsed + filled.pop("wait_s"), "lazy": bool(restored.get("lazy")),
             **filled, "reported": restored.get("lazy") or {}}
@@ -1315,7 +1315,7 @@ def criu_restore_timed(criu: str, images: Path, root: int) -> float:
     try:
         elapsed, _ = timed([criu, "restore", "-D", str(images), "-d", "-o", "restore.log"])
     finally:
-        end_trees([root])
+        end_tree(root)
     return elapsed
 
 
@@ -1325,6 +1325,24 @@ def raw_dump(criu: str, pid: int, images: Path, leave_running: bool = True) -> f
     images.mkdir()
     return timed([criu, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "--network-lock", "skip"]
                  + (["--leave-running"] if leave_running else []))[0]
+
+
+def end_tree(root: int, reap=None) -> None:
+    """SIGKILL to root and every descendant at once, then a wait until all are gone (reap:
+    how this process reaps the root, if it is its child): end_trees waits for each in turn,
+    and this machine's init reaps each orphan a second or two late (a tree of 100 took
+    minutes)."""
+    from tests.helpers import tree_pids
+
+    pids = tree_pids(root)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if reap:
+        reap()
+    gone(pids)
 
 
 def gone(pids: list[int], timeout: float = 60) -> None:
@@ -1503,8 +1521,7 @@ class BenchTree:
         gone(self.pids)
 
     def end(self) -> None:
-        end_trees([self.proc.pid])
-        self.proc.wait(timeout=60)
+        end_tree(self.proc.pid, reap=lambda: self.proc.wait(timeout=60))
 
 
 def bench_recovery_tree(work: Path, criu: str, counts: list[int], runs: int) -> dict:
