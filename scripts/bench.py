@@ -1525,13 +1525,28 @@ class BenchTree:
 
 
 def bench_recovery_tree(work: Path, criu: str, counts: list[int], runs: int) -> dict:
-    """For each N: each run, a fresh tree of 1 + N processes dumped by `ckpt dump --stop` and
-    another by raw `criu dump` (which ends the tree too), in rotated order; then, rotated,
+    """After a first dump of a small tree by each side (not measured), for each N: each run, a
+    fresh tree of 1 + N processes dumped by `ckpt dump --stop` and another by raw
+    `criu dump` (which ends the tree too), in rotated order; then, rotated,
     `ckpt restore --eager`, `ckpt restore` (the default: lazy at this size where possible;
     until it runs and until its last page is in) and raw `criu restore -d` of those two
     dumps; RETURN_PAUSE before each step."""
     env = {**os.environ, "CKPT_STORE": str(work / "recovery-tree-store"),
            "CKPT_CACHE": str(work / "recovery-tree-cache")}
+    # Not measured: a first dump of a small tree by each side, so that no measured dump pays
+    # for creating the store (or for reading either side's code from disk).
+    for who in ("ckpt", "criu"):
+        tree = BenchTree(1, work)
+        try:
+            if who == "ckpt":
+                timed(CKPT + ["dump", str(tree.proc.pid), "--stop", "-q"], env)
+            else:
+                raw_dump(criu, tree.proc.pid, work / "recovery-tree-first", leave_running=False)
+                shutil.rmtree(work / "recovery-tree-first")
+            tree.dumped()
+        finally:
+            if state(tree.proc.pid) not in (None, "Z"):
+                tree.end()
     by_count = {}
     for count in counts:
         rows: dict[str, list] = {"ckpt_dump_s": [], "criu_dump_s": [], "eager_s": [], "default_running_s": [],
