@@ -30,13 +30,20 @@
                 `ckpt migrate --eager`)
   clones        `ckpt clone --copies N` (--clone-copies) of a --clone-mib checkpoint: time, the
                 copies' Rss and Pss, the drop of MemAvailable; raw `criu restore -d` once
+  recovery      issue 28's table: a --recovery-s3-mib target restored from an encrypted store in
+                S3 with an empty cache (until it runs, until its last page is in) next to ckpt's
+                own bulk download of the same blobs and raw `criu restore -d` from local disk,
+                also after `ckpt cache warm` (where it exists); a --size-mib target restored
+                lazily and --eager next to `criu restore -d`; trees of 1 + N processes
+                (--recovery-tree-n) dumped with --stop and restored next to raw CRIU
 
 Prints a table of medians and ratios (and every sample) and writes JSON to bench-results/. Run
 as root after `make setup`:  .venv/bin/python scripts/bench.py [--size-mib 2048]
 [--growth-mib 1024] [--runs 3] [--s3-mib 512] [--s3-target-mib 1024] [--cadence-mib 2048]
 [--cadence-interval 30] [--cadence-dumps 5] [--cadence-series 3] [--group-mib 1024]
 [--migrate-mib 1024,4096] [--migrate-runs 3] [--migrate-eager] [--clone-mib 1024]
-[--clone-copies 1,4,16] [--clone-runs 1] [--only growth|dump|scale|s3|cadence|group|migrate|clones]
+[--clone-copies 1,4,16] [--clone-runs 1] [--recovery-s3-mib 1024] [--recovery-tree-n 25,100]
+[--only growth|dump|scale|s3|cadence|group|migrate|clones|recovery]
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import filecmp
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -53,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -892,7 +901,7 @@ PAUSE_S = 0.1  # a gap between two of its lines longer than this is a pause
 
 def ckpt_lacks(command: str) -> str | None:
     """None when this tree's ckpt has the command; otherwise why not, in one line."""
-    done = subprocess.run(CKPT + [command, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run(CKPT + command.split() + ["--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     if done.returncode == 0:
         return None
     said = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
@@ -1234,7 +1243,472 @@ def print_clones(r: dict) -> None:
               f"{m['wall_s'] / raw['wall_s']:10.2f} {m['available_drop_kib'] / raw['available_drop_kib']:10.2f}")
 
 
-SECTIONS = ["growth", "dump", "scale", "s3", "cadence", "group", "migrate", "clones"]
+# ---- recovery time (issue 28) ------------------------------------------------------------------
+
+BENCH_TREE = ROOT / "tests" / "fixtures" / "bench_tree.py"
+TREE_CHILD_MIB = 2
+LAST_PAGE_POLL_S = 0.005
+LAST_PAGE_TIMEOUT_S = 600.0
+RECOVERY_PREFIX = "recovery"
+RECOVERY_WORKERS = 4  # blobs downloaded at once by the bulk download (each get_file: 4 ranges at once)
+
+
+def last_page_in(lazy: dict | None, timeout: float = LAST_PAGE_TIMEOUT_S) -> dict:
+    """Seconds from now until a lazy restore's page server has put back the last page. Once
+    CRIU's lazy-pages daemon says it is done (every page is in), the server writes
+    page-server.log ("done; N pages served of M in R requests in T s; ...") next to the
+    daemon's log, then removes its record (/run/ckpt/lazy/<pid>.json, CKPT_LAZY_DIR): the
+    wait ends when the log has its line and the record is gone, or when the server has
+    exited (it writes both before; a server killed meanwhile writes neither, and the wait
+    fails). Polled every 5 ms, bounded by timeout. A restore that was not lazy: 0 s."""
+    if not lazy:
+        return {"wait_s": 0.0}
+    started = time.perf_counter()
+    server = lazy["server_pid"]
+    record = Settings.from_environment().lazy_dir / f"{server}.json"
+    log = Path(lazy["log"]).with_name("page-server.log")
+
+    def last_line() -> str:
+        try:
+            lines = log.read_text().strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
+
+    deadline = time.monotonic() + timeout
+    while True:
+        line = last_line()
+        # (a zombie is done: this machine's init reaps orphans a second or two late)
+        if (line and not record.exists()) or state(server) in (None, "Z"):
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the page server {server} of a lazy restore was not done after {timeout:.0f} s "
+                             f"(no line in {log})")
+        time.sleep(LAST_PAGE_POLL_S)
+    waited = time.perf_counter() - started
+    line = line or last_line()
+    if not line.startswith("done"):
+        raise SystemExit(f"the page server {server} of a lazy restore failed: {line or 'no line in ' + str(log)}")
+    found = re.search(r"(\d+) pages served of (\d+) in (\d+) requests in ([\d.]+) s", line)
+    served = {} if not found else {"pages_served": int(found[1]), "pages": int(found[2]),
+                                   "requests": int(found[3]), "server_s": float(found[4])}
+    return {"wait_s": waited, **served}
+
+
+def ckpt_restore_timed(args: list[str], env: dict) -> dict:
+    """`ckpt restore ARGS --json`: seconds until the tree runs (the command returned) and until
+    its last page is in (the same for an eager restore); the tree is ended whatever happens."""
+    elapsed, out = timed(CKPT + ["restore", *args, "--json"], env)
+    restored = json.loads(out)
+    try:
+        filled = last_page_in(restored.get("lazy"))
+    finally:
+        end_tree(restored["pid"])
+    # (the restore's own account of a lazy restore, as it says it: pages, bytes, and what later code adds)
+    return {"running_s": elapsed, "last_page_s": elapsed + filled.pop("wait_s"), "lazy": bool(restored.get("lazy")),
+            **filled, "reported": restored.get("lazy") or {}}
+
+
+def criu_restore_timed(criu: str, images: Path, root: int) -> float:
+    """Raw `criu restore -d` of images (the tree's memory is all in when it returns); the
+    tree (root and its descendants) is ended afterwards."""
+    try:
+        elapsed, _ = timed([criu, "restore", "-D", str(images), "-d", "-o", "restore.log"])
+    finally:
+        end_tree(root)
+    return elapsed
+
+
+def raw_dump(criu: str, pid: int, images: Path, leave_running: bool = True) -> float:
+    """Raw `criu dump` into images (made here), with the network lock ckpt takes for a target
+    without TCP connections: none."""
+    images.mkdir()
+    return timed([criu, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "--network-lock", "skip"]
+                 + (["--leave-running"] if leave_running else []))[0]
+
+
+def end_tree(root: int, reap=None) -> None:
+    """SIGKILL to root and every descendant at once, then a wait until all are gone (reap:
+    how this process reaps the root, if it is its child): end_trees waits for each in turn,
+    and this machine's init reaps each orphan a second or two late (a tree of 100 took
+    minutes)."""
+    from tests.helpers import tree_pids
+
+    pids = tree_pids(root)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if reap:
+        reap()
+    gone(pids)
+
+
+def gone(pids: list[int], timeout: float = 60) -> None:
+    """Waits until none of pids is left, not even a zombie (init reaps orphans late here):
+    a restore needs them free."""
+    deadline = time.monotonic() + timeout
+    while any(state(pid) is not None for pid in pids):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"processes {[p for p in pids if state(p) is not None][:5]} did not go away")
+        time.sleep(0.02)
+
+
+def rotated(items: list, run: int) -> list:
+    """The order of the sides in this run: each comes first in turn."""
+    k = run % len(items)
+    return items[k:] + items[:k]
+
+
+def pause() -> None:
+    """Before each measured step: whatever the step before freed has gone back to the host,
+    so that every side faults in memory the host took back and none reuses memory another
+    just freed (timed() then writes back the page cache)."""
+    time.sleep(RETURN_PAUSE)
+
+
+def bulk_download(backend, names: list[str], dest: Path) -> float:
+    """Seconds to download the blobs into files in dest (removed afterwards) by the backend's
+    get_file, RECOVERY_WORKERS blobs at once; the page cache is written back before."""
+    dest.mkdir()
+    try:
+        settle()
+        began = time.perf_counter()
+        with ThreadPoolExecutor(RECOVERY_WORKERS) as pool:
+            list(pool.map(lambda name: backend.get_file(name, dest / name.replace("/", "-")), names))
+        return time.perf_counter() - began
+    finally:
+        shutil.rmtree(dest)
+
+
+def bench_recovery_s3(server: WeedServer, work: Path, criu: str, size_mib: int, runs: int) -> dict:
+    """A size_mib DirtyTarget dumped once (the store's only checkpoint) into an encrypted store
+    in S3, and by raw CRIU to local disk; the target then ends. Each run, in rotated order,
+    each step RETURN_PAUSE after the one before: `ckpt restore` on "another host" (a fresh
+    empty CKPT_CACHE): until the tree runs, until its last page is in; the bulk download of
+    the same objects (every blob under packs/, objects/, index/: the checkpoint's bytes) by
+    ckpt's encrypted S3 backend, get_file of RECOVERY_WORKERS blobs at once, into local
+    files; raw `criu restore -d` of the local images; and, where `ckpt cache warm` exists, a
+    restore after warming another fresh cache with it (the warm itself timed too)."""
+    from ckpt.store import keys
+    from ckpt.store.backends import s3
+
+    url = f"s3://{S3_BUCKET}/{RECOVERY_PREFIX}"
+    env = {**os.environ, **server.environment(), "CKPT_STORE": url, "CKPT_PASSWORD": S3_PASSWORD,
+           "CKPT_CACHE": str(work / "recovery-cache-host-a")}
+    warm_missing = ckpt_lacks("cache warm")
+    timed(CKPT + ["init", "-q"], env)
+    target = DirtyTarget(size_mib, work)
+    pid = target.proc.pid
+    raw_images = work / "recovery-s3-raw"
+    try:
+        dump_s, out = timed(CKPT + ["dump", str(pid), "--json", "--name", "recovery"], env)
+        checkpoint = json.loads(out)["id"]
+        raw_dump_s = raw_dump(criu, pid, raw_images)
+    finally:
+        target.end()
+    with _environment(server.environment()):
+        backend = keys.unlock(s3.S3Backend(S3_BUCKET, RECOVERY_PREFIX), S3_PASSWORD.encode())
+        blobs = [info for kind in ("packs/", "objects/", "index/") for info in backend.list(kind)]
+    names = [info.name for info in blobs]
+    steps = ["ckpt", "download", "criu"] + ([] if warm_missing else ["warm"])
+    rows: dict[str, list] = {"ckpt_running_s": [], "ckpt_last_page_s": [], "ckpt_serving": [], "download_s": [],
+                             "criu_restore_s": [], "warm_s": [], "warm_running_s": [], "warm_last_page_s": [],
+                             "warm_serving": []}
+    try:
+        for run in range(runs):
+            for step in rotated(steps, run):
+                pause()
+                if step == "ckpt":
+                    cache = work / f"recovery-cache-host-b-{run}"
+                    r = ckpt_restore_timed([checkpoint], {**env, "CKPT_CACHE": str(cache)})
+                    rows["ckpt_running_s"].append(r["running_s"])
+                    rows["ckpt_last_page_s"].append(r["last_page_s"])
+                    rows["ckpt_serving"].append({k: v for k, v in r.items() if k not in ("running_s", "last_page_s")})
+                    shutil.rmtree(cache)
+                elif step == "download":
+                    with _environment(server.environment()):
+                        rows["download_s"].append(bulk_download(backend, names, work / "recovery-download"))
+                elif step == "criu":
+                    rows["criu_restore_s"].append(criu_restore_timed(criu, raw_images, pid))
+                elif not warm_missing:
+                    cache = work / f"recovery-cache-standby-{run}"
+                    standby = {**env, "CKPT_CACHE": str(cache)}
+                    try:
+                        rows["warm_s"].append(timed(CKPT + ["cache", "warm", "recovery", "--store", url],
+                                                    standby)[0])
+                    except SystemExit as failed:  # a command still being written: its row says why, the rest goes on
+                        warm_missing = f"`ckpt cache warm` failed: {str(failed).strip().splitlines()[-1]}"
+                        shutil.rmtree(cache, ignore_errors=True)
+                        continue
+                    pause()
+                    r = ckpt_restore_timed([checkpoint], standby)
+                    rows["warm_running_s"].append(r["running_s"])
+                    rows["warm_last_page_s"].append(r["last_page_s"])
+                    rows["warm_serving"].append({k: v for k, v in r.items() if k not in ("running_s", "last_page_s")})
+                    shutil.rmtree(cache)
+    finally:
+        backend.close()
+        shutil.rmtree(raw_images, ignore_errors=True)
+    return {"size_mib": size_mib, "runs": runs, "checkpoint": checkpoint, "dump_s": dump_s, "raw_dump_s": raw_dump_s,
+            "blobs": len(blobs), "blob_bytes": sum(info.size for info in blobs), "download_workers": RECOVERY_WORKERS,
+            "warm_missing": warm_missing, "samples": rows,
+            "medians": {k: statistics.median(v) for k, v in rows.items() if v and not isinstance(v[0], dict)}}
+
+
+def bench_recovery_local(work: Path, criu: str, size_mib: int, runs: int) -> dict:
+    """A size_mib DirtyTarget dumped once by ckpt (local store) and once by raw CRIU
+    (--leave-running, its own directory), then ended. Each run, in rotated order,
+    RETURN_PAUSE before each: `ckpt restore` (lazy, the default: until the tree runs and
+    until its last page is in), `ckpt restore --eager`, raw `criu restore -d`."""
+    env = {**os.environ, "CKPT_STORE": str(work / "recovery-store"), "CKPT_CACHE": str(work / "recovery-cache")}
+    target = DirtyTarget(size_mib, work)
+    pid = target.proc.pid
+    raw_images = work / "recovery-local-raw"
+    try:
+        checkpoint = json.loads(timed(CKPT + ["dump", str(pid), "--json", "--name", "recovery"], env)[1])["id"]
+        raw_dump(criu, pid, raw_images)
+    finally:
+        target.end()
+    rows: dict[str, list] = {"lazy_running_s": [], "lazy_last_page_s": [], "lazy_serving": [], "eager_s": [],
+                             "criu_restore_s": []}
+    try:
+        for run in range(runs):
+            for step in rotated(["lazy", "eager", "criu"], run):
+                pause()
+                if step == "lazy":
+                    r = ckpt_restore_timed([checkpoint], env)
+                    rows["lazy_running_s"].append(r["running_s"])
+                    rows["lazy_last_page_s"].append(r["last_page_s"])
+                    rows["lazy_serving"].append({k: v for k, v in r.items() if k not in ("running_s", "last_page_s")})
+                elif step == "eager":
+                    rows["eager_s"].append(ckpt_restore_timed([checkpoint, "--eager"], env)["running_s"])
+                else:
+                    rows["criu_restore_s"].append(criu_restore_timed(criu, raw_images, pid))
+    finally:
+        shutil.rmtree(raw_images, ignore_errors=True)
+    return {"size_mib": size_mib, "runs": runs, "checkpoint": checkpoint, "samples": rows,
+            "medians": {k: statistics.median(v) for k, v in rows.items() if not isinstance(v[0], dict)}}
+
+
+class BenchTree:
+    """tests/fixtures/bench_tree.py: one parent and `count` children holding TREE_CHILD_MIB of
+    random data each, in a session of its own."""
+
+    def __init__(self, count: int, work: Path):
+        self.out = work / f"tree-{time.monotonic_ns()}"
+        self.proc = subprocess.Popen([sys.executable, str(BENCH_TREE), str(self.out), str(count), str(TREE_CHILD_MIB)],
+                                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        words: list[str] = []
+        while not words:
+            text = self.out.read_text() if self.out.exists() else ""
+            words = text.split() if text.endswith("\n") else []  # a whole line, not one being written
+            if (not words and self.proc.poll() is not None) or time.monotonic() > deadline:
+                self.end()
+                raise SystemExit("the benchmark's process tree died or hung")
+            time.sleep(0.05)
+        self.pids = [self.proc.pid, *map(int, words[1:])]
+        if words[0] != "ready":
+            self.end()
+            raise SystemExit("a child of the benchmark's process tree died")
+
+    def dumped(self) -> None:
+        """After a dump that ended the tree: the parent reaped, every PID free again."""
+        self.proc.wait(timeout=60)
+        gone(self.pids)
+
+    def end(self) -> None:
+        end_tree(self.proc.pid, reap=lambda: self.proc.wait(timeout=60))
+
+
+def bench_recovery_tree(work: Path, criu: str, counts: list[int], runs: int) -> dict:
+    """After a first dump of a small tree by each side (not measured), for each N: each run, a
+    fresh tree of 1 + N processes dumped by `ckpt dump --stop` and another by raw
+    `criu dump` (which ends the tree too), in rotated order; then, rotated,
+    `ckpt restore --eager`, `ckpt restore` (the default: lazy at this size where possible;
+    until it runs and until its last page is in) and raw `criu restore -d` of those two
+    dumps; RETURN_PAUSE before each step."""
+    env = {**os.environ, "CKPT_STORE": str(work / "recovery-tree-store"),
+           "CKPT_CACHE": str(work / "recovery-tree-cache")}
+    # Not measured: a first dump of a small tree by each side, so that no measured dump pays
+    # for creating the store (or for reading either side's code from disk).
+    for who in ("ckpt", "criu"):
+        tree = BenchTree(1, work)
+        try:
+            if who == "ckpt":
+                timed(CKPT + ["dump", str(tree.proc.pid), "--stop", "-q"], env)
+            else:
+                raw_dump(criu, tree.proc.pid, work / "recovery-tree-first", leave_running=False)
+                shutil.rmtree(work / "recovery-tree-first")
+            tree.dumped()
+        finally:
+            if state(tree.proc.pid) not in (None, "Z"):
+                tree.end()
+    by_count = {}
+    for count in counts:
+        rows: dict[str, list] = {"ckpt_dump_s": [], "criu_dump_s": [], "eager_s": [], "default_running_s": [],
+                                 "default_last_page_s": [], "default_lazy": [], "criu_restore_s": []}
+        for run in range(runs):
+            raw_images = work / f"recovery-tree-raw-{count}-{run}"
+            checkpoint, raw_root = None, None
+            for who in rotated(["ckpt", "criu"], run):
+                pause()
+                tree = BenchTree(count, work)
+                try:
+                    if who == "ckpt":
+                        elapsed, out = timed(CKPT + ["dump", str(tree.proc.pid), "--stop", "--json", "--name",
+                                                     f"tree-{count}"], env)
+                        checkpoint = json.loads(out)["id"]
+                        rows["ckpt_dump_s"].append(elapsed)
+                    else:
+                        rows["criu_dump_s"].append(raw_dump(criu, tree.proc.pid, raw_images, leave_running=False))
+                        raw_root = tree.proc.pid
+                    tree.dumped()
+                finally:
+                    if state(tree.proc.pid) not in (None, "Z"):
+                        tree.end()
+            try:
+                for step in rotated(["eager", "default", "criu"], run):
+                    pause()
+                    if step == "eager":
+                        rows["eager_s"].append(ckpt_restore_timed([checkpoint, "--eager"], env)["running_s"])
+                    elif step == "default":
+                        r = ckpt_restore_timed([checkpoint], env)
+                        rows["default_running_s"].append(r["running_s"])
+                        rows["default_last_page_s"].append(r["last_page_s"])
+                        rows["default_lazy"].append(r["lazy"])
+                    else:
+                        rows["criu_restore_s"].append(criu_restore_timed(criu, raw_images, raw_root))
+            finally:
+                shutil.rmtree(raw_images, ignore_errors=True)
+        by_count[count] = {"samples": rows, "medians": {k: statistics.median(v) for k, v in rows.items()
+                                                        if k != "default_lazy"}}
+    return {"child_mib": TREE_CHILD_MIB, "counts": counts, "runs": runs, "by_count": by_count}
+
+
+def bench_recovery(work: Path, criu: str, s3_mib: int, local_mib: int, tree_counts: list[int], runs: int) -> dict:
+    load_before = os.getloadavg()
+    reporting = free_page_reporting()
+    server_dir = work / "recovery-weed"
+    server_dir.mkdir()
+    began = time.monotonic()
+    server = WeedServer(server_dir).start()
+    try:
+        server.client().create_bucket(Bucket=S3_BUCKET)
+        from_s3 = bench_recovery_s3(server, work, criu, s3_mib, runs)
+    finally:
+        server.stop()
+    took = {"s3": time.monotonic() - began}
+    local = bench_recovery_local(work, criu, local_mib, runs)
+    took["local"] = time.monotonic() - began - took["s3"]
+    tree = bench_recovery_tree(work, criu, tree_counts, runs)
+    took["tree"] = time.monotonic() - began - took["s3"] - took["local"]
+    result = {"return_pause_s": RETURN_PAUSE, "free_page_reporting": reporting["reporting"],
+              "load_average": {"before": load_before, "after": os.getloadavg()}, "took_s": took,
+              "s3": from_s3, "local": local, "tree": tree}
+    result["table"] = recovery_table(result)
+    return result
+
+
+def recovery_table(r: dict) -> list[dict]:
+    """The rows of issue 28's table: what, ckpt, the reference and what it is, the ratio, the goal
+    (a limit the ratio must stay under, or at most), and whether it was met."""
+    rows = []
+
+    def row(what: str, ckpt: float | None, reference: float | None, ref_what: str, limit: float | None = None,
+            strict: bool = False, note: str = "") -> None:
+        ratio = ckpt / reference if ckpt is not None and reference else None
+        met = None if limit is None or ratio is None else (ratio < limit if strict else ratio <= limit)
+        rows.append({"what": what, "ckpt_s": ckpt, "reference_s": reference, "reference": ref_what, "ratio": ratio,
+                     "goal": None if limit is None else f"{'<' if strict else '<='} {limit:g}", "met": met,
+                     "note": note})
+
+    s, m = r["s3"], r["s3"]["medians"]
+    raw = "criu restore -d, local disk"
+    row(f"{s['size_mib']} MiB from S3, empty cache (another host): the tree runs", m["ckpt_running_s"],
+        m["criu_restore_s"], raw)
+    row("  ... until its last page is back", m["ckpt_last_page_s"], m["download_s"],
+        f"bulk download, {s['blobs']} blobs, {s['blob_bytes'] / 2**20:.0f} MiB", 1.5)
+    if s["warm_missing"] or not s["samples"]["warm_running_s"]:
+        row("from S3 after `ckpt cache warm`", None, None, "", note=s["warm_missing"])
+    else:
+        row("from S3 after `ckpt cache warm`: the tree runs", m["warm_running_s"], m["criu_restore_s"], raw, 1.0,
+            strict=True, note=f"warm took {m['warm_s']:.2f} s")
+        row("  ... until its last page is back", m["warm_last_page_s"], m["criu_restore_s"], raw, 1.5)
+    loc, lm = r["local"], r["local"]["medians"]
+    row(f"{loc['size_mib']} MiB local, lazy (the default): the tree runs", lm["lazy_running_s"], lm["criu_restore_s"],
+        "criu restore -d", 1.0, strict=True)
+    row("  ... until its last page is back", lm["lazy_last_page_s"], lm["criu_restore_s"], "criu restore -d", 1.5)
+    row("  `ckpt restore --eager`", lm["eager_s"], lm["criu_restore_s"], "criu restore -d", 1.5)
+    tree = r["tree"]
+    last = max(tree["counts"])
+    for count in tree["counts"]:
+        tm = tree["by_count"][count]["medians"]
+        limit = 1.5 if count == last and count >= 100 else None
+        lazy = "lazy" if all(tree["by_count"][count]["samples"]["default_lazy"]) else "eager"
+        row(f"1 + {count} processes ({tree['child_mib']} MiB each): `ckpt dump --stop`", tm["ckpt_dump_s"],
+            tm["criu_dump_s"], "criu dump", limit)
+        row("  `ckpt restore --eager`", tm["eager_s"], tm["criu_restore_s"], "criu restore -d", limit)
+        row(f"  `ckpt restore` (default, {lazy}): the tree runs", tm["default_running_s"], tm["criu_restore_s"],
+            "criu restore -d")
+        row("  ... until its last page is back", tm["default_last_page_s"], tm["criu_restore_s"], "criu restore -d")
+    return rows
+
+
+def print_recovery(r: dict) -> None:
+    s, loc, tree = r["s3"], r["local"], r["tree"]
+    load = r["load_average"]
+    print(f"recovery time (issue 28), {s['runs']} runs, medians; each measured step starts {r['return_pause_s']:g} s "
+          f"after the step before freed its memory, once the page cache is written back (sync): every side faults "
+          f"in memory the host took back (free page reporting {'on' if r['free_page_reporting'] else 'off'}), none "
+          f"reuses memory another just freed; the order of the sides rotates from run to run; load average (1 min) "
+          f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after; took "
+          + ", ".join(f"{part} {seconds:.0f} s" for part, seconds in r["took_s"].items()))
+    print(f"  from S3: an encrypted store in SeaweedFS on 127.0.0.1 holding one checkpoint of a {s['size_mib']} MiB "
+          f"target (dirtymem, random data; dump {s['dump_s']:.2f} s, raw criu dump to local disk "
+          f"{s['raw_dump_s']:.2f} s); another host is a fresh empty CKPT_CACHE; the bulk download is get_file of "
+          f"ckpt's encrypted S3 backend, {s['download_workers']} blobs at once, of every blob under packs/, "
+          f"objects/, index/; the last page is in when the page server's record /run/ckpt/lazy/<pid>.json goes "
+          f"(its page-server.log then says done)")
+    print(f"  local: a {loc['size_mib']} MiB target dumped by ckpt and by raw criu (--leave-running, its own "
+          f"directory); trees: one parent and N children of {tree['child_mib']} MiB (tests/fixtures/bench_tree.py), "
+          f"each side dumping a fresh tree")
+    print(f"  {'what':64} {'ckpt':>8} {'reference':>10}  {'ratio':>6} {'goal':>7}  met  reference is")
+    for row in r["table"]:
+        if row["ckpt_s"] is None:
+            print(f"  {row['what']:64} skipped: {row['note']}")
+            continue
+        ratio = "" if row["ratio"] is None else f"{row['ratio']:6.2f}"
+        met = "" if row["met"] is None else ("yes" if row["met"] else "NO")
+        print(f"  {row['what']:64} {row['ckpt_s']:7.2f}s {row['reference_s']:9.2f}s  {ratio:>6} "
+              f"{row['goal'] or '':>7}  {met:3}  {row['reference']}" + (f" ({row['note']})" if row["note"] else ""))
+    ss = s["samples"]
+    print(f"  samples, from S3: runs {_samples(ss['ckpt_running_s'])} s, last page {_samples(ss['ckpt_last_page_s'])}"
+          f" s; bulk download {_samples(ss['download_s'])} s; raw restore {_samples(ss['criu_restore_s'])} s"
+          + ("" if not ss["warm_running_s"] else f"; warm {_samples(ss['warm_s'])} s, then runs "
+             f"{_samples(ss['warm_running_s'])} s, last page {_samples(ss['warm_last_page_s'])} s"))
+    for label, serving in (("from S3", ss["ckpt_serving"]), ("from S3, warmed cache", ss["warm_serving"]),
+                           ("local", loc["samples"]["lazy_serving"])):
+        for sv in serving:
+            if "requests" in sv:
+                print(f"    page server, {label}: {sv['pages_served']} pages served of {sv['pages']} in "
+                      f"{sv['requests']} requests in {sv['server_s']:.2f} s")
+    ls = loc["samples"]
+    print(f"  samples, local: lazy runs {_samples(ls['lazy_running_s'])} s, last page "
+          f"{_samples(ls['lazy_last_page_s'])} s; --eager {_samples(ls['eager_s'])} s; raw restore "
+          f"{_samples(ls['criu_restore_s'])} s")
+    for count in tree["counts"]:
+        ts = tree["by_count"][count]["samples"]
+        print(f"  samples, 1 + {count} processes: ckpt dump --stop {_samples(ts['ckpt_dump_s'])} s, criu dump "
+              f"{_samples(ts['criu_dump_s'])} s; --eager {_samples(ts['eager_s'])} s; default runs "
+              f"{_samples(ts['default_running_s'])} s, last page {_samples(ts['default_last_page_s'])} s; raw "
+              f"restore {_samples(ts['criu_restore_s'])} s")
+
+
+SECTIONS = ["growth", "dump", "scale", "s3", "cadence", "group", "migrate", "clones", "recovery"]
 
 
 def arguments() -> argparse.Namespace:
@@ -1256,6 +1730,10 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--clone-mib", type=int, default=1024, help="the cloned checkpoint's target, in MiB")
     parser.add_argument("--clone-copies", type=_mib_list, default=[1, 4, 16], help="copies per clone, comma-separated")
     parser.add_argument("--clone-runs", type=int, default=1, help="runs of each number of copies")
+    parser.add_argument("--recovery-s3-mib", type=int, default=1024,
+                        help="the recovery section's target restored from S3, in MiB (its local one: --size-mib)")
+    parser.add_argument("--recovery-tree-n", type=_mib_list, default=[25, 100],
+                        help="children of the recovery section's process trees, comma-separated")
     parser.add_argument("--only", choices=SECTIONS, action="append")
     return parser.parse_args()
 
@@ -1309,6 +1787,9 @@ def main() -> None:
         if "clones" in only:
             print_clones(results.setdefault("clones", bench_clones(args.clone_mib, args.clone_copies,
                                                                    args.clone_runs, work, criu)))
+        if "recovery" in only:
+            print_recovery(results.setdefault("recovery", bench_recovery(
+                work, criu, args.recovery_s3_mib, args.size_mib, args.recovery_tree_n, args.runs)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out_dir = ROOT / "bench-results"
