@@ -7,6 +7,7 @@ from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Store
 from ckpt.store.groups import GroupManifest, group_of
+from ckpt.store.staging import discard
 from ckpt.store.verify import verify as verify_checkpoint
 
 
@@ -30,7 +31,15 @@ def _verify_one(store: Store, checkpoint_id: str, reporter: Reporter) -> dict:
     except DamagedCheckpoint as exc:
         return {"id": checkpoint_id, "files": 0, "problems": [exc.message]}
     reporter.step(f"verifying {checkpoint_id}")
-    problems = verify_checkpoint(store.objects, manifest, reporter)
+    if not store.objects.remote:
+        problems = verify_checkpoint(store.objects, manifest, reporter)
+    else:
+        # A remote store's segments come down ahead, in large parallel requests, into a spool here.
+        work = store.staging_area().new_dir("verify")
+        try:
+            problems = verify_checkpoint(store.objects, manifest, reporter, spool_dir=work / "spool")
+        finally:
+            discard(work)
     return {"id": checkpoint_id, "files": len(manifest.files), "problems": problems}
 
 

@@ -31,7 +31,7 @@ from ckpt.errors import DamagedBlob, DamagedCheckpoint
 from ckpt.phases import phase
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, BlobWriter, RangeReader
 from ckpt.store.blocks.segments import (CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segment, pack_name, segment_key,
-                                        split_location)
+                                        WITHIN_BITS, split_location)
 from ckpt.system.files import FILE_MODE
 
 if TYPE_CHECKING:
@@ -801,7 +801,8 @@ class BlockStore:
         return locations
 
     def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,
-                    holes: Sequence[tuple[int, int]] = (), check_holes: bool = True) -> list[int]:
+                    holes: Sequence[tuple[int, int]] = (), check_holes: bool = True,
+                    spool_dir: Path | None = None) -> list[int]:
         """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
         Returns the location of each page (BlockIndex.pages).
 
@@ -814,11 +815,14 @@ class BlockStore:
         check_holes=False (a store in S3): reading every segment up front would download the
         whole image before the tree runs; the page server checks each segment as it first
         serves it, and damage met there ends the tree (a failed lazy restore).
+        spool_dir (`ckpt verify` of a remote store): the segments of packs the backend does not
+        hold locally are fetched ahead there, in large parallel requests (blocks/prefetch.py).
         """
         index = self.index()
         locations = self.locate(image_name, page_list)
         holes = sorted(holes)
-        rebuild = _ImageRebuild(self, index, image_name, page_list, locations, check_ids, dest)
+        ahead = self._ranges_ahead(locations, spool_dir) if spool_dir is not None and not holes else None
+        rebuild = _ImageRebuild(self, index, image_name, page_list, locations, check_ids, dest, ahead)
         try:
             # Under the holes, each segment is checked once (no run needs working out: most of a
             # large tree's memory is there).
@@ -868,6 +872,26 @@ class BlockStore:
             self.backend.reader(), prefetcher, self.backend.without_copies(), owns_prefetcher=False)))
             for _ in range(count)], prefetcher
 
+    def _ranges_ahead(self, locations: list[int], spool_dir: Path) -> RangeReader | None:
+        """A reading session that fetches the segments of these locations (in their order) ahead
+        from a remote store, or None (all held locally, or no room for the spool)."""
+        if not locations:
+            return None
+        keys = [location >> WITHIN_BITS for location in locations]
+        index = self.index()
+        fetched = self._not_held(list(dict.fromkeys(keys)), index.segment_list)
+        if not fetched:
+            return None
+        from ckpt.store.blocks.prefetch import PrefetchedRanges, Prefetcher
+
+        prefetcher = Prefetcher(self.backend.without_copies(), index.segment_list, fetched, spool_dir)
+        try:
+            prefetcher.start()
+        except OSError:
+            prefetcher.close()
+            return None
+        return PrefetchedRanges(self.backend.reader(), prefetcher, self.backend.without_copies())
+
     def _not_held(self, wanted: Sequence[int], segments: Sequence[Segment]) -> list[int]:
         """The wanted segments of packs the backend does not hold locally."""
         remote: dict[str, bool] = {}
@@ -915,12 +939,12 @@ class _ImageRebuild:
     """One BlockStore.write_image: an image's pages out of the packs into its file (or only
     checked, without a file), run by run."""
 
-    def __init__(self, blocks: BlockStore, index: BlockIndex, image_name: str, page_list: bytes,
-                 locations: list[int], check_ids: bool, dest: Path | None):
+    def __init__(self, blocks: BlockStore, index: BlockIndex, image_name: str, page_list: bytes,  # noqa: PLR0913
+                 locations: list[int], check_ids: bool, dest: Path | None, ranges: RangeReader | None = None):
         self.blocks, self.index, self.image_name = blocks, index, image_name
         self.page_list, self.locations, self.check_ids = page_list, locations, check_ids
         self.out_fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE) if dest is not None else None
-        self.reader = _SegmentReader(blocks, index)
+        self.reader = _SegmentReader(blocks, index, ranges)
         # Only checking (verify): every damaged segment is met and recorded, not just the
         # first, so that no later dump names a page of any of them.
         self.damaged: dict[int, DamagedCheckpoint] = {}
