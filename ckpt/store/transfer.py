@@ -22,6 +22,7 @@ reads only the pages that changed.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from dataclasses import dataclass
 
 import blake3
@@ -36,6 +37,7 @@ from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, PAGE
 from ckpt.store.groups import Groups
 from ckpt.store.objects import object_name
 from ckpt.store.repository import STORE_META, Manifest, Store
+from ckpt.store.staging import discard
 
 BATCH_PAGES = 2048  # pages read, hashed and looked up at a time (8 MiB)
 CHUNK = 4 << 20
@@ -288,10 +290,24 @@ class _ImagePages:
         self.index = copier.dest.blocks.index()
         self.locations = copier.source.blocks.locate(image, src_list)
         self.reader = copier.source.blocks.page_reader()
+        self.spool: Path | None = None
         self.dest_seed = copier.dest.blocks.seed
 
-    def close(self) -> None:
+    def read_ahead(self, rows: list[int]) -> None:
+        """From a remote source, the pages of these rows are fetched ahead (large parallel
+        requests, into a spool in the source's staging area) for the reads that follow."""
+        if not self.copier.source.objects.remote or not rows:
+            return
+        self.spool = self.copier.source.staging_area().new_dir("copy")
         self.reader.close()
+        self.reader = self.copier.source.blocks.page_reader([self.locations[i] for i in rows], self.spool / "spool")
+
+    def close(self) -> None:
+        try:
+            self.reader.close()
+        finally:
+            if self.spool is not None:
+                discard(self.spool)
 
     def read(self, rows: list[int]) -> bytes:
         pages = self.reader.read([self.locations[i] for i in rows])
@@ -321,6 +337,7 @@ class _ImagePages:
     def copy_same_ids(self, progress) -> bytes:
         """Both stores name pages alike (the same seed): the page list is copied as it is."""
         rows = self.index.missing(self.src_list)
+        self.read_ahead(rows)
         for start in range(0, len(rows), BATCH_PAGES):
             batch = rows[start:start + BATCH_PAGES]
             self.send(self.read(batch), b"".join(self.src_list[i * ID_LEN:(i + 1) * ID_LEN] for i in batch))
@@ -339,6 +356,7 @@ class _ImagePages:
             else:
                 dest_list[i * ID_LEN:(i + 1) * ID_LEN] = mapped
         # Pages not translated: read, hashed with the destination's seed, sent if it lacks them.
+        self.read_ahead(unknown)
         for start in range(0, len(unknown), BATCH_PAGES):
             batch = unknown[start:start + BATCH_PAGES]
             pages = self.read(batch)

@@ -841,9 +841,12 @@ class BlockStore:
             rebuild.close()
         return locations
 
-    def page_reader(self) -> PageReader:
-        """Reads pages by location, each segment checked against its checksum (`ckpt copy`)."""
-        return PageReader(_SegmentReader(self, self.index()))
+    def page_reader(self, ahead: Sequence[int] = (), spool_dir: Path | None = None) -> PageReader:
+        """Reads pages by location, each segment checked against its checksum (`ckpt copy`).
+        ahead: locations it will read, in about that order: from a remote store their segments
+        are fetched ahead into spool_dir, in large parallel requests (blocks/prefetch.py)."""
+        ranges = self._ranges_ahead(list(ahead), spool_dir) if ahead and spool_dir is not None else None
+        return PageReader(_SegmentReader(self, self.index(), ranges))
 
     def page_readers(self, count: int, wanted: Sequence[int] = (), spool_dir: Path | None = None
                      ) -> tuple[list[PageReader], Prefetcher | None]:
