@@ -165,3 +165,32 @@ def test_an_eager_restore_from_s3_fetches_ahead_and_copies_every_page_in(procs, 
     assert result["lazy"] is None and filled is not None and filled["pages"] >= (64 << 20) // PAGE, result
     assert 64 << 20 <= filled["bytes_fetched"] and 0 < filled["store_requests"] <= filled["bytes_fetched"] / (1 << 20)
     assert report(result["pid"], out)[0] == checksum, "the restored memory differs from the checkpoint's"
+
+
+def test_copy_and_verify_of_an_s3_store_fetch_ahead_in_large_requests(procs, tmp_path, s3_server):
+    """`ckpt copy` out of S3 and `ckpt verify` of it read the segments through the prefetcher:
+    a few large range requests, counted by a relay in front of the server."""
+    from urllib.parse import urlsplit
+
+    from tests.s3count import CountingRelay
+
+    dumped, checksum, out = dumped_bigmem(procs, tmp_path, 48)
+    upstream = urlsplit(s3_server.endpoint)
+    relay = CountingRelay((upstream.hostname, upstream.port))
+    copied_to = tmp_path / "local"
+    try:
+        env = {"AWS_ENDPOINT_URL": relay.endpoint, "CKPT_CACHE": str(tmp_path / "fresh-cache")}
+        assert ckpt("verify", dumped, env=env).returncode == 0
+        verified = [r for r in relay.requests if r.method == "GET" and "/packs/" in r.path]
+        assert ckpt("copy", dumped, "--to", copied_to, env={**env, "CKPT_CACHE": str(tmp_path / "cache-2")}
+                    ).returncode == 0
+        copied = [r for r in relay.requests if r.method == "GET" and "/packs/" in r.path][len(verified):]
+    finally:
+        relay.stop()
+    assert relay.unparsed == 0
+    for requests in (verified, copied):
+        # 48 MiB of segments of 1 MiB or less: coalesced into ranges of several MiB.
+        assert 0 < len(requests) <= 16, requests
+    restored = ckpt_json("restore", dumped, "--store", copied_to, "--eager")
+    procs.adopt(restored["pid"])
+    assert report(restored["pid"], out)[0] == checksum
