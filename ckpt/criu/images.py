@@ -61,14 +61,36 @@ def process_tree(image_dir: Path) -> list[dict]:
         comm = "?"
         core_path = image_dir / f"core-{pid}.img"
         if core_path.exists():
-            core = load_image(core_path)["entries"][0]
-            comm = core.get("tc", {}).get("comm", "?")
+            comm = _core_comm(core_path)
         result.append({
             "pid": pid, "ppid": int(item.get("ppid", 0)), "pgid": int(item.get("pgid", 0)),
             "sid": int(item.get("sid", 0)), "threads": [int(t) for t in item.get("threads", [pid])],
             "comm": comm,
         })
     return result
+
+
+def _core_comm(path: Path) -> str:
+    """The command name in a core-PID.img: its first entry parsed with protobuf alone.
+    load_image turns the whole entry (registers, signal masks, ...) into dicts, 4 ms per
+    process: 0.4 s of a 100-process tree's dump, while the tree is frozen with --stop."""
+    from pycriu.images import magic, pb
+
+    with open(path, "rb") as f:
+        try:
+            found, = struct.unpack("i", f.read(4))
+            if found in (magic.by_name["IMG_COMMON"], magic.by_name["IMG_SERVICE"]):  # images v1.1
+                found, = struct.unpack("i", f.read(4))
+            if magic.by_val.get(found) != "CORE":
+                raise ValueError(f"magic {found:#x} is not CORE's")
+            size, = struct.unpack("i", f.read(4))
+            core = pb.core_entry()
+            core.ParseFromString(f.read(size))
+        except Exception as exc:  # as load_image: pycriu and protobuf raise many kinds
+            raise ImageUnreadable(f"CRIU's image {path.name} is truncated or unreadable ({type(exc).__name__}: "
+                                  f"{exc})", hint="if the disk holding it is full, free some space and try again"
+                                  ) from exc
+    return core.tc.comm if core.HasField("tc") and core.tc.comm else "?"
 
 
 def _addr(value) -> str:
