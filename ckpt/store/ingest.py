@@ -9,6 +9,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+import blake3
+
 from ckpt.errors import StoreError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store.blocks.blockstore import IngestStats, StreamedPages
@@ -52,7 +54,9 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
     with ThreadPoolExecutor(max_workers=FILE_WORKERS, thread_name_prefix="ckpt-ingest") as pool:
         try:
             stored = ingestion.store_files(other_files, object_codec, pool)
-            block_stats = ingestion.store_pages(page_images, codec, reporter, complete_page_lists, earlier)
+            block_stats, lists = ingestion.store_pages(page_images, codec, reporter, complete_page_lists, earlier,
+                                                       pool)
+            stored += lists
             for future in stored:
                 future.result()
             objects.backend.delete(ingestion.superseded)  # only now that the fresh copies are durable
@@ -77,8 +81,10 @@ class _Ingestion:
         self._lock = threading.Lock()
 
     def store_pages(self, page_images: list[Path | StreamedPages], codec: str, reporter: Reporter,
-                    complete_page_lists: CompletePageLists | None, earlier: dict | None) -> IngestStats:
-        """The pages to the block store, then each pages image's page list as an object."""
+                    complete_page_lists: CompletePageLists | None, earlier: dict | None,
+                    pool: ThreadPoolExecutor) -> tuple[IngestStats, list[Future]]:
+        """The pages to the block store, then each pages image's page list as an object, in
+        pool's threads: returns the figures and the futures of the page lists."""
         sizes = {p.name: p.size if isinstance(p, StreamedPages) else p.stat().st_size for p in page_images}
         reporter.step(f"storing {sum(sizes.values()) // 4096} pages")
         page_lists, block_stats, _ = self.objects.blocks.ingest(
@@ -93,14 +99,23 @@ class _Ingestion:
             block_stats.bytes_dedup += from_parent * PAGE
             # The pagemaps were rewritten: take their sizes again.
             sizes = {name: len(page_list) // PAGE_ID_SIZE * PAGE for name, page_list in page_lists.items()}
-        for name in sorted(page_lists):  # completion may name a pages image CRIU left empty
-            superseded: list[str] = []
-            digest, stored, new = self.objects.put_bytes(page_lists[name], superseded)
-            with self._lock:
-                self.superseded += superseded
-                self.added += new
-                self.entries.append(FileEntry(name, sizes[name], digest, "pages", stored, kind="pages"))
-        return block_stats
+        # The page lists as objects, in the pool's threads (one per process: durable one after
+        # the other, they cost a 100-process dump 0.3-0.8 s). Lists alike are stored once.
+        by_digest: dict[str, list[str]] = {}
+        for name in page_lists:  # completion may name a pages image CRIU left empty
+            by_digest.setdefault(blake3.blake3(page_lists[name]).hexdigest(), []).append(name)
+        stored = [pool.submit(self.store_page_list, page_lists[names[0]], digest,
+                              [(name, sizes[name]) for name in names]) for digest, names in by_digest.items()]
+        return block_stats, stored
+
+    def store_page_list(self, page_list: bytes, digest: str, images: list[tuple[str, int]]) -> None:
+        """A page list as an object, and the entries of the pages images (name, size) it is of."""
+        superseded: list[str] = []
+        _, stored, new = self.objects.put_bytes(page_list, superseded)
+        with self._lock:
+            self.superseded += superseded
+            self.added += new
+            self.entries.extend(FileEntry(name, size, digest, "pages", stored, kind="pages") for name, size in images)
 
     def store_files(self, paths: list[Path], object_codec: str, pool: ThreadPoolExecutor) -> list[Future]:
         """Stores image files as objects in pool's threads; returns their futures (the entries are

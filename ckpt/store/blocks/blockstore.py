@@ -325,7 +325,8 @@ def _incompressible(view: memoryview, runs: list[tuple[int, int]]) -> list[bool]
 
 def _first_seen(rows, page_list: bytes, seen: list) -> list[int]:
     """The rows whose id no earlier row has, of this image or of the images before it in
-    this dump (`seen`: their stored ids, arrays of uint64 halves, to which these are added):
+    this dump (`seen`: their stored ids, one array of uint64 halves sorted by the first, to
+    which these are added):
     a page repeated in one dump is stored once. Sorted searches, not a set of half a million
     ids (1.7 s for a first dump of 2 GiB)."""
     import numpy as np
@@ -349,8 +350,7 @@ def _first_seen(rows, page_list: bytes, seen: list) -> list[int]:
         drop[by_id[1:][repeat]] = True
         rows, halves = rows[~drop], halves[~drop]
     if seen:
-        earlier = np.concatenate(seen)
-        earlier = earlier[np.argsort(earlier[:, 0], kind="stable")]
+        earlier = seen[0]  # sorted by first half (kept so below)
         low = np.searchsorted(earlier[:, 0], halves[:, 0], side="left")
         high = np.searchsorted(earlier[:, 0], halves[:, 0], side="right")
         # A first half seen once (nearly always): compare the second halves all at once;
@@ -361,7 +361,11 @@ def _first_seen(rows, page_list: bytes, seen: list) -> list[int]:
         for k in np.flatnonzero(high - low > 1).tolist():
             known[k] = bool(np.any(earlier[low[k]:high[k], 1] == halves[k, 1]))
         rows, halves = rows[~known], halves[~known]
-    seen.append(halves)
+    # One array, sorted by first half, rather than one per image sorted again for each next
+    # image: a dump of a 100-process tree spent 0.4-0.6 s in those sorts.
+    # (Two sorted runs: the stable sort, a timsort, merges them in one pass.)
+    merged = np.concatenate([*seen, halves[np.argsort(halves[:, 0], kind="stable")]])
+    seen[:] = [merged[np.argsort(merged[:, 0], kind="stable")]]
     return rows.tolist()
 
 
