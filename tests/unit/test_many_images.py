@@ -124,3 +124,10 @@ def test_only_a_sample_of_a_small_pages_image_is_compressed_to_decide(tmp_path):
     zero_image.write_bytes(bytes(2 << 20))
     assert not worth_compressing(random_image)
     assert worth_compressing(zero_image)
+
+
+def test_a_restore_logs_errors_and_warnings_at_the_default_level_and_anything_asked_otherwise():
+    from ckpt.criu.client import restore_log_level
+
+    assert restore_log_level(3) == 2  # the default: no line per run of pages read
+    assert [restore_log_level(level) for level in (0, 1, 2, 4)] == [0, 1, 2, 4]
