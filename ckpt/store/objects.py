@@ -49,9 +49,9 @@ def worth_compressing(path: Path) -> bool:
     size = path.stat().st_size
     if size < SAMPLE:
         return True
-    # At most a sixteenth of the file: a 2 MiB pages image (a worker of a pool) was half read
+    # At most a 32nd of the file: a 2 MiB pages image (a worker of a pool) was half read
     # and compressed to decide, 3 ms a process.
-    piece = max(PAGE_SAMPLE, min(SAMPLE, size // 16) // SAMPLES)
+    piece = max(PAGE_SAMPLE, min(SAMPLE, size // 32) // SAMPLES)
     compressor = _compressor()
     with open(path, "rb") as f:
         raw = packed = 0
