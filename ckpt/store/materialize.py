@@ -84,10 +84,13 @@ def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: 
             if pages and not skip_pages:
                 holes = holes_for(dest)
                 objects.blocks.index()  # loaded once, before the threads look pages up in it
+                # Segments found intact by one image are not checked again for the next: the
+                # processes of a tree share most of their pages.
+                checked: set[int] = set()
 
                 def write_pages(entry: FileEntry) -> None:
                     left_out = holes.get(entry.name, ())
-                    found = objects.check_entry(entry, dest / entry.name, holes=left_out)
+                    found = objects.check_entry(entry, dest / entry.name, holes=left_out, checked=checked)
                     if left_out and found is not None:
                         locations[entry.name] = found
 

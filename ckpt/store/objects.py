@@ -187,12 +187,14 @@ class Objects:
         return hasher.hexdigest()
 
     def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False,
-                    holes: Sequence[tuple[int, int]] = ()) -> list[int] | None:
+                    holes: Sequence[tuple[int, int]] = (), checked: set[int] | None = None) -> list[int] | None:
         """Checks one image (writing it to dest if given). For a pages image, returns the
-        location of each of its pages; holes are page ranges checked but not written."""
+        location of each of its pages; holes are page ranges checked but not written; checked
+        holds the segments found intact by the other images of the same layout
+        (BlockStore.write_image)."""
         if entry.kind == "pages":
             return self.blocks.write_image(entry.name, self.load_page_list(entry), dest, check_ids=thorough,
-                                           holes=holes, check_holes=not self.remote)
+                                           holes=holes, check_holes=not self.remote, checked=checked)
         digest = self.read_into(entry, dest)
         if digest != entry.hash:
             raise DamagedCheckpoint(f"image {entry.name} is damaged: its content hash is {digest[:16]}…, "

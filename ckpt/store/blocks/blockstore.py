@@ -829,7 +829,8 @@ class BlockStore:
         return locations
 
     def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,
-                    holes: Sequence[tuple[int, int]] = (), check_holes: bool = True) -> list[int]:
+                    holes: Sequence[tuple[int, int]] = (), check_holes: bool = True,
+                    checked: set[int] | None = None) -> list[int]:
         """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
         Returns the location of each page (BlockIndex.pages).
 
@@ -842,11 +843,15 @@ class BlockStore:
         check_holes=False (a store in S3): reading every segment up front would download the
         whole image before the tree runs; the page server checks each segment as it first
         serves it, and damage met there ends the tree (a failed lazy restore).
+        checked: the segments (keys of the loaded index) found intact, shared by the images of
+        one layout (ckpt/store/materialize.py): the processes of a tree share most of their
+        pages (a worker pool forked from one parent), and each image of a 100-process pool
+        checked the same segments again.
         """
         index = self.index()
         locations = self.locate(image_name, page_list)
         holes = sorted(holes)
-        rebuild = _ImageRebuild(self, index, image_name, page_list, locations, check_ids, dest)
+        rebuild = _ImageRebuild(self, index, image_name, page_list, locations, check_ids, dest, checked)
         try:
             # Under the holes, each segment is checked once (no run needs working out: most of a
             # large tree's memory is there).
@@ -890,11 +895,11 @@ class _ImageRebuild:
     checked, without a file), run by run."""
 
     def __init__(self, blocks: BlockStore, index: BlockIndex, image_name: str, page_list: bytes,
-                 locations: list[int], check_ids: bool, dest: Path | None):
+                 locations: list[int], check_ids: bool, dest: Path | None, checked: set[int] | None = None):
         self.blocks, self.index, self.image_name = blocks, index, image_name
         self.page_list, self.locations, self.check_ids = page_list, locations, check_ids
         self.out_fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE) if dest is not None else None
-        self.reader = _SegmentReader(blocks, index)
+        self.reader = _SegmentReader(blocks, index, checked)
         # Only checking (verify): every damaged segment is met and recorded, not just the
         # first, so that no later dump names a page of any of them.
         self.damaged: dict[int, DamagedCheckpoint] = {}
@@ -1020,11 +1025,11 @@ class _SegmentReader:
     again) cost a remote store two requests and a 1 MiB transfer per 4 KiB page: 1.3 ms a
     page, a 192 MiB tree restored from S3 was still faulting its memory in 20 s later."""
 
-    def __init__(self, blocks: BlockStore, index: BlockIndex):
+    def __init__(self, blocks: BlockStore, index: BlockIndex, checked: set[int] | None = None):
         self.blocks = blocks
         self.index = index
         self.ranges: RangeReader = blocks.backend.reader()
-        self.checked: set[int] = set()
+        self.checked: set[int] = set() if checked is None else checked  # keys found intact
         self.held: collections.OrderedDict[int, memoryview] = collections.OrderedDict()
 
     def _damaged(self, seg: Segment, message: str) -> DamagedCheckpoint:
