@@ -115,7 +115,7 @@ class _Progress:
         self.reporter.progress(self.done, self.total, "verifying images")
 
 
-def _each(pool: ThreadPoolExecutor, work: Callable[[FileEntry], None], entries: list[FileEntry],
+def _each(pool: ThreadPoolExecutor, work: Callable[[FileEntry], object], entries: list[FileEntry],
           progress: _Progress) -> None:
     """work(entry) for every entry in the pool's threads; returns once all are done. The first
     failure is raised once the others have stopped (none is started after it): the caller
