@@ -79,7 +79,18 @@ def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: 
         # of images (a 101-process tree: 712, 5 s one after the other), and the work on each
         # (reading, decompressing, hashing, writing) mostly releases the GIL.
         with ThreadPoolExecutor(max_workers=LAY_OUT_WORKERS, thread_name_prefix="ckpt-lay-out") as pool:
-            _each(pool, lambda entry: objects.check_entry(entry, dest / entry.name), others, progress)
+            # Images of one content (many in a worker pool) are checked once, the others linked to it.
+            alike: dict[str, list[FileEntry]] = {}
+            for entry in others:
+                alike.setdefault(entry.hash, []).append(entry)
+
+            def write_alike(entry: FileEntry) -> None:
+                objects.check_entry(entry, dest / entry.name)
+                for other in alike[entry.hash][1:]:
+                    os.link(dest / entry.name, dest / other.name, follow_symlinks=False)
+
+            _each(pool, write_alike, [same[0] for same in alike.values()], progress,
+                  lambda entry: sum(other.size for other in alike[entry.hash]))
             # Pages images last: which of their pages a lazy restore leaves out depends on the pagemaps.
             if pages and not skip_pages:
                 holes = holes_for(dest)
@@ -116,7 +127,7 @@ class _Progress:
 
 
 def _each(pool: ThreadPoolExecutor, work: Callable[[FileEntry], object], entries: list[FileEntry],
-          progress: _Progress) -> None:
+          progress: _Progress, size: Callable[[FileEntry], int] = lambda entry: entry.size) -> None:
     """work(entry) for every entry in the pool's threads; returns once all are done. The first
     failure is raised once the others have stopped (none is started after it): the caller
     removes the directory they write into."""
@@ -124,7 +135,7 @@ def _each(pool: ThreadPoolExecutor, work: Callable[[FileEntry], object], entries
     try:
         for future in as_completed(futures):
             future.result()
-            progress.add(futures[future].size)
+            progress.add(size(futures[future]))
     except BaseException:
         for future in futures:
             future.cancel()

@@ -56,6 +56,8 @@ def test_images_alike_are_stored_once_and_every_image_comes_back(store):
     assert again.bytes_stored == 0  # every object and page is in the store already
     dest = materialize(store.objects, store.staging_area(), again)
     assert {p.name: p.read_bytes() for p in dest.iterdir()} == files
+    # laid out once (decompressed: the mm images compress), the others linked to it
+    assert len({(dest / f"mm-{k}.img").stat().st_ino for k in range(1, PROCESSES + 1)}) == 1
 
 
 def test_a_damaged_image_among_many_fails_the_lay_out_and_leaves_nothing(store):
