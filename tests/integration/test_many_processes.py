@@ -29,7 +29,7 @@ def reports(out: Path, root: int) -> dict[int, tuple[int, int, str, int]]:
     before = len(read_lines(out))
     os.kill(root, signal.SIGUSR1)
     lines = wait_until(lambda: (new := [x for x in read_lines(out)[before:] if x.startswith("child ")])
-                       and len(new) >= CHILDREN and new, timeout=30, what="every child to check its memory")
+                       and len(new) >= CHILDREN and new, timeout=60, what="every child to check its memory")
     found = {}
     for line in lines:
         _, index, pid, ppid, verdict, counter = line.split()
