@@ -281,17 +281,20 @@ BATCH_PAGES = 64  # a thread is handed segments by the batch: handing it one cos
 IN_FLIGHT = 4  # batches compressed ahead of the writer (at most 1 MiB of pages each)
 
 
-def _encoded_segments(view: memoryview, runs: list[tuple[int, int]], codec: str, encoders: _Encoders):
+def _encoded_segments(view: memoryview, runs: list[tuple[int, int]], codec: str, encoders: _Encoders,
+                      as_they_are: frozenset[tuple[int, int]] = frozenset()):
     """(stored bytes, codec used, checksum) of each run of pages, in order. A segment that does
-    not shrink is stored as it is. zstd and lz4 release the GIL: from two batches of segments
-    on, two threads compress them while the caller writes the ones before, which nearly halves
-    a first dump's compression time and takes a next dump's off the writer's path."""
+    not shrink is stored as it is, as is every run of as_they_are (found incompressible by
+    its probe: not compressed only to find it does not shrink). zstd and lz4 release the GIL:
+    from two batches of segments on, two threads compress them while the caller writes the
+    ones before, which nearly halves a first dump's compression time and takes a next dump's
+    off the writer's path."""
     def encode(run: tuple[int, int]) -> tuple[bytes, str, bytes]:
         raw = view[run[0] * PAGE:run[1] * PAGE]
+        used = "none" if run in as_they_are else codec
         try:
-            stored = encoders.encode(codec, raw)
-            used = codec
-            if codec != "none" and len(stored) >= len(raw):
+            stored = encoders.encode(used, raw)
+            if used != "none" and len(stored) >= len(raw):
                 stored, used = bytes(raw), "none"
         finally:
             raw.release()  # no view of the mapped image outlives its segment
@@ -479,10 +482,14 @@ class _Ingest:
                             page_list, self.seen)
         runs = _runs(fresh, SEGMENT_PAGES)
         at = source.file_runs(runs)  # where each run lies in the file
-        as_is = _stored_as_is(view, at, codec)
+        flat, as_is = _stored_as_is(view, at, codec)
         adopted = self.pack.adopt(source.path) if any(as_is) else None
+        # Incompressible segments of a file that is not adopted are copied into the pack as
+        # they are, not compressed only to find they do not shrink: the new pages of a tree of
+        # 100 processes, 2 MiB of random data each, cost its dump 0.5 s of compression that way.
         encoded = _encoded_segments(view, [r for r, keep in zip(at, as_is, strict=True) if not keep],
-                                    codec, self.encoders)
+                                    codec, self.encoders,
+                                    frozenset(r for r, f, keep in zip(at, flat, as_is, strict=True) if f and not keep))
         image_stats = IngestStats()
         try:
             for (run_start, end), (file_start, file_end), keep in zip(runs, at, as_is, strict=True):
@@ -507,19 +514,20 @@ class _Ingest:
         return image_stats
 
 
-def _stored_as_is(view: memoryview, at: list[tuple[int, int]], codec: str) -> list[bool]:
-    """For each run of pages (where it lies in the file), whether it is stored as it is:
-    segments that do not compress stay where they lie in the file (CRIU's pages image, or a
-    streamed image's kept pages), which becomes a pack itself (renamed into a local store: the
-    pages are not copied again). Only a file mostly made of such segments: the rest of it would
-    be dead bytes in the store until a prune repacked it (a quarter)."""
+def _stored_as_is(view: memoryview, at: list[tuple[int, int]], codec: str) -> tuple[list[bool], list[bool]]:
+    """For each run of pages (where it lies in the file): whether it does not compress (its
+    probe), and whether it is stored as it is where it lies: segments that do not compress
+    stay where they lie in the file (CRIU's pages image, or a streamed image's kept pages),
+    which becomes a pack itself (renamed into a local store: the pages are not copied again).
+    Only a file mostly made of such segments: the rest of it would be dead bytes in the store
+    until a prune repacked it (a quarter)."""
     if not at:
-        return []
-    as_is = [True] * len(at) if codec == "none" else _incompressible(view, at)
-    named = sum(end - start for (start, end), keep in zip(at, as_is, strict=True) if keep)
+        return [], []
+    flat = [True] * len(at) if codec == "none" else _incompressible(view, at)
+    named = sum(end - start for (start, end), keep in zip(at, flat, strict=True) if keep)
     if named * PAGE < ADOPT_AT_LEAST * len(view):
-        return [False] * len(at)
-    return as_is
+        return flat, [False] * len(at)
+    return flat, flat
 
 
 class PackWriter:
