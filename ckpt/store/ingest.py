@@ -40,8 +40,11 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
     if codec not in CODECS:
         raise StoreError(f"unknown compression '{codec}'", hint=f"use one of: {', '.join(CODECS)}")
     files = staging.image_files()
-    pages_files = [p for p in files if p.name.startswith("pages-") and p.name.endswith(".img")]
-    other_files = [p for p in files if p not in pages_files]
+    def is_pages(path: Path) -> bool:
+        return path.name.startswith("pages-") and path.name.endswith(".img")
+
+    pages_files = [p for p in files if is_pages(p)]
+    other_files = [p for p in files if not is_pages(p)]  # (not `p not in pages_files`: quadratic)
     # Pages images CRIU streamed to ckpt instead of writing them (ckpt/dump/pagestream.py).
     page_images: list[Path | StreamedPages] = [*pages_files, *staging.streamed.values()]
     ingestion = _Ingestion(objects)
