@@ -392,12 +392,7 @@ class DumpSession(Session[DumpRequest]):
             raise RuntimeError("finish before commit")
         self._release_staging()
         if self.request.stop:
-            # The tree is dead; wait (briefly) until its PIDs are released so that an immediate
-            # restore finds them free. Parents here reap their orphans late.
-            try:
-                procs.wait_for_pids_free(self.manifest.all_pids, timeout=3.0)
-            except CkptError:
-                pass
+            _wait_for_tree_dead(self.manifest.all_pids, self.clock)
         self._held.close()
         _merge_index_files(self._store(), self.reporter)
         self._finished = True
@@ -429,6 +424,26 @@ class DumpSession(Session[DumpRequest]):
         if self.staging is None:
             raise RuntimeError("the staging is made by prepare")
         return self.staging
+
+
+TREE_DEATH_WAIT_S = 3.0
+
+
+def _wait_for_tree_dead(pids: list[int], clock: Callable[[], float]) -> None:
+    """After --stop: waits (briefly) until every process of the tree has died, so that the
+    command returns with the target gone. Dead is enough, a zombie counts: who reaps it (the
+    root's parent, or this machine's init for the orphaned children, a second or two late) is
+    not ckpt's to wait for, and a restore waits for the PIDs to be free itself
+    (procs.wait_for_pids_free). Waiting for the reaping here cost every dump of a tree whose
+    root's parent reaps late the whole 3 s timeout (a profile of a 26-process tree: 3.0 of
+    its 4.2 s)."""
+    deadline = clock() + TREE_DEATH_WAIT_S
+    alive = list(pids)
+    while alive:
+        alive = [pid for pid in alive if procs.process_state(pid) not in (None, "Z", "X")]
+        if not alive or clock() >= deadline:
+            return
+        time.sleep(0.01)
 
 
 def _new_checkpoint_id(store: Store, request: DumpRequest) -> str:

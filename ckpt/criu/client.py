@@ -15,7 +15,7 @@ import re
 import signal
 import socket
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -354,8 +354,23 @@ class CriuClient:
 
     def restore(self, options: CriuOptions, on_notify: NotifyHandler | None = None) -> int:
         """Restores the tree; returns the PID of its root."""
+        if options.log_level is None:
+            options = replace(options, log_level=restore_log_level(self.binary.log_level))
         resp = self._call("RESTORE", options, on_notify)
         return resp.restore.pid
+
+
+INFO_LOG_LEVEL = 3
+WARNINGS_LOG_LEVEL = 2
+
+
+def restore_log_level(level: int) -> int:
+    """The level of a restore's log for CKPT_CRIU_LOG_LEVEL=level: the same, but info (the
+    default) is taken down to warnings. At info CRIU writes a line for every run of pages it
+    reads into the tree, one write(2) each: 152,000 lines for a 100-process pool, which took
+    a raw `criu restore` from 0.64 s to 2.29 s (a 100-process pool, 2 MiB each). A failed
+    restore's errors and warnings are in the log either way, and 4 is CRIU's whole trace."""
+    return WARNINGS_LOG_LEVEL if level == INFO_LOG_LEVEL else level
 
 
 def has_feature(binary: CriuBinary, feature: str) -> bool:

@@ -6,6 +6,7 @@ docs/design.md). The pages themselves are in the block store (ckpt/store/blocks/
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -28,6 +29,18 @@ CHUNK = 4 << 20
 HASH_CHUNK = 64 << 20  # read at a time to hash a stored object (blake3 hashes it on every core)
 SAMPLE = 1 << 20
 SAMPLES = 16
+PAGE_SAMPLE = 4096
+SMALL_FILE = 8 << 20  # compressed by the calling thread alone (a multithreaded compressor starts threads)
+_local = threading.local()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    """This thread's single-threaded compressor: making one costs as much as compressing a
+    page, and the image files of a tree of many processes are hundreds of a few KiB each."""
+    compressor = getattr(_local, "zstd", None)
+    if compressor is None:
+        compressor = _local.zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+    return compressor
 
 
 def worth_compressing(path: Path) -> bool:
@@ -36,12 +49,15 @@ def worth_compressing(path: Path) -> bool:
     size = path.stat().st_size
     if size < SAMPLE:
         return True
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    # At most a 32nd of the file: a 2 MiB pages image (a worker of a pool) was half read
+    # and compressed to decide, 3 ms a process.
+    piece = max(PAGE_SAMPLE, min(SAMPLE, size // 32) // SAMPLES)
+    compressor = _compressor()
     with open(path, "rb") as f:
         raw = packed = 0
         for k in range(SAMPLES):
-            f.seek((size - SAMPLE // SAMPLES) * k // (SAMPLES - 1))
-            chunk = f.read(SAMPLE // SAMPLES)
+            f.seek((size - piece) * k // (SAMPLES - 1))
+            chunk = f.read(piece)
             raw += len(chunk)
             packed += len(compressor.compress(chunk))
     return packed < 0.9 * raw
@@ -115,9 +131,11 @@ class Objects:
         name = object_name(digest, codec)
         if codec == "none":
             return codec, self.backend.put_file(name, source)  # locally a rename: no copy
-        compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1, write_content_size=True)
+        size = source.stat().st_size
+        compressor = _compressor() if size <= SMALL_FILE else zstandard.ZstdCompressor(
+            level=ZSTD_LEVEL, threads=-1, write_content_size=True)
         with open(source, "rb") as src, self.backend.writer(name) as dst:
-            compressor.copy_stream(src, dst, size=source.stat().st_size,  # type: ignore[arg-type]  # only write()
+            compressor.copy_stream(src, dst, size=size,  # type: ignore[arg-type]  # only write()
                                    read_size=CHUNK, write_size=CHUNK)
             dst.commit()
         source.unlink()
@@ -170,14 +188,15 @@ class Objects:
 
     def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False,
                     holes: Sequence[tuple[int, int]] = (), check_holes: bool = True,
-                    spool_dir: Path | None = None) -> list[int] | None:
+                    spool_dir: Path | None = None, checked: set[int] | None = None) -> list[int] | None:
         """Checks one image (writing it to dest if given). For a pages image, returns the
         location of each of its pages; holes are page ranges checked but not written
-        (check_holes=False, or a remote store: not checked here, see BlockStore.write_image)."""
+        (check_holes=False, or a remote store: not checked here, see BlockStore.write_image);
+        checked holds the segments found intact by the other images of the same layout."""
         if entry.kind == "pages":
             return self.blocks.write_image(entry.name, self.load_page_list(entry), dest, check_ids=thorough,
                                            holes=holes, check_holes=check_holes and not self.remote,
-                                           spool_dir=spool_dir)
+                                           spool_dir=spool_dir, checked=checked)
         digest = self.read_into(entry, dest)
         if digest != entry.hash:
             raise DamagedCheckpoint(f"image {entry.name} is damaged: its content hash is {digest[:16]}…, "

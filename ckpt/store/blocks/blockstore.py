@@ -17,7 +17,7 @@ import mmap
 import os
 import secrets
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -253,6 +253,20 @@ class _Encoders:
 
     def __init__(self) -> None:
         self._local = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The two threads that compress segments, the same for every image of one ingest: a
+        pool started for each image cost a 100-process dump 0.2-0.5 s (threads started, and
+        a compressor made in each)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-encode")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def encode(self, codec: str, data) -> bytes:
         if codec != "zstd":
@@ -268,17 +282,20 @@ BATCH_PAGES = 64  # a thread is handed segments by the batch: handing it one cos
 IN_FLIGHT = 4  # batches compressed ahead of the writer (at most 1 MiB of pages each)
 
 
-def _encoded_segments(view: memoryview, runs: list[tuple[int, int]], codec: str, encoders: _Encoders):
+def _encoded_segments(view: memoryview, runs: list[tuple[int, int]], codec: str, encoders: _Encoders,
+                      as_they_are: frozenset[tuple[int, int]] = frozenset()):
     """(stored bytes, codec used, checksum) of each run of pages, in order. A segment that does
-    not shrink is stored as it is. zstd and lz4 release the GIL: from two batches of segments
-    on, two threads compress them while the caller writes the ones before, which nearly halves
-    a first dump's compression time and takes a next dump's off the writer's path."""
+    not shrink is stored as it is, as is every run of as_they_are (found incompressible by
+    its probe: not compressed only to find it does not shrink). zstd and lz4 release the GIL:
+    from two batches of segments on, two threads compress them while the caller writes the
+    ones before, which nearly halves a first dump's compression time and takes a next dump's
+    off the writer's path."""
     def encode(run: tuple[int, int]) -> tuple[bytes, str, bytes]:
         raw = view[run[0] * PAGE:run[1] * PAGE]
+        used = "none" if run in as_they_are else codec
         try:
-            stored = encoders.encode(codec, raw)
-            used = codec
-            if codec != "none" and len(stored) >= len(raw):
+            stored = encoders.encode(used, raw)
+            if used != "none" and len(stored) >= len(raw):
                 stored, used = bytes(raw), "none"
         finally:
             raw.release()  # no view of the mapped image outlives its segment
@@ -292,16 +309,21 @@ def _encoded_segments(view: memoryview, runs: list[tuple[int, int]], codec: str,
         for run in runs:
             yield encode(run)
         return
-    # Closing this generator (the writer failed) waits for the batches in flight: their
-    # views must be released before the image's mapping is closed.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        pending: collections.deque = collections.deque()
+    pool = encoders.pool()
+    pending: collections.deque = collections.deque()
+    try:
         for batch in batches:
             pending.append(pool.submit(encode_batch, batch))
             if len(pending) >= IN_FLIGHT:
                 yield from pending.popleft().result()
         while pending:
             yield from pending.popleft().result()
+    finally:
+        # Closing this generator (the writer failed) waits for the batches in flight: their
+        # views must be released before the image's mapping is closed.
+        for future in pending:
+            future.cancel()
+        wait(pending)
 
 
 PROBE = 16 << 10  # of a segment, compressed to tell whether the rest would compress
@@ -326,7 +348,8 @@ def _incompressible(view: memoryview, runs: list[tuple[int, int]]) -> list[bool]
 
 def _first_seen(rows, page_list: bytes, seen: list) -> list[int]:
     """The rows whose id no earlier row has, of this image or of the images before it in
-    this dump (`seen`: their stored ids, arrays of uint64 halves, to which these are added):
+    this dump (`seen`: their stored ids, one array of uint64 halves sorted by the first, to
+    which these are added):
     a page repeated in one dump is stored once. Sorted searches, not a set of half a million
     ids (1.7 s for a first dump of 2 GiB)."""
     import numpy as np
@@ -350,8 +373,7 @@ def _first_seen(rows, page_list: bytes, seen: list) -> list[int]:
         drop[by_id[1:][repeat]] = True
         rows, halves = rows[~drop], halves[~drop]
     if seen:
-        earlier = np.concatenate(seen)
-        earlier = earlier[np.argsort(earlier[:, 0], kind="stable")]
+        earlier = seen[0]  # sorted by first half (kept so below)
         low = np.searchsorted(earlier[:, 0], halves[:, 0], side="left")
         high = np.searchsorted(earlier[:, 0], halves[:, 0], side="right")
         # A first half seen once (nearly always): compare the second halves all at once;
@@ -362,7 +384,11 @@ def _first_seen(rows, page_list: bytes, seen: list) -> list[int]:
         for k in np.flatnonzero(high - low > 1).tolist():
             known[k] = bool(np.any(earlier[low[k]:high[k], 1] == halves[k, 1]))
         rows, halves = rows[~known], halves[~known]
-    seen.append(halves)
+    # One array, sorted by first half, rather than one per image sorted again for each next
+    # image: a dump of a 100-process tree spent 0.4-0.6 s in those sorts.
+    # (Two sorted runs: the stable sort, a timsort, merges them in one pass.)
+    merged = np.concatenate([*seen, halves[np.argsort(halves[:, 0], kind="stable")]])
+    seen[:] = [merged[np.argsort(merged[:, 0], kind="stable")]]
     return rows.tolist()
 
 
@@ -457,10 +483,14 @@ class _Ingest:
                             page_list, self.seen)
         runs = _runs(fresh, SEGMENT_PAGES)
         at = source.file_runs(runs)  # where each run lies in the file
-        as_is = _stored_as_is(view, at, codec)
+        flat, as_is = _stored_as_is(view, at, codec)
         adopted = self.pack.adopt(source.path) if any(as_is) else None
+        # Incompressible segments of a file that is not adopted are copied into the pack as
+        # they are, not compressed only to find they do not shrink: the new pages of a tree of
+        # 100 processes, 2 MiB of random data each, cost its dump 0.5 s of compression that way.
         encoded = _encoded_segments(view, [r for r, keep in zip(at, as_is, strict=True) if not keep],
-                                    codec, self.encoders)
+                                    codec, self.encoders,
+                                    frozenset(r for r, f, keep in zip(at, flat, as_is, strict=True) if f and not keep))
         image_stats = IngestStats()
         try:
             for (run_start, end), (file_start, file_end), keep in zip(runs, at, as_is, strict=True):
@@ -485,19 +515,20 @@ class _Ingest:
         return image_stats
 
 
-def _stored_as_is(view: memoryview, at: list[tuple[int, int]], codec: str) -> list[bool]:
-    """For each run of pages (where it lies in the file), whether it is stored as it is:
-    segments that do not compress stay where they lie in the file (CRIU's pages image, or a
-    streamed image's kept pages), which becomes a pack itself (renamed into a local store: the
-    pages are not copied again). Only a file mostly made of such segments: the rest of it would
-    be dead bytes in the store until a prune repacked it (a quarter)."""
+def _stored_as_is(view: memoryview, at: list[tuple[int, int]], codec: str) -> tuple[list[bool], list[bool]]:
+    """For each run of pages (where it lies in the file): whether it does not compress (its
+    probe), and whether it is stored as it is where it lies: segments that do not compress
+    stay where they lie in the file (CRIU's pages image, or a streamed image's kept pages),
+    which becomes a pack itself (renamed into a local store: the pages are not copied again).
+    Only a file mostly made of such segments: the rest of it would be dead bytes in the store
+    until a prune repacked it (a quarter)."""
     if not at:
-        return []
-    as_is = [True] * len(at) if codec == "none" else _incompressible(view, at)
-    named = sum(end - start for (start, end), keep in zip(at, as_is, strict=True) if keep)
+        return [], []
+    flat = [True] * len(at) if codec == "none" else _incompressible(view, at)
+    named = sum(end - start for (start, end), keep in zip(at, flat, strict=True) if keep)
     if named * PAGE < ADOPT_AT_LEAST * len(view):
-        return [False] * len(at)
-    return as_is
+        return flat, [False] * len(at)
+    return flat, flat
 
 
 class PackWriter:
@@ -768,6 +799,8 @@ class BlockStore:
         except BaseException:
             pack.abort()
             raise
+        finally:
+            run.encoders.close()
         return run.page_lists, run.stats, written
 
     def add_pages(self, pack: PackWriter, pages, ids: bytes, codec: str, encoders: _Encoders | None = None) -> int:
@@ -777,7 +810,9 @@ class BlockStore:
         view = memoryview(pages)
         n = len(view) // PAGE
         runs = [(start, min(start + SEGMENT_PAGES, n)) for start in range(0, n, SEGMENT_PAGES)]
-        encoded = _encoded_segments(view, runs, codec, encoders or _Encoders())
+        own = encoders is None
+        encoders = encoders or _Encoders()
+        encoded = _encoded_segments(view, runs, codec, encoders)
         added = 0
         try:
             for (start, end), segment in zip(runs, encoded, strict=True):
@@ -786,6 +821,8 @@ class BlockStore:
         finally:
             encoded.close()
             view.release()
+            if own:
+                encoders.close()
         return added
 
     # ---- reading --------------------------------------------------------------------------
@@ -802,7 +839,7 @@ class BlockStore:
 
     def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,
                     holes: Sequence[tuple[int, int]] = (), check_holes: bool = True,
-                    spool_dir: Path | None = None) -> list[int]:
+                    spool_dir: Path | None = None, checked: set[int] | None = None) -> list[int]:
         """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
         Returns the location of each page (BlockIndex.pages).
 
@@ -817,12 +854,16 @@ class BlockStore:
         serves it, and damage met there ends the tree (a failed lazy restore).
         spool_dir (`ckpt verify` of a remote store): the segments of packs the backend does not
         hold locally are fetched ahead there, in large parallel requests (blocks/prefetch.py).
+        checked: the segments (keys of the loaded index) found intact, shared by the images of
+        one layout (ckpt/store/materialize.py): the processes of a tree share most of their
+        pages (a worker pool forked from one parent), and each image of a 100-process pool
+        checked the same segments again.
         """
         index = self.index()
         locations = self.locate(image_name, page_list)
         holes = sorted(holes)
         ahead = self._ranges_ahead(locations, spool_dir) if spool_dir is not None and not holes else None
-        rebuild = _ImageRebuild(self, index, image_name, page_list, locations, check_ids, dest, ahead)
+        rebuild = _ImageRebuild(self, index, image_name, page_list, locations, check_ids, dest, ahead, checked)
         try:
             # Under the holes, each segment is checked once (no run needs working out: most of a
             # large tree's memory is there).
@@ -943,11 +984,12 @@ class _ImageRebuild:
     checked, without a file), run by run."""
 
     def __init__(self, blocks: BlockStore, index: BlockIndex, image_name: str, page_list: bytes,  # noqa: PLR0913
-                 locations: list[int], check_ids: bool, dest: Path | None, ranges: RangeReader | None = None):
+                 locations: list[int], check_ids: bool, dest: Path | None, ranges: RangeReader | None = None,
+                 checked: set[int] | None = None):
         self.blocks, self.index, self.image_name = blocks, index, image_name
         self.page_list, self.locations, self.check_ids = page_list, locations, check_ids
         self.out_fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE) if dest is not None else None
-        self.reader = _SegmentReader(blocks, index, ranges)
+        self.reader = _SegmentReader(blocks, index, ranges, checked)
         # Only checking (verify): every damaged segment is met and recorded, not just the
         # first, so that no later dump names a page of any of them.
         self.damaged: dict[int, DamagedCheckpoint] = {}
@@ -1074,11 +1116,12 @@ class _SegmentReader:
     again) cost a remote store two requests and a 1 MiB transfer per 4 KiB page: 1.3 ms a
     page, a 192 MiB tree restored from S3 was still faulting its memory in 20 s later."""
 
-    def __init__(self, blocks: BlockStore, index: BlockIndex, ranges: RangeReader | None = None):
+    def __init__(self, blocks: BlockStore, index: BlockIndex, ranges: RangeReader | None = None,
+                 checked: set[int] | None = None):
         self.blocks = blocks
         self.index = index
         self.ranges: RangeReader = ranges if ranges is not None else blocks.backend.reader()
-        self.checked: set[int] = set()
+        self.checked: set[int] = set() if checked is None else checked  # keys found intact
         self.held: collections.OrderedDict[int, memoryview] = collections.OrderedDict()
 
     def _damaged(self, seg: Segment, message: str) -> DamagedCheckpoint:
