@@ -572,7 +572,34 @@ class _ImageLayout:
         if holes is None:
             self.reporter.info("restoring all memory first: a mapping that may use huge pages holds pages "
                                "that cannot come back lazily")
+        elif holes and self.memory == "fill" and self._forked_memory_shared():
+            return {}  # through the pages images: CRIU gives the children their parent's pages back shared
         return holes or {}
+
+    def _forked_memory_shared(self) -> bool:
+        """Whether the tree's children hold many of their parent's pages (a pool of workers
+        forked from one parent): CRIU's restore from the pages images gives such pages back
+        shared, copy-on-write, as they were; copied in through userfaultfd, each process would
+        get a private copy (measured: 100 children of a Python parent, 647 MiB instead of about
+        200 MiB, and slower)."""
+        by_pid = {proc["pid"]: proc.get("ppid") for proc in self.manifest.processes}
+        entries = {entry.name: entry for entry in self.manifest.files if entry.kind == "pages"}
+        ids: dict[int, np.ndarray] = {}
+
+        def ids_of(pid: int) -> np.ndarray:
+            if pid not in ids:
+                image = self.plan.runs[pid][0]
+                ids[pid] = np.unique(np.frombuffer(self.store.objects.load_page_list(entries[image]), dtype="V16"))
+            return ids[pid]
+
+        shared = total = 0
+        for pid, parent in by_pid.items():
+            if pid not in self.plan.runs or parent not in self.plan.runs or self.plan.runs[pid][0] not in entries:
+                continue
+            mine = ids_of(pid)
+            total += len(mine)
+            shared += len(np.intersect1d(mine, ids_of(parent), assume_unique=True))
+        return total > 0 and shared * 3 >= total
 
 
 def wait_for_memory(result: RestoreResult, settings: Settings, reporter: Reporter = NullReporter(),

@@ -24,7 +24,7 @@ def started_tree(procs, tmp_path, children: int, mib: int):
 
 
 def test_an_eager_restore_copies_every_page_of_every_process_in(procs, tmp_path, isolated_env):
-    target, out, original = started_tree(procs, tmp_path, children=3, mib=24)
+    target, out, original = started_tree(procs, tmp_path, children=3, mib=32)
     dumped = ckpt_json("dump", target.pid, "--stop")
     target.wait(timeout=10)
 
@@ -32,7 +32,7 @@ def test_an_eager_restore_copies_every_page_of_every_process_in(procs, tmp_path,
     procs.adopt(restored["pid"])
     assert restored["lazy"] is None
     filled = restored["filled"]
-    assert filled is not None and filled["bytes"] >= 4 * (24 << 20), restored
+    assert filled is not None and filled["bytes"] >= 4 * (32 << 20), restored
     assert sums_of(restored["pid"], out, 4) == original, "a process's memory is not what was dumped"
     counters = [int(line.split()[2]) for line in read_lines(out)[-4:]]
     assert all(c > 0 for c in counters)
@@ -89,3 +89,16 @@ def test_pages_of_two_mappings_side_by_side_come_back(procs, tmp_path):
     os.kill(restored["pid"], signal.SIGUSR1)
     wait_until(lambda: len(read_lines(out)) > before, timeout=30, what="the restored target's checksum")
     assert read_lines(out)[-1].split()[0] == original
+
+
+def test_children_sharing_their_parents_memory_come_back_through_the_pages_images(procs, tmp_path):
+    """A pool of workers forked from one parent holds mostly the parent's pages: CRIU gives them
+    back shared (copy-on-write) from the pages images; copied in one by one, each worker would
+    hold a private copy."""
+    target, out, original = started_tree(procs, tmp_path, children=4, mib=1)
+    dumped = ckpt_json("dump", target.pid, "--stop")
+    target.wait(timeout=10)
+    restored = ckpt_json("restore", dumped["id"], "--eager", env={"CKPT_LAZY_MIN_MIB": "1024"})
+    procs.adopt(restored["pid"])
+    assert restored["filled"] is None and restored["lazy"] is None, restored
+    assert sums_of(restored["pid"], out, 5) == original
