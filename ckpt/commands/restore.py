@@ -572,16 +572,20 @@ class _ImageLayout:
         if holes is None:
             self.reporter.info("restoring all memory first: a mapping that may use huge pages holds pages "
                                "that cannot come back lazily")
-        elif holes and self.memory == "fill" and self._forked_memory_shared():
-            return {}  # through the pages images: CRIU gives the children their parent's pages back shared
+        elif holes and (self.memory == "fill" or self.request.lazy is None) and self._forked_memory_shared():
+            # Through the pages images: CRIU gives the children their parent's pages back shared.
+            self.reporter.info("restoring all memory first: the tree's children share most of their memory with "
+                               "their parents, which only a full restore keeps shared")
+            return {}
         return holes or {}
 
     def _forked_memory_shared(self) -> bool:
         """Whether the tree's children hold many of their parent's pages (a pool of workers
         forked from one parent): CRIU's restore from the pages images gives such pages back
-        shared, copy-on-write, as they were; copied in through userfaultfd, each process would
-        get a private copy (measured: 100 children of a Python parent, 647 MiB instead of about
-        200 MiB, and slower)."""
+        shared, copy-on-write, as they were; copied in through userfaultfd or filled in by a
+        page server, each process would get a private copy (measured: 100 children of a Python
+        parent, 647 MiB instead of about 200 MiB, and slower). A third of the children's pages
+        held by their parents decides."""
         by_pid = {proc["pid"]: proc.get("ppid") for proc in self.manifest.processes}
         entries = {entry.name: entry for entry in self.manifest.files if entry.kind == "pages"}
         ids: dict[int, np.ndarray] = {}
