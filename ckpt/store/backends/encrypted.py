@@ -296,12 +296,7 @@ class EncryptedBackend(Backend):
             self._remember_header(name, header, aead)
             data = data[HEADER_LEN:]
         else:
-            if cached is None:
-                header = self.inner.get(inner_name, 0, HEADER_LEN)
-                aead = self._open_header(name, header)
-                self._remember_header(name, header, aead)
-            else:
-                header, aead = cached
+            header, aead = self._header(name, inner_name, cached)
             data = memoryview(self.inner.get(inner_name, start, want))
         if not data:
             if first == 0:
@@ -314,6 +309,15 @@ class EncryptedBackend(Backend):
         joined = plain[0] if len(plain) == 1 else b"".join(plain)
         skip = offset - first * self.chunk
         return joined[skip:] if length is None else joined[skip:skip + length]
+
+    def _header(self, name: str, inner_name: str, cached: tuple[bytes, AESGCM] | None) -> tuple[bytes, AESGCM]:
+        """The blob's header and its key's cipher: as remembered, or read (and remembered)."""
+        if cached is not None:
+            return cached
+        header = self.inner.get(inner_name, 0, HEADER_LEN)
+        aead = self._open_header(name, header)
+        self._remember_header(name, header, aead)
+        return header, aead
 
     def get_view(self, name: str, offset: int, length: int) -> memoryview:
         """As get, the chunks decrypted straight into one buffer (no join, no slice copied):
@@ -331,12 +335,7 @@ class EncryptedBackend(Backend):
 
     def _get_view(self, name: str, inner_name: str, offset: int, length: int,
                   cached: tuple[bytes, AESGCM] | None) -> memoryview:
-        if cached is None:
-            header = self.inner.get(inner_name, 0, HEADER_LEN)
-            aead = self._open_header(name, header)
-            self._remember_header(name, header, aead)
-        else:
-            header, aead = cached
+        header, aead = self._header(name, inner_name, cached)
         first = offset // self.chunk
         want = ((offset + length - 1) // self.chunk - first + 1) * self._sealed + 1  # one byte more: see _get_range
         sealed = memoryview(self.inner.get(inner_name, HEADER_LEN + first * self._sealed, want))
