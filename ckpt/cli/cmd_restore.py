@@ -84,40 +84,51 @@ RestoreCopiesOption = Annotated[Optional[int], typer.Option(
     help="Restore N copies at once, each in namespaces of its own (as 'ckpt clone REF --copies N').")]
 
 
+NewPidnsOption = Annotated[bool, typer.Option(
+    "--new-pidns", help="Restore into a new PID namespace, for when the tree's PIDs are taken.")]
+
+TcpCloseOption = Annotated[Optional[bool], typer.Option(
+    "--tcp-close/--tcp-established",
+    help="Restore established TCP connections closed (the program sees them fail and reconnects) or "
+         "established as they were. Default: closed when the checkpoint was taken on another host; "
+         "on its own host established, but for each whose peer on this host no longer holds it; "
+         "--tcp-close also for a restore long after remote peers gave up.")]
+
+LazyOption = Annotated[Optional[bool], typer.Option(
+    "--lazy/--eager",
+    help="Restore memory lazily (the tree runs at once, a page server fills its memory in) or all "
+         "of it first. Default: lazily for trees with 64 MiB or more of private memory, where the "
+         "kernel can.")]
+
+WaitOption = Annotated[Optional[bool], typer.Option(
+    "--wait/--no-wait",
+    help="After a lazy restore, wait until the page server has put the last page back, showing "
+         "the pages coming in (and bytes fetched from a remote store); --json then adds the times "
+         "to running and to the last page. Default: wait when stderr is a terminal (without --json "
+         "or --quiet). The tree runs all along; Ctrl-C ends only the wait.")]
+
+OnOption = Annotated[Optional[list[str]], typer.Option(
+    "--on", metavar="FROM=TO",
+    help="A group's members taken on host FROM are restored on host TO instead (reached with ssh; "
+         "'FROM=' restores them on this host). Once per host.")]
+
+
 def register(app: typer.Typer) -> None:
     @app.command("restore", help=HELP)
     @shared_flags(REPORTING)
     def restore_command(
         ref: Annotated[str, typer.Argument(help="Checkpoint ID, name, or 'latest'.")],
         post_restore: PostRestoreOption = None,
-        new_pidns: Annotated[bool, typer.Option(
-            "--new-pidns", help="Restore into a new PID namespace, for when the tree's PIDs are taken.")] = False,
-        tcp_close: Annotated[Optional[bool], typer.Option(
-            "--tcp-close/--tcp-established",
-            help="Restore established TCP connections closed (the program sees them fail and reconnects) or "
-                 "established as they were. Default: closed when the checkpoint was taken on another host; "
-                 "on its own host established, but for each whose peer on this host no longer holds it; "
-                 "--tcp-close also for a restore long after remote peers gave up.")] = None,
+        new_pidns: NewPidnsOption = False,
+        tcp_close: TcpCloseOption = None,
         output: OutputOption = None,
-        lazy: Annotated[Optional[bool], typer.Option(
-            "--lazy/--eager",
-            help="Restore memory lazily (the tree runs at once, a page server fills its memory in) or all "
-                 "of it first. Default: lazily for trees with 64 MiB or more of private memory, where the "
-                 "kernel can.")] = None,
+        lazy: LazyOption = None,
         hold_limit: HoldLimitOption = 60.0,
         timeout: PhaseTimeoutOption = 120.0,
         copies: RestoreCopiesOption = None,
         net: NetOption = "auto",
-        wait: Annotated[Optional[bool], typer.Option(
-            "--wait/--no-wait",
-            help="After a lazy restore, wait until the page server has put the last page back, showing "
-                 "the pages coming in (and bytes fetched from a remote store); --json then adds the times "
-                 "to running and to the last page. Default: wait when stderr is a terminal (without --json "
-                 "or --quiet). The tree runs all along; Ctrl-C ends only the wait.")] = None,
-        on: Annotated[Optional[list[str]], typer.Option(
-            "--on", metavar="FROM=TO",
-            help="A group's members taken on host FROM are restored on host TO instead (reached with ssh; "
-                 "'FROM=' restores them on this host). Once per host.")] = None,
+        wait: WaitOption = None,
+        on: OnOption = None,
         flags: SharedFlags = NO_FLAGS,
     ) -> None:
         if copies is not None:

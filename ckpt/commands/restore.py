@@ -17,7 +17,7 @@ import numpy as np
 from ckpt.commands.session import Criu, Session, host_criu
 from ckpt.settings import Settings, StoreLocation
 from ckpt.dump.dump_options import DumpOptions
-from ckpt.errors import CriuFailed, HookFailed, UsageError
+from ckpt.errors import CkptError, CriuFailed, HookFailed, UsageError
 from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
@@ -163,7 +163,18 @@ class RestoreSession(Session[RestoreRequest]):
         self.images_dir, self.memory, self.plan, self.host = _ImageLayout(
             store, manifest, self.request, self.binary, self.reporter, self.settings).lay_out()
         self.lazy = self.memory == "lazy"
+        if self.memory in ("lazy", "fill") and not store.objects.remote:
+            # Left out of the layout: checked from now on, beside what follows (see _SegmentCheck).
+            self.segment_check = _SegmentCheck(store, self.plan)
         phase("restore.materialized")
+        try:
+            self._prepare_to_run(store, manifest)
+        except (CkptError, OSError):
+            if self.segment_check is not None:
+                self.segment_check.result()  # a damaged checkpoint is the first thing to say
+            raise
+
+    def _prepare_to_run(self, store: Store, manifest: Manifest) -> None:
         tell_copies_read_again(store, self.reporter)
         self._check_copy()
         if self._in_own_pidns():
@@ -174,14 +185,13 @@ class RestoreSession(Session[RestoreRequest]):
             procs.wait_for_pids_free(manifest.all_pids, timeout=self.request.pid_wait_s)
         self._options()
         if self.lazy:
-            if not store.objects.remote:
-                self.segment_check = _SegmentCheck(store, self.plan)
             self.reporter.step(f"starting a page server: {self.plan.pages * PAGE / (1 << 20):.0f} MiB of memory "
                                "will come back while the tree runs")
             self.server = start_page_server(store, manifest.id, self.binary, self._images(), self.work_dir,
                                             self.plan, manifest.all_pids, self.binary.log_level)
         elif self.memory == "fill":
-            self.filler = UffdFiller(store, self.plan, self.work_dir)
+            checked = self.segment_check.checked if self.segment_check is not None else None
+            self.filler = UffdFiller(store, self.plan, self.work_dir, checked)
 
     def _rehearse(self) -> None:
         """A migration's rehearsal: what prepare checks (every image but the pages, this host
@@ -474,12 +484,13 @@ class _SegmentCheck:
         keys = np.unique(np.concatenate([np.asarray(locations, dtype=np.int64) >> WITHIN_BITS
                                          for locations in plan.locations.values()])).tolist()
         self.error: BaseException | None = None
+        self.checked: set[int] = set()  # found intact: a full restore's copying threads skip them
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(store, keys), name="ckpt-segment-check", daemon=True)
         self.thread.start()
 
     def _run(self, store: Store, keys: list[int]) -> None:
-        reader = store.blocks.page_reader()
+        reader = store.blocks.page_reader(checked=self.checked)
         try:
             for key in keys:
                 if self.stopping.is_set():

@@ -98,8 +98,9 @@ class _Work:
 class UffdFiller:
     """Stands in for CRIU's lazy-pages daemon during one restore (see the module's doc)."""
 
-    def __init__(self, store: Store, plan: LazyPlan, work_dir: Path):
-        self.store, self.plan = store, plan
+    def __init__(self, store: Store, plan: LazyPlan, work_dir: Path, checked: set[int] | None = None):
+        """checked: segments found intact already (shared: a thread may be checking the others)."""
+        self.store, self.plan, self.checked = store, plan, checked
         self.spool_dir = work_dir / "spool"  # a remote store's segments fetched ahead (blocks/prefetch.py)
         self.path = work_dir / SOCKET_NAME
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -250,12 +251,29 @@ class UffdFiller:
         shares: list[list[_Work]] = [[] for _ in range(threads)]
         for item in work:
             shares[item.key % threads].append(item)
+        errors = self._copy_shares(shares, progress)
+        self._stop_events.set()
+        self._events.join()
+        self.stats.seconds = time.monotonic() - started
+        if errors or self.failure:
+            first = errors[0] if errors else None
+            if isinstance(first, DamagedCheckpoint):
+                raise first
+            raise CriuFailed(f"the tree's memory could not be copied in: {first or self.failure}",
+                             hint="CKPT_UFFD_FILL=0 restores through a pages image instead")
+        self._close_uffds()
+        return self.stats
+
+    def _copy_shares(self, shares: list[list[_Work]], progress: Callable[[int, int], None] | None
+                     ) -> list[BaseException]:
+        """Each share copied by a thread of its own; returns what failed."""
         errors: list[BaseException] = []
-        copied = [0] * threads
+        copied = [0] * len(shares)
         # A remote store's segments come down ahead, in large parallel requests, in the order
         # the threads will copy them (round the shares); a local store's are read in place.
         order = [item.key for round_ in itertools.zip_longest(*shares) for item in round_ if item is not None]
-        readers, prefetcher = self.store.blocks.page_readers(threads, list(dict.fromkeys(order)), self.spool_dir)
+        readers, prefetcher = self.store.blocks.page_readers(len(shares), list(dict.fromkeys(order)), self.spool_dir,
+                                                             self.checked)
 
         def copy_share(k: int) -> None:
             reader = readers[k]
@@ -264,15 +282,16 @@ class UffdFiller:
                     with reader.reader.view(item.key, item.within, item.count) as pages:
                         _copy(item.fd, item.vaddr, pages, item.count)
                     copied[k] += item.count
-            except BaseException as exc:  # noqa: BLE001 - reported below, in the notification
+            except BaseException as exc:  # noqa: BLE001 - reported by fill(), in the notification
                 errors.append(exc)
             finally:
                 reader.close()
 
-        runners = [threading.Thread(target=copy_share, args=(k,), name=f"ckpt-uffd-fill-{k}") for k in range(threads)]
+        runners = [threading.Thread(target=copy_share, args=(k,), name=f"ckpt-uffd-fill-{k}")
+                   for k in range(len(shares))]
         for runner in runners:
             runner.start()
-        total = sum(item.count for item in work)
+        total = sum(item.count for share in shares for item in share)
         try:
             for runner in runners:
                 while runner.is_alive():
@@ -283,18 +302,8 @@ class UffdFiller:
             if prefetcher is not None:
                 self.stats.bytes_fetched, self.stats.store_requests = prefetcher.stats.bytes, prefetcher.stats.requests
                 prefetcher.close()
-        self._stop_events.set()
-        self._events.join()
-        self.stats.pages, self.stats.threads = sum(copied), threads
-        self.stats.seconds = time.monotonic() - started
-        if errors or self.failure:
-            first = errors[0] if errors else None
-            if isinstance(first, DamagedCheckpoint):
-                raise first
-            raise CriuFailed(f"the tree's memory could not be copied in: {first or self.failure}",
-                             hint="CKPT_UFFD_FILL=0 restores through a pages image instead")
-        self._close_uffds()
-        return self.stats
+        self.stats.pages, self.stats.threads = sum(copied), len(shares)
+        return errors
 
     def _work(self) -> list[_Work]:
         """The plan's lazy pages as runs within one segment and one mapping each (UFFDIO_COPY

@@ -882,15 +882,17 @@ class BlockStore:
             rebuild.close()
         return locations
 
-    def page_reader(self, ahead: Sequence[int] = (), spool_dir: Path | None = None) -> PageReader:
+    def page_reader(self, ahead: Sequence[int] = (), spool_dir: Path | None = None,
+                    checked: set[int] | None = None) -> PageReader:
         """Reads pages by location, each segment checked against its checksum (`ckpt copy`).
         ahead: locations it will read, in about that order: from a remote store their segments
-        are fetched ahead into spool_dir, in large parallel requests (blocks/prefetch.py)."""
+        are fetched ahead into spool_dir, in large parallel requests (blocks/prefetch.py).
+        checked: segments found intact, shared with other readers (each adds what it checks)."""
         ranges = self._ranges_ahead(list(ahead), spool_dir) if ahead and spool_dir is not None else None
-        return PageReader(_SegmentReader(self, self.index(), ranges))
+        return PageReader(_SegmentReader(self, self.index(), ranges, checked))
 
-    def page_readers(self, count: int, wanted: Sequence[int] = (), spool_dir: Path | None = None
-                     ) -> tuple[list[PageReader], Prefetcher | None]:
+    def page_readers(self, count: int, wanted: Sequence[int] = (), spool_dir: Path | None = None,
+                     checked: set[int] | None = None) -> tuple[list[PageReader], Prefetcher | None]:
         """count readers of pages by location, for as many threads (a full restore copying the
         tree's memory in, ckpt/restore/uffdfill.py); wanted: the segments they will read, in
         about that order: those of packs the backend does not hold locally are fetched ahead
@@ -909,11 +911,11 @@ class BlockStore:
                 prefetcher.close()
                 prefetcher = None
         if prefetcher is None:
-            return [PageReader(_SegmentReader(self, index)) for _ in range(count)], None
+            return [PageReader(_SegmentReader(self, index, None, checked)) for _ in range(count)], None
         from ckpt.store.blocks.prefetch import PrefetchedRanges
 
         return [PageReader(_SegmentReader(self, index, PrefetchedRanges(
-            self.backend.reader(), prefetcher, self.backend.without_copies(), owns_prefetcher=False)))
+            self.backend.reader(), prefetcher, self.backend.without_copies(), owns_prefetcher=False), checked))
             for _ in range(count)], prefetcher
 
     def _ranges_ahead(self, locations: list[int], spool_dir: Path) -> RangeReader | None:
