@@ -189,6 +189,11 @@ class RestoreSession(Session[RestoreRequest]):
                                "will come back while the tree runs")
             self.server = start_page_server(store, manifest.id, self.binary, self._images(), self.work_dir,
                                             self.plan, manifest.all_pids, self.binary.log_level)
+            # Only once the page server is forked: a fork while this thread reads through the
+            # same store (holding a lock of its backend, or of a C library's) could leave the
+            # server a lock no thread of it will ever release.
+            if not store.objects.remote:
+                self.segment_check = _SegmentCheck(store, self.plan)
         elif self.memory == "fill":
             checked = self.segment_check.checked if self.segment_check is not None else None
             self.filler = UffdFiller(store, self.plan, self.work_dir, checked)

@@ -1166,10 +1166,15 @@ class _SegmentReader:
         return stored
 
     def _stored_and_checked(self, key: int, seg: Segment) -> memoryview:
+        # Asked before the bytes are read: `checked` may be shared by the threads of a layout,
+        # and another thread finding the segment intact in the store (after its local copy
+        # failed) says nothing of the bytes this one read from that copy meanwhile.
+        known = key in self.checked
         stored = self._stored(seg)
-        if key not in self.checked and self.ranges.checked(pack_name(seg.pack), seg.offset, seg.checksum):
+        if not known and self.ranges.checked(pack_name(seg.pack), seg.offset, seg.checksum):
+            known = True
             self.checked.add(key)
-        if key not in self.checked:
+        if not known:
             if xxhash.xxh3_128_digest(stored) != seg.checksum:
                 stored.release()
                 raise DamagedCheckpoint(f"pack {seg.pack} is damaged at offset {seg.offset}")
