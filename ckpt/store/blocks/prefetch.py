@@ -24,6 +24,7 @@ from typing import Sequence
 
 import xxhash
 
+from ckpt.errors import DamagedBlob
 from ckpt.store.backends.base import Backend, RangeReader
 from ckpt.store.blocks.segments import Segment, pack_name
 from ckpt.system.files import FILE_MODE, pwrite_all
@@ -43,6 +44,9 @@ class FetchRange:
     rank: int  # the earliest position in the order of need of any of its segments
     state: str = "pending"  # pending, fetching, done, failed
     error: BaseException | None = None
+    # Segments of a range that is done but whose own bytes failed authentication (see
+    # Prefetcher._fetch_each): each raises its error, the others are down.
+    damaged: dict[int, BaseException] = field(default_factory=dict, repr=False, compare=False)
     event: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
 
@@ -202,17 +206,50 @@ class Prefetcher:
                     if len(piece) == seg.length and xxhash.xxh3_128_digest(piece) == seg.checksum:
                         self.checked.add(key)
                 pwrite_all(self._fds[taken.pack], view, taken.start)
+        except DamagedBlob as exc:
+            if len(taken.keys) > 1:
+                # One chunk of an encrypted pack failed authentication: the range's other
+                # segments are intact, and must be neither refused nor recorded as damaged.
+                self._fetch_each(taken)
+                return
+            self.queue.finish(taken, exc)
+            return
         except BaseException as exc:  # noqa: BLE001 - handed to whoever needs the segments
             self.queue.finish(taken, exc)
             return
+        self._fetched(taken, [(taken.start, got, len(taken.keys))], len(taken.keys))
+        self.queue.finish(taken)
+
+    def _fetch_each(self, taken: FetchRange) -> None:
+        """The segments of a range one request each: those whose bytes fail are the range's
+        `damaged`, the others are down."""
+        fetches = []
+        try:
+            for key in taken.keys:
+                seg = self.segments[key]
+                try:
+                    with self.source.get_view(pack_name(taken.pack), seg.offset, seg.length) as view:
+                        if len(view) == seg.length and xxhash.xxh3_128_digest(view) == seg.checksum:
+                            self.checked.add(key)
+                        pwrite_all(self._fds[taken.pack], view, seg.offset)
+                        fetches.append((seg.offset, len(view), 1))
+                except DamagedBlob as exc:
+                    taken.damaged[key] = exc
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever needs the segments
+            self.queue.finish(taken, exc)
+            return
+        self._fetched(taken, fetches, len(taken.keys) - len(taken.damaged))
+        self.queue.finish(taken)
+
+    def _fetched(self, taken: FetchRange, fetches: list[tuple[int, int, int]], keys_down: int) -> None:
         with self._stats_lock:
-            self.stats.requests += 1
-            self.stats.bytes += got
-            self.stats.fetches.append((taken.pack, taken.start, got, len(taken.keys)))
-            self._keys_left -= len(taken.keys)
+            for offset, length, count in fetches:
+                self.stats.requests += 1
+                self.stats.bytes += length
+                self.stats.fetches.append((taken.pack, offset, length, count))
+            self._keys_left -= keys_down  # a damaged segment is never down: the packs are not kept
             if self._keys_left == 0:
                 self.stats.all_down_at = time.monotonic()
-        self.queue.finish(taken)
 
     def segment(self, key: int) -> memoryview:
         """The segment's stored bytes (from the spool), once fetched; raises what its fetch raised."""
@@ -226,6 +263,8 @@ class Prefetcher:
                 assert found.error is not None
                 raise found.error
             if found.state == "done":
+                if key in found.damaged:
+                    raise found.damaged[key]
                 break
         seg = self.segments[key]
         return memoryview(os.pread(self._fds[seg.pack], seg.length, seg.offset))
