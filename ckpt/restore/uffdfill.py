@@ -376,7 +376,7 @@ def _mapping_bounds(pid: int) -> np.ndarray:
 
 def _copy(fd: int, dst: int, pages: memoryview, count: int) -> None:
     """UFFDIO_COPY of count pages to dst: a page the tree has already (the restore touched it
-    and it was served) is skipped, memory the tree no longer has is not copied."""
+    and it was served) is skipped, a process gone gets nothing; any other failure raises."""
     source = np.frombuffer(pages, dtype=np.uint8)
     try:
         _copy_from(fd, dst, source.ctypes.data, count * PAGE)
