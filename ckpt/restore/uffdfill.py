@@ -93,6 +93,7 @@ class _Work:
     key: int
     within: int
     count: int
+    repeated: bool = False  # count times the same page (a page of zeros, mostly: a JVM's touched heap)
 
 
 class UffdFiller:
@@ -279,8 +280,12 @@ class UffdFiller:
             reader = readers[k]
             try:
                 for item in shares[k]:
-                    with reader.reader.view(item.key, item.within, item.count) as pages:
-                        _copy(item.fd, item.vaddr, pages, item.count)
+                    if item.repeated:
+                        with reader.reader.view(item.key, item.within, 1) as page:
+                            _copy_repeated(item.fd, item.vaddr, page, item.count)
+                    else:
+                        with reader.reader.view(item.key, item.within, item.count) as pages:
+                            _copy(item.fd, item.vaddr, pages, item.count)
                     copied[k] += item.count
             except BaseException as exc:  # noqa: BLE001 - reported by fill(), in the notification
                 errors.append(exc)
@@ -325,12 +330,12 @@ class UffdFiller:
                 cut = (pages[1:-1][np.diff(here) != 1],
                        (bounds[(bounds > vaddr) & (bounds < vaddr + nr_pages * PAGE)] - vaddr) // PAGE)
                 starts = np.unique(np.concatenate(([0], *cut, [nr_pages])))
-                for begin, end in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+                for begin, end, repeated in _merged_repeats(starts, here, set(cut[1].tolist())):
                     address = vaddr + begin * PAGE
                     if any(start < address + (end - begin) * PAGE and address < stop for start, stop in removed):
                         continue  # unmapped or dropped by the restore: nothing to put back
                     key, within = split_location(int(here[begin]))
-                    work.append(_Work(fd, address, key, within, end - begin))
+                    work.append(_Work(fd, address, key, within, end - begin, repeated))
         return work
 
     # ---- the end -------------------------------------------------------------------------
@@ -363,6 +368,21 @@ class UffdFiller:
             self.path.unlink(missing_ok=True)
 
 
+def _merged_repeats(starts: np.ndarray, here: np.ndarray, bounds: set[int]) -> list[tuple[int, int, bool]]:
+    """The pieces [begin, end) of a run cut at starts, with the single pages of one location
+    that follow each other (a page of zeros repeated: each one a piece of its own) merged into
+    one piece (repeated=True), never across a mapping's bound (a position in bounds)."""
+    pieces: list[tuple[int, int, bool]] = []
+    for begin, end in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+        if pieces and end - begin == 1 and begin not in bounds:
+            last_begin, last_end, _ = pieces[-1]
+            if last_end == begin and (last_end - last_begin == 1 or pieces[-1][2]) and here[begin] == here[last_begin]:
+                pieces[-1] = (last_begin, end, True)
+                continue
+        pieces.append((begin, end, False))
+    return pieces
+
+
 def _mapping_bounds(pid: int) -> np.ndarray:
     """Where the restored process's mappings begin and end (the kernel's, as they are now)."""
     bounds: list[int] = []
@@ -386,14 +406,35 @@ def _copy(fd: int, dst: int, pages: memoryview, count: int) -> None:
         del source
 
 
-def _copy_from(fd: int, dst: int, src: int, length: int) -> None:
+_ZEROS = bytes(PAGE)
+
+
+def _copy_repeated(fd: int, dst: int, page: memoryview, count: int) -> None:
+    """count copies of one page to dst: pages of zeros as the zero page (UFFDIO_ZEROPAGE, one
+    call, no memory taken until the tree writes there), any other page copied count times."""
+    content = bytes(page)
+    if content == _ZEROS:
+        _copy_from(fd, dst, 0, count * PAGE, zeros=True)
+        return
+    with memoryview(content * count) as pages:
+        _copy(fd, dst, pages, count)
+
+
+def _copy_from(fd: int, dst: int, src: int, length: int, zeros: bool = False) -> None:
     stalled_since = None
     while length > 0:
-        request = _UffdioCopy(dst, src, length, 0, 0)
-        if _libc.ioctl(fd, ctypes.c_ulong(_UFFDIO_COPY), ctypes.byref(request)) == 0:
+        if zeros:
+            zero = _UffdioZeropage(dst, length, 0, 0)
+            failed = _libc.ioctl(fd, ctypes.c_ulong(_UFFDIO_ZEROPAGE), ctypes.byref(zero)) != 0
+            result = zero.zeropage
+        else:
+            request = _UffdioCopy(dst, src, length, 0, 0)
+            failed = _libc.ioctl(fd, ctypes.c_ulong(_UFFDIO_COPY), ctypes.byref(request)) != 0
+            result = request.copy
+        if not failed:
             return
         code = ctypes.get_errno()
-        done = request.copy if request.copy > 0 else 0
+        done = result if result > 0 else 0
         if code == errno.EEXIST and done == 0:
             done = PAGE  # this page is there already
         elif code == errno.ESRCH:

@@ -1,0 +1,20 @@
+"""The pieces a userfaultfd fill copies a run of pages in (ckpt/restore/uffdfill.py): pages
+of one location that follow each other (a JVM's touched heap: the page of zeros, again and
+again) make one piece, never across a mapping's bound."""
+import numpy as np
+
+from ckpt.restore.uffdfill import _merged_repeats
+
+
+def test_single_pages_of_one_location_are_one_piece_but_not_across_a_mapping():
+    here = np.array([10, 11, 12, 5, 5, 5, 5, 7, 5, 5, 20, 21], dtype=np.int64)
+    cut = np.arange(1, len(here))[np.diff(here) != 1]
+    starts = np.unique(np.concatenate(([0], cut, [5], [len(here)])))
+    assert _merged_repeats(starts, here, {5}) == [
+        (0, 3, False), (3, 5, True), (5, 7, True), (7, 8, False), (8, 10, True), (10, 12, False)]
+
+
+def test_a_lone_page_stays_a_plain_piece():
+    here = np.array([3, 9, 4], dtype=np.int64)
+    starts = np.array([0, 1, 2, 3])
+    assert _merged_repeats(starts, here, set()) == [(0, 1, False), (1, 2, False), (2, 3, False)]
