@@ -276,10 +276,14 @@ class UffdFiller:
         readers, prefetcher = self.store.blocks.page_readers(len(shares), list(dict.fromkeys(order)), self.spool_dir,
                                                              self.checked)
 
+        given_up = threading.Event()
+
         def copy_share(k: int) -> None:
             reader = readers[k]
             try:
                 for item in shares[k]:
+                    if given_up.is_set():
+                        return
                     if item.repeated:
                         with reader.reader.view(item.key, item.within, 1) as page:
                             _copy_repeated(item.fd, item.vaddr, page, item.count)
@@ -298,11 +302,7 @@ class UffdFiller:
             runner.start()
         total = sum(item.count for share in shares for item in share)
         try:
-            for runner in runners:
-                while runner.is_alive():
-                    runner.join(0.2)
-                    if progress is not None:
-                        progress(sum(copied), total)
+            _join(runners, given_up, lambda: progress(sum(copied), total) if progress is not None else None)
         finally:
             if prefetcher is not None:
                 self.stats.bytes_fetched, self.stats.store_requests = prefetcher.stats.bytes, prefetcher.stats.requests
@@ -366,6 +366,22 @@ class UffdFiller:
             self._events.join(timeout=5)
             self._close_uffds()
             self.path.unlink(missing_ok=True)
+
+
+def _join(runners: list[threading.Thread], given_up: threading.Event, progress: Callable[[], None]) -> None:
+    """Waits for the copying threads, telling progress a few times a second. Interrupted
+    (Ctrl-C), it has them stop first: the prefetcher's spool and the userfaultfds are not
+    closed under them (a descriptor's number, reused, could name another file by then)."""
+    try:
+        for runner in runners:
+            while runner.is_alive():
+                runner.join(0.2)
+                progress()
+    except BaseException:
+        given_up.set()
+        for runner in runners:
+            runner.join()
+        raise
 
 
 def _merged_repeats(starts: np.ndarray, here: np.ndarray, bounds: set[int]) -> list[tuple[int, int, bool]]:
