@@ -201,8 +201,17 @@ class UffdFiller:
                         event, _, _, _, arg = _UFFD_MSG.unpack_from(data, at)
                         if reader is None:
                             reader = self.store.blocks.page_reader()
-                        self._event(fds[fd], fd, event, arg, reader)
-        except (OSError, DamagedCheckpoint, ValueError) as exc:
+                        try:
+                            self._event(fds[fd], fd, event, arg, reader)
+                        except Exception as exc:  # noqa: BLE001 - fails the notification (fill)
+                            # Recorded, and served on: a process left waiting on its fault
+                            # would keep CRIU from ever reaching the post-restore notification
+                            # (a damaged segment under an early fault hung the restore for good).
+                            # The tree never runs: fill() fails the notification for it.
+                            with self._lock:
+                                self.failure = self.failure or f"serving the restore's own page faults failed: {exc}"
+                            _unblock(fd, event, arg)
+        except OSError as exc:
             with self._lock:
                 self.failure = self.failure or f"serving the restore's own page faults failed: {exc}"
         finally:
@@ -366,6 +375,22 @@ class UffdFiller:
             self._events.join(timeout=5)
             self._close_uffds()
             self.path.unlink(missing_ok=True)
+
+
+def _unblock(fd: int, event: int, arg: bytes) -> None:
+    """After an event could not be served (the restore fails): what lets the process go on
+    to CRIU's post-restore notification, where the restore is failed: a zero page where it
+    faulted (never seen by the tree, which CRIU then ends); a forked child's descriptor closed."""
+    if event == _EVENT_PAGEFAULT:
+        _, address = struct.unpack_from("=QQ", arg)
+        zero = _UffdioZeropage(address & ~(PAGE - 1), PAGE, 0, 0)
+        _libc.ioctl(fd, ctypes.c_ulong(_UFFDIO_ZEROPAGE), ctypes.byref(zero))  # EEXIST etc.: nothing waits
+    elif event == _EVENT_FORK:
+        (child,) = struct.unpack_from("=I", arg)
+        try:
+            os.close(child)
+        except OSError:
+            pass
 
 
 def _join(runners: list[threading.Thread], given_up: threading.Event, progress: Callable[[], None]) -> None:
