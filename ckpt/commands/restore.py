@@ -163,8 +163,9 @@ class RestoreSession(Session[RestoreRequest]):
         self.images_dir, self.memory, self.plan, self.host = _ImageLayout(
             store, manifest, self.request, self.binary, self.reporter, self.settings).lay_out()
         self.lazy = self.memory == "lazy"
-        if self.memory in ("lazy", "fill") and not store.objects.remote:
+        if self.memory == "fill" and not store.objects.remote:
             # Left out of the layout: checked from now on, beside what follows (see _SegmentCheck).
+            # A lazy restore's, once its page server is forked (_prepare_to_run).
             self.segment_check = _SegmentCheck(store, self.plan)
         phase("restore.materialized")
         try:
