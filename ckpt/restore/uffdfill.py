@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from ckpt.restore.lazy import LazyPlan
 from ckpt.store import Store
 from ckpt.store.blocks.blockstore import PAGE
 from ckpt.store.blocks.segments import split_location
+
+if TYPE_CHECKING:
+    from ckpt.store.blocks.prefetch import Prefetcher
 
 SOCKET_NAME = "lazy-pages.socket"
 _RESTORE_FINISHED = 0x52535446  # "RSTF": criu/uffd.c, LAZY_PAGES_RESTORE_FINISHED
@@ -103,6 +106,7 @@ class UffdFiller:
         """checked: segments found intact already (shared: a thread may be checking the others)."""
         self.store, self.plan, self.checked = store, plan, checked
         self.spool_dir = work_dir / "spool"  # a remote store's segments fetched ahead (blocks/prefetch.py)
+        self._prefetcher: Prefetcher | None = None  # after a fill from a remote store: its spool, to keep
         self.path = work_dir / SOCKET_NAME
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.path.unlink(missing_ok=True)
@@ -312,10 +316,16 @@ class UffdFiller:
         total = sum(item.count for share in shares for item in share)
         try:
             _join(runners, given_up, lambda: progress(sum(copied), total) if progress is not None else None)
-        finally:
+        except BaseException:
             if prefetcher is not None:
-                self.stats.bytes_fetched, self.stats.store_requests = prefetcher.stats.bytes, prefetcher.stats.requests
                 prefetcher.close()
+            raise
+        if prefetcher is not None:
+            self.stats.bytes_fetched, self.stats.store_requests = prefetcher.stats.bytes, prefetcher.stats.requests
+            if errors or self.failure:
+                prefetcher.close()
+            else:  # kept whole in the cache in close(), once the tree runs (as a lazy restore's)
+                self._prefetcher = prefetcher
         self.stats.pages, self.stats.threads = sum(copied), len(shares)
         return errors
 
@@ -375,6 +385,12 @@ class UffdFiller:
             self._events.join(timeout=5)
             self._close_uffds()
             self.path.unlink(missing_ok=True)
+            prefetcher, self._prefetcher = self._prefetcher, None
+            if prefetcher is not None:
+                try:
+                    prefetcher.keep_in(self.store.backend)
+                finally:
+                    prefetcher.close()
 
 
 def _unblock(fd: int, event: int, arg: bytes) -> None:
