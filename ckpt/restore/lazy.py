@@ -365,6 +365,8 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
             finally:
                 sock.close()
                 record.stop()
+                if figures.status == "done":  # every page is in: a dump of the tree need not wait for the rest
+                    record.path.unlink(missing_ok=True)
                 if figures.pages is not None:  # the prefetch's threads and spool files
                     figures.pages.close(keep_copies_in=store if figures.status == "done" else None)
             daemon.wait()

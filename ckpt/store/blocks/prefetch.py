@@ -30,6 +30,7 @@ from ckpt.store.blocks.segments import Segment, pack_name
 from ckpt.system.files import FILE_MODE, pwrite_all
 
 RANGE_BYTES = 8 << 20  # a request's size: its latency small next to its transfer, THREADS of them in memory
+KEEP_GAP_RATIO = 0.5  # a spooled pack is made whole and kept only if at most this share of it is missing
 THREADS = 4  # S3Backend's pool keeps 2 x 4 + 2 connections: these and the page server's own
 
 
@@ -284,6 +285,11 @@ class Prefetcher:
                 if size > cache.copy_room():
                     continue
                 spans = sorted((f[1], f[1] + f[2]) for f in self.stats.fetches if f[0] == pack)
+                # A pack mostly of other checkpoints' pages (an old pack a new checkpoint
+                # dedups against) is not made whole: that would download more than the
+                # restore itself did, after it, and evict copies that are used.
+                if size - sum(end - start for start, end in spans) > KEEP_GAP_RATIO * size:
+                    continue
                 at = 0
                 for start, end in [*spans, (size, size)]:
                     while at < start:  # a gap: fetched in ranges of RANGE_BYTES at most
