@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -207,6 +208,8 @@ class PageServer:
             pass
         (self.records / f"{self.pid}.json").unlink(missing_ok=True)
         (self.work_dir / "lazy-pages.socket").unlink(missing_ok=True)
+        # A server killed leaves its spool of fetched segments (up to the tree's memory): nobody else removes it.
+        shutil.rmtree(self.work_dir / SPOOL_DIR, ignore_errors=True)
 
 
 def lazy_processes(plan: LazyPlan) -> int:

@@ -30,6 +30,7 @@ import ctypes
 import json
 import os
 import select
+import shutil
 import signal
 import time
 from datetime import datetime, timezone
@@ -304,4 +305,6 @@ class Watcher:
             atomic_write_bytes(self.work_dir / FAILURE_FILE, json.dumps(record, indent=1).encode() + b"\n")
         except OSError:
             pass  # nowhere else to say it; the tree is dead either way
+        # The dead server's spool of fetched segments (lazy.SPOOL_DIR): nobody else removes it.
+        shutil.rmtree(self.work_dir / "spool", ignore_errors=True)
         return 1
