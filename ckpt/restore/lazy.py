@@ -368,8 +368,11 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
             finally:
                 sock.close()
                 record.stop()
-                if figures.status == "done":  # every page is in: a dump of the tree need not wait for the rest
-                    record.path.unlink(missing_ok=True)
+                if figures.status == "done":  # every page is in: neither a dump of the tree nor
+                    try:  # `restore --wait` waits for the packs kept in the cache below
+                        record.write(figures)
+                    except OSError:
+                        record.path.unlink(missing_ok=True)
                 if figures.pages is not None:  # the prefetch's threads and spool files
                     figures.pages.close(keep_copies_in=store if figures.status == "done" else None)
             daemon.wait()
@@ -507,7 +510,8 @@ def wait_for_lazy_restores(pids: set[int], on_wait, records: Path, timeout: floa
     deadline = time.monotonic() + timeout
     told = False
     while True:
-        busy = [r for r in _live_records(records) if pids & set(r.get("pids", []))]
+        busy = [r for r in _live_records(records) if pids & set(r.get("pids", []))
+                and (r.get("stats") or {}).get("status") != "done"]  # done: only keeping copies
         if not busy:
             return
         if not told:
