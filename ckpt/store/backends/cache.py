@@ -287,13 +287,15 @@ class CachingBackend(Backend):
             return sorted(self._read_again)
 
     def copy_room(self) -> int:
-        return self.max_bytes
+        # What eviction leaves (LOW_WATER of the cap): a larger copy would be evicted itself,
+        # with every other copy, right after it was installed.
+        return int(self.max_bytes * LOW_WATER)
 
     def keep_copy(self, name: str, path: Path) -> bool:
         if not _cached(name) or self.max_bytes == 0:
             return False
         try:
-            if os.stat(path).st_size > self.max_bytes:
+            if os.stat(path).st_size > self.copy_room():
                 return False
             self._local._ensure_dir(self._path(name).parent)
         except (OSError, ValueError):
