@@ -42,6 +42,7 @@ from ckpt.store import Manifest, Store
 from ckpt.store.blocks.blockstore import PAGE
 from ckpt.store.blocks.segments import segment_key
 from ckpt.store.staging import discard
+from ckpt.system import procfs
 from ckpt.system.detach import detach_stdio
 from ckpt.system.textutil import human_bytes
 
@@ -341,7 +342,8 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
     oom_refused = protect_from_oom()
     records = store.settings.lazy_dir  # tmpfs by default: forgotten at reboot, as the servers are
     record = _Record(records / f"{os.getpid()}.json",
-                     {"server_pid": os.getpid(), "checkpoint": checkpoint_id, "pids": tree_pids,
+                     {"server_pid": os.getpid(), "server_start": procfs.start_ticks(os.getpid()),
+                      "pidns": _pid_namespace(), "checkpoint": checkpoint_id, "pids": tree_pids,
                       "store": str(store.root)})
     served = requests = 0
     try:
@@ -524,22 +526,42 @@ def wait_for_lazy_restores(pids: set[int], on_wait, records: Path, timeout: floa
         time.sleep(0.1)
 
 
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
 def _live_records(directory: Path) -> list[dict]:
-    """The records (CKPT_LAZY_DIR) of the page servers still running."""
+    """The records (CKPT_LAZY_DIR) of the page servers still running in this PID namespace
+    (one of another names PIDs of its own). A record whose server is gone is removed: its PID
+    may be another process's by now (a record whose server was killed in a PID namespace of
+    its own named PID 10, a kernel thread's here, and every later dump of one of its tree's
+    PIDs waited 600 s for it), so the server's start time must match too."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    live = []
+    live, here = [], _pid_namespace()
     for name in names:
+        if name.startswith("."):
+            continue  # a record being rewritten
         path = directory / name
         try:
             record = json.loads(path.read_text())
-            os.kill(int(record["server_pid"]), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)  # its server was killed
-            continue
-        except (OSError, ValueError, KeyError):
+            if record.get("pidns", here) != here:
+                continue
+            if not _server_alive(int(record["server_pid"]), record.get("server_start")):
+                path.unlink(missing_ok=True)  # its server was killed
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
             continue
         live.append(record)
     return live
+
+
+def _server_alive(pid: int, start: int | None) -> bool:
+    if start is not None:
+        return procfs.is_running(pid, int(start))
+    try:  # a record of an older ckpt: no start time; a kernel thread has no command line
+        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
+    except OSError:
+        return False
