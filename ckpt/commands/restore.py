@@ -550,7 +550,7 @@ class _ImageLayout:
                                      before_pages=self._check_host)
             return images_dir, "image", self.plan, self._checked(images_dir)
         # Not checked here: filled in, each segment is checked by the thread that copies it;
-        # served lazily, by a thread while CRIU restores (RestoreSession._check_lazy_segments).
+        # served lazily, by a thread while CRIU restores (_SegmentCheck).
         images_dir, self.plan.locations = materialize_lazily(self.store.objects, self.store.staging_area(),
                                                              self.manifest, self._holes_for, self.reporter,
                                                              check_holes=False)

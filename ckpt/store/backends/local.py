@@ -84,7 +84,7 @@ class LocalBackend(Backend):
         os.chmod(source, FILE_MODE)
         fd = os.open(source, os.O_RDONLY)
         try:
-            os.fsync(fd)  # usually written back already (ingest fsyncs its images in a thread)
+            os.fsync(fd)  # the file may have been written back already: then this costs nothing
         finally:
             os.close(fd)
         try:
