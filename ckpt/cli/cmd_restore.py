@@ -164,7 +164,11 @@ def _restore_one(flags: SharedFlags, request: RestoreRequest, wait: bool = False
             _tell_restored(flags, result, waiting=wait)
             print(result.pid, flush=True)  # the tree runs: its PID now, for whoever reads stdout
         if wait and result.lazy is not None:
-            memory = wait_for_memory(result, invocation().settings(), reporter)
+            try:
+                memory = wait_for_memory(result, invocation().settings(), reporter)
+            except KeyboardInterrupt:  # Ctrl-C ends the wait alone: the restore succeeded
+                stderr.print("stopped waiting: the tree runs on, and its page server goes on filling its memory in")
+                wait = False
     finally:
         reporter.close()
     if flags.json_out:
