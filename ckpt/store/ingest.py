@@ -53,13 +53,21 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
     # tree of many processes has hundreds of small images (six or so per process), each object
     # made durable on its own (fsync of the file and of its directory): one after the other
     # they cost a 100-process dump 0.55 s while its tree was frozen (--stop).
+    # A dump with dirty-page tracking rewrites its pagemaps while its pages are stored
+    # (complete_page_lists: runs "in parent" made whole): those are stored after that, or the
+    # checkpoint would keep pagemaps naming a parent its restore does not have.
+    rewritten = [p for p in other_files if p.name.startswith("pagemap-")] if complete_page_lists else []
+    later = set(rewritten)
+    first = [p for p in other_files if p not in later]
     stored: list[Future] = []
     with ThreadPoolExecutor(max_workers=FILE_WORKERS, thread_name_prefix="ckpt-ingest") as pool:
         try:
-            stored = ingestion.store_files(other_files, object_codec, pool)
+            stored = ingestion.store_files(first, object_codec, pool)
             block_stats, lists = ingestion.store_pages(page_images, codec, reporter, complete_page_lists, earlier,
                                                        pool)
             stored += lists
+            if rewritten:
+                stored += ingestion.store_files(rewritten, object_codec, pool)
             for future in stored:
                 future.result()
             objects.backend.delete(ingestion.superseded)  # only now that the fresh copies are durable
