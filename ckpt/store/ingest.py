@@ -53,12 +53,7 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
     # tree of many processes has hundreds of small images (six or so per process), each object
     # made durable on its own (fsync of the file and of its directory): one after the other
     # they cost a 100-process dump 0.55 s while its tree was frozen (--stop).
-    # A dump with dirty-page tracking rewrites its pagemaps while its pages are stored
-    # (complete_page_lists: runs "in parent" made whole): those are stored after that, or the
-    # checkpoint would keep pagemaps naming a parent its restore does not have.
-    rewritten = [p for p in other_files if p.name.startswith("pagemap-")] if complete_page_lists else []
-    later = set(rewritten)
-    first = [p for p in other_files if p not in later]
+    first, rewritten = _before_and_after_pages(other_files, complete_page_lists is not None)
     stored: list[Future] = []
     with ThreadPoolExecutor(max_workers=FILE_WORKERS, thread_name_prefix="ckpt-ingest") as pool:
         try:
@@ -78,6 +73,16 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
                 future.cancel()  # the pool waits for those running on the way out
     ingestion.entries.sort(key=lambda e: e.name)
     return ingestion.entries, ingestion.added, block_stats
+
+
+def _before_and_after_pages(files: list[Path], completed: bool) -> tuple[list[Path], list[Path]]:
+    """The other images to store while the pages are, and those to store after them: a dump
+    with dirty-page tracking rewrites its pagemaps while its pages are stored (runs "in parent"
+    made whole, complete_page_lists); stored before, the checkpoint would keep pagemaps naming
+    a parent its restore does not have."""
+    rewritten = [p for p in files if p.name.startswith("pagemap-")] if completed else []
+    later = set(rewritten)
+    return [p for p in files if p not in later], rewritten
 
 
 class _Ingestion:
