@@ -234,6 +234,9 @@ class Settings:
     # A full restore copies the tree's memory in through userfaultfd, from the packs straight
     # into the tree (ckpt/restore/uffdfill.py); off: a pages image is written first for CRIU to read.
     uffd_fill: bool = field(default=True, metadata=_env("CKPT_UFFD_FILL", _switch))
+    # A lazy restore's memory is copied in by ckpt's own lazy-pages daemon, in the page server
+    # (ckpt/restore/uffdlazy.py); off: by CRIU's, asking ckpt's page server for pages.
+    lazy_fill: bool = field(default=True, metadata=_env("CKPT_LAZY_FILL", _switch))
     # The ssh client, with any options of its own, that a group checkpoint reaches its members on
     # other hosts (HOST:PID) with; the user's ~/.ssh/config, keys and known_hosts apply.
     ssh: str = field(default="ssh", metadata=_env("CKPT_SSH", _command("'ssh -F /root/.ssh/ckpt_config'")))

@@ -53,7 +53,6 @@ import filecmp
 import itertools
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -1254,45 +1253,35 @@ RECOVERY_WORKERS = 4  # blobs downloaded at once by the bulk download (each get_
 
 
 def last_page_in(lazy: dict | None, timeout: float = LAST_PAGE_TIMEOUT_S) -> dict:
-    """Seconds from now until a lazy restore's page server has put back the last page. Once
-    CRIU's lazy-pages daemon says it is done (every page is in), the server writes
-    page-server.log ("done; N pages served of M in R requests in T s; ...") next to the
-    daemon's log, then removes its record (/run/ckpt/lazy/<pid>.json, CKPT_LAZY_DIR): the
-    wait ends when the log has its line and the record is gone, or when the server has
-    exited (it writes both before; a server killed meanwhile writes neither, and the wait
-    fails). Polled every 5 ms, bounded by timeout. A restore that was not lazy: 0 s."""
+    """Seconds from now until a lazy restore's page server has put back the last page: its
+    figures (ckpt.restore.lazy.page_server_stats: the live record it rewrites 4 times a
+    second, then its final figures) say "done" once every page is in, before it keeps the
+    packs it fetched ahead in the cache. Polled every 5 ms, bounded by timeout; a server that
+    ends without saying so fails the wait. A restore that was not lazy: 0 s."""
     if not lazy:
         return {"wait_s": 0.0}
+    from ckpt.restore.lazy import page_server_stats
+
     started = time.perf_counter()
     server = lazy["server_pid"]
-    record = Settings.from_environment().lazy_dir / f"{server}.json"
-    log = Path(lazy["log"]).with_name("page-server.log")
-
-    def last_line() -> str:
-        try:
-            lines = log.read_text().strip().splitlines()
-        except OSError:
-            return ""
-        return lines[-1] if lines else ""
-
+    work_dir = Path(lazy["log"]).parent
+    records = Settings.from_environment().lazy_dir
     deadline = time.monotonic() + timeout
     while True:
-        line = last_line()
-        # (a zombie is done: this machine's init reaps orphans a second or two late)
-        if (line and not record.exists()) or state(server) in (None, "Z"):
+        figures = page_server_stats(server, work_dir, records) or {}
+        status = str(figures.get("status", ""))
+        if status == "done" or status.startswith("failed"):
             break
+        if state(server) in (None, "Z") and not page_server_stats(server, work_dir, records):
+            raise SystemExit(f"the page server {server} of a lazy restore ended without its figures")
         if time.monotonic() > deadline:
-            raise SystemExit(f"the page server {server} of a lazy restore was not done after {timeout:.0f} s "
-                             f"(no line in {log})")
+            raise SystemExit(f"the page server {server} of a lazy restore was not done after {timeout:.0f} s")
         time.sleep(LAST_PAGE_POLL_S)
     waited = time.perf_counter() - started
-    line = line or last_line()
-    if not line.startswith("done"):
-        raise SystemExit(f"the page server {server} of a lazy restore failed: {line or 'no line in ' + str(log)}")
-    found = re.search(r"(\d+) pages served of (\d+) in (\d+) requests in ([\d.]+) s", line)
-    served = {} if not found else {"pages_served": int(found[1]), "pages": int(found[2]),
-                                   "requests": int(found[3]), "server_s": float(found[4])}
-    return {"wait_s": waited, **served}
+    if status != "done":
+        raise SystemExit(f"the page server {server} of a lazy restore failed: {status}")
+    return {"wait_s": waited, "pages_served": figures.get("pages_served"), "pages": figures.get("pages_total"),
+            "server_s": figures.get("last_page_s")}
 
 
 def ckpt_restore_timed(args: list[str], env: dict) -> dict:
@@ -1693,9 +1682,9 @@ def print_recovery(r: dict) -> None:
     for label, serving in (("from S3", ss["ckpt_serving"]), ("from S3, warmed cache", ss["warm_serving"]),
                            ("local", loc["samples"]["lazy_serving"])):
         for sv in serving:
-            if "requests" in sv:
-                print(f"    page server, {label}: {sv['pages_served']} pages served of {sv['pages']} in "
-                      f"{sv['requests']} requests in {sv['server_s']:.2f} s")
+            if sv.get("server_s") is not None:
+                print(f"    page server, {label}: {sv['pages_served']} pages in of {sv['pages']}, the last "
+                      f"{sv['server_s']:.2f} s after it started")
     ls = loc["samples"]
     print(f"  samples, local: lazy runs {_samples(ls['lazy_running_s'])} s, last page "
           f"{_samples(ls['lazy_last_page_s'])} s; --eager {_samples(ls['eager_s'])} s; raw restore "

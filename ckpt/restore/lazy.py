@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckpt.criu import lazypages
 from ckpt.criu.binary import CriuBinary
@@ -45,6 +46,10 @@ from ckpt.store.staging import discard
 from ckpt.system import procfs
 from ckpt.system.detach import detach_stdio
 from ckpt.system.textutil import human_bytes
+
+if TYPE_CHECKING:
+    from ckpt.restore.uffdlazy import LazyFiller
+    from ckpt.store.blocks.prefetch import Prefetcher
 
 READY_TIMEOUT_S = 30.0
 
@@ -135,6 +140,10 @@ class _StorePages:
         if self.served >= self.plan.pages and self.last_page_at is None:
             self.last_page_at = time.monotonic()
 
+    @property
+    def prefetcher(self) -> Prefetcher | None:
+        return self.sender.prefetcher
+
     def close(self, keep_copies_in: Store | None = None) -> None:
         """Ends the prefetch; with keep_copies_in (all served), first hands the spooled packs
         to that store's cache (Prefetcher.keep_in)."""
@@ -220,9 +229,11 @@ def lazy_processes(plan: LazyPlan) -> int:
 
 def start_page_server(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,
                       plan: LazyPlan, tree_pids: list[int], log_level: int) -> PageServer:
-    """Starts the detached page server and its lazy-pages daemon; returns once the daemon
-    listens on work_dir/lazy-pages.socket, where the restoring CRIU finds it."""
-    ours, theirs = _connected_pair()
+    """Starts the detached page server and its lazy-pages daemon (ckpt's own, in the server's
+    process; CKPT_LAZY_FILL=0: CRIU's, asking the server for pages over a TCP connection);
+    returns once the daemon listens on work_dir/lazy-pages.socket, where the restoring CRIU
+    finds it."""
+    ours, theirs = (None, None) if store.settings.lazy_fill else _connected_pair()
     ready_read, ready_write = os.pipe()
     control, control_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     log_path = work_dir / "lazy-pages.log"
@@ -233,11 +244,13 @@ def start_page_server(store: Store, checkpoint_id: str, binary: CriuBinary, imag
             os.close(ready_read)
             control.close()
             code = _spawn(store, checkpoint_id, binary, images_dir, work_dir, plan, tree_pids, log_level,
-                          ours.detach(), theirs.detach(), ready_write, control_theirs.detach())
+                          ours.detach() if ours else -1, theirs.detach() if theirs else -1, ready_write,
+                          control_theirs.detach())
         finally:
             os._exit(code)
-    ours.close()
-    theirs.close()
+    for end in (ours, theirs):
+        if end is not None:
+            end.close()
     control_theirs.close()
     os.close(ready_write)
     os.waitpid(child, 0)  # the first child only forks the server and the watcher, and leaves
@@ -249,7 +262,7 @@ def start_page_server(store: Store, checkpoint_id: str, binary: CriuBinary, imag
     if not ready:
         server.stop()
         lines = error_lines(log_path)
-        raise CriuFailed(f"CRIU's lazy-pages daemon did not start: {lines[-1] if lines else 'no error in its log'}",
+        raise CriuFailed(f"the lazy-pages daemon did not start: {lines[-1] if lines else 'no error in its log'}",
                          log_path=str(log_path), log_lines=lines,
                          hint="restore with --eager (a full restore needs no daemon)")
     return server
@@ -320,8 +333,9 @@ def _spawn(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Pat
         finally:
             os._exit(code)
     os.close(status_write)
-    os.close(ours_fd)
-    os.close(theirs_fd)
+    for fd in (ours_fd, theirs_fd):
+        if fd >= 0:
+            os.close(fd)
     watcher = os.fork()
     if watcher == 0:
         code = 1
@@ -338,48 +352,24 @@ def _spawn(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Pat
 def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,  # noqa: PLR0913
                  plan: LazyPlan, tree_pids: list[int], log_level: int, ours_fd: int, theirs_fd: int,
                  ready_write: int, status_fd: int) -> int:  # pragma: no cover - runs in the forked server
-    _detach_stdio({ours_fd, theirs_fd, ready_write, status_fd})
+    _detach_stdio({ours_fd, theirs_fd, ready_write, status_fd} - {-1})
     oom_refused = protect_from_oom()
     records = store.settings.lazy_dir  # tmpfs by default: forgotten at reboot, as the servers are
     record = _Record(records / f"{os.getpid()}.json",
                      {"server_pid": os.getpid(), "server_start": procfs.start_ticks(os.getpid()),
                       "pidns": _pid_namespace(), "checkpoint": checkpoint_id, "pids": tree_pids,
                       "store": str(store.root)})
-    served = requests = 0
     try:
         with store.lock(exclusive=False, timeout=READY_TIMEOUT_S):
             records.mkdir(mode=0o700, parents=True, exist_ok=True)
             record.write()
-            daemon = lazypages.start_daemon(binary, images_dir, work_dir, theirs_fd, ready_write,
-                                            "lazy-pages.log", log_level)
-            os.close(theirs_fd)
-            os.close(ready_write)
-            _tell(status_fd, b"P%d" % daemon.pid)
-            sock = socket.socket(fileno=ours_fd)
             figures = _Figures(plan, time.monotonic())
-            try:
-                pages = _StorePages(store, plan, work_dir / SPOOL_DIR)
-                figures.pages = pages
-                record.follow(figures)
-                served, requests = lazypages.serve(sock, pages)
-                figures.status = "done"
-                _tell(status_fd, b"D")  # every page is in: the watcher lets the tree go
-            except Exception as exc:  # noqa: BLE001 - any failure is logged: nobody else would see it
-                figures.status = f"failed: {exc}"
-                _tell(status_fd, b"F" + str(exc).encode()[:400].replace(b"\n", b" "))
-            finally:
-                sock.close()
-                record.stop()
-                if figures.status == "done":  # every page is in: neither a dump of the tree nor
-                    try:  # `restore --wait` waits for the packs kept in the cache below
-                        record.write(figures)
-                    except OSError:
-                        record.path.unlink(missing_ok=True)
-                if figures.pages is not None:  # the prefetch's threads and spool files
-                    figures.pages.close(keep_copies_in=store if figures.status == "done" else None)
-            daemon.wait()
-            (work_dir / "lazy-pages.socket").unlink(missing_ok=True)
-            _write_final(work_dir, store, figures, served, requests, daemon.returncode, oom_refused)
+            if ours_fd < 0:
+                how = _fill_lazily(store, plan, work_dir, ready_write, status_fd, record, figures)
+            else:
+                how = _serve_criu_daemon(store, binary, images_dir, work_dir, plan, log_level,
+                                         (ours_fd, theirs_fd, ready_write, status_fd), record, figures)
+            _write_final(work_dir, store, figures, how, oom_refused)
     finally:
         record.stop()
         record.path.unlink(missing_ok=True)
@@ -387,8 +377,85 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
     return 0
 
 
-def _write_final(work_dir: Path, store: Store, figures: _Figures, served: int, requests: int,  # noqa: PLR0913
-                 daemon_code: int | None, oom_refused: str | None) -> None:  # pragma: no cover - in the server
+def _fill_lazily(store: Store, plan: LazyPlan, work_dir: Path, ready_write: int, status_fd: int,  # noqa: PLR0913
+                 record: _Record, figures: _Figures) -> str:  # pragma: no cover - runs in the forked server
+    """ckpt's own lazy-pages daemon (ckpt/restore/uffdlazy.py), in this process: the watcher
+    is told this PID as the daemon's. Returns the log line's account of the copies."""
+    from ckpt.restore.uffdlazy import LazyFiller  # (it imports this module)
+
+    try:
+        filler = LazyFiller(store, plan, work_dir, work_dir / SPOOL_DIR)
+    except Exception as exc:  # what `ckpt restore` then tells (it reads this log)
+        _write_private(work_dir / "lazy-pages.log", f"Error: {exc}\n")
+        raise
+    try:
+        os.write(ready_write, b"\0")  # listening: the restoring CRIU may connect
+        os.close(ready_write)
+        _tell(status_fd, b"P%d" % os.getpid())
+        figures.pages = filler
+        record.follow(figures)
+        _run_and_tell(filler.run, status_fd, record, figures)
+    finally:
+        filler.close()  # after a success, keeps the packs fetched ahead in the cache
+    return (f"{filler.served} pages copied of {plan.pages} in {filler.copies} copies "
+            f"({filler.faults} faults, {filler.forks} forks followed)")
+
+
+def _serve_criu_daemon(store: Store, binary: CriuBinary, images_dir: Path, work_dir: Path,  # noqa: PLR0913
+                       plan: LazyPlan, log_level: int, fds: tuple[int, int, int, int], record: _Record,
+                       figures: _Figures) -> str:  # pragma: no cover - runs in the forked server
+    """CRIU's lazy-pages daemon (CKPT_LAZY_FILL=0), asking this page server for the pages."""
+    ours_fd, theirs_fd, ready_write, status_fd = fds
+    daemon = lazypages.start_daemon(binary, images_dir, work_dir, theirs_fd, ready_write,
+                                    "lazy-pages.log", log_level)
+    os.close(theirs_fd)
+    os.close(ready_write)
+    _tell(status_fd, b"P%d" % daemon.pid)
+    sock = socket.socket(fileno=ours_fd)
+    served = requests = 0
+    started: list[_StorePages] = []
+
+    def serve() -> None:
+        nonlocal served, requests
+        pages = _StorePages(store, plan, work_dir / SPOOL_DIR)
+        started.append(pages)
+        figures.pages = pages
+        record.follow(figures)
+        served, requests = lazypages.serve(sock, pages)
+
+    try:
+        _run_and_tell(serve, status_fd, record, figures)
+    finally:
+        sock.close()
+        for pages in started:  # the prefetch's threads and spool files
+            pages.close(keep_copies_in=store if figures.status == "done" else None)
+    daemon.wait()
+    (work_dir / "lazy-pages.socket").unlink(missing_ok=True)
+    return (f"{served} pages served of {plan.pages} in {requests} requests; "
+            f"daemon exit code {daemon.returncode}")
+
+
+def _run_and_tell(serve, status_fd: int, record: _Record, figures: _Figures) -> None:  # pragma: no cover
+    """Runs serve() and tells the watcher how it went: done ("D": every page is in, it lets the
+    tree go) or failed ("F...": it kills the tree)."""
+    try:
+        serve()
+        figures.status = "done"
+        _tell(status_fd, b"D")
+    except Exception as exc:  # noqa: BLE001 - any failure is logged: nobody else would see it
+        figures.status = f"failed: {exc}"
+        _tell(status_fd, b"F" + str(exc).encode()[:400].replace(b"\n", b" "))
+    finally:
+        record.stop()
+    if figures.status == "done":  # every page is in: neither a dump of the tree nor
+        try:  # `restore --wait` waits for the packs kept in the cache after this
+            record.write(figures)
+        except OSError:
+            record.path.unlink(missing_ok=True)
+
+
+def _write_final(work_dir: Path, store: Store, figures: _Figures, how: str,
+                 oom_refused: str | None) -> None:  # pragma: no cover - in the server
     """The final figures (page-server-stats.json) and the line of page-server.log."""
     final = figures.to_json(final=True)
     _write_private(work_dir / STATS_FILE, json.dumps(final) + "\n")
@@ -396,8 +463,7 @@ def _write_final(work_dir: Path, store: Store, figures: _Figures, served: int, r
         read_again = store.backend.copies_read_again()
         fetched = (f"; {human_bytes(final['bytes_fetched'])} fetched ahead from the store in "
                    f"{final['store_requests']} requests" if final["store_requests"] else "")
-        log.write(f"{figures.status}; {served} pages served of {figures.plan.pages} in {requests} requests in "
-                  f"{time.monotonic() - figures.began:.2f} s" + fetched + f"; daemon exit code {daemon_code}"
+        log.write(f"{figures.status}; {how} in {time.monotonic() - figures.began:.2f} s" + fetched
                   + (f"; {len(read_again)} damaged cache copies read again from the store (intact)"
                      if read_again else "")
                   + (f"; not protected from the OOM killer ({oom_refused})" if oom_refused else "") + "\n")
@@ -414,12 +480,12 @@ class _Figures:
     def __init__(self, plan: LazyPlan, began: float):
         self.plan, self.began = plan, began
         self.began_at = time.time()
-        self.pages: _StorePages | None = None
+        self.pages: _StorePages | LazyFiller | None = None
         self.status = "serving"
 
     def to_json(self, final: bool = False) -> dict:
         pages = self.pages
-        prefetcher = pages.sender.prefetcher if pages is not None else None
+        prefetcher = pages.prefetcher if pages is not None else None
         fetch = prefetcher.stats if prefetcher is not None else None
         last = pages.last_page_at if pages is not None else None
         figures = {

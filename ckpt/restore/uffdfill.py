@@ -125,6 +125,7 @@ class UffdFiller:
         self.stats = FillStats()
         self._lock = threading.Condition()
         self._finished = False  # CRIU said the restore is finished, or hung up
+        self.restore_finished = False  # CRIU said so (the tree runs once it has)
         self._stop_events = threading.Event()
         self._connection: socket.socket | None = None
         self._receiver = threading.Thread(target=self._receive, name="ckpt-uffd-receiver", daemon=True)
@@ -147,6 +148,7 @@ class UffdFiller:
                     break
                 (pid,) = struct.unpack("=i", head)
                 if pid == _RESTORE_FINISHED:
+                    self.restore_finished = True
                     break
                 if pid < 0:
                     continue  # a zombie: no memory, no userfaultfd
@@ -443,11 +445,14 @@ def _merged_repeats(starts: np.ndarray, here: np.ndarray, bounds: set[int]) -> l
 def _mapping_bounds(pid: int) -> np.ndarray:
     """Where the restored process's mappings begin and end (the kernel's, as they are now)."""
     bounds: list[int] = []
-    with open(f"/proc/{pid}/maps", "rb") as maps:
-        for line in maps:
-            start, _, end = line.split(b" ", 1)[0].partition(b"-")
-            if int(end, 16) < 1 << 63:  # not [vsyscall], which is no memory of the tree's
-                bounds += (int(start, 16), int(end, 16))
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as maps:
+            for line in maps:
+                start, _, end = line.split(b" ", 1)[0].partition(b"-")
+                if int(end, 16) < 1 << 63:  # not [vsyscall], which is no memory of the tree's
+                    bounds += (int(start, 16), int(end, 16))
+    except OSError:
+        pass  # exited already (a lazy restore's tree runs): nothing to cut, nothing to copy
     return np.unique(np.array(bounds, dtype=np.int64))
 
 
