@@ -1281,7 +1281,8 @@ def last_page_in(lazy: dict | None, timeout: float = LAST_PAGE_TIMEOUT_S) -> dic
     if status != "done":
         raise SystemExit(f"the page server {server} of a lazy restore failed: {status}")
     return {"wait_s": waited, "pages_served": figures.get("pages_served"), "pages": figures.get("pages_total"),
-            "server_s": figures.get("last_page_s")}
+            "server_s": figures.get("last_page_s"), "all_fetched_s": figures.get("all_fetched_s"),
+            "bytes_fetched": figures.get("bytes_fetched"), "store_requests": figures.get("store_requests")}
 
 
 def ckpt_restore_timed(args: list[str], env: dict) -> dict:
@@ -1683,8 +1684,11 @@ def print_recovery(r: dict) -> None:
                            ("local", loc["samples"]["lazy_serving"])):
         for sv in serving:
             if sv.get("server_s") is not None:
+                fetched = ("" if not sv.get("store_requests") else
+                           f"; {sv['bytes_fetched'] / (1 << 20):.0f} MiB fetched in {sv['store_requests']} requests, "
+                           f"the last {sv['all_fetched_s']:.2f} s after it started")
                 print(f"    page server, {label}: {sv['pages_served']} pages in of {sv['pages']}, the last "
-                      f"{sv['server_s']:.2f} s after it started")
+                      f"{sv['server_s']:.2f} s after it started" + fetched)
     ls = loc["samples"]
     print(f"  samples, local: lazy runs {_samples(ls['lazy_running_s'])} s, last page "
           f"{_samples(ls['lazy_last_page_s'])} s; --eager {_samples(ls['eager_s'])} s; raw restore "

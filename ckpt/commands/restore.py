@@ -643,7 +643,9 @@ def wait_for_memory(result: RestoreResult, settings: Settings, reporter: Reporte
         if figures is not None:
             fetched = figures.get("bytes_fetched") or 0
             what = f"memory coming back ({fetched / (1 << 20):.0f} MiB fetched)" if fetched else "memory coming back"
-            reporter.progress(int(figures.get("pages_served") or 0), int(figures.get("pages_total") or 1), what)
+            total = int(figures.get("pages_total") or 1)
+            # (more pages than the checkpoint's once the tree forks: the children's are copied in too)
+            reporter.progress(min(int(figures.get("pages_served") or 0), total), total, what)
         if status != "serving" or procs.process_state(lazy["server_pid"]) in (None, "Z"):
             break
         if deadline is not None and time.monotonic() > deadline:
