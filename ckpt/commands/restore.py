@@ -23,7 +23,8 @@ from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore import copies, copynet, hostcheck, tcppeers
 from ckpt.restore.copies import CopyInfo, CopyPlacement
-from ckpt.restore.lazy import LazyPlan, PageServer, lazy_processes, page_server_stats, start_page_server
+from ckpt.restore.lazyplan import LazyPlan
+from ckpt.restore.lazy import PageServer, lazy_processes, page_server_stats, start_page_server
 from ckpt.restore.lazy import supported as lazy_supported
 from ckpt.restore.uffdfill import FillStats, UffdFiller
 from ckpt.store import Manifest, Store, ids

@@ -3,10 +3,11 @@
 A restore of a large tree spends most of its time writing a pages image that CRIU then reads
 once. A lazy restore writes only the pages CRIU cannot take lazily (stacks, shared and file
 mappings) and leaves the private anonymous memory as holes; CRIU recreates the tree with that
-memory registered with userfaultfd, and its lazy-pages daemon fills it in (where the tree
-touches it first, then the rest in the background) from a page server that ckpt runs here,
-reading the pages from the store's packs. Every page is verified before the tree is restored,
-as in a full restore.
+memory registered with userfaultfd, and a lazy-pages daemon fills it in (where the tree
+touches it first, then the rest in the background) from the store's packs: ckpt's own, which
+is the page server process this module starts (ckpt/restore/uffdlazy.py), or, with
+CKPT_LAZY_FILL=0, CRIU's, asking that page server for pages. Every page is verified before
+the tree is restored, as in a full restore.
 
 The page server is a detached process: it outlives `ckpt restore`, holds the store's shared
 lock (so no prune removes a pack it reads), and removes the staged images once the daemon is
@@ -19,7 +20,6 @@ that a page server which ended early did not fill in.
 from __future__ import annotations
 
 import bisect
-import itertools
 import json
 import os
 import select
@@ -29,19 +29,18 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpt.criu import lazypages
 from ckpt.criu.binary import CriuBinary
 from ckpt.criu.client import error_lines, has_feature
-from ckpt.criu.images import lazy_runs
 from ckpt.errors import CriuFailed, UsageError
+from ckpt.restore.lazyplan import LazyPlan, needed_segments
 from ckpt.restore.lazywatch import HANDOVER_TIMEOUT_S, Watcher, protect_from_oom
-from ckpt.store import Manifest, Store
+from ckpt.store import Store
 from ckpt.store.blocks.blockstore import PAGE
-from ckpt.store.blocks.segments import segment_key
 from ckpt.store.staging import discard
 from ckpt.system import procfs
 from ckpt.system.detach import detach_stdio
@@ -54,51 +53,9 @@ if TYPE_CHECKING:
 READY_TIMEOUT_S = 30.0
 
 
-def thp_always() -> bool:
-    """Whether transparent huge pages are on for every mapping, not only madvised ones."""
-    try:
-        return "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return False
-
-
 def supported(binary: CriuBinary) -> bool:
     """Whether this kernel and CRIU can restore lazily (userfaultfd with fork/remap events)."""
     return has_feature(binary, "uffd-noncoop")
-
-
-@dataclass
-class LazyPlan:
-    """What a page server serves: per process, its pagemap's lazy entries
-    (vaddr, nr_pages, first position in its pages image) and its pages image's name; per
-    pages image, the location of each page in the store."""
-
-    runs: dict[int, tuple[str, list[tuple[int, int, int]]]] = field(default_factory=dict)
-    locations: dict[str, list[int]] = field(default_factory=dict)
-
-    def prepare(self, images_dir: Path, manifest: Manifest, minimum_bytes: int
-                ) -> dict[str, list[tuple[int, int]]] | None:
-        """Reads (and adjusts) the staged pagemaps: the page ranges to leave out of each pages
-        image, {} when fewer than minimum_bytes would be lazy, None when the restore must not
-        be lazy (criu/images.py, lazy_runs)."""
-        # Under THP "always", a checkpoint that took pages from its parent (dirty tracking) may
-        # hold many eager pages in any mapping: treated like a MADV_HUGEPAGE one.
-        took_from_parent = bool((manifest.criu.get("tracking") or {}).get("pages_from_parent"))
-        runs = lazy_runs(images_dir, huge_pages_everywhere=thp_always() and took_from_parent)
-        if runs is None:
-            return None
-        self.runs = runs
-        return self.holes() if self.pages * PAGE >= minimum_bytes else {}
-
-    def holes(self) -> dict[str, list[tuple[int, int]]]:
-        holes: dict[str, list[tuple[int, int]]] = {}
-        for image, runs in self.runs.values():
-            holes.setdefault(image, []).extend((first, nr_pages) for _, nr_pages, first in runs)
-        return holes
-
-    @property
-    def pages(self) -> int:
-        return sum(nr_pages for _, runs in self.runs.values() for _, nr_pages, _ in runs)
 
 
 class _StorePages:
@@ -151,26 +108,6 @@ class _StorePages:
         if keep_copies_in is not None and prefetcher is not None and self.last_page_at is not None:
             prefetcher.keep_in(keep_copies_in.backend)
         self.sender.close()
-
-
-def needed_segments(plan: LazyPlan) -> list[int]:
-    """The segments holding the plan's lazy pages, each once, in the order the daemon will
-    likely ask for them: it fills in each process's memory by address, the processes in turn,
-    so the processes' segments are taken in turn, each process's by address."""
-    per_process: list[list[int]] = []
-    for image, runs in plan.runs.values():
-        locations = plan.locations.get(image, [])
-        keys: dict[int, None] = {}
-        for _, nr_pages, first in sorted(runs):
-            for location in locations[first:first + nr_pages]:
-                keys[segment_key(location)] = None
-        per_process.append(list(keys))
-    order: dict[int, None] = {}
-    for turn in itertools.zip_longest(*per_process):
-        for key in turn:
-            if key is not None:
-                order[key] = None
-    return list(order)
 
 
 @dataclass
@@ -381,7 +318,7 @@ def _fill_lazily(store: Store, plan: LazyPlan, work_dir: Path, ready_write: int,
                  record: _Record, figures: _Figures) -> str:  # pragma: no cover - runs in the forked server
     """ckpt's own lazy-pages daemon (ckpt/restore/uffdlazy.py), in this process: the watcher
     is told this PID as the daemon's. Returns the log line's account of the copies."""
-    from ckpt.restore.uffdlazy import LazyFiller  # (it imports this module)
+    from ckpt.restore.uffdlazy import LazyFiller  # deferred: numpy, which a dump importing this does not need
 
     try:
         filler = LazyFiller(store, plan, work_dir, work_dir / SPOOL_DIR)
@@ -431,8 +368,7 @@ def _serve_criu_daemon(store: Store, binary: CriuBinary, images_dir: Path, work_
             pages.close(keep_copies_in=store if figures.status == "done" else None)
     daemon.wait()
     (work_dir / "lazy-pages.socket").unlink(missing_ok=True)
-    return (f"{served} pages served of {plan.pages} in {requests} requests; "
-            f"daemon exit code {daemon.returncode}")
+    return f"{served} pages served of {plan.pages} in {requests} requests (daemon exit code {daemon.returncode})"
 
 
 def _run_and_tell(serve, status_fd: int, record: _Record, figures: _Figures) -> None:  # pragma: no cover

@@ -1,7 +1,8 @@
 """The watcher of a lazy restore: the tree never runs on memory its page server did not fill in.
 
-A lazily restored process's memory is registered with userfaultfd, and only CRIU's lazy-pages
-daemon holds the userfaultfds (CRIU's restorer closes the process's own). When the daemon
+A lazily restored process's memory is registered with userfaultfd, and only the lazy-pages
+daemon holds the userfaultfds (CRIU's restorer closes the process's own): ckpt's own, which is
+the page server's process itself (ckpt/restore/uffdlazy.py), or CRIU's (CKPT_LAZY_FILL=0). When the daemon
 ends early (killed, or failing because the page server was killed), the kernel releases them:
 the memory is no longer watched and every page not filled in yet reads as zeros. Measured
 here: daemon and page server killed 0.05 s after a lazy restore of a 1 GiB Python process,

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from ckpt.errors import CriuFailed, DamagedCheckpoint
-from ckpt.restore.lazy import LazyPlan
+from ckpt.restore.lazyplan import LazyPlan
 from ckpt.store import Store
 from ckpt.store.blocks.blockstore import PAGE
 from ckpt.store.blocks.segments import split_location
@@ -84,7 +84,8 @@ class FillStats:
 
     def to_json(self) -> dict:
         return {"pages": self.pages, "bytes": self.pages * PAGE, "seconds": round(self.seconds, 3),
-                "threads": self.threads, "bytes_fetched": self.bytes_fetched, "store_requests": self.store_requests}
+                "threads": self.threads, "early_faults": self.early_faults, "bytes_fetched": self.bytes_fetched,
+                "store_requests": self.store_requests}
 
 
 @dataclass

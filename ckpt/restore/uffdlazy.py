@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from ckpt.errors import CriuFailed
-from ckpt.restore.lazy import LazyPlan, needed_segments
+from ckpt.restore.lazyplan import LazyPlan, needed_segments
 from ckpt.restore.uffdfill import (
     _EVENT_FORK,
     _EVENT_PAGEFAULT,

@@ -58,6 +58,22 @@ def test_lazy_restore_brings_back_every_page_while_the_tree_runs(procs, tmp_path
     ckpt("prune", env={"CKPT_LOCK_TIMEOUT": "5"})
 
 
+def test_lazy_restore_through_crius_own_daemon(procs, tmp_path):
+    """CKPT_LAZY_FILL=0: CRIU's lazy-pages daemon fills the memory in, asking ckpt's page server."""
+    target, out, original_sum = started_bigmem(procs, tmp_path, 96)
+    dumped = ckpt_json("dump", target.pid, "--stop")
+    target.wait(timeout=10)
+    out.unlink()
+    restored = ckpt_json("restore", dumped["id"], "--lazy", "--no-wait", env={"CKPT_LAZY_FILL": "0"})
+    procs.adopt(restored["pid"])
+    os.kill(restored["pid"], signal.SIGUSR1)
+    wait_until(lambda: read_lines(out), timeout=60, what="restored bigmem to report")
+    assert read_lines(out)[0].split()[0] == original_sum
+    log = wait_for_server_end(procs, restored["lazy"])
+    assert re.match(rf"done; {restored['lazy']['pages']} pages served of {restored['lazy']['pages']} in \d+ "
+                    r"requests \(daemon exit code 0\) in [\d.]+ s", log), log
+
+
 def test_eager_restore_writes_every_page_before_the_tree_runs(procs, tmp_path):
     target, out, original_sum = started_bigmem(procs, tmp_path, 128)
     dumped = ckpt_json("dump", target.pid, "--stop")

@@ -10,7 +10,8 @@ import pytest
 
 from ckpt.criu import lazypages
 from ckpt.errors import DamagedCheckpoint
-from ckpt.restore.lazy import LazyPlan, _StorePages
+from ckpt.restore.lazy import _StorePages
+from ckpt.restore.lazyplan import LazyPlan
 from ckpt.store import Store
 from ckpt.store.materialize import materialize_lazily
 from tests.unit.test_store import PAGE, fake_dump, flip_byte
