@@ -26,8 +26,10 @@ already under way when the event comes could still put the checkpoint's bytes in
 tree has just dropped, once the kernel zaps it. So a process's userfaultfd is read only when no
 copy into that process is under way (the gate's exclusive side; copies take its shared side),
 and a copy looks its run up again under the gate: a run dropped or moved meanwhile is never
-copied to where it was. A run is forgotten only once its copy has returned, so a fault read
-after it finds the page in place (EEXIST), and one read before finds the run and copies it.
+copied to where it was. Its bytes are read (fetched, checked, decoded) before the gate: the
+process's faults and events never wait for a download of the background fill. A run is
+forgotten only once its copy has returned, so a fault read after it finds the page in place
+(EEXIST), and one read before finds the run and copies it.
 
 A run that fails with ENOENT crosses two mappings (the tree split one since the restore, with
 mprotect): it is halved until each piece lies in one; a single page that still fails has no
