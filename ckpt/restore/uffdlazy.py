@@ -26,8 +26,10 @@ already under way when the event comes could still put the checkpoint's bytes in
 tree has just dropped, once the kernel zaps it. So a process's userfaultfd is read only when no
 copy into that process is under way (the gate's exclusive side; copies take its shared side),
 and a copy looks its run up again under the gate: a run dropped or moved meanwhile is never
-copied to where it was. A run is forgotten only once its copy has returned, so a fault read
-after it finds the page in place (EEXIST), and one read before finds the run and copies it.
+copied to where it was. Its bytes are read (fetched, checked, decoded) before the gate: the
+process's faults and events never wait for a download of the background fill. A run is
+forgotten only once its copy has returned, so a fault read after it finds the page in place
+(EEXIST), and one read before finds the run and copies it.
 
 A run that fails with ENOENT crosses two mappings (the tree split one since the restore, with
 mprotect): it is halved until each piece lies in one; a single page that still fails has no
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import ctypes
 import errno
 import itertools
@@ -50,6 +53,7 @@ import select
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -330,17 +334,27 @@ class LazyFiller(UffdFiller):
             return waiting, None
 
     def _copy_run(self, memory: _Memory, start: int, reader) -> int:
-        memory.gate.enter_copy()
-        try:
-            with self._state:
-                run = None if memory.closed else memory.runs.get(start)
-            return 0 if run is None else self._put_run(memory, run, reader)
-        finally:
-            memory.gate.leave_copy()
+        with self._state:
+            run = None if memory.closed else memory.runs.get(start)
+        if run is None:
+            return 0
+        # The run's bytes are read (fetched from a remote store, checked, decoded) before the
+        # gate is entered: the process's faults and events, which wait for the copies under
+        # way, never wait for a download or a decode of the background fill.
+        with _source(run, reader) as source:
+            memory.gate.enter_copy()
+            try:
+                with self._state:
+                    unchanged = not memory.closed and memory.runs.get(start) == run
+                # Changed meanwhile (a fault took part of it, an event moved or dropped it):
+                # what is left of it was added with a hint of its own.
+                return self._put_run(memory, run, source) if unchanged else 0
+            finally:
+                memory.gate.leave_copy()
 
-    def _put_run(self, memory: _Memory, run: Run, reader) -> int:
-        """Copies run in; returns the errno that stopped it (0: all of it is in)."""
-        placed, done, code = _put(memory.fd, run, reader)
+    def _put_run(self, memory: _Memory, run: Run, source: tuple[int, bool]) -> int:
+        """Copies run in from source (see _source); returns the errno that stopped it (0: all of it is in)."""
+        placed, done, code = _place(memory.fd, run[0], source[0], run[1] * PAGE, zeros=source[1])
         with self._state:
             self.served += placed // PAGE
             self.copies += 1
@@ -474,7 +488,8 @@ class LazyFiller(UffdFiller):
                 run = memory.runs.get(address)
         if run is None:
             return self._zero_page(memory, address)
-        code = self._put_run(memory, run, reader)
+        with _source(run, reader) as source:
+            code = self._put_run(memory, run, source)
         if code == errno.ENOENT:
             return self._serve_fault(memory, address, reader)  # halved: the faulting page's half again
         return code != errno.EAGAIN
@@ -535,21 +550,24 @@ def _plan_runs(plan: LazyPlan, pid: int) -> list[Run]:
     return runs
 
 
-def _put(fd: int, run: Run, reader) -> tuple[int, int, int]:
-    """Copies run into the process behind fd; returns (bytes copied, bytes done: copied or
-    there already, the errno that stopped it or 0)."""
-    vaddr, count, key, within, repeated = run
+@contextlib.contextmanager
+def _source(run: Run, reader) -> Iterator[tuple[int, bool]]:
+    """The run's bytes, read out of the store (checked and decoded): (their address, False), or
+    (0, True) for a run of zero pages (UFFDIO_ZEROPAGE); valid within the `with` block."""
+    _, count, key, within, repeated = run
     if repeated:
         with reader.reader.view(key, within, 1) as page:
             content = bytes(page)
         if content == _ZEROS:
-            return _place(fd, vaddr, 0, count * PAGE, zeros=True)
-        source = np.frombuffer(content * count, dtype=np.uint8)
-        return _place(fd, vaddr, source.ctypes.data, count * PAGE)
+            yield 0, True
+            return
+        repeats = np.frombuffer(content * count, dtype=np.uint8)
+        yield repeats.ctypes.data, False
+        return
     with reader.reader.view(key, within, count) as pages:
         source = np.frombuffer(pages, dtype=np.uint8)
         try:
-            return _place(fd, vaddr, source.ctypes.data, count * PAGE)
+            yield source.ctypes.data, False
         finally:
             del source  # (a traceback keeping it would keep the pack's mapping exported)
 

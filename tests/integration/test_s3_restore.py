@@ -194,3 +194,31 @@ def test_copy_and_verify_of_an_s3_store_fetch_ahead_in_large_requests(procs, tmp
     restored = ckpt_json("restore", dumped, "--store", copied_to, "--eager")
     procs.adopt(restored["pid"])
     assert report(restored["pid"], out)[0] == checksum
+
+
+
+def test_the_tree_forks_at_once_while_the_store_is_stopped_mid_fetch(s3_server, procs, tmp_path):
+    """ckpt's lazy-pages daemon reads a process's fork only while no copy into it is under way:
+    a copying thread waiting for a segment's download must not hold that up (it held the
+    tree's fork until the store answered again). Only the big region is lazy: the fork
+    itself touches no page still to fetch."""
+    dumped, checksum, out = dumped_bigmem(procs, tmp_path, 512)
+    command, _ = restore_while(lambda: None, procs, tmp_path, dumped)
+    stdout, stderr = command.communicate(timeout=60)
+    assert command.returncode == 0, stderr
+    restored = json.loads(stdout)
+    pid, server = restored["pid"], s3_server.process.pid
+    procs.adopt(pid)
+    os.kill(server, signal.SIGSTOP)
+    try:
+        time.sleep(0.3)  # (the requests under way when it stopped are not answered)
+        live = page_server_stats(restored["lazy"]["server_pid"], Path(restored["lazy"]["log"]).parent, LAZY_DIR)
+        assert live and live["bytes_fetched"] < live["pages_total"] * PAGE, f"not mid-fetch: {live}"
+        os.kill(pid, signal.SIGUSR2)
+        forked = wait_until(lambda: [line for line in out.read_text().splitlines() if line.startswith("forked")],
+                            timeout=5, interval=0.05, what="the tree's fork with the store stopped")
+        assert float(forked[0].split()[1]) < 2.0, forked
+    finally:
+        os.kill(server, signal.SIGCONT)
+    assert report(pid, out)[0] == checksum, "the restored memory differs from the checkpoint's"
+    assert final_stats(restored)["status"] == "done"
