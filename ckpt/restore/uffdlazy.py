@@ -152,7 +152,6 @@ class _Memory:
             self.hints[self.runs[start][2] % shares].append(start)
         self.closed = False
         self.gone = False  # exited: every copy fails with ESRCH
-        self.stalled_since: float | None = None
 
     @property
     def complete(self) -> bool:
@@ -369,15 +368,9 @@ class LazyFiller(UffdFiller):
             elif code in (errno.ESRCH, errno.ENOSPC):
                 memory.gone = True
                 memory.drop_all()
-            else:
+            else:  # EAGAIN: the rest is tried again (no time limit here: the events thread,
+                # which lets it go on, may wait for a stalled store; if it dies, all stops)
                 memory.replace(run, [_piece(run, count - rest, rest)] if rest else [])
-            if code == errno.EAGAIN:
-                now = time.monotonic()
-                memory.stalled_since = memory.stalled_since or now
-                if now - memory.stalled_since > EAGAIN_LIMIT_S:
-                    raise OSError(code, f"UFFDIO_COPY could not go on for {EAGAIN_LIMIT_S:.0f} s")
-            else:
-                memory.stalled_since = None
         return code
 
     # ---- the events thread -----------------------------------------------------------------
@@ -415,7 +408,8 @@ class LazyFiller(UffdFiller):
             waiting: list[int] = []  # faults whose copy met EAGAIN: an event is still to read
             deadline = time.monotonic() + EAGAIN_LIMIT_S
             while True:
-                self._read_messages(memory, reader, waiting)
+                if self._read_messages(memory, reader, waiting):
+                    deadline = time.monotonic() + EAGAIN_LIMIT_S  # (serving may have waited for the store)
                 waiting = [address for address in waiting if not self._serve_fault(memory, address, reader)]
                 if not waiting:
                     break
@@ -432,14 +426,17 @@ class LazyFiller(UffdFiller):
         with self._state:
             self._state.notify_all()
 
-    def _read_messages(self, memory: _Memory, reader, waiting: list[int]) -> None:
+    def _read_messages(self, memory: _Memory, reader, waiting: list[int]) -> bool:
+        """Serves what is to read now (faults met by EAGAIN go to waiting); whether there was any."""
+        read = False
         while True:
             try:
                 data = os.read(memory.fd, _UFFD_MSG.size * 32)
             except BlockingIOError:
-                return
+                return read
             if not data:
-                return
+                return read
+            read = True
             for at in range(0, len(data) - _UFFD_MSG.size + 1, _UFFD_MSG.size):
                 event, _, _, _, arg = _UFFD_MSG.unpack_from(data, at)
                 if event == _EVENT_PAGEFAULT:
