@@ -1661,8 +1661,8 @@ def print_recovery(r: dict) -> None:
           f"target (dirtymem, random data; dump {s['dump_s']:.2f} s, raw criu dump to local disk "
           f"{s['raw_dump_s']:.2f} s); another host is a fresh empty CKPT_CACHE; the bulk download is get_file of "
           f"ckpt's encrypted S3 backend, {s['download_workers']} blobs at once, of every blob under packs/, "
-          f"objects/, index/; the last page is in when the page server's record /run/ckpt/lazy/<pid>.json goes "
-          f"(its page-server.log then says done)")
+          f"objects/, index/; the last page is in when the page server's figures say done (its live record "
+          f"/run/ckpt/lazy/<pid>.json, polled every 5 ms)")
     print(f"  local: a {loc['size_mib']} MiB target dumped by ckpt and by raw criu (--leave-running, its own "
           f"directory); trees: one parent and N children of {tree['child_mib']} MiB (tests/fixtures/bench_tree.py), "
           f"each side dumping a fresh tree")
