@@ -486,18 +486,9 @@ def _copy_repeated(fd: int, dst: int, page: memoryview, count: int) -> None:
 def _copy_from(fd: int, dst: int, src: int, length: int, zeros: bool = False) -> None:
     stalled_since = None
     while length > 0:
-        if zeros:
-            zero = _UffdioZeropage(dst, length, 0, 0)
-            failed = _libc.ioctl(fd, ctypes.c_ulong(_UFFDIO_ZEROPAGE), ctypes.byref(zero)) != 0
-            result = zero.zeropage
-        else:
-            request = _UffdioCopy(dst, src, length, 0, 0)
-            failed = _libc.ioctl(fd, ctypes.c_ulong(_UFFDIO_COPY), ctypes.byref(request)) != 0
-            result = request.copy
-        if not failed:
+        code, done = copy_once(fd, dst, src, length, zeros)
+        if not code:
             return
-        code = ctypes.get_errno()
-        done = result if result > 0 else 0
         if code == errno.EEXIST and done == 0:
             done = PAGE  # this page is there already
         elif code == errno.ESRCH:
@@ -513,3 +504,17 @@ def _copy_from(fd: int, dst: int, src: int, length: int, zeros: bool = False) ->
             raise OSError(code, f"UFFDIO_COPY at {dst:#x}: {os.strerror(code)}")
         stalled_since = None
         dst, src, length = dst + done, src + done, length - done
+
+
+def copy_once(fd: int, dst: int, src: int, length: int, zeros: bool = False) -> tuple[int, int]:
+    """One UFFDIO_COPY of length bytes from src to dst (zeros: UFFDIO_ZEROPAGE, no src) into
+    the process behind fd; returns (0, length) or (the errno that stopped it, bytes done before)."""
+    if zeros:
+        zero = _UffdioZeropage(dst, length, 0, 0)
+        failed = _libc.ioctl(fd, ctypes.c_ulong(_UFFDIO_ZEROPAGE), ctypes.byref(zero)) != 0
+        result = zero.zeropage
+    else:
+        request = _UffdioCopy(dst, src, length, 0, 0)
+        failed = _libc.ioctl(fd, ctypes.c_ulong(_UFFDIO_COPY), ctypes.byref(request)) != 0
+        result = request.copy
+    return (ctypes.get_errno(), max(int(result), 0)) if failed else (0, length)

@@ -67,15 +67,14 @@ from ckpt.restore.uffdfill import (
     _EVENT_REMOVE,
     _EVENT_UNMAP,
     _UFFD_MSG,
-    _UFFDIO_COPY,
     _UFFDIO_ZEROPAGE,
     EAGAIN_LIMIT_S,
     MAX_THREADS,
     UffdFiller,
+    copy_once,
     _libc,
     _mapping_bounds,
     _merged_repeats,
-    _UffdioCopy,
     _UffdioZeropage,
 )
 from ckpt.store import Store
@@ -570,21 +569,14 @@ def _source(run: Run, reader) -> Iterator[tuple[int, bool]]:
 
 
 def _place(fd: int, dst: int, src: int, length: int, zeros: bool = False) -> tuple[int, int, int]:
+    """Copies length bytes from src to dst (zeros: the zero page); returns (bytes copied, bytes
+    done: copied or there already, the errno that stopped it or 0)."""
     placed = done = 0
     while length > 0:
-        if zeros:
-            zero = _UffdioZeropage(dst, length, 0, 0)
-            failed = _libc.ioctl(fd, ctypes.c_ulong(_UFFDIO_ZEROPAGE), ctypes.byref(zero)) != 0
-            result = zero.zeropage
-        else:
-            request = _UffdioCopy(dst, src, length, 0, 0)
-            failed = _libc.ioctl(fd, ctypes.c_ulong(_UFFDIO_COPY), ctypes.byref(request)) != 0
-            result = request.copy
-        if not failed:
-            return placed + length, done + length, 0
-        code = ctypes.get_errno()
-        moved = result if result > 0 else 0
+        code, moved = copy_once(fd, dst, src, length, zeros)
         placed, done = placed + moved, done + moved
+        if not code:
+            return placed, done, 0
         dst, src, length = dst + moved, src + moved, length - moved
         if code == errno.EEXIST and length > 0:  # the tree has this page already: skipped
             done += PAGE
