@@ -101,7 +101,8 @@ class _Work:
 
 
 class UffdFiller:
-    """Stands in for CRIU's lazy-pages daemon during one restore (see the module's doc)."""
+    """Stands in for CRIU's lazy-pages daemon during one full restore (see the module's doc);
+    uffdlazy.LazyFiller, a lazy restore's daemon, builds on it."""
 
     def __init__(self, store: Store, plan: LazyPlan, work_dir: Path, checked: set[int] | None = None):
         """checked: segments found intact already (shared: a thread may be checking the others)."""
