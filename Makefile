@@ -15,6 +15,11 @@ setup: $(VENV)/.installed
 		apt-get install -y -qq --no-install-recommends openssh-server >/dev/null; }
 	@# The page hashing extension is built in place (ckpt/): rebuilt if it went missing.
 	@$(PY) -c 'import ckpt._pagehash' 2>/dev/null || $(PY) -m pip install -q --no-deps -e .
+	@# ckpt's bytecode, compiled once: pip compiles an installed package's, not an editable
+	@# one's, and with PYTHONDONTWRITEBYTECODE set (as on CI) every command compiled ckpt's
+	@# modules again, 0.2 s of each `ckpt dump` and `ckpt restore` (measured: import 0.57 s
+	@# against 0.38 s). Up-to-date files are skipped; an edited module is compiled in memory.
+	@$(PY) -m compileall -q -j 0 ckpt >/dev/null
 	@# ckpt(1), generated from the CLI itself (ckpt/cli/manpage.py): `man ckpt`.
 	@$(PY) -m ckpt.cli.manpage > $(VENV)/ckpt.1.new && install -D -m 644 $(VENV)/ckpt.1.new $(MAN_DIR)/ckpt.1 \
 		&& rm -f $(VENV)/ckpt.1.new
