@@ -1294,6 +1294,10 @@ def ckpt_restore_timed(args: list[str], env: dict) -> dict:
         filled = last_page_in(restored.get("lazy"))
     finally:
         end_tree(restored["pid"])
+        if restored.get("lazy"):
+            # Once done, the page server goes on keeping the packs it fetched in the cache:
+            # the next step (removing that cache, a measured step) waits until it has ended.
+            gone([restored["lazy"]["server_pid"]])
     # (the restore's own account of a lazy restore, as it says it: pages, bytes, and what later code adds)
     return {"running_s": elapsed, "last_page_s": elapsed + filled.pop("wait_s"), "lazy": bool(restored.get("lazy")),
             **filled, "reported": restored.get("lazy") or {}}

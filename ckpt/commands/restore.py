@@ -21,7 +21,7 @@ from ckpt.errors import CkptError, CriuFailed, HookFailed, UsageError
 from ckpt.commands.cache_notes import tell_copies_read_again
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
-from ckpt.restore import copies, copynet, hostcheck, tcppeers
+from ckpt.restore import copies, copynet, hostcheck, tcppeers, treeshare
 from ckpt.restore.copies import CopyInfo, CopyPlacement
 from ckpt.restore.lazyplan import LazyPlan
 from ckpt.restore.lazy import PageServer, lazy_processes, page_server_stats, start_page_server
@@ -31,7 +31,7 @@ from ckpt.store import Manifest, Store, ids
 from ckpt.store.password import PasswordSource
 from ckpt.store.blocks.blockstore import PAGE
 from ckpt.store.blocks.segments import WITHIN_BITS
-from ckpt.store.materialize import link_images, materialize, materialize_lazily
+from ckpt.store.materialize import LeftOut, link_images, materialize, materialize_lazily
 from ckpt.store.staging import discard
 from ckpt.system import procs
 from ckpt.system.files import can_punch_holes, make_private_dir
@@ -96,6 +96,9 @@ class RestoreResult:
     host_warnings: list[str] = field(default_factory=list)  # differences with the dump's host, not refused
     # Where a copy runs (a copy, or the restore of a copy's checkpoint): its init, namespaces, address.
     copy: CopyInfo | None = None
+    # A full restore of a tree: the pages of its processes equal to its root's at the same
+    # address, laid out once and read from the root's pages image (ckpt/restore/treeshare.py).
+    shared_pages: int | None = None
 
     def to_json(self) -> dict:
         return {"id": self.manifest.id, "name": self.manifest.name, "pid": self.pid,
@@ -104,7 +107,8 @@ class RestoreResult:
                 "log": str(self.log_path), "lazy": self.lazy, "filled": self.filled,
                 "another_host": self.another_host,
                 "tcp_connections": self.tcp_connections, "connections": [c.to_json() for c in self.connections],
-                "host_warnings": self.host_warnings, "copy": self.copy.to_json() if self.copy else None}
+                "host_warnings": self.host_warnings, "copy": self.copy.to_json() if self.copy else None,
+                "shared_pages": self.shared_pages}
 
 
 def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter(), *,
@@ -139,6 +143,7 @@ class RestoreSession(Session[RestoreRequest]):
         self.server: PageServer | None = None
         self.lazy_info: dict | None = None
         self.filler: UffdFiller | None = None  # a full restore whose memory ckpt copies in
+        self.shared_pages: int | None = None  # pages laid out once, read from the root's image (treeshare)
         self.segment_check: _SegmentCheck | None = None  # a lazy restore's segments, checked while CRIU runs
         self.fill_stats: FillStats | None = None
         self.pid: int | None = None
@@ -161,8 +166,9 @@ class RestoreSession(Session[RestoreRequest]):
             return
         if any(entry.kind == "pages" for entry in manifest.files):
             store.blocks.preload_index()  # meanwhile, the other images are written and checked
-        self.images_dir, self.memory, self.plan, self.host = _ImageLayout(
-            store, manifest, self.request, self.binary, self.reporter, self.settings).lay_out()
+        layout = _ImageLayout(store, manifest, self.request, self.binary, self.reporter, self.settings)
+        self.images_dir, self.memory, self.plan, self.host = layout.lay_out()
+        self.shared_pages = layout.shared_pages
         self.lazy = self.memory == "lazy"
         if self.memory == "fill" and not store.objects.remote:
             # Left out of the layout: checked from now on, beside what follows (see _SegmentCheck).
@@ -242,7 +248,7 @@ class RestoreSession(Session[RestoreRequest]):
             self.work_dir = log_dir / f"{self.memory}-{stamp}-{os.getpid()}"
             make_private_dir(self.work_dir)
             extra["lazy_pages"] = True
-        elif can_punch_holes(images_dir) and not self._images_shared():
+        elif can_punch_holes(images_dir) and not self._images_shared() and not treeshare.linked(images_dir):
             # CRIU punches each 128 MiB of the staged pages image out once it has read it into
             # the tree: that page cache is free again, and the tree's next pages take it while
             # it is still backed, instead of memory the VM gave back to its host
@@ -438,7 +444,7 @@ class RestoreSession(Session[RestoreRequest]):
                              self.criu_options.log_path, self.inner, hook_error, self.output, self.lazy_info,
                              self.fill_stats.to_json() if self.fill_stats else None,
                              self.host.another_host, self.tcp, self.connections, self.host.warnings,
-                             self.copy_info)
+                             self.copy_info, self.shared_pages)
 
     def abort(self) -> None:
         """From any phase; after restore, the restored tree is ended (SIGKILL, every process
@@ -532,6 +538,7 @@ class _ImageLayout:
         self.plan = LazyPlan()
         self.host: hostcheck.HostReport | None = None  # once checked
         self.memory = "image"
+        self.shared_pages: int | None = None  # pages read from the parent images directory (treeshare)
 
     def lay_out(self) -> tuple[Path, str, LazyPlan, hostcheck.HostReport]:
         """Returns the directory, how the tree's memory comes back ("lazy": a page server fills
@@ -548,18 +555,44 @@ class _ImageLayout:
         self.reporter.step(f"verifying checkpoint {self.manifest.id}")
         if self.memory == "image":
             images_dir = materialize(self.store.objects, self.store.staging_area(), self.manifest, self.reporter,
-                                     before_pages=self._check_host)
-            return images_dir, "image", self.plan, self._checked(images_dir)
+                                     before_pages=self._check_host_and_share)
+            return images_dir, "image", self.plan, self._linked(images_dir)
         # Not checked here: filled in, each segment is checked by the thread that copies it;
         # served lazily, by a thread while CRIU restores (_SegmentCheck).
         images_dir, self.plan.locations = materialize_lazily(self.store.objects, self.store.staging_area(),
                                                              self.manifest, self._holes_for, self.reporter,
                                                              check_holes=False)
         # none left out: nothing to serve
-        return images_dir, self.memory if self.plan.locations else "image", self.plan, self._checked(images_dir)
+        return images_dir, self.memory if self.plan.locations else "image", self.plan, self._linked(images_dir)
 
     def _check_host(self, directory: Path) -> None:
         self._host_report(directory)
+
+    def _check_host_and_share(self, directory: Path) -> LeftOut | None:
+        self._check_host(directory)
+        return self._shared_with_root(directory)
+
+    def _shared_with_root(self, directory: Path) -> LeftOut | None:
+        """A full restore of a tree: the pages its processes share with its root, laid out
+        once (ckpt/restore/treeshare.py). Not for the copies of a clone (they share one
+        layout, whose files must stay plain)."""
+        if self.request.copy is not None or len(self.manifest.processes) < 2:
+            return None
+        left_out = treeshare.plan(directory, self.manifest, self.store.objects.load_page_list)
+        if not left_out:
+            return None
+        self.shared_pages = sum(count for ranges in left_out.values() for _, count in ranges)
+        return LeftOut(left_out)
+
+    def _linked(self, directory: Path) -> hostcheck.HostReport:
+        """The host's report, once the parent images directory is made (a tree sharing its root's pages)."""
+        if self.shared_pages:
+            try:
+                treeshare.link(directory, self.manifest)
+            except BaseException:
+                discard(directory)
+                raise
+        return self._checked(directory)
 
     def _host_report(self, directory: Path) -> hostcheck.HostReport:
         """Checked once, with the images but the pages laid out (a mismatch ends the restore)."""
@@ -580,7 +613,9 @@ class _ImageLayout:
             self.reporter.warn(warning)
         return host
 
-    def _holes_for(self, directory: Path) -> dict[str, list[tuple[int, int]]]:
+    def _holes_for(self, directory: Path) -> dict[str, list[tuple[int, int]]] | LeftOut:
+        """The pages a page server (or ckpt's filler) is to bring back; none (a full restore),
+        and then perhaps those the tree's processes share with its root, laid out once."""
         self._check_host(directory)
         if self.memory == "fill":
             minimum = FILL_MIN_BYTES
@@ -594,8 +629,8 @@ class _ImageLayout:
             # Through the pages images: CRIU gives the children their parent's pages back shared.
             self.reporter.info("restoring all memory first: the tree's children share most of their memory with "
                                "their parents, which only a full restore keeps shared")
-            return {}
-        return holes or {}
+            holes = {}
+        return holes or self._shared_with_root(directory) or {}
 
     def _forked_memory_shared(self) -> bool:
         """Whether the tree's children hold many of their parent's pages (a pool of workers

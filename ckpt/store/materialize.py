@@ -4,6 +4,7 @@ for inspection (show, diff, check), or as the parent images of a dirty-tracking 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 from pathlib import Path
 from typing import Callable
@@ -15,22 +16,34 @@ from ckpt.store.objects import Objects
 from ckpt.store.staging import StagingArea, discard
 from ckpt.system.files import FILE_MODE, make_private_dir
 
-# Per pages image, the page ranges a page server is to serve (a lazy restore): left out.
-HolesFor = Callable[[Path], dict[str, list[tuple[int, int]]]]
+
+
+@dataclass
+class LeftOut:
+    """Per pages image, page ranges (first, count) left out of it altogether: the file holds
+    the other pages one after the other (CRIU reads these from the parent images directory,
+    ckpt/restore/treeshare.py). Not checked either: they are another image's pages."""
+
+    ranges: dict[str, list[tuple[int, int]]]
+
+
+# Per pages image, the page ranges a page server is to serve (a lazy restore): left out as
+# holes of the file; or LeftOut.
+HolesFor = Callable[[Path], "dict[str, list[tuple[int, int]]] | LeftOut"]
 
 
 def materialize(objects: Objects, area: StagingArea, manifest: Manifest, reporter: Reporter = NullReporter(),
-                skip_pages: bool = False, before_pages: Callable[[Path], None] | None = None) -> Path:
+                skip_pages: bool = False, before_pages: Callable[[Path], LeftOut | None] | None = None) -> Path:
     """Writes the checkpoint's images into a fresh restore-* directory of area (the store's
     staging area, Store.staging_area), verifying each.
 
     skip_pages leaves out the page data (for inspection, which needs only the metadata).
     before_pages(directory) is called once every other image is written, before the pages
-    images (the bulk): a restore checks the host there, and what it raises ends the layout."""
-    def no_holes(directory: Path) -> dict[str, list[tuple[int, int]]]:
-        if before_pages is not None:
-            before_pages(directory)
-        return {}
+    images (the bulk): a restore checks the host there, and what it raises ends the layout;
+    it may return the pages to leave out (LeftOut)."""
+    def no_holes(directory: Path) -> dict[str, list[tuple[int, int]]] | LeftOut:
+        left_out = before_pages(directory) if before_pages is not None else None
+        return left_out if left_out is not None else {}
 
     return _lay_out(objects, area, manifest, reporter, skip_pages, no_holes)[0]
 
@@ -95,7 +108,9 @@ def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: 
                   lambda entry: sum(other.size for other in alike[entry.hash]))
             # Pages images last: which of their pages a lazy restore leaves out depends on the pagemaps.
             if pages and not skip_pages:
-                holes = holes_for(dest)
+                found_holes = holes_for(dest)
+                compact = isinstance(found_holes, LeftOut)
+                holes = found_holes.ranges if isinstance(found_holes, LeftOut) else found_holes
                 objects.blocks.index()  # loaded once, before the threads look pages up in it
                 # Segments found intact by one image are not checked again for the next: the
                 # processes of a tree share most of their pages.
@@ -104,8 +119,8 @@ def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: 
                 def write_pages(entry: FileEntry) -> None:
                     left_out = holes.get(entry.name, ())
                     found = objects.check_entry(entry, dest / entry.name, holes=left_out, checked=checked,
-                                                check_holes=check_holes)
-                    if left_out and found is not None:
+                                                check_holes=check_holes, compact=compact)
+                    if left_out and found is not None and not compact:
                         locations[entry.name] = found
 
                 _each(pool, write_pages, pages, progress)

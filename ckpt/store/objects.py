@@ -188,15 +188,17 @@ class Objects:
 
     def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False,
                     holes: Sequence[tuple[int, int]] = (), check_holes: bool = True,
-                    spool_dir: Path | None = None, checked: set[int] | None = None) -> list[int] | None:
+                    spool_dir: Path | None = None, checked: set[int] | None = None,
+                    compact: bool = False) -> list[int] | None:
         """Checks one image (writing it to dest if given). For a pages image, returns the
         location of each of its pages; holes are page ranges checked but not written
         (check_holes=False, or a remote store: not checked here, see BlockStore.write_image);
-        checked holds the segments found intact by the other images of the same layout."""
+        checked holds the segments found intact by the other images of the same layout;
+        compact leaves the holes out of the file (BlockStore.write_image)."""
         if entry.kind == "pages":
             return self.blocks.write_image(entry.name, self.load_page_list(entry), dest, check_ids=thorough,
                                            holes=holes, check_holes=check_holes and not self.remote,
-                                           spool_dir=spool_dir, checked=checked)
+                                           spool_dir=spool_dir, checked=checked, compact=compact)
         digest = self.read_into(entry, dest)
         if digest != entry.hash:
             raise DamagedCheckpoint(f"image {entry.name} is damaged: its content hash is {digest[:16]}…, "

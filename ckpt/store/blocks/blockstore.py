@@ -837,9 +837,10 @@ class BlockStore:
             raise DamagedCheckpoint(f"image {image_name}: page {missing} is missing from the store{cause}")
         return locations
 
-    def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,
+    def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,  # noqa: PLR0913
                     holes: Sequence[tuple[int, int]] = (), check_holes: bool = True,
-                    spool_dir: Path | None = None, checked: set[int] | None = None) -> list[int]:
+                    spool_dir: Path | None = None, checked: set[int] | None = None,
+                    compact: bool = False) -> list[int]:
         """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
         Returns the location of each page (BlockIndex.pages).
 
@@ -858,6 +859,9 @@ class BlockStore:
         one layout (ckpt/store/materialize.py): the processes of a tree share most of their
         pages (a worker pool forked from one parent), and each image of a 100-process pool
         checked the same segments again.
+        compact: the holes are left out of the file altogether, the other pages one after the
+        other (CRIU reads the holes' pages from the parent images directory; see
+        ckpt/restore/treeshare.py); they are not checked here either (they are another image's).
         """
         index = self.index()
         locations = self.locate(image_name, page_list)
@@ -867,12 +871,12 @@ class BlockStore:
         try:
             # Under the holes, each segment is checked once (no run needs working out: most of a
             # large tree's memory is there).
-            if holes and check_holes:
+            if holes and check_holes and not compact:
                 rebuild.check_segments(_segments_under(locations, holes))
             for begin, end in _between_holes(holes, len(locations)):
-                rebuild.write(begin, end, seek=bool(holes))
+                rebuild.write(begin, end, seek=bool(holes) and not compact)
             rebuild.raise_damage()
-            if holes:
+            if holes and not compact:
                 rebuild.truncate()  # a hole at the end leaves the file short
         except DamagedCheckpoint as exc:
             if image_name in exc.message:

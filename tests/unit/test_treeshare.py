@@ -1,0 +1,33 @@
+"""The pure parts of laying a tree's shared pages out once (ckpt/restore/treeshare.py)."""
+
+import numpy as np
+
+from ckpt.criu.images import PE_LAZY, PE_PARENT, PE_PRESENT
+from ckpt.restore.treeshare import _ByAddress, _marked_runs, _ranges
+
+PAGE = 4096
+
+
+def test_runs_are_split_where_pages_turn_from_own_to_the_roots():
+    runs = [(0x1000, 4, PE_PRESENT | PE_LAZY), (0x10000, 2, PE_PRESENT)]
+    same = np.array([False, True, True, False, True, True])
+    assert _marked_runs(runs, same) == [
+        (0x1000, 1, PE_PRESENT | PE_LAZY),
+        (0x2000, 2, PE_PARENT | PE_LAZY),  # no page of the pages image: not present
+        (0x4000, 1, PE_PRESENT | PE_LAZY),
+        (0x10000, 2, PE_PARENT),
+    ]
+
+
+def test_the_ranges_left_out_are_the_runs_of_shared_rows():
+    assert _ranges(np.array([True, True, False, True, False, False, True])) == [(0, 2), (3, 1), (6, 1)]
+    assert _ranges(np.array([False, False])) == []
+
+
+def test_a_page_is_shared_only_at_the_same_address_with_the_same_id():
+    root = _ByAddress(np.array([3 * PAGE, PAGE, 2 * PAGE], dtype=np.uint64),
+                      np.array([[3, 3], [1, 1], [2, 2]], dtype=np.uint64))
+    child = np.array([PAGE, 2 * PAGE, 5 * PAGE, 3 * PAGE], dtype=np.uint64)
+    ids = np.array([[1, 1], [2, 9], [3, 3], [3, 3]], dtype=np.uint64)
+    # same page / other content / an address the root has no page at (its id elsewhere) / same
+    assert _ByAddress.same(root, child, ids).tolist() == [True, False, False, True]
