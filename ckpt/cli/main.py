@@ -5,24 +5,37 @@ from __future__ import annotations
 import copy
 import errno
 import getpass
+import importlib
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from functools import cache
+from typing import Any, Callable, Iterable
 
 import typer
 from typer._click.exceptions import NoArgsIsHelpError, UsageError as ClickUsageError
 from typer.exceptions import Abort, Exit, TyperException
 
 from ckpt import __version__, settings
-from ckpt.cli import (cmd_cache, cmd_check, cmd_clone, cmd_copy, cmd_copy_info, cmd_diff, cmd_dump, cmd_forget,
-                      cmd_init, cmd_journal, cmd_key, cmd_list, cmd_migrate, cmd_prune, cmd_restore, cmd_rm, cmd_run,
-                      cmd_schedule, cmd_show, cmd_verify)
-from ckpt.cli import cmd_member, options
+from ckpt.cli import options
 from ckpt.cli.options import DebugOption, PasswordFileOption, use_password_file
 from ckpt.errors import DISK_FULL_HINT, CkptError, CriuFailed, DiskFull, ExitCode, UsageError
 
-app = typer.Typer(
+# Each command's module (ckpt/cli/cmd_*.py), by the name it registers, in the order `ckpt
+# --help` lists them: a command line that names one has only that module imported, not every
+# command's (which cost each `ckpt dump` 0.13 s). `_member` is hidden: the far end of a group's
+# ssh channel.
+COMMAND_MODULES = {
+    "init": "cmd_init", "check": "cmd_check", "dump": "cmd_dump", "restore": "cmd_restore",
+    "migrate": "cmd_migrate", "clone": "cmd_clone", "list": "cmd_list", "show": "cmd_show", "diff": "cmd_diff",
+    "rm": "cmd_rm", "verify": "cmd_verify", "forget": "cmd_forget", "prune": "cmd_prune", "copy": "cmd_copy",
+    "schedule": "cmd_schedule", "run": "cmd_run", "key": "cmd_key", "journal": "cmd_journal",
+    "copy-info": "cmd_copy_info", "cache": "cmd_cache", "_member": "cmd_member",
+}
+# The root's options that take a value (the command's name is the first word after the others).
+ROOT_OPTIONS_WITH_VALUE = {"--password-file"}
+
+TYPER_SETTINGS: dict[str, Any] = dict(
     name="ckpt",
     help="Checkpoint running Linux process trees with CRIU and restore them where they stopped.\n\n"
          "Examples:\n\n"
@@ -46,7 +59,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def root(
     debug: DebugOption = False,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
@@ -62,11 +74,39 @@ def root(
         _debug["on"] = True
 
 
-for module in (cmd_init, cmd_check, cmd_dump, cmd_restore, cmd_migrate, cmd_clone, cmd_list, cmd_show, cmd_diff,
-               cmd_rm, cmd_verify, cmd_forget, cmd_prune, cmd_copy, cmd_schedule, cmd_run, cmd_key, cmd_journal,
-               cmd_copy_info, cmd_cache):
-    module.register(app)
-cmd_member.register(app)  # hidden: `ckpt _member`, the far end of a group's ssh channel
+def build_app(names: Iterable[str] | None = None) -> typer.Typer:
+    """The typer app with the commands of `names` (default: every one)."""
+    built = typer.Typer(**TYPER_SETTINGS)
+    built.callback()(root)
+    for name in COMMAND_MODULES if names is None else names:
+        importlib.import_module(f"ckpt.cli.{COMMAND_MODULES[name]}").register(built)
+    return built
+
+
+@cache
+def whole_app() -> typer.Typer:
+    """Every command: help, completion, the manual page, the tests."""
+    return build_app()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":  # the whole CLI, built when first asked for
+        return whole_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def named_command(args: list[str]) -> str | None:
+    """The command a command line names, if it is one of COMMAND_MODULES (its first word that is
+    neither an option of the root nor that option's value); None: help, completion, a typo."""
+    words = iter(args)
+    for word in words:
+        if word == "--":
+            return None
+        if word in ROOT_OPTIONS_WITH_VALUE:
+            next(words, None)
+        elif not word.startswith("-"):
+            return word if word in COMMAND_MODULES else None
+    return None
 
 
 # The root's options that every command takes too, before or after its name: the password
@@ -77,9 +117,10 @@ GLOBAL_OPTIONS: dict[str, Callable[[Any], None]] = {
 }
 
 
-def command() -> Any:
-    """The click command that main() runs: typer's, with GLOBAL_OPTIONS on every subcommand."""
-    root_command = typer.main.get_command(app)
+def command(of: typer.Typer | None = None) -> Any:
+    """The click command that main() runs: typer's (of `of`, by default every command's), with
+    GLOBAL_OPTIONS on every subcommand."""
+    root_command = typer.main.get_command(of or whole_app())
     shared = [p for p in root_command.params if p.name in GLOBAL_OPTIONS]
 
     def add_to(cmd: Any) -> None:
@@ -132,7 +173,9 @@ def _error(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        result = command().main(args=argv, prog_name="ckpt", standalone_mode=False)
+        name = named_command(sys.argv[1:] if argv is None else argv)
+        runs = command(build_app([name]) if name is not None else whole_app())
+        result = runs.main(args=argv, prog_name="ckpt", standalone_mode=False)
         code = result if isinstance(result, int) and not isinstance(result, bool) else 0
     except CriuFailed as exc:
         _error(str(exc) if not exc.log_path or exc.log_path in str(exc) else f"{exc} (full log: {exc.log_path})")
