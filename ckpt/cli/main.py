@@ -100,7 +100,7 @@ def named_command(args: list[str]) -> str | None:
     neither an option of the root nor that option's value); None: help, completion, a typo."""
     words = iter(args)
     for word in words:
-        if word == "--":
+        if word in ("--", "-h", "--help", "--version"):  # `ckpt --help dump`: the whole help
             return None
         if word in ROOT_OPTIONS_WITH_VALUE:
             next(words, None)

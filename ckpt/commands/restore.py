@@ -539,6 +539,7 @@ class _ImageLayout:
         self.host: hostcheck.HostReport | None = None  # once checked
         self.memory = "image"
         self.shared_pages: int | None = None  # pages read from the parent images directory (treeshare)
+        self.left_to_root: dict[str, list[tuple[int, int]]] = {}  # by pages image: the ranges left out
 
     def lay_out(self) -> tuple[Path, str, LazyPlan, hostcheck.HostReport]:
         """Returns the directory, how the tree's memory comes back ("lazy": a page server fills
@@ -582,13 +583,14 @@ class _ImageLayout:
         if not left_out:
             return None
         self.shared_pages = sum(count for ranges in left_out.values() for _, count in ranges)
+        self.left_to_root = left_out
         return LeftOut(left_out)
 
     def _linked(self, directory: Path) -> hostcheck.HostReport:
         """The host's report, once the parent images directory is made (a tree sharing its root's pages)."""
         if self.shared_pages:
             try:
-                treeshare.link(directory, self.manifest)
+                treeshare.link(directory, self.manifest, self.left_to_root)
             except BaseException:
                 discard(directory)
                 raise

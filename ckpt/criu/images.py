@@ -290,6 +290,31 @@ def _split(data: bytes, name: str, kind: str, magic) -> tuple[bytes, list[bytes]
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
 
 
+# VmaEntry.status and .flags bits (criu/include/image.h) that decide whether CRIU can take a
+# mapping's pages from a parent images directory.
+VMA_AREA_REGULAR, VMA_FILE_PRIVATE, VMA_ANON_PRIVATE = 1 << 0, 1 << 6, 1 << 9
+VMA_AREA_AIORING, VMA_EXT_PLUGIN = 1 << 13, 1 << 27
+MAP_HUGETLB, PROT_READ = 0x40000, 0x1
+
+
+def parent_readable_mappings(image_dir: Path, pid: int) -> list[tuple[int, int]]:
+    """(start, end) of the process's mappings whose pages CRIU's restore can read from a parent
+    images directory, by address: private, readable, neither hugetlb nor an AIO ring nor a
+    plugin's. CRIU restores the others without premapping them and reads their pages from the
+    process's own pages image whatever the pagemap says (criu/mem.c: its own dump never gives
+    them a parent either)."""
+    mm = image_dir / f"mm-{pid}.img"
+    if not mm.exists():
+        return []
+    found = []
+    for vma in _first_entry(mm, "MM", "mm_entry").vmas:
+        private = vma.status & VMA_AREA_REGULAR and vma.status & (VMA_ANON_PRIVATE | VMA_FILE_PRIVATE)
+        if (private and vma.prot & PROT_READ and not vma.flags & MAP_HUGETLB
+                and not vma.status & (VMA_AREA_AIORING | VMA_EXT_PLUGIN)):
+            found.append((vma.start, vma.end))
+    return sorted(found)
+
+
 def held_runs(runs: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
     """(vaddr, nr_pages) of the pagemap runs whose pages the pages image holds, in its order:
     present, not "in parent"."""

@@ -23,20 +23,24 @@ from typing import Callable
 
 import numpy as np
 
-from ckpt.criu.images import PE_PARENT, PE_PRESENT, held_runs, read_pagemap, write_pagemap
+from ckpt.criu.images import PE_PARENT, PE_PRESENT, held_runs, parent_readable_mappings, read_pagemap, write_pagemap
 from ckpt.store.blocks.segments import ID_LEN, PAGE
 from ckpt.store.manifest import FileEntry, Manifest
 
 PARENT_DIR = "parent"  # CRIU's CR_PARENT_LINK
-WORTH_PAGES = 2048  # 8 MiB in all: below, one directory more is not worth it
+# Shared pages worth it: at least 8 MiB in all and a tenth of the tree's pages (CRIU's
+# auto-dedup, off for such a restore, frees the page cache of the images it has read).
+WORTH_PAGES = 2048
+WORTH_SHARE = 0.1
 
 
 def plan(images_dir: Path, manifest: Manifest, load_page_list: Callable[[FileEntry], bytes]
          ) -> dict[str, list[tuple[int, int]]]:
     """Marks in the staged pagemaps the pages each process shares with the tree's root (its
     first process) and returns, per pages image, the ranges of pages (first, count) to leave
-    out of it; {} when too few are shared (nothing is changed then). link() must follow
-    once the root's pages image is written."""
+    out of it; {} when too few are shared (nothing is changed then). Only pages of mappings
+    CRIU reads from a parent directory (parent_readable_mappings). link() must follow once
+    the root's pages image is written."""
     if len(manifest.processes) < 2:
         return {}
     entries = {entry.name: entry for entry in manifest.files if entry.kind == "pages"}
@@ -46,28 +50,31 @@ def plan(images_dir: Path, manifest: Manifest, load_page_list: Callable[[FileEnt
     by_address = root.by_address()
     changes: dict[Path, tuple[int, list[tuple[int, int, int]]]] = {}
     left_out: dict[str, list[tuple[int, int]]] = {}
-    shared_pages = 0
+    shared_pages, all_pages = 0, root.pages
     for proc in manifest.processes[1:]:
         child = _Process.read(images_dir, proc["pid"], entries, load_page_list)
         if child is None or not child.pages or child.image == root.image:
             continue
-        same = by_address.same(child.addresses(), child.ids())
+        all_pages += child.pages
+        addresses = child.addresses()
+        same = by_address.same(addresses, child.ids()) & _inside(addresses,
+                                                                parent_readable_mappings(images_dir, proc["pid"]))
         if not same.any():
             continue
         shared_pages += int(same.sum())
         changes[child.pagemap] = (child.pages_id, _marked_runs(child.runs, same))
         left_out[child.image] = _ranges(same)
-    if shared_pages < WORTH_PAGES:
+    if shared_pages < max(WORTH_PAGES, WORTH_SHARE * all_pages):
         return {}
     for path, (pages_id, runs) in changes.items():
         write_pagemap(path, pages_id, runs)
     return left_out
 
 
-def link(images_dir: Path, manifest: Manifest) -> None:
-    """The parent images directory: for each process whose pagemap names pages in parent,
-    its name linked to the root's pagemap, and the root's pages image (hard links: one page
-    cache)."""
+def link(images_dir: Path, manifest: Manifest, left_out: dict[str, list[tuple[int, int]]]) -> None:
+    """The parent images directory: under the name of each process plan() left pages of out
+    (its pages image in left_out), the root's pagemap, and the root's pages image (hard
+    links: one page cache)."""
     root_pid = manifest.processes[0]["pid"]
     root_pagemap = images_dir / f"pagemap-{root_pid}.img"
     pages_id, _ = read_pagemap(root_pagemap)
@@ -76,7 +83,7 @@ def link(images_dir: Path, manifest: Manifest) -> None:
     os.link(images_dir / f"pages-{pages_id}.img", parent / f"pages-{pages_id}.img")
     for proc in manifest.processes[1:]:
         pagemap = images_dir / f"pagemap-{proc['pid']}.img"
-        if pagemap.exists() and any(flags & PE_PARENT for _, _, flags in read_pagemap(pagemap)[1]):
+        if pagemap.exists() and f"pages-{read_pagemap(pagemap)[0]}.img" in left_out:
             os.link(root_pagemap, parent / pagemap.name)
 
 
@@ -138,6 +145,18 @@ class _ByAddress:
         k = np.minimum(np.searchsorted(self.addresses, addresses), len(self.addresses) - 1)
         there = self.ids[k]
         return (self.addresses[k] == addresses) & (there[:, 0] == ids[:, 0]) & (there[:, 1] == ids[:, 1])
+
+
+def _inside(addresses: np.ndarray, mappings: list[tuple[int, int]]) -> np.ndarray:
+    """For each address, whether it lies in one of the (start, end) mappings (sorted, disjoint)."""
+    if not mappings:
+        return np.zeros(len(addresses), dtype=bool)
+    starts = np.array([start for start, _ in mappings], dtype=np.uint64)
+    ends = np.array([end for _, end in mappings], dtype=np.uint64)
+    k = np.searchsorted(starts, addresses, side="right").astype(np.int64) - 1
+    found = k >= 0
+    k[~found] = 0
+    return found & (addresses < ends[k])
 
 
 def _marked_runs(runs: list[tuple[int, int, int]], same: np.ndarray) -> list[tuple[int, int, int]]:

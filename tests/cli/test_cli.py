@@ -329,3 +329,17 @@ def test_cache_warm_of_a_local_store_says_it_has_no_cache(capsys, isolated_env):
     assert "is a local directory: it has no cache" in err and "--store s3://" in err
     code, out, err = run(capsys, "cache", "warm")
     assert code == 2 and "Missing argument" in err, err
+
+
+def test_a_command_line_builds_only_the_command_it_names():
+    from ckpt.cli.main import COMMAND_MODULES, build_app, named_command
+
+    assert named_command(["--debug", "--password-file", "list", "dump", "42"]) == "dump"  # "list": the file
+    assert named_command(["--password-file=pw", "restore", "x"]) == "restore"
+    assert named_command(["--help", "dump"]) is None  # the whole help
+    assert named_command(["lst"]) is None and named_command([]) is None  # a typo: the whole app suggests
+    # Each name is the one its module registers, and the whole app has them all.
+    for name in COMMAND_MODULES:
+        built = build_app([name])
+        names = {c.name for c in built.registered_commands} | {g.name for g in built.registered_groups}
+        assert names == {name}, (name, names)

@@ -31,3 +31,11 @@ def test_a_page_is_shared_only_at_the_same_address_with_the_same_id():
     ids = np.array([[1, 1], [2, 9], [3, 3], [3, 3]], dtype=np.uint64)
     # same page / other content / an address the root has no page at (its id elsewhere) / same
     assert _ByAddress.same(root, child, ids).tolist() == [True, False, False, True]
+
+
+def test_only_addresses_inside_the_mappings_count():
+    from ckpt.restore.treeshare import _inside
+
+    addresses = np.array([0x1000, 0x2000, 0x5000, 0x9000], dtype=np.uint64)
+    assert _inside(addresses, [(0x2000, 0x3000), (0x5000, 0x6000)]).tolist() == [False, True, True, False]
+    assert _inside(addresses, []).tolist() == [False] * 4
