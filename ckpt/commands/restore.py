@@ -29,6 +29,7 @@ from ckpt.restore.lazy import supported as lazy_supported
 from ckpt.restore.uffdfill import FillStats, UffdFiller
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.password import PasswordSource
+from ckpt.store.manifest import FileEntry
 from ckpt.store.blocks.blockstore import PAGE
 from ckpt.store.blocks.segments import WITHIN_BITS
 from ckpt.store.materialize import LeftOut, link_images, materialize, materialize_lazily
@@ -538,8 +539,8 @@ class _ImageLayout:
         self.plan = LazyPlan()
         self.host: hostcheck.HostReport | None = None  # once checked
         self.memory = "image"
-        self.shared_pages: int | None = None  # pages read from the parent images directory (treeshare)
-        self.left_to_root: dict[str, list[tuple[int, int]]] = {}  # by pages image: the ranges left out
+        self.left_to_root: dict[str, list[tuple[int, int]]] = {}  # by pages image: ranges read from the root's
+        self._page_lists: dict[str, bytes] = {}  # by pages image, as the plans below read them
 
     def lay_out(self) -> tuple[Path, str, LazyPlan, hostcheck.HostReport]:
         """Returns the directory, how the tree's memory comes back ("lazy": a page server fills
@@ -579,16 +580,23 @@ class _ImageLayout:
         layout, whose files must stay plain)."""
         if self.request.copy is not None or len(self.manifest.processes) < 2:
             return None
-        left_out = treeshare.plan(directory, self.manifest, self.store.objects.load_page_list)
-        if not left_out:
-            return None
-        self.shared_pages = sum(count for ranges in left_out.values() for _, count in ranges)
-        self.left_to_root = left_out
-        return LeftOut(left_out)
+        self.left_to_root = treeshare.plan(directory, self.manifest, self._page_list)
+        return LeftOut(self.left_to_root) if self.left_to_root else None
+
+    @property
+    def shared_pages(self) -> int | None:
+        """Pages read from the root's pages image (treeshare); None: none."""
+        return sum(count for ranges in self.left_to_root.values() for _, count in ranges) or None
+
+    def _page_list(self, entry: FileEntry) -> bytes:
+        """A pages image's page list, read once for the forked-memory check and the tree-share plan."""
+        if entry.name not in self._page_lists:
+            self._page_lists[entry.name] = self.store.objects.load_page_list(entry)
+        return self._page_lists[entry.name]
 
     def _linked(self, directory: Path) -> hostcheck.HostReport:
         """The host's report, once the parent images directory is made (a tree sharing its root's pages)."""
-        if self.shared_pages:
+        if self.left_to_root:
             try:
                 treeshare.link(directory, self.manifest, self.left_to_root)
             except BaseException:
@@ -648,7 +656,7 @@ class _ImageLayout:
         def ids_of(pid: int) -> np.ndarray:
             if pid not in ids:
                 image = self.plan.runs[pid][0]
-                ids[pid] = np.unique(np.frombuffer(self.store.objects.load_page_list(entries[image]), dtype="V16"))
+                ids[pid] = np.unique(np.frombuffer(self._page_list(entries[image]), dtype="V16"))
             return ids[pid]
 
         shared = total = 0

@@ -41,7 +41,8 @@ from ckpt.criu.images import PE_PARENT, PE_PRESENT, write_pagemap
 from ckpt.errors import CkptError, PageStreamFailed
 from ckpt.phases import phase
 from ckpt.store.blocks.blockstore import StreamedPages, page_ids
-from ckpt.store.blocks.segments import ID_LEN, PAGE
+from ckpt.store.blocks.byaddress import PagesByAddress
+from ckpt.store.blocks.segments import PAGE
 
 COMMAND = struct.Struct("<I4xQQQ")
 PS_IOV_ADD, PS_IOV_HOLE, PS_IOV_OPEN, PS_IOV_OPEN2, PS_IOV_ADD_F = 1, 2, 3, 4, 6
@@ -57,51 +58,12 @@ class _StreamCut(Exception):
 
 
 @dataclass
-class EarlierPages:
-    """The pages a process's image held in an earlier checkpoint, by address: runs sorted by
-    address (start, end, first row) and the page list as pairs of uint64 (an id is equal if
-    both halves are)."""
-
-    starts: np.ndarray
-    ends: np.ndarray
-    rows: np.ndarray
-    ids: np.ndarray
-
-    @classmethod
-    def from_runs(cls, held: list[tuple[int, int]], page_list: bytes) -> EarlierPages | None:
-        from ckpt.dump.unchanged import runs_by_address
-
-        runs = runs_by_address(held, len(page_list) // ID_LEN)
-        if runs is None:
-            return None
-        table = np.array(runs, dtype=np.uint64).reshape(-1, 3)
-        return cls(table[:, 0].copy(), table[:, 1].copy(), table[:, 2].astype(np.int64),
-                   np.frombuffer(page_list, dtype=np.uint64))
-
-    def unchanged(self, addresses: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """For pages at `addresses` (uint64) with `ids` (rows of two uint64 halves), whether
-        each one's id is the one its address had. Whole arrays at once: a batch can hold
-        thousands of pagemap entries (a sparse heap: one per page)."""
-        same = np.zeros(len(addresses), dtype=bool)
-        if not len(self.starts) or not len(addresses):
-            return same
-        k = np.searchsorted(self.starts, addresses, side="right").astype(np.int64) - 1
-        inside = k >= 0
-        k[~inside] = 0
-        inside &= addresses < self.ends[k]
-        rows = self.rows[k] + ((addresses - self.starts[k]) // PAGE).astype(np.int64)
-        rows[~inside] = 0
-        then = self.ids.reshape(-1, 2)[rows]
-        return inside & (then[:, 0] == ids[:, 0]) & (then[:, 1] == ids[:, 1])
-
-
-@dataclass
 class _Image:
     """One pagemap being received."""
 
     pagemap_name: str
     pages_id: int
-    earlier: EarlierPages | None
+    earlier: PagesByAddress | None
     kept_path: Path
     runs: list[tuple[int, int, int]] = field(default_factory=list)  # pagemap entries (vaddr, nr_pages, flags)
     page_list: bytearray = field(default_factory=bytearray)
@@ -114,7 +76,7 @@ class PageStream:
     """The receiving end: start() before CRIU (it gives CRIU's descriptor), criu_started()
     once CRIU runs, finish() once it has returned."""
 
-    def __init__(self, images_dir: Path, kept_dir: Path, seed: int, earlier: dict[str, EarlierPages]):
+    def __init__(self, images_dir: Path, kept_dir: Path, seed: int, earlier: dict[str, PagesByAddress]):
         self.images_dir, self.kept_dir, self.seed = images_dir, kept_dir, seed
         self.earlier = earlier  # by pagemap image name
         self.images: list[_Image] = []
@@ -380,7 +342,7 @@ class PageStream:
             counts = np.array([count for _, count, _ in batch], dtype=np.int64)
             places = np.arange(used, dtype=np.int64) - np.repeat(np.array([at for _, _, at in batch]), counts)
             addresses = np.repeat(firsts, counts) + places.astype(np.uint64) * np.uint64(PAGE)
-            keep = ~image.earlier.unchanged(addresses, np.frombuffer(ids_bytes, dtype=np.uint64).reshape(-1, 2))
+            keep = ~image.earlier.same(addresses, np.frombuffer(ids_bytes, dtype=np.uint64).reshape(-1, 2))
         rows = np.flatnonzero(keep)
         if len(rows):
             # Runs of consecutive kept pages, each one write.
@@ -405,13 +367,13 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[written:]
 
 
-def earlier_pages(processes: dict[str, tuple[list, bytes]]) -> dict[str, EarlierPages]:
-    """EarlierPages by pagemap image name, from EarlierCheckpoint's (runs, page list)."""
+def earlier_pages(processes: dict[str, tuple[list, bytes]]) -> dict[str, PagesByAddress]:
+    """PagesByAddress by pagemap image name, from EarlierCheckpoint's (runs, page list)."""
     from ckpt.criu.images import held_runs
 
     result = {}
     for name, (runs, page_list) in processes.items():
-        pages = EarlierPages.from_runs(held_runs(runs), page_list)
+        pages = PagesByAddress.from_runs(held_runs(runs), page_list)
         if pages is not None:
             result[name] = pages
     return result

@@ -24,6 +24,7 @@ from pathlib import Path
 from ckpt.criu.images import held_runs
 from ckpt.store import Manifest, Store
 from ckpt.store.blocks.blockstore import ID_LEN, PAGE
+from ckpt.store.blocks.byaddress import runs_by_address
 
 
 class EarlierCheckpoint:
@@ -91,20 +92,6 @@ class EarlierCheckpoint:
             if pieces is not None:
                 result[f"pages-{pages_id}.img"] = (earlier_list, pieces)
         return result
-
-
-def runs_by_address(held: list[tuple[int, int]], pages: int) -> list[tuple[int, int, int]] | None:
-    """The held runs of an image whose page list has `pages` pages, as (start, end, first
-    row) sorted by address; None if they do not account for the page list (not worth
-    trusting). Rows follow the runs in pagemap order, which CRIU writes by address."""
-    if sum(n for _, n in held) != pages:
-        return None
-    by_address, row = [], 0
-    for vaddr, n in held:
-        by_address.append((vaddr, vaddr + n * PAGE, row))
-        row += n
-    by_address.sort()
-    return by_address
 
 
 def _pieces_by_address(runs, earlier_runs, earlier_pages: int):

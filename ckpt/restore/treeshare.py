@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from ckpt.criu.images import PE_PARENT, PE_PRESENT, held_runs, parent_readable_mappings, read_pagemap, write_pagemap
+from ckpt.store.blocks.byaddress import PagesByAddress
 from ckpt.store.blocks.segments import ID_LEN, PAGE
 from ckpt.store.manifest import FileEntry, Manifest
 
@@ -47,7 +48,9 @@ def plan(images_dir: Path, manifest: Manifest, load_page_list: Callable[[FileEnt
     root = _Process.read(images_dir, manifest.processes[0]["pid"], entries, load_page_list)
     if root is None or not root.pages:
         return {}
-    by_address = root.by_address()
+    by_address = PagesByAddress.from_runs(root.held, root.page_list)
+    if by_address is None:
+        return {}
     changes: dict[Path, tuple[int, list[tuple[int, int, int]]]] = {}
     left_out: dict[str, list[tuple[int, int]]] = {}
     shared_pages, all_pages = 0, root.pages
@@ -126,25 +129,6 @@ class _Process:
 
     def ids(self) -> np.ndarray:
         return np.frombuffer(self.page_list, dtype=np.uint64).reshape(-1, 2)
-
-    def by_address(self) -> _ByAddress:
-        return _ByAddress(self.addresses(), self.ids())
-
-
-class _ByAddress:
-    """A process's page ids looked up by address."""
-
-    def __init__(self, addresses: np.ndarray, ids: np.ndarray):
-        order = np.argsort(addresses, kind="stable")
-        self.addresses, self.ids = addresses[order], ids[order]
-
-    def same(self, addresses: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """For each page (address, id), whether this process has the same id at that address."""
-        if not len(self.addresses) or not len(addresses):
-            return np.zeros(len(addresses), dtype=bool)
-        k = np.minimum(np.searchsorted(self.addresses, addresses), len(self.addresses) - 1)
-        there = self.ids[k]
-        return (self.addresses[k] == addresses) & (there[:, 0] == ids[:, 0]) & (there[:, 1] == ids[:, 1])
 
 
 def _inside(addresses: np.ndarray, mappings: list[tuple[int, int]]) -> np.ndarray:

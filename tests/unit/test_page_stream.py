@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from ckpt.criu.images import PE_LAZY, PE_PARENT, PE_PRESENT, read_pagemap
-from ckpt.dump.pagestream import BATCH_PAGES, EarlierPages, PageStream
+from ckpt.dump.pagestream import BATCH_PAGES, PageStream
+from ckpt.store.blocks.byaddress import PagesByAddress
 from ckpt.errors import PageStreamFailed
 from ckpt.store.blocks.blockstore import page_ids
 
@@ -80,7 +81,7 @@ def test_only_pages_that_changed_at_their_address_are_kept(tmp_path):
     # The earlier checkpoint held the same addresses, in two runs listed out of address order.
     earlier_ids = page_ids(before, SEED)
     half = 5000
-    earlier = EarlierPages.from_runs([(VADDR + half * PAGE, BATCH_PAGES + 10 - half), (VADDR, half)],
+    earlier = PagesByAddress.from_runs([(VADDR + half * PAGE, BATCH_PAGES + 10 - half), (VADDR, half)],
                                      earlier_ids[half * 16:] + earlier_ids[:half * 16])
     stream = PageStream(tmp_path, tmp_path / "kept", SEED, {"pagemap-7.img": earlier})
     criu = Criu(stream)
@@ -98,7 +99,7 @@ def test_only_pages_that_changed_at_their_address_are_kept(tmp_path):
 
 
 def test_an_earlier_page_list_that_does_not_fit_its_pagemap_is_not_used():
-    assert EarlierPages.from_runs([(VADDR, 3)], b"\0" * 32) is None
+    assert PagesByAddress.from_runs([(VADDR, 3)], b"\0" * 32) is None
 
 
 def test_an_unknown_command_fails_the_stream_and_cuts_criu_off(tmp_path):

@@ -3,7 +3,8 @@
 import numpy as np
 
 from ckpt.criu.images import PE_LAZY, PE_PARENT, PE_PRESENT
-from ckpt.restore.treeshare import _ByAddress, _marked_runs, _ranges
+from ckpt.restore.treeshare import _marked_runs, _ranges
+from ckpt.store.blocks.byaddress import PagesByAddress
 
 PAGE = 4096
 
@@ -25,12 +26,14 @@ def test_the_ranges_left_out_are_the_runs_of_shared_rows():
 
 
 def test_a_page_is_shared_only_at_the_same_address_with_the_same_id():
-    root = _ByAddress(np.array([3 * PAGE, PAGE, 2 * PAGE], dtype=np.uint64),
-                      np.array([[3, 3], [1, 1], [2, 2]], dtype=np.uint64))
+    # The root's image: pages at 3 * PAGE (id 3), then PAGE and 2 * PAGE (ids 1, 2).
+    root = PagesByAddress.from_runs([(3 * PAGE, 1), (PAGE, 2)],
+                                    np.array([[3, 3], [1, 1], [2, 2]], dtype=np.uint64).tobytes())
+    assert root is not None
     child = np.array([PAGE, 2 * PAGE, 5 * PAGE, 3 * PAGE], dtype=np.uint64)
     ids = np.array([[1, 1], [2, 9], [3, 3], [3, 3]], dtype=np.uint64)
     # same page / other content / an address the root has no page at (its id elsewhere) / same
-    assert _ByAddress.same(root, child, ids).tolist() == [True, False, False, True]
+    assert root.same(child, ids).tolist() == [True, False, False, True]
 
 
 def test_only_addresses_inside_the_mappings_count():
