@@ -34,6 +34,7 @@ from ckpt.system import procs
 
 if TYPE_CHECKING:
     from ckpt.dump import pagestream
+    from ckpt.dump.pages_ahead import PagesAhead
     from ckpt.store.staging import DumpStaging
 
 
@@ -80,6 +81,8 @@ class TrackingPlan:
 class DumpResult:
     manifest: Manifest
     log_path: Path
+    # pages images stored while CRIU still dumped the rest of the tree (ckpt/dump/pages_ahead.py)
+    images_stored_early: int = 0
 
     def to_json(self) -> dict:
         m = self.manifest
@@ -97,6 +100,7 @@ class DumpResult:
             # datagram sockets a restore connects again to the paths they sent to
             "external_datagram_sockets": m.criu.get("external_datagram_sockets", []),
             "stopped": not DumpOptions.from_manifest(m.criu.get("options", {})).leave_running,
+            "images_stored_early": self.images_stored_early,
             "log": str(self.log_path),
         }
 
@@ -156,12 +160,14 @@ class DumpSession(Session[DumpRequest]):
         self._window = ExitStack()  # sections and clients held off: released once CRIU lets the tree go
         self.staging: DumpStaging | None = None
         self.stream: pagestream.PageStream | None = None
+        self.ahead: PagesAhead | None = None
         self.earlier: unchanged.EarlierCheckpoint | None = None
         self.marks: dict[str, float] = {}  # CRIU's notifications, by when they came
         # The same by the wall clock (seconds since the epoch): what a group checkpoint records
         # of each member's freeze, comparable across members (and, roughly, across hosts).
         self.wall_marks: dict[str, float] = {}
         self.manifest: Manifest | None = None
+        self.images_stored_early = 0
         self.copy: copies.CopyTarget | None = None  # the target is a copy of a clone
         self.copy_root: int | None = None  # the copy's root, by its PID inside its namespace
 
@@ -250,6 +256,8 @@ class DumpSession(Session[DumpRequest]):
         self.stream = _page_stream(store, self.staging, self.tracking, self.earlier, self.settings.page_stream)
         if self.stream is not None:
             self.criu_options.page_stream_fd = self.stream.start()
+        elif self.request.stop and self.tracking is None and self.earlier is None:
+            self.ahead = _pages_ahead(store, self.staging, self.request.codec)
 
     # ---- capture: the tree frozen, dumped, let go ---------------------------------------
 
@@ -297,6 +305,8 @@ class DumpSession(Session[DumpRequest]):
         self._store().blocks.preload_index()
         if self.earlier is not None:
             self.earlier.start()
+        if self.ahead is not None:
+            self.ahead.start()
 
     def _pages_received(self) -> None:
         if self.stream is not None and self.staging is not None and not self.staging.streamed:
@@ -328,11 +338,13 @@ class DumpSession(Session[DumpRequest]):
             raise RuntimeError("commit before prepare")  # a coordinator's bug, not the user's
         staging, images_dir = self.staging, self.staging.images_dir
         before_commit = self._record_pending_copy if self.request.copy_to else None
+        ahead = self.ahead.take() if self.ahead is not None else None
+        self.images_stored_early = len(ahead.page_lists) if ahead is not None else 0
         self.manifest = ingest_and_commit(
             self._store(), staging, self._record(frozen_ms), self.request.codec, self.reporter, self._completion(),
             # (a streamed dump knows its unchanged pages already: see StreamedPages)
             earlier=self.earlier.pieces(images_dir) if self.earlier and not staging.streamed else None,
-            before_commit=before_commit)
+            before_commit=before_commit, ahead=ahead)
         return self.manifest
 
     def _record(self, frozen_ms: float | None) -> DumpRecord:
@@ -396,7 +408,7 @@ class DumpSession(Session[DumpRequest]):
         self._held.close()
         _merge_index_files(self._store(), self.reporter)
         self._finished = True
-        return DumpResult(self.manifest, self.log_dir / "dump.log")
+        return DumpResult(self.manifest, self.log_dir / "dump.log", self.images_stored_early)
 
     def abort(self) -> None:
         """From any phase: nothing more is committed, the staging goes, every lock is released.
@@ -413,12 +425,14 @@ class DumpSession(Session[DumpRequest]):
         try:
             if self.stream is not None:
                 self.stream.abort()  # nothing left to do if it finished
+            if self.ahead is not None:
+                self.ahead.close()
             if self.earlier is not None:
                 self.earlier.wait()  # it writes into the staging area
         finally:
             if self.staging is not None:
                 self.staging.remove()
-            self.stream = self.earlier = self.staging = None
+            self.stream = self.earlier = self.staging = self.ahead = None
 
     def _staging(self) -> DumpStaging:
         if self.staging is None:
@@ -476,6 +490,19 @@ def _page_stream(store: Store, staging, tracking: TrackingPlan | None,
     if not store.blocks.index().has_damage:
         known = earlier_pages(earlier.read_now())
     return PageStream(staging.images_dir, staging.root / "streamed", store.blocks.seed, known)
+
+
+def _pages_ahead(store: Store, staging, codec: str) -> PagesAhead | None:
+    """The ingest of pages images as CRIU closes them (ckpt/dump/pages_ahead.py), for a first
+    dump that ends its tree; None where inotify is not to be had (the ingest after CRIU
+    stores every image, as it always could)."""
+    from ckpt.dump.pages_ahead import PagesAhead  # deferred: only dumps that end their tree
+    from ckpt.store.ingest import pages_codec
+
+    try:
+        return PagesAhead(staging.images_dir, store.blocks, pages_codec(codec))
+    except OSError:
+        return None
 
 
 def _report_findings(request: DumpRequest, facts: procs.TargetFacts, options: DumpOptions,

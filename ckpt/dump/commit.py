@@ -43,14 +43,15 @@ class DumpRecord:
 
 def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, codec: str,
                       reporter: Reporter = NullReporter(), complete_page_lists=None,
-                      earlier: dict | None = None, before_commit=None) -> Manifest:
+                      earlier: dict | None = None, before_commit=None, ahead=None) -> Manifest:
     """Ingests every staged image (only pages the store lacks are written), then commits the
     manifest: the checkpoint exists from that moment on, and not before. complete_page_lists
-    and earlier are ingest.ingest's (dirty-page tracking; the read-ahead of an earlier checkpoint).
+    earlier and ahead are ingest.ingest's (dirty-page tracking; the read-ahead of an earlier
+    checkpoint; pages images stored while CRIU wrote the others).
     before_commit(manifest), when given, runs right before the commit (a dump with --copy-to
     writes its pending-copy record there: no committed checkpoint is without it)."""
     entries, added, block_stats = ingest(store.objects, staging, codec, reporter, complete_page_lists,
-                                         earlier=earlier)
+                                         earlier=earlier, ahead=ahead)
     criu = dict(record.criu)
     if record.tracking is not None:
         criu["tracking"] = {**record.tracking, "pages_from_parent": block_stats.pages_from_parent}

@@ -13,7 +13,7 @@ import blake3
 
 from ckpt.errors import StoreError
 from ckpt.reporting import NullReporter, Reporter
-from ckpt.store.blocks.blockstore import IngestStats, StreamedPages
+from ckpt.store.blocks.blockstore import IngestStats, PagesIngest, StreamedPages
 from ckpt.store.blocks.segments import CODECS, ID_LEN as PAGE_ID_SIZE, PAGE
 from ckpt.store.fsutil import translate_os_error
 from ckpt.store.manifest import FileEntry
@@ -26,16 +26,19 @@ CompletePageLists = Callable[[dict[str, bytes]], int]
 FILE_WORKERS = 4  # threads storing the small images: most of their time is waiting for fsync
 
 
-def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporter = NullReporter(),
+def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporter = NullReporter(),  # noqa: PLR0913
            complete_page_lists: CompletePageLists | None = None,
-           earlier: dict | None = None) -> tuple[list[FileEntry], int, IngestStats]:
+           earlier: dict | None = None, ahead: PagesIngest | None = None) -> tuple[list[FileEntry], int, IngestStats]:
     """Moves every image file of the staging area into the store, durably.
 
     pages-*.img go to the block store; every other file becomes an object. complete_page_lists,
     when given, may complete the page lists first (see CompletePageLists). Returns the file
     entries, the bytes this added to the store and the block figures. earlier, when given,
     comes from a checkpoint of the same target (ckpt/dump/unchanged.py): it spares looking up
-    the pages that have not changed since (see BlockStore.ingest).
+    the pages that have not changed since (see BlockStore.ingest). ahead, when given, is an
+    ingest of this staging area's pages images begun while CRIU still wrote them
+    (ckpt/dump/pages_ahead.py): the images it holds are not read again, it takes the others
+    and commits (it is aborted on any error).
     """
     if codec not in CODECS:
         raise StoreError(f"unknown compression '{codec}'", hint=f"use one of: {', '.join(CODECS)}")
@@ -59,7 +62,8 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
         try:
             stored = ingestion.store_files(first, object_codec, pool)
             block_stats, lists = ingestion.store_pages(page_images, codec, reporter, complete_page_lists, earlier,
-                                                       pool)
+                                                       pool, ahead)
+            ahead = None  # committed, or aborted by store_pages
             stored += lists
             if rewritten:
                 stored += ingestion.store_files(rewritten, object_codec, pool)
@@ -71,8 +75,16 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
         finally:
             for future in stored:
                 future.cancel()  # the pool waits for those running on the way out
+            if ahead is not None:
+                ahead.abort()
     ingestion.entries.sort(key=lambda e: e.name)
     return ingestion.entries, ingestion.added, block_stats
+
+
+def pages_codec(codec: str) -> Callable[[Path], str]:
+    """The codec each pages image's new segments are stored with: codec, unless a sample of
+    the image does not compress (then as they are)."""
+    return lambda image: codec if codec == "none" or worth_compressing(image) else "none"
 
 
 def _before_and_after_pages(files: list[Path], completed: bool) -> tuple[list[Path], list[Path]]:
@@ -98,14 +110,22 @@ class _Ingestion:
 
     def store_pages(self, page_images: list[Path | StreamedPages], codec: str, reporter: Reporter,
                     complete_page_lists: CompletePageLists | None, earlier: dict | None,
-                    pool: ThreadPoolExecutor) -> tuple[IngestStats, list[Future]]:
-        """The pages to the block store, then each pages image's page list as an object, in
-        pool's threads: returns the figures and the futures of the page lists."""
+                    pool: ThreadPoolExecutor, ahead: PagesIngest | None = None) -> tuple[IngestStats, list[Future]]:
+        """The pages to the block store (those of the images ahead does not hold yet: it
+        commits them all), then each pages image's page list as an object, in pool's threads:
+        returns the figures and the futures of the page lists."""
         sizes = {p.name: p.size if isinstance(p, StreamedPages) else p.stat().st_size for p in page_images}
         reporter.step(f"storing {sum(sizes.values()) // 4096} pages")
-        page_lists, block_stats, _ = self.objects.blocks.ingest(
-            page_images, lambda image: codec if codec == "none" or worth_compressing(image) else "none",
-            earlier, lambda done, total: reporter.progress(done, total, "storing pages"))
+        run = ahead if ahead is not None else self.objects.blocks.start_ingest(pages_codec(codec), earlier)
+        try:
+            run.tell(lambda done, total: reporter.progress(done, total, "storing pages"), sum(sizes.values()))
+            for image in page_images:
+                if image.name not in run.page_lists:
+                    run.add(image)
+        except BaseException:
+            run.abort()
+            raise
+        page_lists, block_stats, _ = run.finish()
         with self._lock:
             self.added += block_stats.bytes_new
         if complete_page_lists is not None:

@@ -1,5 +1,6 @@
 """A tree of many processes (a worker pool: one parent, N children of 2 MiB each), with the real
-CRIU: dumped with --stop, restored eagerly and lazily; every child comes back under its own PID,
+CRIU: dumped with --stop (the first time, its pages stored while CRIU dumps the rest of the
+tree), restored eagerly and lazily; every child comes back under its own PID,
 as its parent's child, with its memory intact, and counts on."""
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def test_a_pool_of_many_processes_comes_back_whole_eagerly_and_lazily(procs, tmp
     assert all(verdict == "ok" for _, _, verdict, _ in before.values())
 
     first = dump_and_end(root.pid, pids, root)
+    # A first dump that ends its tree stores each process's pages while CRIU dumps the next
+    # (ckpt/dump/pages_ahead.py): every pages image, one per process.
+    assert first["images_stored_early"] == CHILDREN + 1, first
     restored = ckpt_json("restore", first["id"], "--eager")
     procs.adopt(restored["pid"])
     assert restored["lazy"] is None
@@ -78,6 +82,7 @@ def test_a_pool_of_many_processes_comes_back_whole_eagerly_and_lazily(procs, tmp
 
     # Again, from the restored tree (its parent is not this test): lazily this time.
     second = dump_and_end(pids[0], pids)
+    assert second["images_stored_early"] == 0  # a next dump: its pages were streamed to ckpt instead
     wait_until(lambda: all(state(pid) is None for pid in pids), timeout=30, what="the tree's PIDs to be free")
     restored = ckpt_json("restore", second["id"], "--lazy")
     procs.adopt(restored["pid"])

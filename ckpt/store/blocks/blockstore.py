@@ -432,20 +432,32 @@ def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
     return runs
 
 
-class _Ingest:
-    """One BlockStore.ingest, image after image into one pack: what it stored so far (a page
-    repeated in one dump is stored once, whichever images hold it) and its figures."""
+class PagesIngest:
+    """One ingest of pages images into one new pack (BlockStore.start_ingest): images are
+    added one at a time, as they become whole (a dump that ends its tree adds each pages
+    image while CRIU still dumps the next processes: ckpt/dump/pages_ahead.py), then
+    finish() commits the pack and its index file, or abort() drops what was written.
+    A page repeated in one ingest is stored once, whichever images hold it."""
 
-    def __init__(self, blocks: BlockStore, pack: PackWriter, codec_for: Callable[[Path], str],
-                 earlier: dict[str, tuple], told: _Told):
-        self.blocks, self.pack, self.codec_for, self.earlier, self.told = blocks, pack, codec_for, earlier, told
+    def __init__(self, blocks: BlockStore, codec_for: Callable[[Path], str], earlier: dict[str, tuple] | None = None):
+        self.blocks, self.codec_for, self.earlier = blocks, codec_for, earlier or {}
+        self.pack = PackWriter(blocks.backend)
+        self.told = _Told(None, 0)
         self.index = blocks.index()
         self.stats = IngestStats()
         self.page_lists: dict[str, bytes] = {}
-        self.seen: list = []  # the ids stored by this dump so far (_first_seen)
+        self.seen: list = []  # the ids stored by this ingest so far (_first_seen)
         self.encoders = _Encoders()
 
-    def add(self, source: PageSource) -> None:
+    def tell(self, progress: Callable[[int, int], None] | None, total: int) -> None:
+        """From now on, progress(done, total) hears how far the ingest got, in bytes of the
+        images (total: the sizes of those added so far and those still to come)."""
+        done = self.told.before
+        self.told = _Told(progress, total)
+        self.told.before = done
+
+    def add(self, source: PageSource | Path) -> None:
+        source = page_source(source)
         size = source.size
         n = size // PAGE
         if size % PAGE:
@@ -472,6 +484,27 @@ class _Ingest:
         image_stats.bytes_dedup = (n - image_stats.new_pages) * PAGE
         self.stats.add(image_stats)
         self.told.image_done(size)
+
+    def finish(self) -> tuple[dict[str, bytes], IngestStats, list[str]]:
+        """Commits the pack and its index file (durable when this returns); returns each
+        image's page list (ids in order), the figures and the names of the blobs written.
+        On any error what was written is dropped."""
+        try:
+            written = self.pack.commit()
+            self.told.at(0, final=True)
+            if written:
+                self.blocks.forget_index()
+        except BaseException:
+            self.pack.abort()
+            raise
+        finally:
+            self.encoders.close()
+        return self.page_lists, self.stats, written
+
+    def abort(self) -> None:
+        """Drops what was written of the pack (nothing is left that a checkpoint could name)."""
+        self.encoders.close()
+        self.pack.abort()
 
     def _store_new_pages(self, source: PageSource, mm: mmap.mmap, view: memoryview, codec: str) -> IngestStats:
         """Most pages are known: finds the new ones in one search, then stores them as runs of
@@ -787,21 +820,20 @@ class BlockStore:
         bytes of the images, how far it got (every 16 MiB or so: a store in S3 takes a while).
         """
         sources = [page_source(image) for image in images]
-        pack = PackWriter(self.backend)
-        run = _Ingest(self, pack, codec_for, earlier or {}, _Told(progress, sum(s.size for s in sources)))
+        run = self.start_ingest(codec_for, earlier)
         try:
+            run.tell(progress, sum(s.size for s in sources))
             for source in sources:
                 run.add(source)
-            written = pack.commit()
-            run.told.at(0, final=True)
-            if written:
-                self._index = None
         except BaseException:
-            pack.abort()
+            run.abort()
             raise
-        finally:
-            run.encoders.close()
-        return run.page_lists, run.stats, written
+        return run.finish()
+
+    def start_ingest(self, codec_for: Callable[[Path], str], earlier: dict[str, tuple] | None = None) -> PagesIngest:
+        """An ingest that takes its pages images one at a time (see PagesIngest): ingest() in
+        steps, for images that become whole one after the other."""
+        return PagesIngest(self, codec_for, earlier)
 
     def add_pages(self, pack: PackWriter, pages, ids: bytes, codec: str, encoders: _Encoders | None = None) -> int:
         """Appends pages (a buffer of whole pages) with their ids to a new pack, as runs of at
