@@ -34,7 +34,7 @@ from ckpt.system import procs
 
 if TYPE_CHECKING:
     from ckpt.dump import pagestream
-    from ckpt.dump.pages_ahead import PagesAhead
+    from ckpt.dump.early_ingest import EarlyIngest
     from ckpt.store.staging import DumpStaging
 
 
@@ -81,7 +81,7 @@ class TrackingPlan:
 class DumpResult:
     manifest: Manifest
     log_path: Path
-    # pages images stored while CRIU still dumped the rest of the tree (ckpt/dump/pages_ahead.py)
+    # images stored while CRIU still dumped the rest of the tree (ckpt/dump/early_ingest.py)
     images_stored_early: int = 0
 
     def to_json(self) -> dict:
@@ -160,7 +160,7 @@ class DumpSession(Session[DumpRequest]):
         self._window = ExitStack()  # sections and clients held off: released once CRIU lets the tree go
         self.staging: DumpStaging | None = None
         self.stream: pagestream.PageStream | None = None
-        self.ahead: PagesAhead | None = None
+        self.ahead: EarlyIngest | None = None
         self.earlier: unchanged.EarlierCheckpoint | None = None
         self.marks: dict[str, float] = {}  # CRIU's notifications, by when they came
         # The same by the wall clock (seconds since the epoch): what a group checkpoint records
@@ -257,7 +257,7 @@ class DumpSession(Session[DumpRequest]):
         if self.stream is not None:
             self.criu_options.page_stream_fd = self.stream.start()
         elif self.request.stop and self.tracking is None and self.earlier is None:
-            self.ahead = _pages_ahead(store, self.staging, self.request.codec)
+            self.ahead = _early_ingest(store, self.staging, self.request.codec)
 
     # ---- capture: the tree frozen, dumped, let go ---------------------------------------
 
@@ -339,7 +339,7 @@ class DumpSession(Session[DumpRequest]):
         staging, images_dir = self.staging, self.staging.images_dir
         before_commit = self._record_pending_copy if self.request.copy_to else None
         ahead = self.ahead.take() if self.ahead is not None else None
-        self.images_stored_early = len(ahead.page_lists) if ahead is not None else 0
+        self.images_stored_early = len(ahead.stored) if ahead is not None else 0
         self.manifest = ingest_and_commit(
             self._store(), staging, self._record(frozen_ms), self.request.codec, self.reporter, self._completion(),
             # (a streamed dump knows its unchanged pages already: see StreamedPages)
@@ -492,15 +492,14 @@ def _page_stream(store: Store, staging, tracking: TrackingPlan | None,
     return PageStream(staging.images_dir, staging.root / "streamed", store.blocks.seed, known)
 
 
-def _pages_ahead(store: Store, staging, codec: str) -> PagesAhead | None:
-    """The ingest of pages images as CRIU closes them (ckpt/dump/pages_ahead.py), for a first
-    dump that ends its tree; None where inotify is not to be had (the ingest after CRIU
-    stores every image, as it always could)."""
-    from ckpt.dump.pages_ahead import PagesAhead  # deferred: only dumps that end their tree
-    from ckpt.store.ingest import pages_codec
+def _early_ingest(store: Store, staging, codec: str) -> EarlyIngest | None:
+    """The ingest of images as CRIU closes them (ckpt/dump/early_ingest.py), for a first dump
+    that ends its tree; None where inotify is not to be had (the ingest after CRIU stores
+    every image, as it always could)."""
+    from ckpt.dump.early_ingest import EarlyIngest  # deferred: only dumps that end their tree
 
     try:
-        return PagesAhead(staging.images_dir, store.blocks, pages_codec(codec))
+        return EarlyIngest(staging.images_dir, store.objects, codec, staging.root / "early")
     except OSError:
         return None
 

@@ -4,6 +4,7 @@ Nothing here is visible until the dump commits its manifest (Store.commit)."""
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +14,7 @@ import blake3
 
 from ckpt.errors import StoreError
 from ckpt.reporting import NullReporter, Reporter
-from ckpt.store.blocks.blockstore import IngestStats, PagesIngest, StreamedPages
+from ckpt.store.blocks.blockstore import IngestStats, StreamedPages
 from ckpt.store.blocks.segments import CODECS, ID_LEN as PAGE_ID_SIZE, PAGE
 from ckpt.store.fsutil import translate_os_error
 from ckpt.store.manifest import FileEntry
@@ -28,42 +29,36 @@ FILE_WORKERS = 4  # threads storing the small images: most of their time is wait
 
 def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporter = NullReporter(),  # noqa: PLR0913
            complete_page_lists: CompletePageLists | None = None,
-           earlier: dict | None = None, ahead: PagesIngest | None = None) -> tuple[list[FileEntry], int, IngestStats]:
+           earlier: dict | None = None, ahead: IngestAhead | None = None) -> tuple[list[FileEntry], int, IngestStats]:
     """Moves every image file of the staging area into the store, durably.
 
     pages-*.img go to the block store; every other file becomes an object. complete_page_lists,
     when given, may complete the page lists first (see CompletePageLists). Returns the file
     entries, the bytes this added to the store and the block figures. earlier, when given,
     comes from a checkpoint of the same target (ckpt/dump/unchanged.py): it spares looking up
-    the pages that have not changed since (see BlockStore.ingest). ahead, when given, is an
-    ingest of this staging area's pages images begun while CRIU still wrote them
-    (ckpt/dump/pages_ahead.py): the images it holds are not read again, it takes the others
-    and commits (it is aborted on any error).
+    the pages that have not changed since (see BlockStore.ingest). ahead, when given, holds
+    the images of this staging area stored while CRIU still wrote the others (IngestAhead):
+    they are not read again; this stores the rest and commits its pack (or aborts it, on any
+    error).
     """
     if codec not in CODECS:
         raise StoreError(f"unknown compression '{codec}'", hint=f"use one of: {', '.join(CODECS)}")
-    files = staging.image_files()
-    def is_pages(path: Path) -> bool:
-        return path.name.startswith("pages-") and path.name.endswith(".img")
-
-    pages_files = [p for p in files if is_pages(p)]
-    other_files = [p for p in files if not is_pages(p)]  # (not `p not in pages_files`: quadratic)
-    # Pages images CRIU streamed to ckpt instead of writing them (ckpt/dump/pagestream.py).
-    page_images: list[Path | StreamedPages] = [*pages_files, *staging.streamed.values()]
-    ingestion = _Ingestion(objects)
-    object_codec = "none" if codec == "none" else "zstd"
+    page_images, other_files = _images_left(staging, ahead)
+    ingestion = ahead.files if ahead is not None else _Ingestion(objects)
+    object_codec = objects_codec(codec)
     # The other images are stored by a few threads while the pages are hashed and written: a
     # tree of many processes has hundreds of small images (six or so per process), each object
     # made durable on its own (fsync of the file and of its directory): one after the other
     # they cost a 100-process dump 0.55 s while its tree was frozen (--stop).
     first, rewritten = _before_and_after_pages(other_files, complete_page_lists is not None)
     stored: list[Future] = []
+    pages_run = ahead.pages if ahead is not None else None
     with ThreadPoolExecutor(max_workers=FILE_WORKERS, thread_name_prefix="ckpt-ingest") as pool:
         try:
             stored = ingestion.store_files(first, object_codec, pool)
             block_stats, lists = ingestion.store_pages(page_images, codec, reporter, complete_page_lists, earlier,
-                                                       pool, ahead)
-            ahead = None  # committed, or aborted by store_pages
+                                                       pool, pages_run)
+            pages_run = None  # committed, or aborted by store_pages
             stored += lists
             if rewritten:
                 stored += ingestion.store_files(rewritten, object_codec, pool)
@@ -75,10 +70,78 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
         finally:
             for future in stored:
                 future.cancel()  # the pool waits for those running on the way out
-            if ahead is not None:
-                ahead.abort()
+            if pages_run is not None:
+                pages_run.abort()
     ingestion.entries.sort(key=lambda e: e.name)
     return ingestion.entries, ingestion.added, block_stats
+
+
+def _images_left(staging: DumpStaging, ahead: IngestAhead | None) -> tuple[list[Path | StreamedPages], list[Path]]:
+    """The pages images and the other image files still to store (not stored ahead)."""
+    files = [p for p in staging.image_files() if ahead is None or p.name not in ahead.stored]
+    pages_files = [p for p in files if is_pages(p)]
+    other_files = [p for p in files if not is_pages(p)]  # (not `p not in pages_files`: quadratic)
+    # Pages images CRIU streamed to ckpt instead of writing them (ckpt/dump/pagestream.py).
+    return [*pages_files, *staging.streamed.values()], other_files
+
+
+def is_pages(path: Path) -> bool:
+    """A pages image (the block store's); every other image file is an object."""
+    return path.name.startswith("pages-") and path.name.endswith(".img")
+
+
+def objects_codec(codec: str) -> str:
+    """The codec of the objects a dump with codec stores (zstd unless none)."""
+    return "none" if codec == "none" else "zstd"
+
+
+class IngestAhead:
+    """Images of a dump stored one at a time, as CRIU finishes each, before ingest() stores
+    the rest (ckpt/dump/early_ingest.py watches for them): pages images into one pack (not
+    committed: ingest() commits it), every other image as an object by a few threads (each
+    made durable on its own, fsync-bound: they overlap CRIU too). Objects are stored from a
+    hard link in scratch (a directory of the staging area, outside its images), so that the
+    staging area keeps every image as CRIU wrote it: if the caller finds anything changed, it
+    drops this (abort) and ingests all of them itself.
+    An object stored here and then not committed is one nobody names (prune's to reclaim),
+    as after any dump that failed in its ingest."""
+
+    def __init__(self, objects: Objects, codec: str, scratch: Path):
+        scratch.mkdir()
+        self.pages = objects.blocks.start_ingest(pages_codec(codec))
+        self.files = _Ingestion(objects)
+        self.object_codec = objects_codec(codec)
+        self.scratch = scratch
+        self.stored: set[str] = set()  # names of the images taken
+        self._pool = ThreadPoolExecutor(max_workers=FILE_WORKERS, thread_name_prefix="ckpt-ingest-early")
+        self._futures: list[Future] = []
+
+    def add(self, path: Path) -> None:
+        if is_pages(path):
+            self.pages.add(path)
+        else:
+            # A second name for the file, which storing it moves into the store (or removes),
+            # so that the staging area keeps the image: a hard link, not a copy (600 small
+            # images of a 100-process tree copied cost 0.4 s of this thread's time).
+            link = self.scratch / path.name
+            os.link(path, link)
+            self._futures += self.files.store_files([link], self.object_codec, self._pool)
+        self.stored.add(path.name)
+
+    def settle(self) -> None:
+        """Waits until every object is stored; raises the first error."""
+        try:
+            for future in self._futures:
+                future.result()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def abort(self) -> None:
+        """Drops the pack; objects already stored stay, named by nobody."""
+        for future in self._futures:
+            future.cancel()
+        self._pool.shutdown(wait=True)
+        self.pages.abort()
 
 
 def pages_codec(codec: str) -> Callable[[Path], str]:
@@ -107,6 +170,7 @@ class _Ingestion:
         self.added = 0
         self.superseded: list[str] = []
         self._lock = threading.Lock()
+        self._submitted: dict[str, Future] = {}  # by content: the store_file that stores it
 
     def store_pages(self, page_images: list[Path | StreamedPages], codec: str, reporter: Reporter,
                     complete_page_lists: CompletePageLists | None, earlier: dict | None,
@@ -118,7 +182,8 @@ class _Ingestion:
         reporter.step(f"storing {sum(sizes.values()) // 4096} pages")
         run = ahead if ahead is not None else self.objects.blocks.start_ingest(pages_codec(codec), earlier)
         try:
-            run.tell(lambda done, total: reporter.progress(done, total, "storing pages"), sum(sizes.values()))
+            run.tell(lambda done, total: reporter.progress(done, total, "storing pages"),
+                     run.bytes_added + sum(sizes.values()))
             for image in page_images:
                 if image.name not in run.page_lists:
                     run.add(image)
@@ -133,8 +198,9 @@ class _Ingestion:
             block_stats.pages_from_parent = from_parent
             block_stats.pages += from_parent
             block_stats.bytes_dedup += from_parent * PAGE
-            # The pagemaps were rewritten: take their sizes again.
-            sizes = {name: len(page_list) // PAGE_ID_SIZE * PAGE for name, page_list in page_lists.items()}
+        # Each image's size from its page list: the pagemaps may have been rewritten (completed),
+        # and the images stored ahead are not among page_images.
+        sizes = {name: len(page_list) // PAGE_ID_SIZE * PAGE for name, page_list in page_lists.items()}
         # The page lists as objects, in the pool's threads (one per process: durable one after
         # the other, they cost a 100-process dump 0.3-0.8 s). Lists alike are stored once.
         by_digest: dict[str, list[str]] = {}
@@ -156,13 +222,29 @@ class _Ingestion:
     def store_files(self, paths: list[Path], object_codec: str, pool: ThreadPoolExecutor) -> list[Future]:
         """Stores image files as objects in pool's threads; returns their futures (the entries are
         added as each one is done). Files of the same content (the processes of a worker pool
-        have many images alike) are stored once: the first one's object is every one's."""
+        have many images alike) are stored once: the first one's object is every one's, also
+        across calls (a later file like one already submitted waits for it, in its thread)."""
         by_digest: dict[str, list[Path]] = {}
         for path in paths:
             by_digest.setdefault(hash_file(path), []).append(path)
-        return [pool.submit(self.store_file, same, digest, object_codec) for digest, same in by_digest.items()]
+        futures = []
+        for digest, same in by_digest.items():
+            first = self._submitted.get(digest)
+            if first is None:
+                self._submitted[digest] = future = pool.submit(self.store_file, same, digest, object_codec)
+            else:
+                sizes = [(path.name, path.stat().st_size) for path in same]
+                future = pool.submit(self._like, first, digest, sizes)
+            futures.append(future)
+        return futures
 
-    def store_file(self, paths: list[Path], digest: str, object_codec: str) -> None:
+    def _like(self, first: Future, digest: str, images: list[tuple[str, int]]) -> None:
+        """Entries for images of the content another call stored (first: its future)."""
+        stored_codec, stored_size = first.result()
+        with self._lock:
+            self.entries.extend(FileEntry(name, size, digest, stored_codec, stored_size) for name, size in images)
+
+    def store_file(self, paths: list[Path], digest: str, object_codec: str) -> tuple[str, int]:
         """Image files of one content as an object, unless the store holds it intact already.
         Called from several threads at once: each call adds its entries and bytes under the lock."""
         size = paths[0].stat().st_size
@@ -182,3 +264,4 @@ class _Ingestion:
                 self.superseded.append(existing[0])
             self.added += added
             self.entries.extend(FileEntry(path.name, size, digest, stored_codec, stored_size) for path in paths)
+        return stored_codec, stored_size

@@ -435,7 +435,7 @@ def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
 class PagesIngest:
     """One ingest of pages images into one new pack (BlockStore.start_ingest): images are
     added one at a time, as they become whole (a dump that ends its tree adds each pages
-    image while CRIU still dumps the next processes: ckpt/dump/pages_ahead.py), then
+    image while CRIU still dumps the next processes: ckpt/dump/early_ingest.py), then
     finish() commits the pack and its index file, or abort() drops what was written.
     A page repeated in one ingest is stored once, whichever images hold it."""
 
@@ -455,6 +455,11 @@ class PagesIngest:
         done = self.told.before
         self.told = _Told(progress, total)
         self.told.before = done
+
+    @property
+    def bytes_added(self) -> int:
+        """The sizes of the images added so far."""
+        return self.told.before
 
     def add(self, source: PageSource | Path) -> None:
         source = page_source(source)

@@ -1,16 +1,17 @@
-"""Pages images stored as CRIU closes them (ckpt/dump/pages_ahead.py), with real files, a real
-local store and the kernel's inotify: what is taken reads back as written; an image that
-changed after it was read, or one that could not be stored, makes take() give up (the caller
-ingests everything again) and leaves no pack behind."""
+"""Images stored as CRIU closes them (ckpt/dump/early_ingest.py), with real files, a real local
+store and the kernel's inotify: what is taken reads back as written, and the staging area
+still holds every image; an image that changed after it was read, or one that could not be
+stored, makes take() give up (the caller ingests everything again) and leaves no pack behind."""
 
 from __future__ import annotations
 
 import os
 import time
 
-from ckpt.dump.pages_ahead import PagesAhead
-from ckpt.store.backends import LocalBackend
+from ckpt.dump.early_ingest import EarlyIngest
+from ckpt.store import Store
 from ckpt.store.blocks.blockstore import PAGE, BlockStore
+from ckpt.store.objects import hash_file
 from ckpt.system.inotify import ClosedFiles
 
 
@@ -19,7 +20,7 @@ def write(path, data: bytes) -> None:
         f.write(data)
 
 
-def wait_for_ingest(ahead: PagesAhead, name: str) -> None:
+def wait_for_ingest(ahead: EarlyIngest, name: str) -> None:
     deadline = time.monotonic() + 10
     while name not in ahead._identities:  # noqa: SLF001 - the moment the image was read
         assert time.monotonic() < deadline, f"{name} was never stored"
@@ -31,29 +32,40 @@ def packs(store_dir) -> list[str]:
     return [name for _, _, files in os.walk(store_dir / "packs") for name in files]
 
 
-def setup(tmp_path) -> tuple[PagesAhead, BlockStore]:
+def setup(tmp_path) -> tuple[EarlyIngest, Store]:
     images = tmp_path / "images"
     images.mkdir()
-    blocks = BlockStore(LocalBackend(tmp_path / "store"))
-    ahead = PagesAhead(images, blocks, lambda _image: "none")
+    (tmp_path / "store").mkdir()
+    store = Store(tmp_path / "store")
+    ahead = EarlyIngest(images, store.objects, "zstd", tmp_path / "early")
     ahead.start()
-    return ahead, blocks
+    return ahead, store
 
 
 def test_images_closed_while_watched_are_stored_and_read_back(tmp_path):
-    ahead, blocks = setup(tmp_path)
+    ahead, store = setup(tmp_path)
     first, second = os.urandom(64 * PAGE), os.urandom(3 * PAGE) * 2
     write(tmp_path / "images" / "pages-1.img", first)
     wait_for_ingest(ahead, "pages-1.img")
     write(tmp_path / "images" / "pages-2.img", second)  # closed just before the stop: taken too
-    write(tmp_path / "images" / "core-1.img", b"not pages")
+    core = b"core of one process " * 100
+    for name in ("core-1.img", "core-2.img"):  # alike: one object for both
+        write(tmp_path / "images" / name, core)
     run = ahead.take()
     ahead.close()
-    assert run is not None and sorted(run.page_lists) == ["pages-1.img", "pages-2.img"]
-    page_lists, stats, written = run.finish()
+    assert run is not None and run.stored == {"pages-1.img", "pages-2.img", "core-1.img", "core-2.img"}
+    assert sorted(run.pages.page_lists) == ["pages-1.img", "pages-2.img"]
+    assert sorted(p.name for p in (tmp_path / "images").iterdir()) == sorted(run.stored), "an image left staging"
+    entries = {e.name: e for e in run.files.entries}
+    assert sorted(entries) == ["core-1.img", "core-2.img"]
+    assert entries["core-1.img"].hash == entries["core-2.img"].hash == hash_file(tmp_path / "images" / "core-1.img")
+    back = tmp_path / "core-back"
+    store.objects.read_into(entries["core-2.img"], back)
+    assert back.read_bytes() == core
+    page_lists, stats, written = run.pages.finish()
     assert stats.pages == 70 and stats.new_pages == 67, stats  # the repeated pages once
     assert packs(tmp_path / "store"), "no pack was written"  # (what the tests below look for)
-    fresh = BlockStore(blocks.backend)
+    fresh = BlockStore(store.backend)
     for name, data in (("pages-1.img", first), ("pages-2.img", second)):
         dest = tmp_path / f"back-{name}"
         fresh.write_image(name, page_lists[name], dest)
