@@ -388,17 +388,22 @@ def _warn_of_unix_connections(specs: list[MemberSpec], prepared: list[Prepared],
 # ---- group restore --------------------------------------------------------------------------
 
 
-def named_group(store_root: StoreLocation, ref: str, *, settings: Settings,
-                passwords: PasswordSource | None = None) -> str | None:
-    """The group ref names in the store (its ID, a prefix of one, its name), or None: then ref
-    may name a checkpoint. A missing store names no group."""
+def existing_store(store_root: StoreLocation, *, settings: Settings,
+                   passwords: PasswordSource | None = None) -> Store | None:
+    """The store at store_root, opened (an encrypted one unlocked), or None where there is
+    none: then the command's own opening says so, in its words."""
     from ckpt.errors import StoreNotFound
 
     try:
-        store = Store.open(store_root, False, settings=settings, passwords=passwords)
+        return Store.open(store_root, False, settings=settings, passwords=passwords)
     except StoreNotFound:
         return None
-    return store.resolve_group(ref)
+
+
+def named_group(store: Store | None, ref: str) -> str | None:
+    """The group ref names in the store (its ID, a prefix of one, its name), or None: then ref
+    may name a checkpoint. A missing store (None) names no group."""
+    return store.resolve_group(ref) if store is not None else None
 
 
 def group_restore(store_root: StoreLocation, request: GroupRestoreRequest, reporter: Reporter = NullReporter(), *,

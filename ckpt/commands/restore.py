@@ -113,10 +113,11 @@ class RestoreResult:
 
 
 def restore(store_root: StoreLocation, request: RestoreRequest, reporter: Reporter = NullReporter(), *,
-            settings: Settings, passwords: PasswordSource | None = None) -> RestoreResult:
-    """Restores the checkpoint request.ref names from the store at store_root: the phases of a
-    RestoreSession in a row."""
-    with RestoreSession(store_root, request, reporter, settings=settings, passwords=passwords) as session:
+            settings: Settings, passwords: PasswordSource | None = None, store: Store | None = None) -> RestoreResult:
+    """Restores the checkpoint request.ref names from the store at store_root (store: that store
+    already opened, or None): the phases of a RestoreSession in a row."""
+    with RestoreSession(store_root, request, reporter, settings=settings, passwords=passwords,
+                        store=store) as session:
         session.prepare()
         session.restore()
         return session.finish()
