@@ -338,10 +338,11 @@ class DumpSession(Session[DumpRequest]):
             raise RuntimeError("commit before prepare")  # a coordinator's bug, not the user's
         staging, images_dir = self.staging, self.staging.images_dir
         before_commit = self._record_pending_copy if self.request.copy_to else None
-        ahead = self.ahead.take() if self.ahead is not None else None
+        record, completion = self._record(frozen_ms), self._completion()
+        ahead = self.ahead.take() if self.ahead is not None else None  # (aborted by close() unless committed)
         self.images_stored_early = len(ahead.stored) if ahead is not None else 0
         self.manifest = ingest_and_commit(
-            self._store(), staging, self._record(frozen_ms), self.request.codec, self.reporter, self._completion(),
+            self._store(), staging, record, self.request.codec, self.reporter, completion,
             # (a streamed dump knows its unchanged pages already: see StreamedPages)
             earlier=self.earlier.pieces(images_dir) if self.earlier and not staging.streamed else None,
             before_commit=before_commit, ahead=ahead)

@@ -12,12 +12,11 @@ Safe by construction: an image is stored only after inotify says CRIU closed it 
 each image once, from open to close), and its identity (inode, size, modification time) is
 taken again once CRIU is done; if any differs or is gone, or the early ingest failed at all,
 its pack is dropped and the ingest starts over from the images as they are (the result is the
-same; only slower): the staging area keeps every image (objects are stored from hard links).
-Were an image written after it was stored, the object under its old content's name would be
-wrong, and found so: an object is checked before a dump names it again (Objects.intact), and
-a damaged one is replaced. Images it never got to are stored after CRIU, as before. Killed midway, what it
-wrote is a pack without an index file, which the next dump's leftover sweep removes like any
-ingest's, and objects nobody names (prune's to reclaim, as after any failed ingest).
+same; only slower): the staging area keeps every image (objects are stored from hard links,
+or from copies where the object would be the file itself, stored as it is: see IngestAhead).
+Images it never got to are stored after CRIU, as before. Killed midway, what it wrote is a
+pack without an index file and objects nobody names: prune reclaims both, as after any ingest
+that was cut short.
 """
 
 from __future__ import annotations
@@ -49,14 +48,20 @@ class EarlyIngest:
     def __init__(self, images_dir: Path, objects: Objects, codec: str, scratch: Path):
         self.images_dir, self.objects, self.codec, self.scratch = images_dir, objects, codec, scratch
         self._closed = ClosedFiles(images_dir)
-        self._stop_read, self._stop_write = os.pipe2(os.O_CLOEXEC)
+        try:
+            self._stop_read, self._stop_write = os.pipe2(os.O_CLOEXEC)
+        except OSError:
+            self._closed.close()
+            raise
         self._thread: threading.Thread | None = None
+        # Owned here to the end: close() aborts it whatever happened (after a commit, that
+        # does nothing), so a failure between take() and the ingest leaves no pack half-written.
         self._run: IngestAhead | None = None
         self._identities: dict[str, tuple[int, int, int]] = {}
         self._failed: BaseException | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="ckpt-pages-ahead", daemon=True)
+        self._thread = threading.Thread(target=self._work, name="ckpt-early-ingest", daemon=True)
         self._thread.start()
 
     def _work(self) -> None:
@@ -80,33 +85,44 @@ class EarlyIngest:
     def take(self) -> IngestAhead | None:
         """Once CRIU has written every image: what was stored, every image of it still as it
         was when it was read, every object durable; or None (nothing taken, or anything changed
-        or went wrong: the caller ingests every image itself)."""
+        or went wrong: the caller ingests every image itself). What it returns stays this
+        object's to abort in close(), unless committed by then."""
         self._stop()
-        run, self._run = self._run, None
+        run = self._run
         if run is None:
             return None
         try:
             if self._failed is None:
                 run.settle()
+            # (Modification times tick coarsely: a rewrite of the same size within one tick
+            # would pass. CRIU writes each image once; this is the guard against that changing.)
             unchanged = self._failed is None and all(
                 _identity(self.images_dir / name) == identity for name, identity in self._identities.items())
         except Exception:  # noqa: BLE001 - an object not stored, an image gone: all of it again
             unchanged = False
+        except BaseException:
+            self._drop()
+            raise
         if not unchanged:
-            run.abort()
+            self._drop()
             return None
         return run
 
     def close(self) -> None:
-        self._stop()
+        try:
+            self._stop()
+            self._drop()
+        finally:
+            self._closed.close()
+            for fd in (self._stop_read, self._stop_write):
+                if fd >= 0:
+                    os.close(fd)
+            self._stop_read = self._stop_write = -1
+
+    def _drop(self) -> None:
         run, self._run = self._run, None
         if run is not None:
             run.abort()
-        self._closed.close()
-        for fd in (self._stop_read, self._stop_write):
-            if fd >= 0:
-                os.close(fd)
-        self._stop_read = self._stop_write = -1
 
     def _stop(self) -> None:
         if self._thread is not None:

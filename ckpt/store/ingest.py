@@ -5,6 +5,7 @@ Nothing here is visible until the dump commits its manifest (Store.commit)."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -100,9 +101,10 @@ class IngestAhead:
     the rest (ckpt/dump/early_ingest.py watches for them): pages images into one pack (not
     committed: ingest() commits it), every other image as an object by a few threads (each
     made durable on its own, fsync-bound: they overlap CRIU too). Objects are stored from a
-    hard link in scratch (a directory of the staging area, outside its images), so that the
-    staging area keeps every image as CRIU wrote it: if the caller finds anything changed, it
-    drops this (abort) and ingests all of them itself.
+    second name in scratch (a directory of the staging area, outside its images: a hard link,
+    or a copy for what is stored as it is), so that the staging area keeps every image as
+    CRIU wrote it: if the caller finds anything changed, it drops this (abort) and ingests
+    all of them itself. abort() is safe at any time, after a commit too (it does nothing then).
     An object stored here and then not committed is one nobody names (prune's to reclaim),
     as after any dump that failed in its ingest."""
 
@@ -122,10 +124,16 @@ class IngestAhead:
         else:
             # A second name for the file, which storing it moves into the store (or removes),
             # so that the staging area keeps the image: a hard link, not a copy (600 small
-            # images of a 100-process tree copied cost 0.4 s of this thread's time).
-            link = self.scratch / path.name
-            os.link(path, link)
-            self._futures += self.files.store_files([link], self.object_codec, self._pool)
+            # images of a 100-process tree copied cost 0.4 s of this thread's time), unless it
+            # is to be stored as it is: then the store renames that name into place, and the
+            # object would be the staging image itself (a write to the image after it was
+            # read would change a published object): a copy.
+            second = self.scratch / path.name
+            if self.object_codec == "none" or not worth_compressing(path):
+                shutil.copyfile(path, second)
+            else:
+                os.link(path, second)
+            self._futures += self.files.store_files([second], self.object_codec, self._pool)
         self.stored.add(path.name)
 
     def settle(self) -> None:

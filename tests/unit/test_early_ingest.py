@@ -32,12 +32,12 @@ def packs(store_dir) -> list[str]:
     return [name for _, _, files in os.walk(store_dir / "packs") for name in files]
 
 
-def setup(tmp_path) -> tuple[EarlyIngest, Store]:
+def setup(tmp_path, codec: str = "zstd") -> tuple[EarlyIngest, Store]:
     images = tmp_path / "images"
     images.mkdir()
     (tmp_path / "store").mkdir()
     store = Store(tmp_path / "store")
-    ahead = EarlyIngest(images, store.objects, "zstd", tmp_path / "early")
+    ahead = EarlyIngest(images, store.objects, codec, tmp_path / "early")
     ahead.start()
     return ahead, store
 
@@ -52,7 +52,6 @@ def test_images_closed_while_watched_are_stored_and_read_back(tmp_path):
     for name in ("core-1.img", "core-2.img"):  # alike: one object for both
         write(tmp_path / "images" / name, core)
     run = ahead.take()
-    ahead.close()
     assert run is not None and run.stored == {"pages-1.img", "pages-2.img", "core-1.img", "core-2.img"}
     assert sorted(run.pages.page_lists) == ["pages-1.img", "pages-2.img"]
     assert sorted(p.name for p in (tmp_path / "images").iterdir()) == sorted(run.stored), "an image left staging"
@@ -63,6 +62,7 @@ def test_images_closed_while_watched_are_stored_and_read_back(tmp_path):
     store.objects.read_into(entries["core-2.img"], back)
     assert back.read_bytes() == core
     page_lists, stats, written = run.pages.finish()
+    ahead.close()  # after the commit: changes nothing
     assert stats.pages == 70 and stats.new_pages == 67, stats  # the repeated pages once
     assert packs(tmp_path / "store"), "no pack was written"  # (what the tests below look for)
     fresh = BlockStore(store.backend)
@@ -89,6 +89,33 @@ def test_an_image_that_cannot_be_stored_makes_take_give_up(tmp_path):
     write(tmp_path / "images" / "pages-1.img", os.urandom(PAGE + 10))  # not whole pages
     assert ahead.take() is None
     ahead.close()
+    assert packs(tmp_path / "store") == []
+
+
+def test_an_object_stored_as_it_is_is_never_the_staging_image_itself(tmp_path):
+    """Stored uncompressed, an object is the file the store renames into place: from a copy,
+    so that the staging image (what a fallback ingests again) and the object stay apart."""
+    ahead, store = setup(tmp_path, codec="none")
+    image = tmp_path / "images" / "fs-1.img"
+    write(image, b"an image stored as it is")
+    run = ahead.take()
+    assert run is not None and [e.name for e in run.files.entries] == ["fs-1.img"]
+    assert os.stat(image).st_nlink == 1, "the staging image is also the store's object"
+    back = tmp_path / "back"
+    store.objects.read_into(run.files.entries[0], back)
+    assert back.read_bytes() == image.read_bytes()
+    ahead.close()
+
+
+def test_closing_after_taking_drops_a_pack_nobody_committed(tmp_path):
+    ahead, _ = setup(tmp_path)
+    # Pages that compress: written into a new pack (random ones would make the image itself
+    # the pack, at the commit).
+    write(tmp_path / "images" / "pages-1.img", b"".join(bytes([k]) * PAGE for k in range(8)))
+    wait_for_ingest(ahead, "pages-1.img")
+    assert ahead.take() is not None
+    assert packs(tmp_path / "store"), "nothing was written"
+    ahead.close()  # (the ingest after it failed before committing)
     assert packs(tmp_path / "store") == []
 
 
