@@ -187,8 +187,9 @@ class _Ingestion:
         commits them all), then each pages image's page list as an object, in pool's threads:
         returns the figures and the futures of the page lists."""
         sizes = {p.name: p.size if isinstance(p, StreamedPages) else p.stat().st_size for p in page_images}
-        reporter.step(f"storing {sum(sizes.values()) // 4096} pages")
         run = ahead if ahead is not None else self.objects.blocks.start_ingest(pages_codec(codec), earlier)
+        early = f" ({run.bytes_added // PAGE} of them stored as CRIU wrote them)" if run.bytes_added else ""
+        reporter.step(f"storing {(run.bytes_added + sum(sizes.values())) // PAGE} pages{early}")
         try:
             run.tell(lambda done, total: reporter.progress(done, total, "storing pages"),
                      run.bytes_added + sum(sizes.values()))
