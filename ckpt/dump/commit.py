@@ -41,7 +41,7 @@ class DumpRecord:
     clock: Callable[[], float] = time.monotonic  # the one `started` was read from (a test's own)
 
 
-def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, codec: str,
+def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, codec: str,  # noqa: PLR0913
                       reporter: Reporter = NullReporter(), complete_page_lists=None,
                       earlier: dict | None = None, before_commit=None, ahead=None) -> Manifest:
     """Ingests every staged image (only pages the store lacks are written), then commits the

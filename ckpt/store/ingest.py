@@ -15,7 +15,7 @@ import blake3
 
 from ckpt.errors import StoreError
 from ckpt.reporting import NullReporter, Reporter
-from ckpt.store.blocks.blockstore import IngestStats, StreamedPages
+from ckpt.store.blocks.blockstore import IngestStats, PagesIngest, StreamedPages
 from ckpt.store.blocks.segments import CODECS, ID_LEN as PAGE_ID_SIZE, PAGE
 from ckpt.store.fsutil import translate_os_error
 from ckpt.store.manifest import FileEntry
@@ -247,11 +247,13 @@ class _Ingestion:
             futures.append(future)
         return futures
 
-    def _like(self, first: Future, digest: str, images: list[tuple[str, int]]) -> None:
-        """Entries for images of the content another call stored (first: its future)."""
+    def _like(self, first: Future, digest: str, images: list[tuple[str, int]]) -> tuple[str, int]:
+        """Entries for images of the content another call stored (first: its future); returns
+        what store_file does (the codec, the stored size)."""
         stored_codec, stored_size = first.result()
         with self._lock:
             self.entries.extend(FileEntry(name, size, digest, stored_codec, stored_size) for name, size in images)
+        return stored_codec, stored_size
 
     def store_file(self, paths: list[Path], digest: str, object_codec: str) -> tuple[str, int]:
         """Image files of one content as an object, unless the store holds it intact already.
