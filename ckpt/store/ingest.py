@@ -39,8 +39,8 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
     comes from a checkpoint of the same target (ckpt/dump/unchanged.py): it spares looking up
     the pages that have not changed since (see BlockStore.ingest). ahead, when given, holds
     the images of this staging area stored while CRIU still wrote the others (IngestAhead):
-    they are not read again; this stores the rest and commits its pack (or aborts it, on any
-    error).
+    they are not read again; this stores the rest and commits its pack. On an error its owner
+    aborts it (ckpt/dump/early_ingest.py: abort is safe after a commit too).
     """
     if codec not in CODECS:
         raise StoreError(f"unknown compression '{codec}'", hint=f"use one of: {', '.join(CODECS)}")
@@ -53,13 +53,11 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
     # they cost a 100-process dump 0.55 s while its tree was frozen (--stop).
     first, rewritten = _before_and_after_pages(other_files, complete_page_lists is not None)
     stored: list[Future] = []
-    pages_run = ahead.pages if ahead is not None else None
     with ThreadPoolExecutor(max_workers=FILE_WORKERS, thread_name_prefix="ckpt-ingest") as pool:
         try:
             stored = ingestion.store_files(first, object_codec, pool)
             block_stats, lists = ingestion.store_pages(page_images, codec, reporter, complete_page_lists, earlier,
-                                                       pool, pages_run)
-            pages_run = None  # committed, or aborted by store_pages
+                                                       pool, ahead.pages if ahead is not None else None)
             stored += lists
             if rewritten:
                 stored += ingestion.store_files(rewritten, object_codec, pool)
@@ -71,8 +69,6 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
         finally:
             for future in stored:
                 future.cancel()  # the pool waits for those running on the way out
-            if pages_run is not None:
-                pages_run.abort()
     ingestion.entries.sort(key=lambda e: e.name)
     return ingestion.entries, ingestion.added, block_stats
 
@@ -128,12 +124,14 @@ class IngestAhead:
             # is to be stored as it is: then the store renames that name into place, and the
             # object would be the staging image itself (a write to the image after it was
             # read would change a published object): a copy.
+            # (Decided here once: store_file takes "none" as it is, without sampling again.)
             second = self.scratch / path.name
-            if self.object_codec == "none" or not worth_compressing(path):
+            codec = self.object_codec if self.object_codec == "none" or worth_compressing(path) else "none"
+            if codec == "none":
                 shutil.copyfile(path, second)
             else:
                 os.link(path, second)
-            self._futures += self.files.store_files([second], self.object_codec, self._pool)
+            self._futures += self.files.store_files([second], codec, self._pool)
         self.stored.add(path.name)
 
     def settle(self) -> None:
