@@ -123,3 +123,111 @@ def test_the_prefetcher_serves_every_segment_fetched_once_while_its_threads_run(
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)), "fetched twice"
     assert sum(end - start for start, end in spans) == sum(seg.length for seg in segs)
     assert prefetcher.checked == set(wanted) and not (tmp_path / "spool").exists()
+
+
+def _prefetcher_over_a_pack(tmp_path, threads: int = 2):
+    """A pack of random pages in a memory backend, 20 segments of 1-3 pages with gaps between
+    some, and a Prefetcher of them all (not started) in ranges of at most 5 pages."""
+    import os
+
+    import xxhash
+
+    from ckpt.store.backends.memory import MemoryBackend
+    from ckpt.store.blocks.prefetch import Prefetcher
+
+    backend = MemoryBackend()
+    pack = os.urandom(64 * 4096)
+    backend.put("packs/pa/pack1", pack)
+    segs = [Segment("pack1", i * 4096, 4096 * (1 + i % 3), 1 + i % 3, 0, b"") for i in range(0, 60, 3)]
+    for seg in segs:
+        seg.checksum = xxhash.xxh3_128_digest(pack[seg.offset:seg.offset + seg.length])
+    wanted = list(range(len(segs)))
+    prefetcher = Prefetcher(backend, segs, wanted, tmp_path / "spool", threads=threads, range_bytes=5 * 4096)
+    return pack, segs, wanted, prefetcher
+
+
+def _all_down(prefetcher, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while prefetcher.stats.all_down_at is None:
+        assert time.monotonic() < deadline, "the prefetch did not finish"
+        time.sleep(0.005)
+
+
+def test_segments_come_from_memory_and_every_range_is_in_the_spool_for_the_cache(tmp_path):
+    pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path)
+    prefetcher.start()
+    try:
+        for key in wanted:  # in the order of need, as the page server reads
+            with prefetcher.segment(key) as got:
+                assert bytes(got) == pack[segs[key].offset:segs[key].offset + segs[key].length]
+        _all_down(prefetcher)
+        prefetcher.settle()  # every range in the spool
+        assert prefetcher.held_bytes == 0, "ranges whose segments were all read are let go"
+        spool = (tmp_path / "spool" / "pack1").read_bytes()
+        for seg in segs:  # what keep_in hands to the cache
+            assert spool[seg.offset:seg.offset + seg.length] == pack[seg.offset:seg.offset + seg.length]
+        with prefetcher.segment(4) as again:  # read again once let go: from the spool
+            assert bytes(again) == pack[segs[4].offset:segs[4].offset + segs[4].length]
+    finally:
+        prefetcher.close()
+    assert not (tmp_path / "spool").exists()
+
+
+def test_ranges_beyond_the_memory_bound_are_read_from_the_spool(tmp_path, monkeypatch):
+    import ckpt.store.blocks.prefetch as prefetch
+
+    monkeypatch.setattr(prefetch, "HELD_BYTES", 4096)
+    pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path)
+    prefetcher.start()
+    try:
+        _all_down(prefetcher)  # nothing read meanwhile: every range went past the bound
+        prefetcher.settle()
+        assert prefetcher.held_bytes <= 5 * 4096
+        for key in reversed(wanted):
+            with prefetcher.segment(key) as got:
+                assert bytes(got) == pack[segs[key].offset:segs[key].offset + segs[key].length]
+    finally:
+        prefetcher.close()
+
+
+def test_a_spool_that_cannot_be_written_still_serves_each_segment_once_and_keeps_nothing(tmp_path, monkeypatch):
+    import errno
+
+    import pytest
+
+    import ckpt.store.blocks.prefetch as prefetch
+
+    def disk_full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prefetch, "pwrite_all", disk_full)
+    pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path)
+    prefetcher.start()
+    try:
+        _all_down(prefetcher)
+        prefetcher.settle()
+        for key in wanted:  # from the buffers, held until read
+            with prefetcher.segment(key) as got:
+                assert bytes(got) == pack[segs[key].offset:segs[key].offset + segs[key].length]
+        assert prefetcher.held_bytes == 0
+        with pytest.raises(OSError) as raised:  # the spool has a hole there: never its zeros
+            prefetcher.segment(0)
+        assert raised.value.errno == errno.ENOSPC
+
+        class Cache:
+            kept: list[str] = []
+
+            def copy_room(self) -> int:
+                return 1 << 40
+
+            def keep_copy(self, name, path) -> bool:
+                self.kept.append(name)
+                return True
+
+        cache = Cache()
+        prefetcher.keep_in(cache)  # type: ignore[arg-type]
+        assert cache.kept == [], "a pack with a hole in its spool is never handed to the cache"
+    finally:
+        prefetcher.close()
