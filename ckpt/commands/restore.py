@@ -346,6 +346,7 @@ class RestoreSession(Session[RestoreRequest]):
             filler, self.filler = self.filler, None
             filler.close()
         if self.server is not None:
+            self.server.wait_locked()  # before this session's lock goes (finish)
             server, self.server = self.server, None
             self.lazy_info = {"pages": self.plan.pages, "bytes": self.plan.pages * PAGE, "server_pid": server.pid,
                               "watcher_pid": server.watcher_pid, "log": str(server.log_path)}

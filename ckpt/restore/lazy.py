@@ -20,6 +20,7 @@ that a page server which ended early did not fill in.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 import select
@@ -121,6 +122,24 @@ class PageServer:
     log_path: Path
     records: Path  # CKPT_LAZY_DIR, where the server's record is
     watcher: socket.socket | None = None
+    locked: int = -1  # where the server says it holds its own lock on the store (wait_locked)
+
+    def wait_locked(self) -> None:
+        """Before the restore lets go of its lock on the store: the server takes its own beside
+        its start (an S3 store's costs it two requests and a new client, 0.3 s, that the tree
+        no longer waits for), and until it holds it, the restore's keeps every pack it reads
+        from a prune."""
+        fd, self.locked = self.locked, -1
+        if fd < 0:
+            raise RuntimeError("wait_locked is called once")
+        try:
+            answer = os.read(fd, 512) if select.select([fd], [], [], READY_TIMEOUT_S + 5)[0] else b""
+        finally:
+            os.close(fd)
+        if answer != b"L":
+            cause = answer[1:].decode(errors="replace").strip() if answer else "it did not answer"
+            raise CriuFailed(f"the lazy restore's page server could not lock the store: {cause}",
+                             log_path=str(self.log_path), hint="try again; restore with --eager if it persists")
 
     def hand_over(self, processes: int) -> None:
         """Called once CRIU has restored the tree, before it runs: the watcher takes a copy of
@@ -149,6 +168,9 @@ class PageServer:
         """Ends the server, its daemon and its watcher (the restore failed); the caller removes
         the images."""
         self.release()
+        if self.locked >= 0:
+            os.close(self.locked)
+            self.locked = -1
         try:
             os.killpg(self.group, signal.SIGKILL)
         except ProcessLookupError:
@@ -172,6 +194,7 @@ def start_page_server(store: Store, checkpoint_id: str, binary: CriuBinary, imag
     finds it."""
     ours, theirs = (None, None) if store.settings.lazy_fill else _connected_pair()
     ready_read, ready_write = os.pipe()
+    locked_read, locked_write = os.pipe()
     control, control_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     log_path = work_dir / "lazy-pages.log"
     child = os.fork()
@@ -179,10 +202,11 @@ def start_page_server(store: Store, checkpoint_id: str, binary: CriuBinary, imag
         code = 1
         try:
             os.close(ready_read)
+            os.close(locked_read)
             control.close()
             code = _spawn(store, checkpoint_id, binary, images_dir, work_dir, plan, tree_pids, log_level,
                           ours.detach() if ours else -1, theirs.detach() if theirs else -1, ready_write,
-                          control_theirs.detach())
+                          control_theirs.detach(), locked_write)
         finally:
             os._exit(code)
     for end in (ours, theirs):
@@ -190,12 +214,14 @@ def start_page_server(store: Store, checkpoint_id: str, binary: CriuBinary, imag
             end.close()
     control_theirs.close()
     os.close(ready_write)
+    os.close(locked_write)
     os.waitpid(child, 0)  # the first child only forks the server and the watcher, and leaves
     try:
         server_pid, watcher_pid, ready = _read_ready(ready_read)
     finally:
         os.close(ready_read)
-    server = PageServer(server_pid, child, watcher_pid, work_dir, log_path, store.settings.lazy_dir, control)
+    server = PageServer(server_pid, child, watcher_pid, work_dir, log_path, store.settings.lazy_dir, control,
+                        locked_read)
     if not ready:
         server.stop()
         lines = error_lines(log_path)
@@ -253,7 +279,7 @@ def _detach_stdio(keep: set[int]) -> None:  # pragma: no cover - runs in the for
 
 def _spawn(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,  # noqa: PLR0913
            plan: LazyPlan, tree_pids: list[int], log_level: int, ours_fd: int, theirs_fd: int,
-           ready_write: int, control_fd: int) -> int:  # pragma: no cover - runs in the first child
+           ready_write: int, control_fd: int, locked_write: int) -> int:  # pragma: no cover - in the first child
     """Forks the server and its watcher, in a session of their own, reparented to init once
     this first child exits; the server tells the watcher over a pipe the daemon's PID, then
     whether the daemon was done ("D") or failed ("F...")."""
@@ -266,10 +292,11 @@ def _spawn(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Pat
             os.close(status_read)
             os.close(control_fd)
             code = _server_main(store, checkpoint_id, binary, images_dir, work_dir, plan, tree_pids, log_level,
-                                ours_fd, theirs_fd, ready_write, status_write)
+                                ours_fd, theirs_fd, ready_write, status_write, locked_write)
         finally:
             os._exit(code)
     os.close(status_write)
+    os.close(locked_write)
     for fd in (ours_fd, theirs_fd):
         if fd >= 0:
             os.close(fd)
@@ -288,8 +315,9 @@ def _spawn(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Pat
 
 def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_dir: Path, work_dir: Path,  # noqa: PLR0913
                  plan: LazyPlan, tree_pids: list[int], log_level: int, ours_fd: int, theirs_fd: int,
-                 ready_write: int, status_fd: int) -> int:  # pragma: no cover - runs in the forked server
-    _detach_stdio({ours_fd, theirs_fd, ready_write, status_fd} - {-1})
+                 ready_write: int, status_fd: int, locked_write: int) -> int:  # pragma: no cover - in the server
+    _detach_stdio({ours_fd, theirs_fd, ready_write, status_fd, locked_write} - {-1})
+    lock = _ServerLock(store, locked_write)  # beside the start: see PageServer.wait_locked
     oom_refused = protect_from_oom()
     records = store.settings.lazy_dir  # tmpfs by default: forgotten at reboot, as the servers are
     record = _Record(records / f"{os.getpid()}.json",
@@ -297,21 +325,49 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
                       "pidns": _pid_namespace(), "checkpoint": checkpoint_id, "pids": tree_pids,
                       "store": str(store.root)})
     try:
-        with store.lock(exclusive=False, timeout=READY_TIMEOUT_S):
-            records.mkdir(mode=0o700, parents=True, exist_ok=True)
-            record.write()
-            figures = _Figures(plan, time.monotonic())
-            if ours_fd < 0:
-                how = _fill_lazily(store, plan, work_dir, ready_write, status_fd, record, figures)
-            else:
-                how = _serve_criu_daemon(store, binary, images_dir, work_dir, plan, log_level,
-                                         (ours_fd, theirs_fd, ready_write, status_fd), record, figures)
-            _write_final(work_dir, store, figures, how, oom_refused)
+        records.mkdir(mode=0o700, parents=True, exist_ok=True)
+        record.write()
+        figures = _Figures(plan, time.monotonic())
+        if ours_fd < 0:
+            how = _fill_lazily(store, plan, work_dir, ready_write, status_fd, record, figures)
+        else:
+            how = _serve_criu_daemon(store, binary, images_dir, work_dir, plan, log_level,
+                                     (ours_fd, theirs_fd, ready_write, status_fd), record, figures)
+        _write_final(work_dir, store, figures, how, oom_refused)
     finally:
         record.stop()
         record.path.unlink(missing_ok=True)
         discard(images_dir)
+        lock.release()
     return 0
+
+
+class _ServerLock:  # pragma: no cover - runs in the forked server
+    """The server's own shared lock on the store, taken by a thread while the server starts;
+    it tells `ckpt restore` over the pipe whether it holds it ("L") or why not ("E...")."""
+
+    def __init__(self, store: Store, tell_fd: int):
+        self._held = contextlib.ExitStack()
+        self._thread = threading.Thread(target=self._take, args=(store, tell_fd), name="ckpt-server-lock",
+                                        daemon=True)
+        self._thread.start()
+
+    def _take(self, store: Store, tell_fd: int) -> None:
+        try:
+            self._held.enter_context(store.lock(exclusive=False, timeout=READY_TIMEOUT_S))
+            message = b"L"
+        except Exception as exc:  # noqa: BLE001 - told to `ckpt restore`, which fails the restore
+            message = b"E" + str(exc).encode()[:400].replace(b"\n", b" ")
+        try:
+            os.write(tell_fd, message)
+        except OSError:
+            pass  # `ckpt restore` is gone: it has let go of the tree
+        finally:
+            os.close(tell_fd)
+
+    def release(self) -> None:
+        self._thread.join()
+        self._held.close()
 
 
 def _fill_lazily(store: Store, plan: LazyPlan, work_dir: Path, ready_write: int, status_fd: int,  # noqa: PLR0913

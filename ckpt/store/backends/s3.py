@@ -83,6 +83,13 @@ MIN_BODY_RATE = 1 << 20
 # again, this many times.
 STREAM_RETRIES = 5
 LIST_PAGE = 1000
+# Held while a forked process makes its own client (S3Backend._after_fork): never taken in the
+# process that made the backend, so a fork never leaves it held.
+_RECONNECTING = threading.Lock()
+# The clients a forked process replaced, never collected: their pooled connections' descriptors
+# are the parent's (or were closed by detach_stdio, and their numbers are other files' now);
+# closing them when the client is collected would close whatever holds those numbers here.
+_FORSAKEN: list[Any] = []
 DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys
 
 # A lock object not refreshed for LOCK_TTL seconds is stale (its holder died on another host,
@@ -159,8 +166,11 @@ class S3Backend(Backend):
 
     def _connect(self) -> None:
         """A client, pool and locks of this process: after a fork (a lazy restore's page
-        server) the parent's are unusable (their threads and connections are the parent's)."""
-        self._pid = os.getpid()
+        server) the parent's are unusable (their threads and connections are the parent's).
+        The PID is set last: a thread of the forked process that sees it set uses this client."""
+        replaced = getattr(self, "_client", None)
+        if replaced is not None:
+            _FORSAKEN.append(replaced)
         config = Config(
             request_checksum_calculation="when_required", response_checksum_validation="when_required",
             retries={"mode": "standard", "total_max_attempts": 1},  # retried by _call, within a budget
@@ -169,7 +179,7 @@ class S3Backend(Backend):
             max_pool_connections=2 * self.concurrency + 2)
         try:
             # The default session: AWS_PROFILE, AWS_ENDPOINT_URL(_S3), AWS_ACCESS_KEY_ID, ~/.aws/config.
-            self._client = boto3.session.Session().client("s3", config=config)
+            self._client: Any = boto3.session.Session().client("s3", config=config)
         except ProfileNotFound as exc:
             raise UsageError(f"the AWS profile {exc.kwargs.get('profile')!r} does not exist",
                              hint="set AWS_PROFILE to a profile of ~/.aws/config, or unset it") from None
@@ -180,10 +190,16 @@ class S3Backend(Backend):
         self._check_lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._pid = os.getpid()
 
     def _after_fork(self) -> None:
+        """The first request of a forked process makes its client; its other threads asking
+        meanwhile wait for it (a forked page server's threads start at once), and none of them
+        ever sends on a connection of the parent's pool."""
         if os.getpid() != self._pid:
-            self._connect()
+            with _RECONNECTING:
+                if os.getpid() != self._pid:
+                    self._connect()
 
     def gc_margin(self) -> float:
         # Twice the locks' TTL: a blob younger than that may belong to a command whose lock
