@@ -96,22 +96,9 @@ def test_the_encrypted_backends_view_of_a_range_is_its_get():
 
 
 def test_the_prefetcher_serves_every_segment_fetched_once_while_its_threads_run(tmp_path):
-    import os
     import random
 
-    import xxhash
-
-    from ckpt.store.backends.memory import MemoryBackend
-    from ckpt.store.blocks.prefetch import Prefetcher
-
-    backend = MemoryBackend()
-    pack = os.urandom(64 * 4096)
-    backend.put("packs/pa/pack1", pack)
-    segs = [Segment("pack1", i * 4096, 4096 * (1 + i % 3), 1 + i % 3, 0, b"") for i in range(0, 60, 3)]
-    for seg in segs:
-        seg.checksum = xxhash.xxh3_128_digest(pack[seg.offset:seg.offset + seg.length])
-    wanted = list(range(len(segs)))
-    prefetcher = Prefetcher(backend, segs, wanted, tmp_path / "spool", threads=3, range_bytes=5 * 4096)
+    pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=3)
     prefetcher.start()
     try:
         for key in random.Random(3).sample(wanted, len(wanted)):  # faults in any order, jumping the queue
