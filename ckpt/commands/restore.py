@@ -346,7 +346,7 @@ class RestoreSession(Session[RestoreRequest]):
             filler, self.filler = self.filler, None
             filler.close()
         if self.server is not None:
-            self.server.wait_locked()  # before this session's lock goes (finish)
+            self.server.wait_locked()  # (said in the notification already, unless it ran in another process)
             server, self.server = self.server, None
             self.lazy_info = {"pages": self.plan.pages, "bytes": self.plan.pages * PAGE, "server_pid": server.pid,
                               "watcher_pid": server.watcher_pid, "log": str(server.log_path)}
@@ -426,6 +426,7 @@ class RestoreSession(Session[RestoreRequest]):
                 # Every process has registered its lazy memory and none runs yet: the watcher
                 # takes hold of it now, or CRIU aborts the restore.
                 self.server.hand_over(lazy_processes(self.plan))
+                self.server.wait_locked()  # the server's own lock on the store, or CRIU aborts
             if self.filler is not None:
                 # Likewise: every page goes in now, before any process runs (or CRIU aborts).
                 self.reporter.step(f"copying {self.plan.pages * PAGE / (1 << 20):.0f} MiB of memory into the tree")

@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ckpt.criu import lazypages
 from ckpt.criu.binary import CriuBinary
@@ -125,13 +125,14 @@ class PageServer:
     locked: int = -1  # where the server says it holds its own lock on the store (wait_locked)
 
     def wait_locked(self) -> None:
-        """Before the restore lets go of its lock on the store: the server takes its own beside
-        its start (an S3 store's costs it two requests and a new client, 0.3 s, that the tree
-        no longer waits for), and until it holds it, the restore's keeps every pack it reads
-        from a prune."""
+        """Before the tree runs (CRIU's post-restore notification: a failure here makes CRIU
+        end the tree, which has not run) and before the restore lets go of its lock on the
+        store: the server takes its own beside its start (an S3 store's costs it two requests
+        and a new client, 0.3 s that the tree no longer waits for), and until it holds it, the
+        restore's keeps every pack it reads from a prune. Once it has said so, returns at once."""
         fd, self.locked = self.locked, -1
         if fd < 0:
-            raise RuntimeError("wait_locked is called once")
+            return
         try:
             answer = os.read(fd, 512) if select.select([fd], [], [], READY_TIMEOUT_S + 5)[0] else b""
         finally:
@@ -218,6 +219,9 @@ def start_page_server(store: Store, checkpoint_id: str, binary: CriuBinary, imag
     os.waitpid(child, 0)  # the first child only forks the server and the watcher, and leaves
     try:
         server_pid, watcher_pid, ready = _read_ready(ready_read)
+    except BaseException:
+        os.close(locked_read)
+        raise
     finally:
         os.close(ready_read)
     server = PageServer(server_pid, child, watcher_pid, work_dir, log_path, store.settings.lazy_dir, control,
@@ -317,16 +321,16 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
                  plan: LazyPlan, tree_pids: list[int], log_level: int, ours_fd: int, theirs_fd: int,
                  ready_write: int, status_fd: int, locked_write: int) -> int:  # pragma: no cover - in the server
     _detach_stdio({ours_fd, theirs_fd, ready_write, status_fd, locked_write} - {-1})
-    lock = _ServerLock(store, locked_write)  # beside the start: see PageServer.wait_locked
     oom_refused = protect_from_oom()
     records = store.settings.lazy_dir  # tmpfs by default: forgotten at reboot, as the servers are
     record = _Record(records / f"{os.getpid()}.json",
                      {"server_pid": os.getpid(), "server_start": procfs.start_ticks(os.getpid()),
                       "pidns": _pid_namespace(), "checkpoint": checkpoint_id, "pids": tree_pids,
                       "store": str(store.root)})
+    records.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Beside the start (see PageServer.wait_locked); the record is written once the lock is held.
+    lock = _ServerLock(store, locked_write, record.write)
     try:
-        records.mkdir(mode=0o700, parents=True, exist_ok=True)
-        record.write()
         figures = _Figures(plan, time.monotonic())
         if ours_fd < 0:
             how = _fill_lazily(store, plan, work_dir, ready_write, status_fd, record, figures)
@@ -344,17 +348,19 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
 
 class _ServerLock:  # pragma: no cover - runs in the forked server
     """The server's own shared lock on the store, taken by a thread while the server starts;
-    it tells `ckpt restore` over the pipe whether it holds it ("L") or why not ("E...")."""
+    once it holds it, on_locked() (the server's record: what a dump of the tree waits for), then
+    it tells `ckpt restore` over the pipe that it does ("L"), or why not ("E...")."""
 
-    def __init__(self, store: Store, tell_fd: int):
+    def __init__(self, store: Store, tell_fd: int, on_locked: Callable[[], None]):
         self._held = contextlib.ExitStack()
-        self._thread = threading.Thread(target=self._take, args=(store, tell_fd), name="ckpt-server-lock",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._take, args=(store, tell_fd, on_locked),
+                                        name="ckpt-server-lock", daemon=True)
         self._thread.start()
 
-    def _take(self, store: Store, tell_fd: int) -> None:
+    def _take(self, store: Store, tell_fd: int, on_locked: Callable[[], None]) -> None:
         try:
             self._held.enter_context(store.lock(exclusive=False, timeout=READY_TIMEOUT_S))
+            on_locked()
             message = b"L"
         except Exception as exc:  # noqa: BLE001 - told to `ckpt restore`, which fails the restore
             message = b"E" + str(exc).encode()[:400].replace(b"\n", b" ")
@@ -504,18 +510,24 @@ class _Record:
         self.path, self.fields = path, fields
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._written = threading.Event()  # the first write is the server's (see _ServerLock)
+        self._writing = threading.Lock()  # that thread's and follow's: one file aside
 
     def write(self, figures: _Figures | None = None) -> None:
         content = dict(self.fields)
         if figures is not None:
             content["stats"] = figures.to_json()
         aside = self.path.with_name(f".{self.path.name}.tmp")
-        _write_private(aside, json.dumps(content))
-        os.replace(aside, self.path)
+        with self._writing:
+            _write_private(aside, json.dumps(content))
+            os.replace(aside, self.path)
+        self._written.set()
 
     def follow(self, figures: _Figures) -> None:
         def loop() -> None:
             while not self._stop.wait(STATS_EVERY_S):
+                if not self._written.is_set():
+                    continue  # not before the server holds its lock on the store
                 try:
                     self.write(figures)
                 except (OSError, RuntimeError):

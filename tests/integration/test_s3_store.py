@@ -520,7 +520,8 @@ def test_a_lazy_restore_facing_a_hung_server_ends_the_tree_and_says_so(s3_store,
             procs.adopt(pid)
             wait_until(lambda: not alive(pid), timeout=WITHIN, what="the tree to be ended")
             recorded = [1]  # its failure came after the command: recorded for `ckpt list`
-        else:  # the server asked for its lock during the hang: the restore fails, and says why
+        else:  # the server asked for its lock during the hang: the restore fails before the tree
+            # runs (CRIU ends it in its post-restore notification), and says why
             assert restore.returncode == 5 and "Traceback" not in stderr, stderr
             assert "could not lock the store" in stderr and "did not answer" in stderr, stderr
             wait_until(lambda: not alive(big.pid), timeout=WITHIN, what="the restored tree to be ended")

@@ -44,9 +44,10 @@ def test_the_page_servers_lock_is_held_once_it_says_so_and_keeps_a_prune_out(tmp
 
     store = Store.open(tmp_path / "store", create=True, settings=env_settings())
     read_end, write_end = os.pipe()
-    held = lazy._ServerLock(store, write_end)  # taken in a thread, as the server starts
+    published = []
+    held = lazy._ServerLock(store, write_end, lambda: published.append(True))  # taken in a thread
     try:
-        assert _pipe_answer(read_end) == b"L"
+        assert _pipe_answer(read_end) == b"L" and published == [True], "its record first, then L"
         with pytest.raises(StoreBusy):  # a prune's lock now waits for the server
             with store.lock(exclusive=True, timeout=0.2):
                 pass
@@ -68,7 +69,7 @@ def test_a_page_server_that_cannot_lock_the_store_fails_the_restore_before_its_l
     store = Store.open(tmp_path / "store", create=True, settings=env_settings())
     read_end, write_end = os.pipe()
     with store.lock(exclusive=True, timeout=1):  # a prune holds the store
-        held = lazy._ServerLock(store, write_end)
+        held = lazy._ServerLock(store, write_end, lambda: None)
         server = lazy.PageServer(pid=0, group=0, watcher_pid=0, work_dir=tmp_path, log_path=tmp_path / "log",
                                  records=tmp_path, locked=read_end)
         with pytest.raises(CriuFailed, match="could not lock the store: .*locked"):

@@ -113,8 +113,9 @@ def test_the_prefetcher_serves_every_segment_fetched_once_while_its_threads_run(
 
 
 def _prefetcher_over_a_pack(tmp_path, threads: int = 2):
-    """A pack of random pages in a memory backend, 20 segments of 1-3 pages with gaps between
-    some, and a Prefetcher of them all (not started) in ranges of at most 5 pages."""
+    """A pack of random pages in a memory backend, 20 segments of 1, 2 and 3 pages every 3 pages
+    (a segment of 3 touches the next: ranges of several segments), 40 of the pack's 64 pages,
+    and a Prefetcher of them all (not started) in ranges of at most 5 pages."""
     import os
 
     import xxhash
@@ -125,11 +126,12 @@ def _prefetcher_over_a_pack(tmp_path, threads: int = 2):
     backend = MemoryBackend()
     pack = os.urandom(64 * 4096)
     backend.put("packs/pa/pack1", pack)
-    segs = [Segment("pack1", i * 4096, 4096 * (1 + i % 3), 1 + i % 3, 0, b"") for i in range(0, 60, 3)]
+    segs = [Segment("pack1", n * 3 * 4096, 4096 * (1 + n % 3), 1 + n % 3, 0, b"") for n in range(20)]
     for seg in segs:
         seg.checksum = xxhash.xxh3_128_digest(pack[seg.offset:seg.offset + seg.length])
     wanted = list(range(len(segs)))
     prefetcher = Prefetcher(backend, segs, wanted, tmp_path / "spool", threads=threads, range_bytes=5 * 4096)
+    assert any(len(r.keys) > 1 for r in prefetcher.ranges)
     return pack, segs, wanted, prefetcher
 
 
@@ -142,21 +144,33 @@ def _all_down(prefetcher, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def test_segments_come_from_memory_and_every_range_is_in_the_spool_for_the_cache(tmp_path):
+def _bytes_of(pack: bytes, seg: Segment) -> bytes:
+    return pack[seg.offset:seg.offset + seg.length]
+
+
+def test_segments_come_from_memory_and_every_range_is_in_the_spool_for_the_cache(tmp_path, monkeypatch):
+    import ckpt.store.blocks.prefetch as prefetch
+
     pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path)
+    preads = []
+    real_pread = prefetch.os.pread
+    monkeypatch.setattr(prefetch.os, "pread", lambda *a: preads.append(a) or real_pread(*a))
     prefetcher.start()
     try:
+        _all_down(prefetcher)
+        assert prefetcher.held_bytes > 0, "nothing read yet: the ranges are held"
         for key in wanted:  # in the order of need, as the page server reads
             with prefetcher.segment(key) as got:
-                assert bytes(got) == pack[segs[key].offset:segs[key].offset + segs[key].length]
-        _all_down(prefetcher)
+                assert bytes(got) == _bytes_of(pack, segs[key])
+        assert preads == [], "read from memory, not from the spool"
         prefetcher.settle()  # every range in the spool
         assert prefetcher.held_bytes == 0, "ranges whose segments were all read are let go"
         spool = (tmp_path / "spool" / "pack1").read_bytes()
         for seg in segs:  # what keep_in hands to the cache
-            assert spool[seg.offset:seg.offset + seg.length] == pack[seg.offset:seg.offset + seg.length]
+            assert spool[seg.offset:seg.offset + seg.length] == _bytes_of(pack, seg)
         with prefetcher.segment(4) as again:  # read again once let go: from the spool
-            assert bytes(again) == pack[segs[4].offset:segs[4].offset + segs[4].length]
+            assert bytes(again) == _bytes_of(pack, segs[4])
+        assert len(preads) == 1
     finally:
         prefetcher.close()
     assert not (tmp_path / "spool").exists()
@@ -174,37 +188,62 @@ def test_ranges_beyond_the_memory_bound_are_read_from_the_spool(tmp_path, monkey
         assert prefetcher.held_bytes <= 5 * 4096
         for key in reversed(wanted):
             with prefetcher.segment(key) as got:
-                assert bytes(got) == pack[segs[key].offset:segs[key].offset + segs[key].length]
+                assert bytes(got) == _bytes_of(pack, segs[key])
     finally:
         prefetcher.close()
 
 
-def test_a_spool_that_cannot_be_written_still_serves_each_segment_once_and_keeps_nothing(tmp_path, monkeypatch):
-    import errno
-
-    import pytest
-
-    import ckpt.store.blocks.prefetch as prefetch
-
-    def disk_full(fd, data, offset):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(prefetch, "pwrite_all", disk_full)
+def test_a_spooled_segment_that_reads_back_wrong_is_fetched_again_and_hashed_by_the_server(tmp_path):
     pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path)
     prefetcher.start()
     try:
         _all_down(prefetcher)
+        for key in wanted:
+            prefetcher.segment(key).release()
         prefetcher.settle()
-        for key in wanted:  # from the buffers, held until read
+        with open(tmp_path / "spool" / "pack1", "r+b") as spool:  # a lost writeback: zeros
+            spool.seek(segs[7].offset)
+            spool.write(bytes(segs[7].length))
+        requests = prefetcher.stats.requests
+        with prefetcher.segment(7) as again:
+            assert bytes(again) == _bytes_of(pack, segs[7])
+        assert prefetcher.stats.requests == requests + 1 and 7 not in prefetcher.checked
+    finally:
+        prefetcher.close()
+
+
+def test_a_range_the_spool_cannot_take_is_fetched_again_when_read_again_and_its_pack_never_kept(tmp_path,
+                                                                                               monkeypatch):
+    import errno
+
+    import ckpt.store.blocks.prefetch as prefetch
+
+    real_pwrite_all = prefetch.pwrite_all
+    failed = []
+
+    def full_once(fd, data, offset):  # the disk full for one range's write, not for later ones
+        if not failed:
+            failed.append(offset)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_pwrite_all(fd, data, offset)
+
+    monkeypatch.setattr(prefetch, "pwrite_all", full_once)
+    pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=1)
+    prefetcher.start()
+    try:
+        _all_down(prefetcher)
+        for key in wanted:
             with prefetcher.segment(key) as got:
-                assert bytes(got) == pack[segs[key].offset:segs[key].offset + segs[key].length]
-        assert prefetcher.held_bytes == 0
-        with pytest.raises(OSError) as raised:  # the spool has a hole there: never its zeros
-            prefetcher.segment(0)
-        assert raised.value.errno == errno.ENOSPC
+                assert bytes(got) == _bytes_of(pack, segs[key])
+        prefetcher.settle()
+        assert failed and prefetcher.held_bytes == 0, "let go by the same rule as the others"
+        hole = next(k for k, seg in enumerate(segs) if seg.offset == failed[0])
+        with prefetcher.segment(hole) as again:  # the spool has a hole there: from the store again
+            assert bytes(again) == _bytes_of(pack, segs[hole])
 
         class Cache:
-            kept: list[str] = []
+            def __init__(self):
+                self.kept: list[str] = []
 
             def copy_room(self) -> int:
                 return 1 << 40

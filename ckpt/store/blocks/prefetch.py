@@ -61,7 +61,7 @@ class FetchRange:
     # Once down: its bytes, until the page server has read its segments (see Prefetcher._hold).
     buffer: memoryview | None = field(default=None, repr=False, compare=False)
     unread: set[int] = field(default_factory=set, repr=False, compare=False)
-    spooled: bool = False  # written to the spool: its buffer may go
+    spooled: bool = False  # its spool write is over (done, or failed: spool_error): its buffer may go
     spool_error: BaseException | None = field(default=None, repr=False, compare=False)
 
 
@@ -255,11 +255,9 @@ class Prefetcher:
 
     def _spool(self, taken: FetchRange, view: memoryview) -> None:
         """The range into its spool file; then its buffer goes if its segments were read (or
-        too much is held). A range that cannot be written (the disk full) keeps its buffer
-        until each of its segments is read once, and its pack is not kept in the cache; a
-        segment of it read again after that raises the write's error: the spool file has a
-        hole there, and its bytes were found right by this thread, so nobody would check them
-        again."""
+        too much is held). A range that cannot be written (the disk full) is let go by the
+        same rule: its pack is never kept in the cache, and a segment of it read again is
+        fetched again (see _read_again)."""
         fd = self._fds[taken.pack]
         try:
             pwrite_all(fd, view, taken.start)
@@ -267,14 +265,12 @@ class Prefetcher:
             with self._held_lock:
                 taken.spool_error = exc
                 self._unspooled.add(taken.pack)
-                if not taken.unread:
-                    self._release(taken)
-            return
         with self._held_lock:
             taken.spooled = True
             if not taken.unread or self._held_bytes > HELD_BYTES:
                 self._release(taken)
-        self._trim(fd, taken.start, len(view))
+        if taken.spool_error is None:
+            self._trim(fd, taken.start, len(view))
 
     def _release(self, taken: FetchRange) -> None:
         """Called with _held_lock held."""
@@ -296,10 +292,13 @@ class Prefetcher:
                 return
             spans = self._spans_flushing + self._spans_written
             self._spans_flushing, self._spans_written, self._bytes_written = self._spans_written, [], 0
-            # (under the lock: close() takes it before closing the files)
-            for span_fd, span_offset, span_length in spans:
-                if span_fd in self._fds.values():
-                    os.posix_fadvise(span_fd, span_offset, span_length, os.POSIX_FADV_DONTNEED)
+        # Not under the lock (a fault's read waits for it; writeback may block here): the
+        # files are closed only once the fetching threads have ended (keep_in, close).
+        for span_fd, span_offset, span_length in spans:
+            try:
+                os.posix_fadvise(span_fd, span_offset, span_length, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass  # advice only
 
     def _fetch_each(self, taken: FetchRange) -> None:
         """The segments of a range one request each: those whose bytes fail are the range's
@@ -333,7 +332,8 @@ class Prefetcher:
                 self.stats.all_down_at = time.monotonic()
 
     def segment(self, key: int) -> memoryview:
-        """The segment's stored bytes (from the spool), once fetched; raises what its fetch raised."""
+        """The segment's stored bytes, once fetched (from the range's buffer while it is held,
+        else from the spool); raises what its fetch raised."""
         while True:
             action, found = self.queue.claim(key, self.segments)
             if action == "fetch":
@@ -351,15 +351,32 @@ class Prefetcher:
         with self._held_lock:
             found.unread.discard(key)
             buffer = found.buffer
-            if buffer is not None and not found.unread and (found.spooled or found.spool_error is not None):
+            if buffer is not None and not found.unread and found.spooled:
                 self._release(found)
-            error = found.spool_error
+            unspooled = found.spool_error is not None
         if buffer is not None:
             at = seg.offset - found.start
-            return buffer[at:at + seg.length]
-        if error is not None:
-            raise error
-        return memoryview(os.pread(self._fds[seg.pack], seg.length, seg.offset))
+            # A copy, as a read of the spool was: a slice would keep the whole range alive
+            # in the readers' held segments, out of HELD_BYTES' count.
+            return memoryview(bytes(buffer[at:at + seg.length]))
+        if not unspooled:
+            stored = os.pread(self._fds[seg.pack], seg.length, seg.offset)
+            # Hashed again: the spool is out of the page cache, and a lost writeback (EIO)
+            # would read as zeros that nobody checks (the segment is in `checked`).
+            if xxhash.xxh3_128_digest(stored) == seg.checksum:
+                return memoryview(stored)
+        return self._read_again(key, seg)
+
+    def _read_again(self, key: int, seg: Segment) -> memoryview:
+        """A segment whose spooled copy is missing (the spool could not take it) or wrong: from
+        the store again, and no longer counted as checked, so that the server hashes it (damage
+        it finds is then the store's)."""
+        self.checked.discard(key)
+        with self.source.get_view(pack_name(seg.pack), seg.offset, seg.length) as view:
+            stored = bytes(view)
+        self._fetched(FetchRange(seg.pack, seg.offset, seg.offset + seg.length, [key], -1),
+                      [(seg.offset, len(stored), 1)], 0)
+        return memoryview(stored)
 
     def settle(self) -> None:
         """Waits for the fetching threads to end: once every range is down, each of them is
