@@ -340,9 +340,9 @@ def _server_main(store: Store, checkpoint_id: str, binary: CriuBinary, images_di
         _write_final(work_dir, store, figures, how, oom_refused)
     finally:
         record.stop()
+        lock.release()  # (its thread may still write the record: removed after it)
         record.path.unlink(missing_ok=True)
         discard(images_dir)
-        lock.release()
     return 0
 
 

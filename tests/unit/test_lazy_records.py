@@ -69,10 +69,12 @@ def test_a_page_server_that_cannot_lock_the_store_fails_the_restore_before_its_l
     store = Store.open(tmp_path / "store", create=True, settings=env_settings())
     read_end, write_end = os.pipe()
     with store.lock(exclusive=True, timeout=1):  # a prune holds the store
-        held = lazy._ServerLock(store, write_end, lambda: None)
+        published: list[bool] = []
+        held = lazy._ServerLock(store, write_end, lambda: published.append(True))
         server = lazy.PageServer(pid=0, group=0, watcher_pid=0, work_dir=tmp_path, log_path=tmp_path / "log",
                                  records=tmp_path, locked=read_end)
         with pytest.raises(CriuFailed, match="could not lock the store: .*locked"):
             server.wait_locked()
         held.release()
-    assert server.locked == -1
+    assert server.locked == -1 and published == [], "no record of a server without its lock"
+    server.wait_locked()  # said once: returns at once

@@ -193,7 +193,25 @@ def test_ranges_beyond_the_memory_bound_are_read_from_the_spool(tmp_path, monkey
         prefetcher.close()
 
 
-def test_a_spooled_segment_that_reads_back_wrong_is_fetched_again_and_hashed_by_the_server(tmp_path):
+class _Cache:
+    """What keep_in hands packs to: records them."""
+
+    def __init__(self):
+        self.kept: list[str] = []
+
+    def copy_room(self) -> int:
+        return 1 << 40
+
+    def keep_copy(self, name, path) -> bool:
+        self.kept.append(name)
+        return True
+
+
+def test_a_spooled_segment_that_reads_back_wrong_is_fetched_again_and_hashed(tmp_path):
+    import pytest
+
+    from ckpt.errors import DamagedBlob
+
     pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path)
     prefetcher.start()
     try:
@@ -205,9 +223,19 @@ def test_a_spooled_segment_that_reads_back_wrong_is_fetched_again_and_hashed_by_
             spool.seek(segs[7].offset)
             spool.write(bytes(segs[7].length))
         requests = prefetcher.stats.requests
-        with prefetcher.segment(7) as again:
+        with prefetcher.segment(7) as again:  # from the store again, hashed
             assert bytes(again) == _bytes_of(pack, segs[7])
-        assert prefetcher.stats.requests == requests + 1 and 7 not in prefetcher.checked
+        assert prefetcher.stats.requests == requests + 1
+        damaged = bytearray(pack)  # and where the store's own bytes are wrong: its damage
+        damaged[segs[7].offset] ^= 1
+        prefetcher.source.delete(["packs/pa/pack1"])
+        prefetcher.source.put("packs/pa/pack1", bytes(damaged))
+        with pytest.raises(DamagedBlob):
+            prefetcher.segment(7)
+        assert 7 not in prefetcher.checked
+        cache = _Cache()
+        prefetcher.keep_in(cache)  # type: ignore[arg-type]
+        assert cache.kept == [], "a spool found wrong is no copy for the cache"
     finally:
         prefetcher.close()
 
@@ -240,19 +268,7 @@ def test_a_range_the_spool_cannot_take_is_fetched_again_when_read_again_and_its_
         hole = next(k for k, seg in enumerate(segs) if seg.offset == failed[0])
         with prefetcher.segment(hole) as again:  # the spool has a hole there: from the store again
             assert bytes(again) == _bytes_of(pack, segs[hole])
-
-        class Cache:
-            def __init__(self):
-                self.kept: list[str] = []
-
-            def copy_room(self) -> int:
-                return 1 << 40
-
-            def keep_copy(self, name, path) -> bool:
-                self.kept.append(name)
-                return True
-
-        cache = Cache()
+        cache = _Cache()
         prefetcher.keep_in(cache)  # type: ignore[arg-type]
         assert cache.kept == [], "a pack with a hole in its spool is never handed to the cache"
     finally:

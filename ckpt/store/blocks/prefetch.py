@@ -365,17 +365,21 @@ class Prefetcher:
             # would read as zeros that nobody checks (the segment is in `checked`).
             if xxhash.xxh3_128_digest(stored) == seg.checksum:
                 return memoryview(stored)
+            with self._held_lock:
+                self._unspooled.add(seg.pack)  # a wrong spool is no copy for the cache
         return self._read_again(key, seg)
 
     def _read_again(self, key: int, seg: Segment) -> memoryview:
         """A segment whose spooled copy is missing (the spool could not take it) or wrong: from
-        the store again, and no longer counted as checked, so that the server hashes it (damage
-        it finds is then the store's)."""
-        self.checked.discard(key)
+        the store again, hashed here (the server's readers trust a segment they checked once).
+        Bytes of the store that fail raise DamagedBlob: the store's damage, recorded as such."""
         with self.source.get_view(pack_name(seg.pack), seg.offset, seg.length) as view:
             stored = bytes(view)
         self._fetched(FetchRange(seg.pack, seg.offset, seg.offset + seg.length, [key], -1),
                       [(seg.offset, len(stored), 1)], 0)
+        if len(stored) != seg.length or xxhash.xxh3_128_digest(stored) != seg.checksum:
+            self.checked.discard(key)
+            raise DamagedBlob(f"pack {seg.pack} is damaged at offset {seg.offset}", name=pack_name(seg.pack))
         return memoryview(stored)
 
     def settle(self) -> None:
