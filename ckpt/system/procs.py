@@ -534,9 +534,12 @@ def wait_for_pids_free(pids: list[int], timeout: float = 10.0, live_grace: float
         time.sleep(0.05)
 
 
-def kill_tree(pid: int) -> None:
+def kill_tree(pid: int, settle: float = 10.0) -> None:
     """Ends a process and every descendant of it at once (SIGKILL; the descendants are listed
-    first, so none is missed as its parent dies). A process already gone is no error."""
+    first, so none is missed as its parent dies), then waits up to settle seconds until none
+    of them runs any more (each gone or a zombie): a SIGKILL is only pending when kill()
+    returns, and a caller that restores the same PIDs next, or checks that nothing runs,
+    must not see the tree still there. A process already gone is no error."""
     try:
         root = psutil.Process(pid)
         victims = [root, *root.children(recursive=True)]
@@ -547,3 +550,18 @@ def kill_tree(pid: int) -> None:
             os.kill(victim.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    deadline = time.monotonic() + settle
+    running = victims
+    while running and time.monotonic() < deadline:
+        running = [victim for victim in running if _still_runs(victim)]
+        if running:
+            time.sleep(0.01)
+
+
+def _still_runs(process: psutil.Process) -> bool:
+    """Whether the process (the same one: is_running compares its start time, so a PID
+    taken again by another process does not count) has not yet died."""
+    try:
+        return process.is_running() and process.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return False
