@@ -23,7 +23,7 @@ from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.restore import copies, copynet, hostcheck, tcppeers, treeshare
 from ckpt.restore.copies import CopyInfo, CopyPlacement
-from ckpt.restore.lazyplan import LazyPlan
+from ckpt.restore.lazyplan import LazyPlan, thp_always
 from ckpt.restore.lazy import PageServer, lazy_processes, page_server_stats, start_page_server
 from ckpt.restore.lazy import supported as lazy_supported
 from ckpt.restore.uffdfill import FillStats, UffdFiller
@@ -639,11 +639,31 @@ class _ImageLayout:
             self.reporter.info("restoring all memory first: a mapping that may use huge pages holds pages "
                                "that cannot come back lazily")
         elif holes and (self.memory == "fill" or self.request.lazy is None) and self._forked_memory_shared():
-            # Through the pages images: CRIU gives the children their parent's pages back shared.
-            self.reporter.info("restoring all memory first: the tree's children share most of their memory with "
-                               "their parents, which only a full restore keeps shared")
-            holes = {}
+            return self._shared_then_filled(directory)
         return holes or self._shared_with_root(directory) or {}
+
+    def _shared_then_filled(self, directory: Path) -> dict[str, list[tuple[int, int]]] | LeftOut:
+        """A tree whose children share most of their memory with their parents (a worker pool):
+        restored fully, so that CRIU gives those pages back shared, copy-on-write. The pages a
+        process shares with the root come from the root's image (treeshare); what each process
+        holds of its own is copied in through userfaultfd before the tree runs, when that is
+        possible, instead of being written into its pages image first (100 workers: 350 MiB
+        of page cache). CRIU drops the page a child inherited where its own is to come
+        (criu/mem.c, restore_priv_vma_content)."""
+        self.reporter.info("restoring all memory first: the tree's children share most of their memory with "
+                           "their parents, which only a full restore keeps shared")
+        left_out = self._shared_with_root(directory)
+        if (left_out is None or not self.fill_enabled or not _wants_fill(self.request, self.manifest, self.binary)
+                or thp_always()):
+            # (under transparent huge pages for every mapping, a child's copy-on-write fault in an
+            # inherited huge page could fill in pages that are to come through userfaultfd)
+            return left_out or {}
+        treeshare.root_in_full(directory, self.manifest)
+        holes = self.plan.prepare(directory, self.manifest, 1)  # counted without the pages left to the root
+        if not holes:
+            return left_out
+        self.memory = "fill"
+        return LeftOut(left_out.ranges, holes)
 
     def _forked_memory_shared(self) -> bool:
         """Whether the tree's children hold many of their parent's pages (a pool of workers

@@ -23,7 +23,8 @@ from typing import Callable
 
 import numpy as np
 
-from ckpt.criu.images import PE_PARENT, PE_PRESENT, held_runs, parent_readable_mappings, read_pagemap, write_pagemap
+from ckpt.criu.images import (PE_LAZY, PE_PARENT, PE_PRESENT, held_runs, parent_readable_mappings, read_pagemap,
+                              write_pagemap)
 from ckpt.store.blocks.byaddress import PagesByAddress
 from ckpt.store.blocks.segments import ID_LEN, PAGE
 from ckpt.store.manifest import FileEntry, Manifest
@@ -90,6 +91,17 @@ def link(images_dir: Path, manifest: Manifest, left_out: dict[str, list[tuple[in
             os.link(root_pagemap, parent / pagemap.name)
 
 
+def root_in_full(images_dir: Path, manifest: Manifest) -> None:
+    """Marks none of the root's pages lazy: CRIU restores them from its pages image before it
+    forks the other processes, so that they inherit them, and the pages plan() marked in
+    parent are read from that image (a lazy page is a hole there). A full restore through
+    userfaultfd then copies in only the other processes' own pages."""
+    pagemap = images_dir / f"pagemap-{manifest.processes[0]['pid']}.img"
+    pages_id, runs = read_pagemap(pagemap)
+    if any(flags & PE_LAZY for _, _, flags in runs):
+        write_pagemap(pagemap, pages_id, [(vaddr, n, flags & ~PE_LAZY) for vaddr, n, flags in runs])
+
+
 def linked(images_dir: Path) -> bool:
     """Whether some pages are read from the parent images directory (auto-dedup must stay off)."""
     return (images_dir / PARENT_DIR).is_dir()
@@ -145,7 +157,8 @@ def _inside(addresses: np.ndarray, mappings: list[tuple[int, int]]) -> np.ndarra
 
 def _marked_runs(runs: list[tuple[int, int, int]], same: np.ndarray) -> list[tuple[int, int, int]]:
     """The pagemap's runs with the pages of `same` (by row) marked in parent: a run split where
-    that changes; such a run holds no page of the pages image (its other flags kept)."""
+    that changes; such a run holds no page of the pages image, and is not lazy either (CRIU
+    would leave a lazy one to userfaultfd instead of reading it from the parent)."""
     marked: list[tuple[int, int, int]] = []
     row = 0
     for vaddr, n, flags in runs:
@@ -157,7 +170,7 @@ def _marked_runs(runs: list[tuple[int, int, int]], same: np.ndarray) -> list[tup
         for begin, end in zip(cuts[:-1], cuts[1:], strict=True):
             in_parent = bool(piece[begin])
             marked.append((vaddr + begin * PAGE, end - begin,
-                           (flags & ~PE_PRESENT) | PE_PARENT if in_parent else flags))
+                           (flags & ~(PE_PRESENT | PE_LAZY)) | PE_PARENT if in_parent else flags))
         row += n
     return marked
 

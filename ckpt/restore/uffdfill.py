@@ -22,6 +22,7 @@ fails, so the connection stays open until the restore is over.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import itertools
@@ -340,20 +341,15 @@ class UffdFiller:
         work: list[_Work] = []
         for pid, (image, runs) in self.plan.runs.items():
             fd = self.uffds.get(pid)
-            if fd is None:
+            if fd is None or not runs:  # (a tree's root restored from its image sends its uffd too)
                 continue
             locations = self.plan.locations[image]
             removed = self.removed.get(pid, [])
             bounds = _mapping_bounds(pid)
+            bound_list = bounds.tolist()
             for vaddr, nr_pages, first in runs:
-                if not nr_pages:
-                    continue
-                here = np.asarray(locations[first:first + nr_pages], dtype=np.int64)
-                pages = np.arange(nr_pages + 1)
-                cut = (pages[1:-1][np.diff(here) != 1],
-                       (bounds[(bounds > vaddr) & (bounds < vaddr + nr_pages * PAGE)] - vaddr) // PAGE)
-                starts = np.unique(np.concatenate(([0], *cut, [nr_pages])))
-                for begin, end, repeated in _merged_repeats(starts, here, set(cut[1].tolist())):
+                here = locations[first:first + nr_pages]
+                for begin, end, repeated in run_pieces(vaddr, here, bounds, bound_list):
                     address = vaddr + begin * PAGE
                     if any(start < address + (end - begin) * PAGE and address < stop for start, stop in removed):
                         continue  # unmapped or dropped by the restore: nothing to put back
@@ -427,6 +423,51 @@ def _join(runners: list[threading.Thread], given_up: threading.Event, progress: 
         for runner in runners:
             runner.join()
         raise
+
+
+# Up to this many pages, a run is cut in pieces page by page in Python: numpy's calls cost
+# more for the short runs a forked worker's own pages come in (the pages of its parent's heap
+# that it dirtied: 100 workers, tens of thousands of runs).
+SHORT_RUN = 32
+
+
+def run_pieces(vaddr: int, here: list[int], bounds: np.ndarray, bound_list: list[int]
+               ) -> list[tuple[int, int, bool]]:
+    """A run of pages at vaddr whose locations are here, cut into the pieces [begin, end) one
+    UFFDIO_COPY each can take: pages at consecutive locations within one mapping (bounds: the
+    mappings' sorted starts and ends, bound_list the same as a list); single pages of one
+    location that follow each other merged into one repeated piece (see _merged_repeats)."""
+    nr_pages = len(here)
+    if not nr_pages:
+        return []
+    if nr_pages <= SHORT_RUN:
+        return _short_run_pieces(vaddr, here, bound_list)
+    located = np.asarray(here, dtype=np.int64)
+    pages = np.arange(nr_pages + 1)
+    cut = (pages[1:-1][np.diff(located) != 1],
+           (bounds[(bounds > vaddr) & (bounds < vaddr + nr_pages * PAGE)] - vaddr) // PAGE)
+    starts = np.unique(np.concatenate(([0], *cut, [nr_pages])))
+    return _merged_repeats(starts, located, set(cut[1].tolist()))
+
+
+def _short_run_pieces(vaddr: int, here: list[int], bounds: list[int]) -> list[tuple[int, int, bool]]:
+    """run_pieces of a short run, page by page (the same pieces)."""
+    inside = bounds[bisect.bisect_right(bounds, vaddr):bisect.bisect_left(bounds, vaddr + len(here) * PAGE)]
+    at_bound = {(bound - vaddr) // PAGE for bound in inside}
+    pieces: list[tuple[int, int, bool]] = []
+    begin = 0
+    for page in range(1, len(here) + 1):
+        if page < len(here) and page not in at_bound and here[page] == here[page - 1] + 1:
+            continue
+        if pieces and page - begin == 1 and begin not in at_bound:
+            last_begin, last_end, repeated = pieces[-1]
+            if (last_end - last_begin == 1 or repeated) and here[begin] == here[last_begin]:
+                pieces[-1] = (last_begin, page, True)
+                begin = page
+                continue
+        pieces.append((begin, page, False))
+        begin = page
+    return pieces
 
 
 def _merged_repeats(starts: np.ndarray, here: np.ndarray, bounds: set[int]) -> list[tuple[int, int, bool]]:

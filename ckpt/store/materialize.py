@@ -4,7 +4,7 @@ for inspection (show, diff, check), or as the parent images of a dirty-tracking 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 from pathlib import Path
 from typing import Callable
@@ -22,9 +22,13 @@ from ckpt.system.files import FILE_MODE, make_private_dir
 class LeftOut:
     """Per pages image, page ranges (first, count) left out of it altogether: the file holds
     the other pages one after the other (CRIU reads these from the parent images directory,
-    ckpt/restore/treeshare.py). Not checked either: they are another image's pages."""
+    ckpt/restore/treeshare.py). Not checked either: they are another image's pages.
+    holes: per pages image, the ranges of the pages left (counted without those) that ckpt
+    copies in itself (a full restore through userfaultfd): holes of the file, as for a lazy
+    restore."""
 
     ranges: dict[str, list[tuple[int, int]]]
+    holes: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 # Per pages image, the page ranges a page server is to serve (a lazy restore): left out as
@@ -109,18 +113,17 @@ def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: 
             # Pages images last: which of their pages a lazy restore leaves out depends on the pagemaps.
             if pages and not skip_pages:
                 found_holes = holes_for(dest)
-                compact = isinstance(found_holes, LeftOut)
-                holes = found_holes.ranges if isinstance(found_holes, LeftOut) else found_holes
+                left_out = found_holes if isinstance(found_holes, LeftOut) else LeftOut({}, found_holes)
                 objects.blocks.index()  # loaded once, before the threads look pages up in it
                 # Segments found intact by one image are not checked again for the next: the
                 # processes of a tree share most of their pages.
                 checked: set[int] = set()
 
                 def write_pages(entry: FileEntry) -> None:
-                    left_out = holes.get(entry.name, ())
-                    found = objects.check_entry(entry, dest / entry.name, holes=left_out, checked=checked,
-                                                check_holes=check_holes, compact=compact)
-                    if left_out and found is not None and not compact:
+                    holes = left_out.holes.get(entry.name, ())
+                    found = objects.check_entry(entry, dest / entry.name, holes=holes, checked=checked,
+                                                check_holes=check_holes, left_out=left_out.ranges.get(entry.name, ()))
+                    if holes and found is not None:
                         locations[entry.name] = found
 
                 _each(pool, write_pages, pages, progress)

@@ -16,6 +16,7 @@ import zstandard
 from ckpt.errors import DamagedCheckpoint
 from ckpt.store.backends import Backend, BlobNotFound, BlobStream
 from ckpt.store.blocks.blockstore import BlockStore
+from ckpt.store.blocks.segments import ID_LEN
 from ckpt.store.manifest import FileEntry
 from ckpt.system.files import FILE_MODE
 
@@ -189,16 +190,22 @@ class Objects:
     def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False,
                     holes: Sequence[tuple[int, int]] = (), check_holes: bool = True,
                     spool_dir: Path | None = None, checked: set[int] | None = None,
-                    compact: bool = False) -> list[int] | None:
+                    left_out: Sequence[tuple[int, int]] = ()) -> list[int] | None:
         """Checks one image (writing it to dest if given). For a pages image, returns the
         location of each of its pages; holes are page ranges checked but not written
         (check_holes=False, or a remote store: not checked here, see BlockStore.write_image);
-        checked holds the segments found intact by the other images of the same layout;
-        compact leaves the holes out of the file (BlockStore.write_image)."""
+        checked holds the segments found intact by the other images of the same layout.
+        left_out: page ranges (first, count) left out of the image altogether, neither checked
+        nor written (CRIU reads them from the parent images directory, ckpt/restore/treeshare.py):
+        the image holds the other pages one after the other, and holes and the locations
+        returned count those pages only."""
         if entry.kind == "pages":
-            return self.blocks.write_image(entry.name, self.load_page_list(entry), dest, check_ids=thorough,
+            page_list = self.load_page_list(entry)
+            if left_out:
+                page_list = without_pages(page_list, left_out)
+            return self.blocks.write_image(entry.name, page_list, dest, check_ids=thorough,
                                            holes=holes, check_holes=check_holes and not self.remote,
-                                           spool_dir=spool_dir, checked=checked, compact=compact)
+                                           spool_dir=spool_dir, checked=checked)
         digest = self.read_into(entry, dest)
         if digest != entry.hash:
             raise DamagedCheckpoint(f"image {entry.name} is damaged: its content hash is {digest[:16]}…, "
@@ -213,3 +220,13 @@ class Objects:
 
     def total_bytes(self) -> int:
         return sum(self.iter_sizes())
+
+
+def without_pages(page_list: bytes, ranges: Sequence[tuple[int, int]]) -> bytes:
+    """The page list without the pages of these (first, count) ranges."""
+    kept, at = [], 0
+    for first, count in sorted(ranges):
+        kept.append(page_list[at * ID_LEN:first * ID_LEN])
+        at = max(at, first + count)
+    kept.append(page_list[at * ID_LEN:])
+    return b"".join(kept)

@@ -18,3 +18,31 @@ def test_a_lone_page_stays_a_plain_piece():
     here = np.array([3, 9, 4], dtype=np.int64)
     starts = np.array([0, 1, 2, 3])
     assert _merged_repeats(starts, here, set()) == [(0, 1, False), (1, 2, False), (2, 3, False)]
+
+
+def test_a_short_run_is_cut_page_by_page_into_the_same_pieces_as_a_long_one():
+    """run_pieces cuts runs of up to SHORT_RUN pages in Python, longer ones with numpy: the
+    same pieces either way (random runs: consecutive, repeated and scattered locations, with
+    mapping bounds inside and around them)."""
+    import random
+
+    from ckpt.restore import uffdfill
+
+    rng = random.Random(5)
+    for _ in range(3000):
+        count = rng.randint(1, uffdfill.SHORT_RUN)
+        vaddr = rng.randrange(16, 1 << 20) * 4096
+        here, location = [], rng.randrange(1000)
+        for _ in range(count):
+            draw = rng.random()
+            location = location + 1 if draw < 0.5 else location if draw < 0.7 else rng.randrange(1000)
+            here.append(location)
+        bounds = np.unique(np.array(rng.sample(range(vaddr - 8 * 4096, vaddr + (count + 8) * 4096, 4096),
+                                               rng.randint(0, 6)), dtype=np.int64))
+        short = uffdfill.run_pieces(vaddr, here, bounds, bounds.tolist())
+        uffdfill.SHORT_RUN, saved = 0, uffdfill.SHORT_RUN
+        try:
+            long = uffdfill.run_pieces(vaddr, here, bounds, bounds.tolist())
+        finally:
+            uffdfill.SHORT_RUN = saved
+        assert short == [(int(begin), int(end), repeated) for begin, end, repeated in long], (here, bounds - vaddr)

@@ -876,8 +876,7 @@ class BlockStore:
 
     def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,  # noqa: PLR0913
                     holes: Sequence[tuple[int, int]] = (), check_holes: bool = True,
-                    spool_dir: Path | None = None, checked: set[int] | None = None,
-                    compact: bool = False) -> list[int]:
+                    spool_dir: Path | None = None, checked: set[int] | None = None) -> list[int]:
         """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
         Returns the location of each page (BlockIndex.pages).
 
@@ -896,9 +895,6 @@ class BlockStore:
         one layout (ckpt/store/materialize.py): the processes of a tree share most of their
         pages (a worker pool forked from one parent), and each image of a 100-process pool
         checked the same segments again.
-        compact: the holes are left out of the file altogether, the other pages one after the
-        other (CRIU reads the holes' pages from the parent images directory; see
-        ckpt/restore/treeshare.py); they are not checked here either (they are another image's).
         """
         index = self.index()
         locations = self.locate(image_name, page_list)
@@ -908,12 +904,12 @@ class BlockStore:
         try:
             # Under the holes, each segment is checked once (no run needs working out: most of a
             # large tree's memory is there).
-            if holes and check_holes and not compact:
+            if holes and check_holes:
                 rebuild.check_segments(_segments_under(locations, holes))
             for begin, end in _between_holes(holes, len(locations)):
-                rebuild.write(begin, end, seek=bool(holes) and not compact)
+                rebuild.write(begin, end, seek=bool(holes))
             rebuild.raise_damage()
-            if holes and not compact:
+            if holes:
                 rebuild.truncate()  # a hole at the end leaves the file short
         except DamagedCheckpoint as exc:
             if image_name in exc.message:
