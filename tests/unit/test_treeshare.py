@@ -14,7 +14,7 @@ def test_runs_are_split_where_pages_turn_from_own_to_the_roots():
     same = np.array([False, True, True, False, True, True])
     assert _marked_runs(runs, same) == [
         (0x1000, 1, PE_PRESENT | PE_LAZY),
-        (0x2000, 2, PE_PARENT | PE_LAZY),  # no page of the pages image: not present
+        (0x2000, 2, PE_PARENT),  # no page of the pages image (not present), not left to userfaultfd
         (0x4000, 1, PE_PRESENT | PE_LAZY),
         (0x10000, 2, PE_PARENT),
     ]
