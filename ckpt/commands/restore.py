@@ -677,9 +677,11 @@ class _ImageLayout:
         ids: dict[int, np.ndarray] = {}
 
         def ids_of(pid: int) -> np.ndarray:
+            # The first 64 bits of each id (of a 128-bit hash): for a ratio, as good as the
+            # whole id, and sorted several times faster than 16-byte strings.
             if pid not in ids:
                 image = self.plan.runs[pid][0]
-                ids[pid] = np.unique(np.frombuffer(self._page_list(entries[image]), dtype="V16"))
+                ids[pid] = np.unique(np.frombuffer(self._page_list(entries[image]), dtype=np.uint64)[0::2])
             return ids[pid]
 
         shared = total = 0

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt.errors import ImageUnreadable
-from ckpt.system.files import atomic_write_bytes
+from ckpt.system.files import replace_staged
 
 
 def warm_up() -> None:
@@ -260,7 +260,7 @@ def _rewrite_files_image(image_dir: Path, change) -> None:
         entry.ParseFromString(message)
         kept = entry.SerializeToString() if change(entry) else message
         parts.append(struct.pack("<i", len(kept)) + kept)
-    atomic_write_bytes(path, b"".join(parts), durable=False)  # a staged image: a crash discards it anyway
+    replace_staged(path, b"".join(parts))
 
 
 def _split(data: bytes, name: str, kind: str, magic) -> tuple[bytes, list[bytes]]:
@@ -387,7 +387,7 @@ def write_pagemap(path: Path, pages_id: int, runs: list[tuple[int, int, int]]) -
     for vaddr, nr_pages, flags in runs:
         entry.vaddr, entry.compat_nr_pages, entry.flags, entry.nr_pages = vaddr, 0, flags, nr_pages
         parts.append(_sized(entry))
-    atomic_write_bytes(path, b"".join(parts), durable=False)  # a staged image: a crash discards it anyway
+    replace_staged(path, b"".join(parts))
 
 
 def _sized(message) -> bytes:
@@ -576,5 +576,5 @@ def proc_of_new_pid_namespace(image_dir: Path) -> None:
     root_ids["time_ns_id"] = max(int(v) for v in root_ids.values() if isinstance(v, int)) + 1
     out = io.BytesIO()
     images.dump(inventory, out)
-    atomic_write_bytes(image_dir / "inventory.img", out.getvalue(), durable=False)  # staged: may be a hard link
-    atomic_write_bytes(image_dir / f"timens-{time_ns}.img", clocks.read_bytes(), durable=False)
+    replace_staged(image_dir / "inventory.img", out.getvalue())  # (may be a hard link)
+    replace_staged(image_dir / f"timens-{time_ns}.img", clocks.read_bytes())

@@ -17,6 +17,7 @@ image is read again and again).
 
 from __future__ import annotations
 
+import bisect
 import os
 from pathlib import Path
 from typing import Callable
@@ -160,17 +161,20 @@ def _marked_runs(runs: list[tuple[int, int, int]], same: np.ndarray) -> list[tup
     that changes; such a run holds no page of the pages image, and is not lazy either (CRIU
     would leave a lazy one to userfaultfd instead of reading it from the parent)."""
     marked: list[tuple[int, int, int]] = []
+    # The rows where `same` changes, found once (numpy's calls per run cost more than the
+    # rest for a process of thousands of short runs).
+    changes = (np.flatnonzero(same[1:] != same[:-1]) + 1).tolist()
+    shared = same.tolist()
     row = 0
     for vaddr, n, flags in runs:
         if not n:
             marked.append((vaddr, n, flags))
             continue
-        piece = same[row:row + n]
-        cuts = [0, *(np.flatnonzero(piece[1:] != piece[:-1]) + 1).tolist(), n]
+        inside = changes[bisect.bisect_right(changes, row):bisect.bisect_left(changes, row + n)]
+        cuts = [row, *inside, row + n]
         for begin, end in zip(cuts[:-1], cuts[1:], strict=True):
-            in_parent = bool(piece[begin])
-            marked.append((vaddr + begin * PAGE, end - begin,
-                           (flags & ~(PE_PRESENT | PE_LAZY)) | PE_PARENT if in_parent else flags))
+            marked.append((vaddr + (begin - row) * PAGE, end - begin,
+                           (flags & ~(PE_PRESENT | PE_LAZY)) | PE_PARENT if shared[begin] else flags))
         row += n
     return marked
 

@@ -114,7 +114,10 @@ def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: 
             if pages and not skip_pages:
                 found_holes = holes_for(dest)
                 left_out = found_holes if isinstance(found_holes, LeftOut) else LeftOut({}, found_holes)
-                objects.blocks.index()  # loaded once, before the threads look pages up in it
+                # Every image's pages looked up at once, before the threads write them.
+                page_lists = {entry.name: objects.image_page_list(entry, left_out.ranges.get(entry.name, ()))
+                              for entry in pages}
+                located = objects.blocks.locate_images(page_lists)
                 # Segments found intact by one image are not checked again for the next: the
                 # processes of a tree share most of their pages.
                 checked: set[int] = set()
@@ -122,7 +125,8 @@ def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: 
                 def write_pages(entry: FileEntry) -> None:
                     holes = left_out.holes.get(entry.name, ())
                     found = objects.check_entry(entry, dest / entry.name, holes=holes, checked=checked,
-                                                check_holes=check_holes, left_out=left_out.ranges.get(entry.name, ()))
+                                                check_holes=check_holes,
+                                                located=(page_lists[entry.name], located[entry.name]))
                     if holes and found is not None:
                         locations[entry.name] = found
 

@@ -190,27 +190,31 @@ class Objects:
     def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False,
                     holes: Sequence[tuple[int, int]] = (), check_holes: bool = True,
                     spool_dir: Path | None = None, checked: set[int] | None = None,
-                    left_out: Sequence[tuple[int, int]] = ()) -> list[int] | None:
+                    located: tuple[bytes, list[int]] | None = None) -> list[int] | None:
         """Checks one image (writing it to dest if given). For a pages image, returns the
         location of each of its pages; holes are page ranges checked but not written
         (check_holes=False, or a remote store: not checked here, see BlockStore.write_image);
         checked holds the segments found intact by the other images of the same layout.
-        left_out: page ranges (first, count) left out of the image altogether, neither checked
-        nor written (CRIU reads them from the parent images directory, ckpt/restore/treeshare.py):
-        the image holds the other pages one after the other, and holes and the locations
-        returned count those pages only."""
+        located: the page list to write (image_page_list: perhaps without some pages) and its
+        locations, found already (BlockStore.locate_images); holes and the locations returned
+        count the pages of that list."""
         if entry.kind == "pages":
-            page_list = self.load_page_list(entry)
-            if left_out:
-                page_list = without_pages(page_list, left_out)
+            page_list, locations = located if located is not None else (self.load_page_list(entry), None)
             return self.blocks.write_image(entry.name, page_list, dest, check_ids=thorough,
                                            holes=holes, check_holes=check_holes and not self.remote,
-                                           spool_dir=spool_dir, checked=checked)
+                                           spool_dir=spool_dir, checked=checked, locations=locations)
         digest = self.read_into(entry, dest)
         if digest != entry.hash:
             raise DamagedCheckpoint(f"image {entry.name} is damaged: its content hash is {digest[:16]}…, "
                                     f"the manifest says {entry.hash[:16]}…")
         return None
+
+    def image_page_list(self, entry: FileEntry, left_out: Sequence[tuple[int, int]] = ()) -> bytes:
+        """A pages image's page list, without the pages of the left_out ranges: those are left
+        out of the image altogether, neither checked nor written (CRIU reads them from the
+        parent images directory, ckpt/restore/treeshare.py), the others one after the other."""
+        page_list = self.load_page_list(entry)
+        return without_pages(page_list, left_out) if left_out else page_list
 
     def iter_sizes(self) -> Iterator[int]:
         """The size of each object, pack and index file."""

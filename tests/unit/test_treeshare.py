@@ -42,3 +42,32 @@ def test_only_addresses_inside_the_mappings_count():
     addresses = np.array([0x1000, 0x2000, 0x5000, 0x9000], dtype=np.uint64)
     assert _inside(addresses, [(0x2000, 0x3000), (0x5000, 0x6000)]).tolist() == [False, True, True, False]
     assert _inside(addresses, []).tolist() == [False] * 4
+
+
+def test_runs_are_marked_as_page_by_page_marking_would():
+    """_marked_runs against a page-by-page reference: random runs (some empty) and marks."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(500):
+        runs, vaddr = [], 0x10000
+        for _ in range(rng.randint(1, 12)):
+            vaddr += rng.randint(0, 4) * PAGE
+            n = rng.choice([0, 1, 1, 2, 3, 5, 9])
+            runs.append((vaddr, n, PE_PRESENT | (PE_LAZY if rng.random() < 0.5 else 0)))
+            vaddr += n * PAGE
+        rows = sum(n for _, n, _ in runs)
+        same = np.array([rng.random() < 0.5 for _ in range(rows)], dtype=bool)
+        expected, row = [], 0
+        for start, n, flags in runs:
+            if not n:
+                expected.append((start, n, flags))
+            for page in range(n):
+                mark = (flags & ~(PE_PRESENT | PE_LAZY)) | PE_PARENT if same[row] else flags
+                last = expected[-1] if expected and page else None
+                if last is not None and last[2] == mark and last[0] + last[1] * PAGE == start + page * PAGE:
+                    expected[-1] = (last[0], last[1] + 1, mark)
+                else:
+                    expected.append((start + page * PAGE, 1, mark))
+                row += 1
+        assert _marked_runs(runs, same) == expected, (runs, same)

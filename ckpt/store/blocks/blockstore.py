@@ -874,9 +874,24 @@ class BlockStore:
             raise DamagedCheckpoint(f"image {image_name}: page {missing} is missing from the store{cause}")
         return locations
 
+    def locate_images(self, page_lists: dict[str, bytes]) -> dict[str, list[int]]:
+        """locate() for many pages images at once, by name: one search of the index for all
+        their ids (a 101-process tree's images searched one by one cost 0.3 s of CPU, in
+        threads that mostly waited for each other)."""
+        found = self.index().find(b"".join(page_lists.values()))
+        located, at = {}, 0
+        for name, page_list in page_lists.items():
+            count = len(page_list) // ID_LEN
+            located[name] = found[at:at + count].tolist()
+            at += count
+            if count and min(located[name]) < 0:
+                located[name] = self.locate(name, page_list)  # raises, saying which page is missing
+        return located
+
     def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,  # noqa: PLR0913
                     holes: Sequence[tuple[int, int]] = (), check_holes: bool = True,
-                    spool_dir: Path | None = None, checked: set[int] | None = None) -> list[int]:
+                    spool_dir: Path | None = None, checked: set[int] | None = None,
+                    locations: list[int] | None = None) -> list[int]:
         """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
         Returns the location of each page (BlockIndex.pages).
 
@@ -894,10 +909,12 @@ class BlockStore:
         checked: the segments (keys of the loaded index) found intact, shared by the images of
         one layout (ckpt/store/materialize.py): the processes of a tree share most of their
         pages (a worker pool forked from one parent), and each image of a 100-process pool
-        checked the same segments again.
+        checked the same segments again. locations: the page list's, if located already
+        (locate_images).
         """
         index = self.index()
-        locations = self.locate(image_name, page_list)
+        if locations is None:
+            locations = self.locate(image_name, page_list)
         holes = sorted(holes)
         ahead = self._ranges_ahead(locations, spool_dir) if spool_dir is not None and not holes else None
         rebuild = _ImageRebuild(self, index, image_name, page_list, locations, check_ids, dest, ahead, checked)
