@@ -114,27 +114,34 @@ def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: 
             if pages and not skip_pages:
                 found_holes = holes_for(dest)
                 left_out = found_holes if isinstance(found_holes, LeftOut) else LeftOut({}, found_holes)
-                # Every image's pages looked up at once, before the threads write them.
-                page_lists = {entry.name: objects.image_page_list(entry, left_out.ranges.get(entry.name, ()))
-                              for entry in pages}
-                located = objects.blocks.locate_images(page_lists)
-                # Segments found intact by one image are not checked again for the next: the
-                # processes of a tree share most of their pages.
-                checked: set[int] = set()
-
-                def write_pages(entry: FileEntry) -> None:
-                    holes = left_out.holes.get(entry.name, ())
-                    found = objects.check_entry(entry, dest / entry.name, holes=holes, checked=checked,
-                                                check_holes=check_holes,
-                                                located=(page_lists[entry.name], located[entry.name]))
-                    if holes and found is not None:
-                        locations[entry.name] = found
-
-                _each(pool, write_pages, pages, progress)
+                locations = _write_pages_images(objects, pool, dest, pages, left_out, check_holes, progress)
     except BaseException:
         discard(dest)
         raise
     return dest, locations
+
+
+def _write_pages_images(objects: Objects, pool: ThreadPoolExecutor, dest: Path, pages: list[FileEntry],
+                        left_out: LeftOut, check_holes: bool, progress: _Progress) -> dict[str, list[int]]:
+    """The pages images into dest by the pool's threads, but the pages left out; returns, per
+    image with holes, the location of each of its pages."""
+    # Every image's pages looked up at once, before the threads write them.
+    page_lists = {entry.name: objects.image_page_list(entry, left_out.ranges.get(entry.name, ())) for entry in pages}
+    located = objects.blocks.locate_images(page_lists)
+    # Segments found intact by one image are not checked again for the next: the processes of
+    # a tree share most of their pages.
+    checked: set[int] = set()
+    locations: dict[str, list[int]] = {}
+
+    def write_pages(entry: FileEntry) -> None:
+        holes = left_out.holes.get(entry.name, ())
+        found = objects.check_entry(entry, dest / entry.name, holes=holes, checked=checked, check_holes=check_holes,
+                                    located=(page_lists[entry.name], located[entry.name]))
+        if holes and found is not None:
+            locations[entry.name] = found
+
+    _each(pool, write_pages, pages, progress)
+    return locations
 
 
 LAY_OUT_WORKERS = 4
