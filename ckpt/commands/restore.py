@@ -659,7 +659,7 @@ class _ImageLayout:
             # inherited huge page could fill in pages that are to come through userfaultfd)
             return left_out or {}
         treeshare.root_in_full(directory, self.manifest)
-        holes = self.plan.prepare(directory, self.manifest, 1)  # counted without the pages left to the root
+        holes = self.plan.prepare(directory, self.manifest, FILL_MIN_BYTES)  # counted without those left to the root
         if not holes:
             return left_out
         self.memory = "fill"

@@ -423,7 +423,10 @@ def lazy_runs(image_dir: Path,
         mm_path = image_dir / f"mm-{pid}.img"
         entries = _vmas(mm_path) if mm_path.exists() else []
         eager = _entries_in_mixed_mappings(runs, [(start, end) for start, end, _ in entries])
-        if _huge_pages_in(runs, eager, entries, huge_pages_everywhere):
+        # Pages read from a parent images directory (a tree's pages shared with its root) are
+        # written by CRIU before userfaultfd watches the mapping too.
+        from_parent = {i for i, (_, _, flags) in enumerate(runs) if flags & PE_PARENT}
+        if _huge_pages_in(runs, eager | from_parent, entries, huge_pages_everywhere):
             return None
         demoted = {i for i in eager if runs[i][2] & PE_LAZY}
         if demoted:

@@ -532,6 +532,8 @@ def _plan_runs(plan: LazyPlan, pid: int) -> list[Run]:
     if image_runs is None:
         return []
     image, entries = image_runs
+    if not entries:  # no lazy page (nor any location) in this process
+        return []
     locations = plan.locations[image]
     runs: list[Run] = []
     for vaddr, nr_pages, first in entries:

@@ -125,8 +125,10 @@ def _write_pages_images(objects: Objects, pool: ThreadPoolExecutor, dest: Path, 
                         left_out: LeftOut, check_holes: bool, progress: _Progress) -> dict[str, list[int]]:
     """The pages images into dest by the pool's threads, but the pages left out; returns, per
     image with holes, the location of each of its pages."""
-    # Every image's pages looked up at once, before the threads write them.
-    page_lists = {entry.name: objects.image_page_list(entry, left_out.ranges.get(entry.name, ())) for entry in pages}
+    # Every image's pages looked up at once, before the threads write them (the page lists
+    # read by the threads: from a store in S3, each is a request).
+    lists = pool.map(lambda entry: objects.image_page_list(entry, left_out.ranges.get(entry.name, ())), pages)
+    page_lists = {entry.name: page_list for entry, page_list in zip(pages, lists, strict=True)}
     located = objects.blocks.locate_images(page_lists)
     # Segments found intact by one image are not checked again for the next: the processes of
     # a tree share most of their pages.

@@ -536,7 +536,7 @@ def wait_for_pids_free(pids: list[int], timeout: float = 10.0, live_grace: float
 
 def kill_tree(pid: int, settle: float = 10.0) -> None:
     """Ends a process and every descendant of it at once (SIGKILL; the descendants are listed
-    first, so none is missed as its parent dies), then waits up to settle seconds until none
+    and stopped first, so none is missed as its parent dies), then waits up to settle seconds until none
     of them runs any more (each gone or a zombie): a SIGKILL is only pending when kill()
     returns, and a caller that restores the same PIDs next, or checks that nothing runs,
     must not see the tree still there. A process already gone is no error."""
@@ -545,17 +545,40 @@ def kill_tree(pid: int, settle: float = 10.0) -> None:
         victims = [root, *root.children(recursive=True)]
     except psutil.Error:
         return
+    # Stopped first, and listed again until no new process shows up: one that forked after the
+    # listing would otherwise leave a child that a SIGKILL of its parent orphans, out of reach.
+    stopped: set[int] = set()
+    for _ in range(10):
+        for victim in victims:
+            if victim.pid not in stopped:
+                stopped.add(victim.pid)
+                _signal(victim.pid, signal.SIGSTOP)
+        more = [child for victim in victims for child in _children(victim) if child.pid not in stopped]
+        if not more:
+            break
+        victims += more
     for victim in victims:
-        try:
-            os.kill(victim.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _signal(victim.pid, signal.SIGKILL)
     deadline = time.monotonic() + settle
     running = victims
     while running and time.monotonic() < deadline:
         running = [victim for victim in running if _still_runs(victim)]
         if running:
             time.sleep(0.01)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _children(process: psutil.Process) -> list[psutil.Process]:
+    try:
+        return process.children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def _still_runs(process: psutil.Process) -> bool:
