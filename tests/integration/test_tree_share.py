@@ -15,7 +15,7 @@ from tests.helpers import ckpt_json, read_lines, wait_until
 from tests.integration.test_uffd_fill import sums_of
 
 CHILDREN = 3
-OWN_MIB = 1
+OWN_MIB = 6  # 18 MiB of the workers' own in all: worth copying in (FILL_MIN_BYTES)
 INHERITED_MIB = 24
 REWRITTEN = 512  # every fourth of a child's first 512 inherited pages: its own bytes
 

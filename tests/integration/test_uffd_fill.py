@@ -96,18 +96,20 @@ def test_children_sharing_their_parents_memory_get_it_back_shared(procs, tmp_pat
     """A pool of workers forked from one parent holds mostly the parent's pages: CRIU gives them
     back shared (copy-on-write), read from the root's pages image; only each worker's own pages
     are copied in (copied in one by one, each worker would hold a private copy of the rest)."""
-    target, out, original = started_tree(procs, tmp_path, children=4, mib=1)
+    # Their own pages (5 MiB each) are worth copying in: more than FILL_MIN_BYTES in all.
+    target, out, original = started_tree(procs, tmp_path, children=4, mib=5)
     dumped = ckpt_json("dump", target.pid, "--stop")
     target.wait(timeout=10)
     restored = ckpt_json("restore", dumped["id"], "--eager", env={"CKPT_LAZY_MIN_MIB": "1024"})
     procs.adopt(restored["pid"])
     assert restored["lazy"] is None and restored["shared_pages"], restored
-    assert restored["filled"] is not None and restored["filled"]["pages"] >= 4 * 256, restored
+    assert restored["filled"] is not None and restored["filled"]["pages"] >= 4 * 5 * 256, restored
     assert sums_of(restored["pid"], out, 5) == original
     rss = pss = 0
     for pid in tree_pids(restored["pid"]):
         rollup = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
         rss += int(rollup["Rss"].split()[0])
         pss += int(rollup["Pss"].split()[0])
-    # Private copies: Pss as large as Rss. Shared, the interpreter's pages count once in all.
-    assert pss < 0.7 * rss, (pss, rss)
+    # Private copies: Pss as large as Rss. Shared, the interpreter's pages (several MiB) count
+    # once in all, not once per process.
+    assert rss - pss > 4 * 2048, (pss, rss)
