@@ -346,10 +346,9 @@ class UffdFiller:
             locations = self.plan.locations[image]
             removed = self.removed.get(pid, [])
             bounds = _mapping_bounds(pid)
-            bound_list = bounds.tolist()
             for vaddr, nr_pages, first in runs:
                 here = locations[first:first + nr_pages]
-                for begin, end, repeated in run_pieces(vaddr, here, bounds, bound_list):
+                for begin, end, repeated in run_pieces(vaddr, here, bounds):
                     address = vaddr + begin * PAGE
                     if any(start < address + (end - begin) * PAGE and address < stop for start, stop in removed):
                         continue  # unmapped or dropped by the restore: nothing to put back
@@ -431,29 +430,27 @@ def _join(runners: list[threading.Thread], given_up: threading.Event, progress: 
 SHORT_RUN = 32
 
 
-def run_pieces(vaddr: int, here: list[int], bounds: np.ndarray, bound_list: list[int]
-               ) -> list[tuple[int, int, bool]]:
+def run_pieces(vaddr: int, here: list[int], bounds: list[int]) -> list[tuple[int, int, bool]]:
     """A run of pages at vaddr whose locations are here, cut into the pieces [begin, end) one
     UFFDIO_COPY each can take: pages at consecutive locations within one mapping (bounds: the
-    mappings' sorted starts and ends, bound_list the same as a list); single pages of one
-    location that follow each other merged into one repeated piece (see _merged_repeats)."""
+    mappings' sorted starts and ends); single pages of one location that follow each other
+    merged into one repeated piece (see _merged_repeats)."""
     nr_pages = len(here)
     if not nr_pages:
         return []
+    inside = bounds[bisect.bisect_right(bounds, vaddr):bisect.bisect_left(bounds, vaddr + nr_pages * PAGE)]
+    at_bound = {(bound - vaddr) // PAGE for bound in inside}  # positions in the run where a mapping begins
     if nr_pages <= SHORT_RUN:
-        return _short_run_pieces(vaddr, here, bound_list)
+        return _short_run_pieces(here, at_bound)
     located = np.asarray(here, dtype=np.int64)
     pages = np.arange(nr_pages + 1)
-    cut = (pages[1:-1][np.diff(located) != 1],
-           (bounds[(bounds > vaddr) & (bounds < vaddr + nr_pages * PAGE)] - vaddr) // PAGE)
-    starts = np.unique(np.concatenate(([0], *cut, [nr_pages])))
-    return _merged_repeats(starts, located, set(cut[1].tolist()))
+    starts = np.unique(np.concatenate(([0], pages[1:-1][np.diff(located) != 1],
+                                       np.fromiter(at_bound, dtype=np.int64), [nr_pages])))
+    return _merged_repeats(starts, located, at_bound)
 
 
-def _short_run_pieces(vaddr: int, here: list[int], bounds: list[int]) -> list[tuple[int, int, bool]]:
+def _short_run_pieces(here: list[int], at_bound: set[int]) -> list[tuple[int, int, bool]]:
     """run_pieces of a short run, page by page (the same pieces)."""
-    inside = bounds[bisect.bisect_right(bounds, vaddr):bisect.bisect_left(bounds, vaddr + len(here) * PAGE)]
-    at_bound = {(bound - vaddr) // PAGE for bound in inside}
     pieces: list[tuple[int, int, bool]] = []
     begin = 0
     for page in range(1, len(here) + 1):
@@ -485,8 +482,8 @@ def _merged_repeats(starts: np.ndarray, here: np.ndarray, bounds: set[int]) -> l
     return pieces
 
 
-def _mapping_bounds(pid: int) -> np.ndarray:
-    """Where the restored process's mappings begin and end (the kernel's, as they are now)."""
+def _mapping_bounds(pid: int) -> list[int]:
+    """Where the restored process's mappings begin and end (the kernel's, as they are now), sorted."""
     bounds: list[int] = []
     try:
         with open(f"/proc/{pid}/maps", "rb") as maps:
@@ -496,7 +493,7 @@ def _mapping_bounds(pid: int) -> np.ndarray:
                     bounds += (int(start, 16), int(end, 16))
     except OSError:
         pass  # exited already (a lazy restore's tree runs): nothing to cut, nothing to copy
-    return np.unique(np.array(bounds, dtype=np.int64))
+    return sorted(set(bounds))
 
 
 def _copy(fd: int, dst: int, pages: memoryview, count: int) -> None:

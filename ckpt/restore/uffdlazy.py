@@ -283,7 +283,7 @@ class LazyFiller(UffdFiller):
         """Runs cut where the processes' mappings begin and end (one copy cannot cross two,
         and a pagemap entry may): what ENOENT would otherwise find out run by run."""
         for memory in list(self.memories):
-            bounds = _mapping_bounds(memory.pid).tolist() if memory.pid is not None else []
+            bounds = _mapping_bounds(memory.pid) if memory.pid is not None else []
             with self._state:
                 for bound in bounds:
                     run = memory.find(int(bound))

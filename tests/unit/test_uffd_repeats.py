@@ -37,12 +37,16 @@ def test_a_short_run_is_cut_page_by_page_into_the_same_pieces_as_a_long_one():
             draw = rng.random()
             location = location + 1 if draw < 0.5 else location if draw < 0.7 else rng.randrange(1000)
             here.append(location)
-        bounds = np.unique(np.array(rng.sample(range(vaddr - 8 * 4096, vaddr + (count + 8) * 4096, 4096),
-                                               rng.randint(0, 6)), dtype=np.int64))
-        short = uffdfill.run_pieces(vaddr, here, bounds, bounds.tolist())
+        bounds = sorted(rng.sample(range(vaddr - 8 * 4096, vaddr + (count + 8) * 4096, 4096), rng.randint(0, 6)))
+        short = uffdfill.run_pieces(vaddr, here, bounds)
         uffdfill.SHORT_RUN, saved = 0, uffdfill.SHORT_RUN
         try:
-            long = uffdfill.run_pieces(vaddr, here, bounds, bounds.tolist())
+            long = uffdfill.run_pieces(vaddr, here, bounds)
         finally:
             uffdfill.SHORT_RUN = saved
-        assert short == [(int(begin), int(end), repeated) for begin, end, repeated in long], (here, bounds - vaddr)
+        assert short == [(int(begin), int(end), repeated) for begin, end, repeated in long], (here, bounds, vaddr)
+        # And as cut by hand: at every break of consecutive locations and every bound inside.
+        located, edges = np.asarray(here, dtype=np.int64), np.array(bounds, dtype=np.int64)
+        at_bound = (edges[(edges > vaddr) & (edges < vaddr + count * 4096)] - vaddr) // 4096
+        starts = np.unique(np.concatenate(([0], np.arange(1, count)[np.diff(located) != 1], at_bound, [count])))
+        assert short == _merged_repeats(starts, located, set(at_bound.tolist())), (here, bounds, vaddr)

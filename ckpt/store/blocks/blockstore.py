@@ -876,8 +876,8 @@ class BlockStore:
 
     def locate_images(self, page_lists: dict[str, bytes]) -> dict[str, list[int]]:
         """locate() for many pages images at once, by name: one search of the index for all
-        their ids (a 101-process tree's images searched one by one cost 0.3 s of CPU, in
-        threads that mostly waited for each other)."""
+        their ids (a 101-process tree's images searched one by one cost 1.3 s of CPU in four
+        threads, which mostly waited for each other; one search, 0.05-0.07 s)."""
         found = self.index().find(b"".join(page_lists.values()))
         located, at = {}, 0
         for name, page_list in page_lists.items():
