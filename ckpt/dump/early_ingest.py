@@ -73,12 +73,12 @@ class EarlyIngest:
                 stopping = _signalled(self._stop_read)
                 if stopping:
                     names += self._closed.read()  # every close before the stop: CRIU is done
-                for name in names:
-                    if name not in self._identities:
-                        path = self.images_dir / name
-                        before = _identity(path)
-                        self._run.add(path)
-                        self._identities[name] = before
+                # Each image's identity before it is read; the batch at once, so that the
+                # pages images in it are looked up while the one before is stored.
+                before = {name: _identity(self.images_dir / name) for name in names
+                          if name not in self._identities}
+                self._run.add_all([self.images_dir / name for name in before])
+                self._identities.update(before)
         except BaseException as exc:  # noqa: BLE001 - take() drops the run; the ingest starts over
             self._failed = exc
 

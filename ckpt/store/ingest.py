@@ -134,6 +134,16 @@ class IngestAhead:
             self._futures += self.files.store_files([second], codec, self._pool)
         self.stored.add(path.name)
 
+    def add_all(self, paths: list[Path]) -> None:
+        """add() of each path, the pages images handed over together (PagesIngest.add_all
+        looks up the next ones while it stores one)."""
+        pages = [path for path in paths if is_pages(path)]
+        for path in paths:
+            if not is_pages(path):
+                self.add(path)
+        self.pages.add_all(pages)
+        self.stored.update(path.name for path in pages)
+
     def settle(self) -> None:
         """Waits until every object is stored; raises the first error."""
         try:
@@ -191,9 +201,7 @@ class _Ingestion:
         try:
             run.tell(lambda done, total: reporter.progress(done, total, "storing pages"),
                      run.bytes_added + sum(sizes.values()))
-            for image in page_images:
-                if image.name not in run.page_lists:
-                    run.add(image)
+            run.add_all([image for image in page_images if image.name not in run.page_lists])
         except BaseException:
             run.abort()
             raise

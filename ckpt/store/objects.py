@@ -220,7 +220,7 @@ class Objects:
         """The size of each object, pack and index file."""
         for prefix in (OBJECTS_PREFIX, *INDEX_AND_PACKS):
             for info in self.backend.list(prefix):
-                yield info.size
+                yield info.held
 
     def total_bytes(self) -> int:
         return sum(self.iter_sizes())

@@ -180,8 +180,9 @@ def _plan_packs(plan: PrunePlan, backend, index, live_keys: set[int], young) -> 
     stored = {info.name: info for info in backend.list(PACKS_PREFIX)}
     for pack, named in pack_bytes.items():
         live = live_bytes.get(pack, 0)
-        size = stored[pack_name(pack)].size if pack_name(pack) in stored else 0
-        # A file adopted as a pack (a pages image) holds bytes no segment names: dead too.
+        # What the pack takes: a file adopted as a pack (a pages image) may hold bytes no
+        # segment names (dead too), or have had them punched out (PackWriter.commit).
+        size = stored[pack_name(pack)].held if pack_name(pack) in stored else 0
         total = max(named, size)
         if live == 0:
             plan.drop_packs.append(pack)
@@ -195,7 +196,7 @@ def _plan_packs(plan: PrunePlan, backend, index, live_keys: set[int], young) -> 
         if young(info):
             continue
         plan.unindexed_packs.append(info.name)
-        plan.bytes_freed += info.size
+        plan.bytes_freed += info.held
 
 
 def _plan_dead_index_files(plan: PrunePlan, index, live_pages: set[bytes]) -> None:

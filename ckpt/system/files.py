@@ -160,6 +160,26 @@ def owned_private_dir(path: Path) -> bool:
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
+def punch_out(path: Path, keep: list[tuple[int, int]]) -> bool:
+    """Frees every byte of the file at path outside the sorted, disjoint (offset, length)
+    ranges of keep (FALLOC_FL_PUNCH_HOLE, the size kept): those read as zeros and take no
+    disk or page cache. False where the filesystem cannot (the file is then as it was)."""
+    fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        at = 0
+        for offset, length in [*keep, (os.fstat(fd).st_size, 0)]:
+            if offset > at and fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, at, offset - at) != 0:
+                if ctypes.get_errno() in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    return False
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(path))
+            at = max(at, offset + length)
+        return True
+    finally:
+        os.close(fd)
+
+
 def can_punch_holes(directory: Path) -> bool:
     """Whether files in directory can have holes punched in them (FALLOC_FL_PUNCH_HOLE): not
     on every filesystem (NFSv3, FUSE, vfat), and CRIU fails a restore whose auto-dedup it

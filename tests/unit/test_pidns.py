@@ -44,5 +44,5 @@ def gone_or_zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ")[1][0] in "ZX"
-    except FileNotFoundError:  # reaped between two looks: gone
+    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between it and the read
         return True

@@ -585,12 +585,32 @@ def test_an_image_of_pages_that_do_not_compress_becomes_the_pack_as_it_is(store)
     assert again.bytes_stored < PAGE * 10
 
 
-def test_prune_counts_the_bytes_of_an_adopted_image_no_segment_names(store):
+def test_an_adopted_image_keeps_only_the_bytes_its_segments_name(store):
     """A pages image that became a pack as it is holds pages the dump did not store from it
-    (here a quarter of it repeats its own pages): those bytes are dead, and prune repacks a
-    pack a quarter of whose bytes is dead, as for any other pack."""
+    (here a quarter of it repeats its own pages): those are punched out of it before it is
+    made durable, so the store holds only what the segments name, prune finds nothing dead,
+    and the image reads back whole."""
     from ckpt.store.prune import prune_plan
 
+    unique = [os.urandom(PAGE) for _ in range(750)]
+    image = b"".join(unique + unique[:250])
+    m = fake_dump(store, {"pages-1.img": image})
+    (pack,) = list((store.root / "packs").glob("*/*"))
+    assert pack.stat().st_size == len(image)  # CRIU's image itself, its size kept
+    assert 750 * PAGE <= pack.stat().st_blocks * 512 < 800 * PAGE  # the repeated quarter freed
+    assert pack.read_bytes()[750 * PAGE:] == bytes(250 * PAGE)
+    with store.lock(exclusive=True):
+        assert prune_plan(store).repack == []
+    assert (laid_out(store, m) / "pages-1.img").read_bytes() == image
+
+
+def test_prune_counts_the_bytes_of_an_adopted_image_no_segment_names(store, monkeypatch):
+    """Where the filesystem cannot punch holes, an adopted image keeps its dead bytes: prune
+    counts them and repacks a pack a quarter of whose bytes is dead, as for any other pack."""
+    from ckpt.store.blocks import blockstore
+    from ckpt.store.prune import prune_plan
+
+    monkeypatch.setattr(blockstore, "punch_out", lambda path, keep: False)
     unique = [os.urandom(PAGE) for _ in range(750)]
     image = b"".join(unique + unique[:250])
     m = fake_dump(store, {"pages-1.img": image})

@@ -49,6 +49,14 @@ class BlobInfo:
     # backend's clock (local: mtime; S3: the server's LastModified or upload start): what a
     # safety margin of garbage collection is measured against. Not part of equality.
     modified: float | None = field(default=None, compare=False)
+    # Bytes the backend keeps of it where that is fewer than its size: a local pack adopted
+    # from a pages image with the ranges no segment names punched out (PackWriter.commit).
+    allocated: int | None = field(default=None, compare=False)
+
+    @property
+    def held(self) -> int:
+        """What the blob takes in the store."""
+        return self.size if self.allocated is None else min(self.size, self.allocated)
 
 
 @dataclass(frozen=True)
@@ -221,6 +229,10 @@ class Backend(abc.ABC):
     BlobExists, and OSError (a full disk: ENOSPC) for everything else; a remote backend
     raises the typed store errors of ckpt/errors.py instead (StoreUnreachable,
     StoreAccessDenied, StoreNotFound, DiskFull, StoreError)."""
+
+    # put_file moves the file in (local: a rename), so the blob is that file: bytes of it
+    # freed before (holes punched) are freed in the blob too. Elsewhere it is copied.
+    moves_files_in = False
 
     # ---- writing ---------------------------------------------------------------------------
 

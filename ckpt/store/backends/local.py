@@ -40,6 +40,8 @@ COPY_CHUNK = 4 << 20
 
 
 class LocalBackend(Backend):
+    moves_files_in = True  # put_file renames (see Backend)
+
     def __init__(self, root: Path):
         self.root = root
 
@@ -174,7 +176,7 @@ class LocalBackend(Backend):
                     and entry.name.startswith(".") == incomplete:
                 try:
                     st = entry.stat(follow_symlinks=False)
-                    yield BlobInfo(name, st.st_size, st.st_mtime)
+                    yield BlobInfo(name, st.st_size, st.st_mtime, allocated=st.st_blocks * 512)
                 except FileNotFoundError:
                     continue
 
