@@ -189,7 +189,7 @@ def _plan_packs(plan: PrunePlan, backend, index, live_keys: set[int], young) -> 
             plan.bytes_freed += size
         elif (total - live) / total >= REPACK_DEAD_SHARE:
             plan.repack.append(pack)
-            plan.bytes_freed += size - live
+            plan.bytes_freed += max(0, size - live)
     indexed = {pack_name(pack) for pack in pack_bytes}
     for info in [info for name, info in stored.items() if name not in indexed] + backend.list(PACKS_PREFIX,
                                                                                                 incomplete=True):

@@ -163,17 +163,23 @@ FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 def punch_out(path: Path, keep: list[tuple[int, int]]) -> bool:
     """Frees every byte of the file at path outside the sorted, disjoint (offset, length)
     ranges of keep (FALLOC_FL_PUNCH_HOLE, the size kept): those read as zeros and take no
-    disk or page cache. False where the filesystem cannot (the file is then as it was)."""
-    fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    disk or page cache. False where any range could not be punched (the filesystem cannot,
+    the disk is full): the bytes outside keep are then freed in part or not at all, which
+    only the store's size shows; the bytes of keep are never touched."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fallocate = getattr(libc, "fallocate64", libc.fallocate)  # 64-bit offsets on every build
     fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fd = os.open(path, os.O_WRONLY)
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return False
     try:
         at = 0
         for offset, length in [*keep, (os.fstat(fd).st_size, 0)]:
-            if offset > at and fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, at, offset - at) != 0:
-                if ctypes.get_errno() in (errno.EOPNOTSUPP, errno.ENOSYS):
-                    return False
-                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(path))
+            if offset > at:
+                while fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, at, offset - at) != 0:
+                    if ctypes.get_errno() != errno.EINTR:
+                        return False
             at = max(at, offset + length)
         return True
     finally:

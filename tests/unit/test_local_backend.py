@@ -5,6 +5,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -170,3 +171,31 @@ def test_the_writer_hands_packs_to_writeback_as_it_goes(backend, monkeypatch):
             writer.write(b"p" * (1 << 20))
         writer.commit()
     assert advised == [(0, 8 << 20), (8 << 20, 8 << 20)]
+
+
+def test_a_file_punched_out_and_moved_in_keeps_its_holes_only_on_the_stores_filesystem(backend, tmp_path):
+    """keeps_holes: put_file renames a file of the store's filesystem in, holes and all (what
+    a sparse adopted pack relies on); a file elsewhere (/dev/shm here) is copied, its holes
+    read as zeros, so it is not one."""
+    from ckpt.system.files import punch_out
+
+    backend.put("objects/ab/first", b"x")  # the store's directory exists
+    data = os.urandom(64 << 10)
+    local = tmp_path / "pages.img"
+    local.write_bytes(data)
+    assert backend.keeps_holes(local)
+    assert punch_out(local, [(4096, 8192), (32768, 4096)])
+    assert backend.put_file("packs/ab/abcd", local) == len(data)
+    stored = backend.root / "packs" / "ab" / "abcd"
+    kept = stored.read_bytes()
+    assert kept[4096:12288] == data[4096:12288] and kept[32768:36864] == data[32768:36864]
+    assert kept[:4096] == bytes(4096) and kept[12288:32768] == bytes(20480) and kept[36864:] == bytes(len(data) - 36864)
+    assert backend.stat("packs/ab/abcd").held <= 4 * 4096  # the 3 pages kept, and a block of slack at most
+    if os.stat("/dev/shm").st_dev != os.stat(backend.root).st_dev:
+        elsewhere = f"/dev/shm/ckpt-test-{os.getpid()}"
+        try:
+            with open(elsewhere, "wb") as f:
+                f.write(data)
+            assert not backend.keeps_holes(Path(elsewhere))
+        finally:
+            os.unlink(elsewhere)

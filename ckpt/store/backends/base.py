@@ -230,10 +230,6 @@ class Backend(abc.ABC):
     raises the typed store errors of ckpt/errors.py instead (StoreUnreachable,
     StoreAccessDenied, StoreNotFound, DiskFull, StoreError)."""
 
-    # put_file moves the file in (local: a rename), so the blob is that file: bytes of it
-    # freed before (holes punched) are freed in the blob too. Elsewhere it is copied.
-    moves_files_in = False
-
     # ---- writing ---------------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -250,6 +246,13 @@ class Backend(abc.ABC):
     def put_file(self, name: str, source: Path) -> int:
         """Stores a local file as the blob (replacing any of that name) and returns its size.
         The file is consumed: the backend may move it instead of copying it (local: rename)."""
+
+    def keeps_holes(self, source: Path) -> bool:
+        """Whether put_file would take this file in as it is, holes and all (local: a rename
+        within a filesystem that can punch holes), so that bytes punched out of it before
+        are not in the blob either. Elsewhere it is copied (uploaded, encrypted), holes read
+        as zeros."""
+        return False
 
     @abc.abstractmethod
     def writer(self, name: str) -> BlobWriter:

@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 from ckpt.errors import StoreBusy
 from ckpt.store.backends.base import (Backend, BlobExists, BlobInfo, BlobNotFound, BlobWriter, LockOwner,
                                       RangeReader, check_name)
-from ckpt.system.files import FILE_MODE, atomic_write_bytes, fsync_dir, make_private_dir, write_all
+from ckpt.system.files import FILE_MODE, atomic_write_bytes, can_punch_holes, fsync_dir, make_private_dir, write_all
 from ckpt.system.locks import wait_for_flock
 from ckpt.system.procfs import pid_exists
 
@@ -40,10 +40,9 @@ COPY_CHUNK = 4 << 20
 
 
 class LocalBackend(Backend):
-    moves_files_in = True  # put_file renames (see Backend)
-
     def __init__(self, root: Path):
         self.root = root
+        self._device: int | None = None  # the store's filesystem, if it can punch holes (keeps_holes)
 
     def _path(self, name: str, incomplete: bool = False) -> Path:
         """The file of a blob. incomplete=True also accepts a temp file's name (from list)."""
@@ -103,6 +102,16 @@ class LocalBackend(Backend):
         fsync_dir(path.parent)
         return os.stat(path).st_size
 
+    def keeps_holes(self, source: Path) -> bool:
+        """put_file renames a file on the store's filesystem (and copies any other); whether
+        that filesystem can punch holes is tried once, on a scratch file in the store."""
+        if self._device is None:
+            self._device = os.stat(self.root).st_dev if can_punch_holes(self.root) else -1
+        try:
+            return os.stat(source).st_dev == self._device
+        except OSError:
+            return False
+
     def writer(self, name: str) -> BlobWriter:
         path = self._path(name)
         self._ensure_dir(path.parent)
@@ -146,7 +155,7 @@ class LocalBackend(Backend):
         path = self._path(name)
         try:
             st = os.stat(path)
-            return BlobInfo(name, st.st_size, st.st_mtime)
+            return BlobInfo(name, st.st_size, st.st_mtime, allocated=st.st_blocks * 512)
         except FileNotFoundError:
             raise BlobNotFound(errno.ENOENT, "no such blob", str(path)) from None
 

@@ -583,7 +583,7 @@ class PagesIngest:
         fresh = _first_seen(looked.rows, page_list, self.seen)
         runs = _runs(fresh, SEGMENT_PAGES)
         at = source.file_runs(runs)  # where each run lies in the file
-        flat, as_is = _stored_as_is(view, at, codec, self.pack.sparse)
+        flat, as_is = _stored_as_is(view, at, codec, self.pack.sparse(source.path))
         adopted = self.pack.adopt(source.path) if any(as_is) else None
         # Incompressible segments of a file that is not adopted are copied into the pack as
         # they are, not compressed only to find they do not shrink: the new pages of a tree of
@@ -656,11 +656,8 @@ class PackWriter:
         self.written: list[str] = []
         self.index_data = b""  # the index file, once committed
         # Files that become packs as they are (adopt): (pack, file), and those stored so far.
-        self._adopted: list[tuple[str, Path]] = []
+        self._adopted: list[tuple[str, Path, bool]] = []  # (pack, file, whether sparse)
         self._adopted_stored: list[str] = []
-        # An adopted file's bytes no segment names are punched out at commit (the backend
-        # moves the file in: see Backend.moves_files_in).
-        self.sparse = backend.moves_files_in
 
     def add(self, ids: bytes, stored: bytes, codec: str, checksum: bytes) -> None:
         """Appends one segment: stored (its bytes, encoded with codec), holding the pages of ids."""
@@ -670,11 +667,18 @@ class PackWriter:
         self._segment(Segment(self.pack, self.offset, len(stored), len(ids) // ID_LEN, CODECS[codec], checksum), ids)
         self.offset += len(stored)
 
+    def sparse(self, path: Path) -> bool:
+        """Whether the file at path, adopted, keeps only the bytes its segments name (the
+        backend takes it in holes and all: Backend.keeps_holes, a local store on a
+        filesystem that can punch them). Otherwise the bytes no segment names would be in
+        the store too."""
+        return self.backend.keeps_holes(path)
+
     def adopt(self, path: Path) -> str:
         """A file that becomes a pack as it is, at commit (the local backend renames it: its
         bytes are not copied); returns the pack's id, for add_adopted."""
         pack = secrets.token_hex(16)
-        self._adopted.append((pack, path))
+        self._adopted.append((pack, path, self.sparse(path)))
         return pack
 
     def add_adopted(self, pack: str, offset: int, ids: bytes, checksum: bytes) -> None:
@@ -701,9 +705,9 @@ class PackWriter:
             self._committed = True
             packs.append(pack_name(self.pack))
         used = {segment.pack for segment in self.segments}
-        for pack, path in self._adopted:
+        for pack, path, sparse in self._adopted:
             if pack in used:
-                if self.sparse:
+                if sparse:
                     # Only the segments stay: the pages the store had, and those stored
                     # compressed in the dump's own pack, are freed before the file is made
                     # durable (nor written to disk). Where the filesystem cannot, they stay as
