@@ -221,7 +221,7 @@ class Objects:
         for prefix in (OBJECTS_PREFIX, *INDEX_AND_PACKS):
             for info in self.backend.list(prefix):
                 # (a pack adopted from a pages image may have holes: what it holds on disk)
-                yield info.held if prefix == "packs/" else info.size
+                yield info.held if prefix == INDEX_AND_PACKS[0] else info.size
 
     def total_bytes(self) -> int:
         return sum(self.iter_sizes())

@@ -160,15 +160,24 @@ def owned_private_dir(path: Path) -> bool:
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
+def _punch(fd: int, offset: int, length: int) -> int:
+    """Punches a hole of length bytes at offset (FALLOC_FL_PUNCH_HOLE, the size kept);
+    returns 0, or the errno it failed with (EINTR retried)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fallocate = getattr(libc, "fallocate64", libc.fallocate)  # 64-bit offsets on every build
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    while fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, offset, length) != 0:
+        if ctypes.get_errno() != errno.EINTR:
+            return ctypes.get_errno()
+    return 0
+
+
 def punch_out(path: Path, keep: list[tuple[int, int]]) -> bool:
     """Frees every byte of the file at path outside the sorted, disjoint (offset, length)
     ranges of keep (FALLOC_FL_PUNCH_HOLE, the size kept): those read as zeros and take no
     disk or page cache. False where any range could not be punched (the filesystem cannot,
     the disk is full): the bytes outside keep are then freed in part or not at all, which
     only the store's size shows; the bytes of keep are never touched."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fallocate = getattr(libc, "fallocate64", libc.fallocate)  # 64-bit offsets on every build
-    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     try:
         fd = os.open(path, os.O_WRONLY)
     except OSError:
@@ -176,10 +185,8 @@ def punch_out(path: Path, keep: list[tuple[int, int]]) -> bool:
     try:
         at = 0
         for offset, length in [*keep, (os.fstat(fd).st_size, 0)]:
-            if offset > at:
-                while fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, at, offset - at) != 0:
-                    if ctypes.get_errno() != errno.EINTR:
-                        return False
+            if offset > at and _punch(fd, at, offset - at):
+                return False
             at = max(at, offset + length)
         return True
     finally:
@@ -192,15 +199,13 @@ def can_punch_holes(directory: Path) -> bool:
     cannot do. Tried on a scratch file."""
     import tempfile
 
-    fallocate = ctypes.CDLL(None, use_errno=True).fallocate
-    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     try:
         fd, path = tempfile.mkstemp(dir=directory, prefix=".punch-")
     except OSError:
         return False
     try:
         os.write(fd, bytes(8192))
-        return fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, 0, 4096) == 0
+        return _punch(fd, 0, 4096) == 0
     except OSError:
         return False
     finally:

@@ -583,8 +583,10 @@ class PagesIngest:
         fresh = _first_seen(looked.rows, page_list, self.seen)
         runs = _runs(fresh, SEGMENT_PAGES)
         at = source.file_runs(runs)  # where each run lies in the file
-        flat, as_is = _stored_as_is(view, at, codec, self.pack.sparse(source.path))
-        adopted = self.pack.adopt(source.path) if any(as_is) else None
+        # (in a local store, the file keeps only what its segments name: see PackWriter.commit)
+        sparse = self.pack.backend.keeps_holes(source.path)
+        flat, as_is = _stored_as_is(view, at, codec, sparse)
+        adopted = self.pack.adopt(source.path, sparse) if any(as_is) else None
         # Incompressible segments of a file that is not adopted are copied into the pack as
         # they are, not compressed only to find they do not shrink: the new pages of a tree of
         # 100 processes, 2 MiB of random data each, cost its dump 0.5 s of compression that way.
@@ -667,18 +669,13 @@ class PackWriter:
         self._segment(Segment(self.pack, self.offset, len(stored), len(ids) // ID_LEN, CODECS[codec], checksum), ids)
         self.offset += len(stored)
 
-    def sparse(self, path: Path) -> bool:
-        """Whether the file at path, adopted, keeps only the bytes its segments name (the
-        backend takes it in holes and all: Backend.keeps_holes, a local store on a
-        filesystem that can punch them). Otherwise the bytes no segment names would be in
-        the store too."""
-        return self.backend.keeps_holes(path)
-
-    def adopt(self, path: Path) -> str:
+    def adopt(self, path: Path, sparse: bool) -> str:
         """A file that becomes a pack as it is, at commit (the local backend renames it: its
-        bytes are not copied); returns the pack's id, for add_adopted."""
+        bytes are not copied); returns the pack's id, for add_adopted. sparse: the backend
+        takes it in holes and all (Backend.keeps_holes), so that every byte no segment names
+        is punched out of it first."""
         pack = secrets.token_hex(16)
-        self._adopted.append((pack, path, self.sparse(path)))
+        self._adopted.append((pack, path, sparse))
         return pack
 
     def add_adopted(self, pack: str, offset: int, ids: bytes, checksum: bytes) -> None:
