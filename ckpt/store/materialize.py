@@ -11,6 +11,7 @@ from typing import Callable
 
 from ckpt.errors import DamagedCheckpoint
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.store.blocks.blockstore import DecodedSegments
 from ckpt.store.manifest import FileEntry, Manifest
 from ckpt.store.objects import Objects
 from ckpt.store.staging import StagingArea, discard
@@ -130,15 +131,16 @@ def _write_pages_images(objects: Objects, pool: ThreadPoolExecutor, dest: Path, 
     lists = pool.map(lambda entry: objects.image_page_list(entry, left_out.ranges.get(entry.name, ())), pages)
     page_lists = {entry.name: page_list for entry, page_list in zip(pages, lists, strict=True)}
     located = objects.blocks.locate_images(page_lists)
-    # Segments found intact by one image are not checked again for the next: the processes of
-    # a tree share most of their pages.
+    # Segments found intact by one image are not checked again for the next, nor decoded
+    # again while they are among the last decoded: the processes of a tree share most of their pages.
     checked: set[int] = set()
+    decoded = DecodedSegments()
     locations: dict[str, list[int]] = {}
 
     def write_pages(entry: FileEntry) -> None:
         holes = left_out.holes.get(entry.name, ())
         found = objects.check_entry(entry, dest / entry.name, holes=holes, checked=checked, check_holes=check_holes,
-                                    located=(page_lists[entry.name], located[entry.name]))
+                                    located=(page_lists[entry.name], located[entry.name]), decoded=decoded)
         if holes and found is not None:
             locations[entry.name] = found
 

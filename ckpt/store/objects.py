@@ -15,7 +15,7 @@ import zstandard
 
 from ckpt.errors import DamagedCheckpoint
 from ckpt.store.backends import Backend, BlobNotFound, BlobStream
-from ckpt.store.blocks.blockstore import BlockStore
+from ckpt.store.blocks.blockstore import BlockStore, DecodedSegments
 from ckpt.store.blocks.segments import ID_LEN
 from ckpt.store.manifest import FileEntry
 from ckpt.system.files import FILE_MODE
@@ -187,14 +187,16 @@ class Objects:
                     hasher.update(view)
         return hasher.hexdigest()
 
-    def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False,
+    def check_entry(self, entry: FileEntry, dest: Path | None = None, thorough: bool = False,  # noqa: PLR0913
                     holes: Sequence[tuple[int, int]] = (), check_holes: bool = True,
                     spool_dir: Path | None = None, checked: set[int] | None = None,
-                    located: tuple[bytes, list[int]] | None = None) -> list[int] | None:
+                    located: tuple[bytes, list[int]] | None = None, decoded: DecodedSegments | None = None
+                    ) -> list[int] | None:
         """Checks one image (writing it to dest if given). For a pages image, returns the
         location of each of its pages; holes are page ranges checked but not written
         (check_holes=False, or a remote store: not checked here, see BlockStore.write_image);
-        checked holds the segments found intact by the other images of the same layout.
+        checked holds the segments found intact by the other images of the same layout,
+        decoded some of them decoded (BlockStore.write_image).
         located: the page list to write (image_page_list: perhaps without some pages) and its
         locations, found already (BlockStore.locate_images); holes and the locations returned
         count the pages of that list."""
@@ -202,7 +204,8 @@ class Objects:
             page_list, locations = located if located is not None else (self.load_page_list(entry), None)
             return self.blocks.write_image(entry.name, page_list, dest, check_ids=thorough,
                                            holes=holes, check_holes=check_holes and not self.remote,
-                                           spool_dir=spool_dir, checked=checked, locations=locations)
+                                           spool_dir=spool_dir, checked=checked, locations=locations,
+                                           decoded=decoded)
         digest = self.read_into(entry, dest)
         if digest != entry.hash:
             raise DamagedCheckpoint(f"image {entry.name} is damaged: its content hash is {digest[:16]}…, "

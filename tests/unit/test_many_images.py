@@ -133,3 +133,27 @@ def test_a_restore_logs_errors_and_warnings_at_the_default_level_and_anything_as
 
     assert restore_log_level(3) == 2  # the default: no line per run of pages read
     assert [restore_log_level(level) for level in (0, 1, 2, 4)] == [0, 1, 2, 4]
+
+
+def test_a_layout_decodes_each_compressed_segment_once_for_all_the_images_that_share_it(store, monkeypatch):
+    """The workers' pages images share compressible pages (each worker's own pages do not
+    compress): each segment holding them is decoded by one image's reader, then shared."""
+    from ckpt.store.blocks import blockstore
+
+    shared = b"".join(f"page {k} of the parent's heap ".encode().ljust(PAGE, b".") for k in range(64))
+    files = {"inventory.img": b"inventory"}
+    for k in range(1, PROCESSES + 1):
+        files[f"pages-{k}.img"] = shared + os.urandom(PAGE)
+    manifest = fake_dump(store, files)
+    decoded: list[bytes] = []
+    real_decode = blockstore._decode
+
+    def counting_decode(codec: int, data: bytes) -> bytes:
+        decoded.append(data)
+        return real_decode(codec, data)
+
+    monkeypatch.setattr(blockstore, "_decode", counting_decode)
+    dest = materialize(store.objects, store.staging_area(), manifest)
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == files
+    assert decoded, "the shared pages were stored compressed"
+    assert len(decoded) == len(set(decoded))  # each segment once, not once per image

@@ -330,6 +330,7 @@ PROBE = 16 << 10  # of a segment, compressed to tell whether the rest would comp
 # Segments a reader holds decoded (at most 1 MiB each; a stored-as-is segment of a local pack
 # is a view of its mapping, no memory of its own): see _SegmentReader.
 HELD_SEGMENTS = 16
+SHARED_DECODED_BYTES = 64 << 20  # decoded segments a layout's readers share (DecodedSegments)
 ADOPT_AT_LEAST = 0.75  # of a file's bytes in segments stored as they are, for it to become a pack
 ADOPT_SPARSE_AT_LEAST = 1 << 20  # bytes stored as they are, for a file to become a pack with holes
 
@@ -967,7 +968,7 @@ class BlockStore:
     def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,  # noqa: PLR0913
                     holes: Sequence[tuple[int, int]] = (), check_holes: bool = True,
                     spool_dir: Path | None = None, checked: set[int] | None = None,
-                    locations: list[int] | None = None) -> list[int]:
+                    locations: list[int] | None = None, decoded: DecodedSegments | None = None) -> list[int]:
         """Rebuilds a pages image from its page list into dest (or only checks it, dest=None).
         Returns the location of each page (BlockIndex.pages).
 
@@ -986,14 +987,15 @@ class BlockStore:
         one layout (ckpt/store/materialize.py): the processes of a tree share most of their
         pages (a worker pool forked from one parent), and each image of a 100-process pool
         checked the same segments again. locations: the page list's, if located already
-        (locate_images).
+        (locate_images). decoded: segments decoded by the other images of the layout.
         """
         index = self.index()
         if locations is None:
             locations = self.locate(image_name, page_list)
         holes = sorted(holes)
         ahead = self._ranges_ahead(locations, spool_dir) if spool_dir is not None and not holes else None
-        rebuild = _ImageRebuild(self, index, image_name, page_list, locations, check_ids, dest, ahead, checked)
+        rebuild = _ImageRebuild(self, index, image_name, page_list, locations, check_ids, dest, ahead, checked,
+                                decoded)
         try:
             # Under the holes, each segment is checked once (no run needs working out: most of a
             # large tree's memory is there).
@@ -1117,11 +1119,11 @@ class _ImageRebuild:
 
     def __init__(self, blocks: BlockStore, index: BlockIndex, image_name: str, page_list: bytes,  # noqa: PLR0913
                  locations: list[int], check_ids: bool, dest: Path | None, ranges: RangeReader | None = None,
-                 checked: set[int] | None = None):
+                 checked: set[int] | None = None, decoded: DecodedSegments | None = None):
         self.blocks, self.index, self.image_name = blocks, index, image_name
         self.page_list, self.locations, self.check_ids = page_list, locations, check_ids
         self.out_fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE) if dest is not None else None
-        self.reader = _SegmentReader(blocks, index, ranges, checked)
+        self.reader = _SegmentReader(blocks, index, ranges, checked, decoded)
         # Only checking (verify): every damaged segment is met and recorded, not just the
         # first, so that no later dump names a page of any of them.
         self.damaged: dict[int, DamagedCheckpoint] = {}
@@ -1238,6 +1240,37 @@ def _write_all(fd: int, data) -> None:
         view = view[written:]
 
 
+class DecodedSegments:
+    """Segments decoded (checked first) by one reader, kept for the other readers of the same
+    layout: each pages image is rebuilt by a reader of its own, and the images of a tree's
+    processes draw their few eager pages (stacks, pages beside them) from the same
+    compressed segments. A 100-process tree's layout decoded 1 MiB segments over and over
+    for a page or two each: 0.2 s of its threads' time. At most limit bytes are kept (the
+    least recently used let go); thread-safe."""
+
+    def __init__(self, limit: int = SHARED_DECODED_BYTES):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._segments: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._bytes = 0
+
+    def get(self, key: int) -> bytes | None:
+        with self._lock:
+            data = self._segments.get(key)
+            if data is not None:
+                self._segments.move_to_end(key)
+            return data
+
+    def put(self, key: int, data: bytes) -> None:
+        with self._lock:
+            if key in self._segments or len(data) > self.limit:
+                return
+            self._segments[key] = data
+            self._bytes += len(data)
+            while self._bytes > self.limit:
+                self._bytes -= len(self._segments.popitem(last=False)[1])
+
+
 class _SegmentReader:
     """Reads pages out of packs, checking each segment's checksum once.
 
@@ -1249,11 +1282,12 @@ class _SegmentReader:
     page, a 192 MiB tree restored from S3 was still faulting its memory in 20 s later."""
 
     def __init__(self, blocks: BlockStore, index: BlockIndex, ranges: RangeReader | None = None,
-                 checked: set[int] | None = None):
+                 checked: set[int] | None = None, decoded: DecodedSegments | None = None):
         self.blocks = blocks
         self.index = index
         self.ranges: RangeReader = ranges if ranges is not None else blocks.backend.reader()
         self.checked: set[int] = set() if checked is None else checked  # keys found intact
+        self.decoded = decoded  # segments checked and decoded by the other readers of a layout
         self.held: collections.OrderedDict[int, memoryview] = collections.OrderedDict()
 
     def _damaged(self, seg: Segment, message: str) -> DamagedCheckpoint:
@@ -1330,10 +1364,16 @@ class _SegmentReader:
         if held is not None:
             self.held.move_to_end(key)
             return held
+        shared = self.decoded.get(key) if self.decoded is not None and seg.codec != CODECS["none"] else None
+        if shared is not None:
+            return self._hold(key, memoryview(shared))
         stored = self._checked_stored(key, seg)
         try:
             if seg.codec != CODECS["none"]:
-                held = memoryview(_decode(seg.codec, bytes(stored)))
+                decoded = _decode(seg.codec, bytes(stored))
+                if self.decoded is not None:
+                    self.decoded.put(key, decoded)
+                held = memoryview(decoded)
         except Exception as exc:  # any decoder error means the same: damaged data
             stored.release()
             raise self._damaged(seg, f"pack {seg.pack}: segment at {seg.offset} cannot be decoded ({exc})") from exc
@@ -1343,6 +1383,9 @@ class _SegmentReader:
             held = stored
         else:
             stored.release()
+        return self._hold(key, held)
+
+    def _hold(self, key: int, held: memoryview) -> memoryview:
         self.held[key] = held
         if len(self.held) > HELD_SEGMENTS:
             self.held.popitem(last=False)[1].release()
