@@ -13,7 +13,7 @@ from ckpt.commands.dump import _wait_for_tree_dead
 from ckpt.criu.images import _core_comm, process_tree
 from ckpt.errors import DamagedCheckpoint, ImageUnreadable
 from ckpt.store import Store
-from ckpt.store.materialize import materialize
+from ckpt.store.materialize import LAY_OUT_WORKERS, materialize
 from ckpt.store.objects import worth_compressing
 from tests.helpers import env_settings
 from tests.unit.test_store import PAGE, fake_dump, flip_byte
@@ -156,4 +156,6 @@ def test_a_layout_decodes_each_compressed_segment_once_for_all_the_images_that_s
     dest = materialize(store.objects, store.staging_area(), manifest)
     assert {p.name: p.read_bytes() for p in dest.iterdir()} == files
     assert decoded, "the shared pages were stored compressed"
-    assert len(decoded) == len(set(decoded))  # each segment once, not once per image
+    # Each segment once, not once per image (but by each of the layout's threads that asked
+    # for it at the same time, before the first had decoded it).
+    assert max(decoded.count(segment) for segment in decoded) <= LAY_OUT_WORKERS < PROCESSES

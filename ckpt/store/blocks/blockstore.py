@@ -1368,15 +1368,19 @@ class _SegmentReader:
         if shared is not None:
             return self._hold(key, memoryview(shared))
         stored = self._checked_stored(key, seg)
+        decoded = None
         try:
             if seg.codec != CODECS["none"]:
                 decoded = _decode(seg.codec, bytes(stored))
-                if self.decoded is not None:
-                    self.decoded.put(key, decoded)
-                held = memoryview(decoded)
+                if len(decoded) != seg.pages * PAGE:  # (its readers copy from raw addresses)
+                    raise ValueError(f"{len(decoded)} bytes for {seg.pages} pages")
         except Exception as exc:  # any decoder error means the same: damaged data
             stored.release()
             raise self._damaged(seg, f"pack {seg.pack}: segment at {seg.offset} cannot be decoded ({exc})") from exc
+        if decoded is not None:
+            if self.decoded is not None:
+                self.decoded.put(key, decoded)
+            held = memoryview(decoded)
         if held is None:  # stored as it is
             if self.ranges.mapped(pack_name(seg.pack)):
                 return stored
