@@ -185,7 +185,6 @@ class RestoreSession(Session[RestoreRequest]):
             raise
 
     def _prepare_to_run(self, store: Store, manifest: Manifest) -> None:
-        tell_copies_read_again(store, self.reporter)
         self._check_copy()
         if self._in_own_pidns():
             # A new copy's namespace may take the inode of one that ended and left its file.
@@ -441,6 +440,9 @@ class RestoreSession(Session[RestoreRequest]):
         if self.pid is None:
             raise RuntimeError("finish before restore")  # a coordinator's bug, not the user's
         self._finished = True  # from here on the tree is the user's: no failure ends it
+        if self.store is not None:
+            # (once the memory is in: a full restore's copy reads the packs after the layout)
+            tell_copies_read_again(self.store, self.reporter)
         self._clean_up()
         hook_error = _run_post_restore_hook(self.request, self.pid, self.manifest, self.reporter,
                                             self.settings.hook_timeout)
