@@ -604,6 +604,34 @@ def test_an_adopted_image_keeps_only_the_bytes_its_segments_name(store):
     assert (laid_out(store, m) / "pages-1.img").read_bytes() == image
 
 
+def test_an_adopted_image_keeps_in_place_what_does_not_shrink_by_a_tenth(store):
+    """Three 1 MiB runs of one pages image: random data behind a few pages of heap (its first
+    16 KiB compress: the probe's slices over the whole run find it does not), random data with
+    zeros just where the probe's slices fall (it passes the probe; compressed, it shrinks by
+    1.6%), and text. The first two stay where they lie in the adopted image, only the text is
+    compressed into the dump's own pack, the image reads back whole."""
+    from ckpt.store.blocks import blockstore
+
+    run = blockstore.SEGMENT_PAGES * PAGE
+    heap_then_random = b"heap object " * (4 * PAGE // 12) + os.urandom(run)
+    heap_then_random = heap_then_random[:run]
+    probed = bytearray(os.urandom(run))
+    piece = blockstore.PROBE // blockstore.PROBE_SLICES
+    for k in range(blockstore.PROBE_SLICES):
+        at = (run - piece) * k // (blockstore.PROBE_SLICES - 1)
+        probed[at:at + piece] = bytes(piece)
+    text = b"".join(f"line {k} of some text\n".encode() for k in range(run // 16))[:run]
+    image = heap_then_random + bytes(probed) + text
+    m = fake_dump(store, {"pages-1.img": image})
+    packs = sorted((store.root / "packs").glob("*/*"), key=lambda p: p.stat().st_size)
+    assert len(packs) == 2
+    own, adopted = packs
+    assert adopted.stat().st_size == len(image)  # CRIU's image itself
+    assert 2 * run <= adopted.stat().st_blocks * 512 < 2 * run + 16 * PAGE  # the text punched out
+    assert own.stat().st_size < run // 4  # the text, compressed
+    assert (laid_out(store, m) / "pages-1.img").read_bytes() == image
+
+
 def test_prune_counts_the_bytes_of_an_adopted_image_no_segment_names(store, monkeypatch):
     """Where the filesystem cannot punch holes, an adopted image keeps its dead bytes: prune
     counts them and repacks a pack a quarter of whose bytes is dead, as for any other pack."""
