@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ckpt.dump.commit import DumpRecord, ingest_and_commit
-from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreBusy, StoreError
+from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, DiskFull, StoreBusy, StoreError
 from ckpt.store import Manifest, Store, ids
 from ckpt.store.materialize import materialize, materialize_parent
 from ckpt.store.prune import collect_garbage
@@ -630,6 +630,28 @@ def test_an_adopted_image_keeps_in_place_what_does_not_shrink_by_a_tenth(store):
     assert 2 * run <= adopted.stat().st_blocks * 512 < 2 * run + 16 * PAGE  # the text punched out
     assert own.stat().st_size < run // 4  # the text, compressed
     assert (laid_out(store, m) / "pages-1.img").read_bytes() == image
+
+
+def test_adopted_images_stored_at_once_are_all_dropped_when_one_fails(store, monkeypatch):
+    """The adopted images of a dump are made durable a few at once: when one fails (a full
+    disk), the dump fails and none of them is left in the store, nor any index file."""
+    from ckpt.store.backends.local import LocalBackend
+
+    real_put_file, calls = LocalBackend.put_file, []
+
+    def failing_put_file(self, name, source):
+        calls.append(name)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real_put_file(self, name, source)
+
+    monkeypatch.setattr(LocalBackend, "put_file", failing_put_file)
+    images = {f"pages-{k}.img": os.urandom(300 * PAGE) for k in range(1, 7)}
+    with pytest.raises(DiskFull):
+        fake_dump(store, images)
+    assert len(calls) == 6  # every one was tried: the others had been stored, then dropped
+    assert list((store.root / "packs").glob("*/*")) == []
+    assert list((store.root / "index").glob("*")) == []
 
 
 def test_prune_counts_the_bytes_of_an_adopted_image_no_segment_names(store, monkeypatch):

@@ -334,6 +334,7 @@ HELD_SEGMENTS = 16
 SHARED_DECODED_BYTES = 64 << 20  # decoded segments a layout's readers share (DecodedSegments)
 SHRINK_AT_LEAST = 0.9  # of its size a segment's encoding must come to at most, or it is kept as it is
 ADOPT_AT_LEAST = 0.75  # of a file's bytes in segments stored as they are, for it to become a pack
+ADOPTED_AT_ONCE = 4  # adopted files made durable at once (PackWriter.commit)
 ADOPT_SPARSE_AT_LEAST = 1 << 20  # bytes stored as they are, for a file to become a pack with holes
 
 
@@ -722,17 +723,7 @@ class PackWriter:
             self._out.commit()
             self._committed = True
             packs.append(pack_name(self.pack))
-        used = {segment.pack for segment in self.segments}
-        for pack, path, sparse in self._adopted:
-            if pack in used:
-                if sparse:
-                    # Only the segments stay: the pages the store had, and those stored
-                    # compressed in the dump's own pack, are freed before the file is made
-                    # durable (nor written to disk). Where the filesystem cannot, they stay as
-                    # dead bytes, for a prune to repack.
-                    punch_out(path, sorted((s.offset, s.length) for s in self.segments if s.pack == pack))
-                self.backend.put_file(pack_name(pack), path)
-                self._adopted_stored.append(pack_name(pack))
+        self._store_adopted()
         packs += self._adopted_stored
         data = _blockindex().render_index(self.segments, b"".join(self._ids), self._numbers, self._positions)
         name = INDEX_PREFIX + blake3.blake3(data).hexdigest()
@@ -740,6 +731,38 @@ class PackWriter:
         self.written = [*packs, name]
         self.index_data = data
         return self.written
+
+    def _store_adopted(self) -> None:
+        """Each adopted file that holds a segment into the store, a few at once: each is made
+        durable on its own (an fsync apiece: the files of a 100-process tree one after the
+        other took 0.2 s of its dump after CRIU had ended)."""
+        used = {segment.pack for segment in self.segments}
+        named: dict[str, list[tuple[int, int]]] = {}
+        for segment in self.segments:
+            named.setdefault(segment.pack, []).append((segment.offset, segment.length))
+
+        def store(pack: str, path: Path, sparse: bool) -> str:
+            if sparse:
+                # Only the segments stay: the pages the store had, and those stored
+                # compressed in the dump's own pack, are freed before the file is made
+                # durable (nor written to disk). Where the filesystem cannot, they stay as
+                # dead bytes, for a prune to repack.
+                punch_out(path, sorted(named[pack]))
+            self.backend.put_file(pack_name(pack), path)
+            return pack_name(pack)
+
+        adopted = [entry for entry in self._adopted if entry[0] in used]
+        if len(adopted) < 2:
+            self._adopted_stored += [store(*entry) for entry in adopted]
+            return
+        with ThreadPoolExecutor(max_workers=ADOPTED_AT_ONCE, thread_name_prefix="ckpt-adopted") as pool:
+            futures = [pool.submit(store, *entry) for entry in adopted]
+            wait(futures)
+        failures = [future.exception() for future in futures if future.exception() is not None]
+        # (what was stored is dropped by abort() unless the index file names it)
+        self._adopted_stored += [future.result() for future in futures if future.exception() is None]
+        if failures:
+            raise failures[0]  # type: ignore[misc]
 
     def abort(self) -> None:
         """Drops the packs unless their index file was written (then they are the store's: a
