@@ -148,6 +148,7 @@ class RestoreSession(Session[RestoreRequest]):
         self.shared_pages: int | None = None  # pages laid out once, read from the root's image (treeshare)
         self.segment_check: _SegmentCheck | None = None  # a lazy restore's segments, checked while CRIU runs
         self.fill_stats: FillStats | None = None
+        self._told_copies = False  # the cache's copies read again (_tell_copies_read_again)
         self.pid: int | None = None
         self.inner: int | None = None
         self.network: copynet.CopyNetwork | None = None  # a copy's own network namespace
@@ -440,9 +441,7 @@ class RestoreSession(Session[RestoreRequest]):
         if self.pid is None:
             raise RuntimeError("finish before restore")  # a coordinator's bug, not the user's
         self._finished = True  # from here on the tree is the user's: no failure ends it
-        if self.store is not None:
-            # (once the memory is in: a full restore's copy reads the packs after the layout)
-            tell_copies_read_again(self.store, self.reporter)
+        self._tell_copies_read_again()
         self._clean_up()
         hook_error = _run_post_restore_hook(self.request, self.pid, self.manifest, self.reporter,
                                             self.settings.hook_timeout)
@@ -458,6 +457,10 @@ class RestoreSession(Session[RestoreRequest]):
         finished, self._finished = self._finished, True
         self._drop_hold()  # CRIU ends what it restored, and restore() fails: no PID to end here
         try:
+            self._tell_copies_read_again()
+        except Exception:  # noqa: BLE001 - a note; the failure being handled is what matters
+            pass
+        try:
             if self.began_init is not None and not finished:
                 copies.end_copy(*self.began_init)  # its whole PID namespace (CRIU too, if it still restores)
             elif self.copy_info is not None and not finished:
@@ -469,6 +472,13 @@ class RestoreSession(Session[RestoreRequest]):
             if self.network is not None and not finished:
                 network, self.network = self.network, None
                 copynet.tear_down(self.settings.copies_dir, network)
+
+    def _tell_copies_read_again(self) -> None:
+        """Once, at the end, however the restore ended: copies in the local cache found damaged
+        and read again from the store (a full restore's copy reads the packs after the layout)."""
+        if self.store is not None and not self._told_copies:
+            self._told_copies = True
+            tell_copies_read_again(self.store, self.reporter)
 
     def _clean_up(self) -> None:
         try:

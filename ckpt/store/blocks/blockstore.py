@@ -741,7 +741,9 @@ class PackWriter:
         for segment in self.segments:
             named.setdefault(segment.pack, []).append((segment.offset, segment.length))
 
-        def store(pack: str, path: Path, sparse: bool) -> str:
+        lock = threading.Lock()
+
+        def store(pack: str, path: Path, sparse: bool) -> None:
             if sparse:
                 # Only the segments stay: the pages the store had, and those stored
                 # compressed in the dump's own pack, are freed before the file is made
@@ -749,20 +751,22 @@ class PackWriter:
                 # dead bytes, for a prune to repack.
                 punch_out(path, sorted(named[pack]))
             self.backend.put_file(pack_name(pack), path)
-            return pack_name(pack)
+            with lock:  # at once: abort() drops what was stored, however the commit ends
+                self._adopted_stored.append(pack_name(pack))
 
         adopted = [entry for entry in self._adopted if entry[0] in used]
         if len(adopted) < 2:
-            self._adopted_stored += [store(*entry) for entry in adopted]
+            for entry in adopted:
+                store(*entry)
             return
-        with ThreadPoolExecutor(max_workers=ADOPTED_AT_ONCE, thread_name_prefix="ckpt-adopted") as pool:
+        pool = ThreadPoolExecutor(max_workers=ADOPTED_AT_ONCE, thread_name_prefix="ckpt-adopted")
+        try:
             futures = [pool.submit(store, *entry) for entry in adopted]
             wait(futures)
-        failures = [future.exception() for future in futures if future.exception() is not None]
-        # (what was stored is dropped by abort() unless the index file names it)
-        self._adopted_stored += [future.result() for future in futures if future.exception() is None]
-        if failures:
-            raise failures[0]  # type: ignore[misc]
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for future in futures:
+            future.result()  # the first failure, if any
 
     def abort(self) -> None:
         """Drops the packs unless their index file was written (then they are the store's: a
