@@ -25,6 +25,9 @@ s3_store = test_s3_store.s3_store  # the fixture: an encrypted store at a fresh 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("s3_store")]
 
 PAGE = 4096
+# Of the random memory, what may come down with the layout rather than the page server or the
+# copy: a segment or two that also hold pages CRIU restores before the tree runs.
+LAID_OUT_MIB = 2
 LAZY_DIR = Settings().lazy_dir
 
 
@@ -62,8 +65,10 @@ def test_a_256_mib_tree_from_s3_gets_its_segments_once_in_large_requests(procs, 
     assert stats["status"] == "done" and stats["pages_served"] == stats["pages_total"] >= (200 << 20) // PAGE
     fetches = stats["fetches"]
     assert stats["store_requests"] == len(fetches) and stats["bytes_fetched"] == sum(f[2] for f in fetches)
-    # The random memory is stored as it is (the rest compressed): every byte of it came down once.
-    assert 256 << 20 <= stats["bytes_fetched"] <= stats["pages_total"] * PAGE
+    # The random memory is stored as it is (the rest compressed): every byte of it came down
+    # once, through the page server but for a segment that also holds pages restored before the
+    # tree runs (fetched with the layout, as 1 MiB of the image's first 2 MiB was in one run).
+    assert (256 - LAID_OUT_MIB) << 20 <= stats["bytes_fetched"] <= stats["pages_total"] * PAGE
     by_pack: dict[str, list[tuple[int, int]]] = {}
     for pack, offset, length, segments in fetches:
         by_pack.setdefault(pack, []).append((offset, offset + length))
@@ -163,7 +168,8 @@ def test_an_eager_restore_from_s3_fetches_ahead_and_copies_every_page_in(procs, 
     procs.adopt(result["pid"])
     filled = result["filled"]
     assert result["lazy"] is None and filled is not None and filled["pages"] >= (64 << 20) // PAGE, result
-    assert 64 << 20 <= filled["bytes_fetched"] and 0 < filled["store_requests"] <= filled["bytes_fetched"] / (1 << 20)
+    assert (64 - LAID_OUT_MIB) << 20 <= filled["bytes_fetched"]  # (see the 256 MiB test)
+    assert 0 < filled["store_requests"] <= filled["bytes_fetched"] / (1 << 20)
     assert report(result["pid"], out)[0] == checksum, "the restored memory differs from the checkpoint's"
 
 
