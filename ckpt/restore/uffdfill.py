@@ -33,6 +33,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -291,8 +292,8 @@ class UffdFiller:
         # Each share's runs by segment: each segment's pages taken once (checked, decoded or
         # mapped) for every run in it. Per run, that bookkeeping cost a 100-process tree's
         # fill (7,200 runs) as much thread time as the copies did.
-        by_segment = [[list(runs) for _, runs in itertools.groupby(sorted(share, key=_segment_order),
-                                                                     key=lambda item: item.key)]
+        by_segment = [[list(runs) for _, runs in itertools.groupby(sorted(share, key=attrgetter("key", "within")),
+                                                                     key=attrgetter("key"))]
                       for share in shares]
         # A remote store's segments come down ahead, in large parallel requests, in the order
         # the threads will copy them (round the shares); a local store's are read in place.
@@ -494,10 +495,6 @@ def _mapping_bounds(pid: int) -> list[int]:
     except OSError:
         pass  # exited already (a lazy restore's tree runs): nothing to cut, nothing to copy
     return sorted(set(bounds))
-
-
-def _segment_order(item: _Work) -> tuple[int, int]:
-    return item.key, item.within
 
 
 def _copy_segment(reader, runs: list[_Work]) -> None:

@@ -15,7 +15,7 @@ import zstandard
 
 from ckpt.errors import DamagedCheckpoint
 from ckpt.store.backends import Backend, BlobNotFound, BlobStream
-from ckpt.store.blocks.blockstore import BlockStore, DecodedSegments
+from ckpt.store.blocks.blockstore import ENCODED_AT_MOST, BlockStore, DecodedSegments
 from ckpt.store.blocks.segments import ID_LEN
 from ckpt.store.manifest import FileEntry
 from ckpt.system.files import FILE_MODE
@@ -61,7 +61,7 @@ def worth_compressing(path: Path) -> bool:
             chunk = f.read(piece)
             raw += len(chunk)
             packed += len(compressor.compress(chunk))
-    return packed < 0.9 * raw
+    return packed < ENCODED_AT_MOST * raw
 
 
 def hash_file(path: Path) -> str:

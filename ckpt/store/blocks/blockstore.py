@@ -332,7 +332,7 @@ PROBE_SLICES = 16
 # is a view of its mapping, no memory of its own): see _SegmentReader.
 HELD_SEGMENTS = 16
 SHARED_DECODED_BYTES = 64 << 20  # decoded segments a layout's readers share (DecodedSegments)
-SHRINK_AT_LEAST = 0.9  # of its size a segment's encoding must come to at most, or it is kept as it is
+ENCODED_AT_MOST = 0.9  # of its size, for an encoding to be worth keeping (else stored as it is)
 ADOPT_AT_LEAST = 0.75  # of a file's bytes in segments stored as they are, for it to become a pack
 ADOPTED_AT_ONCE = 4  # adopted files made durable at once (PackWriter.commit)
 ADOPT_SPARSE_AT_LEAST = 1 << 20  # bytes stored as they are, for a file to become a pack with holes
@@ -636,7 +636,7 @@ class PagesIngest:
 
 def _shrank(stored: bytes, size: int) -> bool:
     """Whether a segment's encoding saved 10% of its size (the probe's measure)."""
-    return len(stored) < SHRINK_AT_LEAST * size
+    return len(stored) < ENCODED_AT_MOST * size
 
 
 def _stored_as_is(view: memoryview, at: list[tuple[int, int]], codec: str,
@@ -736,8 +736,7 @@ class PackWriter:
         """Each adopted file that holds a segment into the store, a few at once: each is made
         durable on its own (an fsync apiece: the files of a 100-process tree one after the
         other took 0.2 s of its dump after CRIU had ended)."""
-        used = {segment.pack for segment in self.segments}
-        named: dict[str, list[tuple[int, int]]] = {}
+        named: dict[str, list[tuple[int, int]]] = {}  # by pack, what its segments name
         for segment in self.segments:
             named.setdefault(segment.pack, []).append((segment.offset, segment.length))
 
@@ -754,8 +753,8 @@ class PackWriter:
             with lock:  # at once: abort() drops what was stored, however the commit ends
                 self._adopted_stored.append(pack_name(pack))
 
-        adopted = [entry for entry in self._adopted if entry[0] in used]
-        if len(adopted) < 2:
+        adopted = [entry for entry in self._adopted if entry[0] in named]
+        if len(adopted) < 2:  # no threads for one file (or none)
             for entry in adopted:
                 store(*entry)
             return
