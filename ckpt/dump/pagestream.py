@@ -43,6 +43,7 @@ from ckpt.phases import phase
 from ckpt.store.blocks.blockstore import StreamedPages, page_ids
 from ckpt.store.blocks.byaddress import PagesByAddress
 from ckpt.store.blocks.segments import PAGE
+from ckpt.system.files import write_all
 
 COMMAND = struct.Struct("<I4xQQQ")
 PS_IOV_ADD, PS_IOV_HOLE, PS_IOV_OPEN, PS_IOV_OPEN2, PS_IOV_ADD_F = 1, 2, 3, 4, 6
@@ -350,7 +351,7 @@ class PageStream:
             for run in np.split(rows, breaks):
                 start, end = int(run[0]), int(run[-1]) + 1
                 try:
-                    _write_all(image.kept_fd, data[start * PAGE:end * PAGE])
+                    write_all(image.kept_fd, data[start * PAGE:end * PAGE])
                 except OSError as exc:
                     exc.filename = str(image.kept_path)
                     raise
@@ -361,10 +362,6 @@ class PageStream:
         data.release()
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    while len(data):
-        written = os.write(fd, data)
-        data = data[written:]
 
 
 def earlier_pages(processes: dict[str, tuple[list, bytes]]) -> dict[str, PagesByAddress]:

@@ -18,7 +18,7 @@ from ckpt.store.backends import Backend, BlobNotFound, BlobStream
 from ckpt.store.blocks.blockstore import ENCODED_AT_MOST, BlockStore, DecodedSegments
 from ckpt.store.blocks.segments import ID_LEN
 from ckpt.store.manifest import FileEntry
-from ckpt.system.files import FILE_MODE
+from ckpt.system.files import FILE_MODE, write_all
 
 # An object is kept compressed with zstd or not at all (a dump with lz4 keeps its objects as
 # zstd): its codec is the suffix of its name, zstd looked for first.
@@ -161,20 +161,20 @@ class Objects:
 
     def _decompress_into(self, entry: FileEntry, name: str, dest: Path | None) -> str:
         hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        out = open(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") if dest else None
+        out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE) if dest else None
         try:
             reader = zstandard.ZstdDecompressor().stream_reader(BlobStream(self.backend, name, CHUNK),  # type: ignore[arg-type]
                                                                read_size=CHUNK)
             while chunk := reader.read(CHUNK):
                 hasher.update(chunk)
-                if out:
-                    out.write(chunk)
+                if out is not None:
+                    write_all(out, chunk)
         except zstandard.ZstdError as exc:
             raise DamagedCheckpoint(f"image {entry.name}: object {self.backend.where(name)} cannot be "
                                     f"decompressed ({exc})") from exc
         finally:
-            if out:
-                out.close()
+            if out is not None:
+                os.close(out)
         return hasher.hexdigest()
 
     def hash_blob(self, name: str) -> str:

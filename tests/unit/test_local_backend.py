@@ -1,6 +1,7 @@
 """The local directory backend (ckpt/store/backends/local.py): atomic and durable writes,
 ranged reads, listing, deletion, and create-if-absent, the commit point of a checkpoint."""
 
+import io
 import os
 import stat
 import subprocess
@@ -199,3 +200,51 @@ def test_a_file_punched_out_and_moved_in_keeps_its_holes_only_on_the_stores_file
             assert not backend.keeps_holes(Path(elsewhere))
         finally:
             os.unlink(elsewhere)
+
+
+def test_large_writes_reach_the_kernel_in_pieces(backend, monkeypatch):
+    """A pack's segments, a cache copy's ranges, the spool: each write(2) takes at most
+    WRITE_PIECE (the page cache builds a file of folios as large as its writes, and large
+    ones cost 10-50 times more to fill here: ckpt/system/files.py), and the bytes arrive
+    whole and in order, through the blob writer and through pwrite_all alike."""
+    from ckpt.system import files
+
+    sizes = []
+    real_write, real_pwrite = os.write, os.pwrite
+
+    def write(fd, data):
+        sizes.append(len(data))
+        return real_write(fd, data)
+
+    def pwrite(fd, data, offset):
+        sizes.append(len(data))
+        return real_pwrite(fd, data, offset)
+
+    class RecordedFile(io.FileIO):
+        def write(self, data):
+            sizes.append(len(data))
+            return super().write(data)
+
+    def recorded_open(fd, mode, buffering):  # the writer's buffered file, over a recorded one
+        return io.BufferedWriter(RecordedFile(fd, mode), buffering)
+
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(local_module, "open", recorded_open, raising=False)
+    data = os.urandom(3 * files.WRITE_PIECE + 12345)
+    with backend.writer("packs/ab/abcdef") as out:
+        out.write(b"x" * 100)
+        out.write(data)
+        out.write(memoryview(data)[:5000])
+        out.commit()
+    assert backend.get("packs/ab/abcdef") == b"x" * 100 + data + data[:5000]
+    fd = os.open(backend.root / "spool", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        files.pwrite_all(fd, data, 4096)
+        files.write_all(fd, data)  # after the pwrite: at the file's own offset, 0
+    finally:
+        os.close(fd)
+    # data at 4096 by pwrite_all, then data at 0 over it: data, then the last 4096 bytes of the first
+    assert (backend.root / "spool").read_bytes() == data + data[-4096:]
+    assert sizes and max(sizes) <= files.WRITE_PIECE, f"a write(2) of {max(sizes)} bytes"
+    assert sum(sizes) == 100 + len(data) + 5000 + 2 * len(data), "every byte seen written once"

@@ -28,11 +28,12 @@ from typing import Callable, Iterator
 from ckpt.errors import StoreBusy
 from ckpt.store.backends.base import (Backend, BlobExists, BlobInfo, BlobNotFound, BlobWriter, LockOwner,
                                       RangeReader, check_name)
-from ckpt.system.files import FILE_MODE, atomic_write_bytes, can_punch_holes, fsync_dir, make_private_dir, write_all
+from ckpt.system.files import (FILE_MODE, WRITE_PIECE, atomic_write_bytes, can_punch_holes, fsync_dir,
+                               make_private_dir, write_all)
 from ckpt.system.locks import wait_for_flock
 from ckpt.system.procfs import pid_exists
 
-WRITE_BUFFER = 4 << 20
+WRITE_BUFFER = WRITE_PIECE  # what a write(2) takes at most (see WRITE_PIECE: larger ones cost more)
 # How much of a large blob (a pack) is written before the kernel is asked to start writing it
 # to disk: the fsync of the commit then waits for the last stretch only, not for all of it.
 WRITEBACK_EVERY = 8 << 20
@@ -273,7 +274,10 @@ class _LocalWriter(BlobWriter):
         self._finished = False
 
     def write(self, data) -> None:
-        self._file.write(data)
+        with memoryview(data) as view, view.cast("B") as whole:
+            # A buffered file hands a write larger than its buffer to write(2) whole.
+            for at in range(0, len(whole), WRITE_PIECE):
+                self._file.write(whole[at:at + WRITE_PIECE])
         self.written += len(data)
         if self.written - self._queued >= WRITEBACK_EVERY:
             self._file.flush()

@@ -32,7 +32,7 @@ from ckpt.phases import phase
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, BlobWriter, RangeReader
 from ckpt.store.blocks.segments import (CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segment, pack_name, segment_key,
                                         WITHIN_BITS, split_location)
-from ckpt.system.files import FILE_MODE, punch_out
+from ckpt.system.files import FILE_MODE, punch_out, write_all
 
 if TYPE_CHECKING:
     import numpy as np
@@ -1213,7 +1213,7 @@ class _ImageRebuild:
                 self.blocks.record_damage(self.index.segment_list[key])
                 raise DamagedCheckpoint(f"image {self.image_name}: page {first + j} does not match its id")
             if self.out_fd is not None:
-                _write_all(self.out_fd, chunk)
+                write_all(self.out_fd, chunk)
 
     def raise_damage(self) -> None:
         if self.damaged:
@@ -1277,13 +1277,6 @@ class PageSender:
 
     def close(self) -> None:
         self.reader.close()
-
-
-def _write_all(fd: int, data) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
 
 
 class DecodedSegments:
@@ -1468,7 +1461,7 @@ class _SegmentReader:
             self._checked_stored(key, seg).release()
         if seg.codec != CODECS["none"] or not self.ranges.mapped(name):
             with self._pages_of(key, seg)[within * PAGE:(within + count) * PAGE] as pages:
-                _write_all(out_fd, pages)
+                write_all(out_fd, pages)
             return
         offset, length = seg.offset + within * PAGE, count * PAGE
         try:
