@@ -278,6 +278,7 @@ def test_a_range_the_spool_cannot_take_is_fetched_again_when_read_again_and_its_
 def test_a_spool_that_falls_behind_never_holds_up_the_fetch_and_what_it_skipped_is_fetched_for_the_cache(
         tmp_path, monkeypatch):
     import threading
+    import time
 
     import ckpt.store.blocks.prefetch as prefetch
 
@@ -297,10 +298,14 @@ def test_a_spool_that_falls_behind_never_holds_up_the_fetch_and_what_it_skipped_
     pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=2)
     prefetcher.start()
     try:
-        for key in wanted:  # every segment served while the spool has written nothing
+        _all_down(prefetcher)  # while the spool thread has written nothing
+        deadline = time.monotonic() + 10
+        while not all(r.spool_waiting or r.spool_writing for r in prefetcher.ranges):  # each handed to it
+            assert time.monotonic() < deadline, "a range was never handed to the spool thread"
+            time.sleep(0.005)
+        for key in wanted:  # every segment served meanwhile
             with prefetcher.segment(key) as got:
                 assert bytes(got) == _bytes_of(pack, segs[key])
-        _all_down(prefetcher)
         assert not spooled
         spool_may_write.set()
         prefetcher.settle()

@@ -275,10 +275,12 @@ class _LocalWriter(BlobWriter):
 
     def write(self, data) -> None:
         with memoryview(data) as view, view.cast("B") as whole:
-            # A buffered file hands a write larger than its buffer to write(2) whole.
-            for at in range(0, len(whole), WRITE_PIECE):
-                self._file.write(whole[at:at + WRITE_PIECE])
-        self.written += len(data)
+            if len(whole) <= WRITE_PIECE:
+                self._file.write(whole)
+            else:  # a buffered file hands a write larger than its buffer to write(2) whole
+                for at in range(0, len(whole), WRITE_PIECE):
+                    self._file.write(whole[at:at + WRITE_PIECE])
+            self.written += len(whole)
         if self.written - self._queued >= WRITEBACK_EVERY:
             self._file.flush()
             # Starts writeback of that stretch without waiting for it (on Linux, DONTNEED

@@ -213,6 +213,7 @@ class Prefetcher:
         self._spool_thread: threading.Thread | None = None
         self._spool_behind = 0  # bytes of the ranges waiting for the spool thread
         self._not_spooled: list[tuple[str, int, int]] = []  # ranges given up: (pack, start, end)
+        self._closing = False
 
     def covers(self, key: int) -> bool:
         return self.queue.covers(key)
@@ -275,19 +276,33 @@ class Prefetcher:
             if queued:
                 taken.spool_waiting = len(view)
                 self._spool_behind += len(view)
-        if queued:
-            self._spool_queue.put(taken)
-        else:
+                self._spool_queue.put(taken)  # under the lock: _stop_spool's end comes after it
+        if not queued:
             self._spool(taken, view)
 
     def _spool_work(self) -> None:
         while (taken := self._spool_queue.get()) is not None:
-            with self._held_lock:
-                view = taken.buffer
-                if view is None or taken.spooled:  # given up (see _give_up_spool)
-                    continue
-                taken.spool_writing = True
+            try:
+                self._spool_one(taken)
+            except Exception:  # noqa: BLE001 - as a range the spool could not take: its pack never kept
+                with self._held_lock:
+                    self._unspooled.add(taken.pack)
+                    taken.spooled = taken.spool_failed = True
+                    self._release(taken)
+
+    def _spool_one(self, taken: FetchRange) -> None:
+        with self._held_lock:
+            view = taken.buffer
+            if view is None or taken.spooled:  # given up (see _give_up_spool)
+                return
+            if self._closing:  # its file is removed next: let go unwritten
+                self._unspooled.add(taken.pack)
+                self._give_up_spool(taken)
+                return
+            taken.spool_writing = True
+        try:
             self._spool(taken, view)
+        finally:
             with self._held_lock:
                 self._spool_behind -= taken.spool_waiting
                 taken.spool_waiting = 0
@@ -449,9 +464,17 @@ class Prefetcher:
     def _stop_spool(self) -> None:
         with self._held_lock:
             thread, self._spool_thread = self._spool_thread, None  # from now on, spooled where fetched
+            if thread is not None:
+                self._spool_queue.put(None)
         if thread is not None:
-            self._spool_queue.put(None)
             thread.join()
+        while True:  # what a spool thread that ended early left (none otherwise)
+            try:
+                taken = self._spool_queue.get_nowait()
+            except queue.Empty:
+                return
+            if taken is not None:
+                self._spool_one(taken)
 
     def keep_in(self, cache: Backend) -> None:
         """Once every range is down, makes each spooled pack whole (its bytes not fetched: other
@@ -498,6 +521,7 @@ class Prefetcher:
         for thread in self._threads:
             thread.join()
         self._threads.clear()
+        self._closing = True  # the spool thread lets go what it has not written
         self._stop_spool()
         with self._held_lock:
             for taken in self.ranges:
