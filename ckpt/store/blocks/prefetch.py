@@ -11,11 +11,10 @@ against their checksums on the fetching thread. The page server reads a range's 
 the range's buffer, held in memory from the moment it is down until they are read (up to
 HELD_BYTES of ranges); each range is also written at its place in a spool file of its pack
 (sparse, shaped like the pack), for a segment read again and for the cache copy kept after the
-last page (Prefetcher.keep_in), by a thread of its own: a spool that falls behind (a page cache
-slow to fill) never holds up the fetch, and a range the page server has read while the spool
-was far behind is not spooled at all; keep_in fetches it again after the last page. A
-request for a segment not down yet jumps the queue (see FetchQueue.claim). See "Lazy restore"
-in docs/design.md for the bounds on memory and disk.
+last page (Prefetcher.keep_in), by a thread of its own: a spool slow to write (a page cache
+slow to fill) holds up the fetch only once HELD_BYTES waits for it. A request for a segment
+not down yet jumps the queue (see FetchQueue.claim). See "Lazy restore" in docs/design.md for
+the bounds on memory and disk.
 """
 
 from __future__ import annotations
@@ -46,11 +45,6 @@ THREADS = 4  # S3Backend's pool keeps 2 x 4 + 2 connections: these and the page 
 HELD_BYTES = 128 << 20
 # The spool's pages leave the page cache every TRIM_BYTES written (see Prefetcher._trim).
 TRIM_BYTES = 32 << 20
-# Ranges waiting for the spool thread beyond which one the page server has read is not spooled
-# (its memory goes at once; keep_in fetches it again). Right after a GiB tree was ended here,
-# filling the page cache took 7-13 s a GiB, and the spool on the fetching threads made the
-# last page of a GiB from S3 come 1-1.5 s later (5.38 and 3.80 s against 3.91 and 2.78 s).
-SPOOL_BEHIND_BYTES = 32 << 20
 
 
 @dataclass
@@ -71,10 +65,8 @@ class FetchRange:
     # Once down: its bytes, until the page server has read its segments (see Prefetcher._hold).
     buffer: memoryview | None = field(default=None, repr=False, compare=False)
     unread: set[int] = field(default_factory=set, repr=False, compare=False)
-    spooled: bool = False  # its spool write is over (done, failed or given up): its buffer may go
+    spooled: bool = False  # its spool write is over (done or failed): its buffer may go
     spool_failed: bool = False  # the spool has a hole there: read again from the store (_read_again)
-    spool_waiting: int = 0  # its bytes, while it waits for the spool thread
-    spool_writing: bool = False  # the spool thread has taken it
 
 
 def plan_ranges(wanted: Sequence[int], segments: Sequence[Segment], range_bytes: int = RANGE_BYTES
@@ -211,8 +203,6 @@ class Prefetcher:
         self._unspooled: set[str] = set()  # packs with a range the spool could not take: never kept
         self._spool_queue: queue.SimpleQueue[FetchRange | None] = queue.SimpleQueue()
         self._spool_thread: threading.Thread | None = None
-        self._spool_behind = 0  # bytes of the ranges waiting for the spool thread
-        self._not_spooled: list[tuple[str, int, int]] = []  # ranges given up: (pack, start, end)
         self._closing = False
 
     def covers(self, key: int) -> bool:
@@ -268,14 +258,14 @@ class Prefetcher:
         self._hand_to_spool(taken, view)  # (settle waits for the spool: every range is in it then)
 
     def _hand_to_spool(self, taken: FetchRange, view: memoryview) -> None:
-        """To the spool thread; on this thread instead once more than HELD_BYTES is held (the
-        page server far behind the fetch: the buffer can go only once spooled) or once the
-        spool thread has stopped (settle)."""
+        """To the spool thread (right after a GiB tree was ended here, filling the page cache
+        took 7-13 s a GiB, and written on the fetching threads the spool made the last page
+        of a GiB from S3 come 1-1.5 s later); on this thread instead once more than HELD_BYTES
+        is held (the page server or the spool far behind: a buffer goes only once spooled,
+        and that bounds the memory) or once the spool thread has stopped (settle)."""
         with self._held_lock:
             queued = self._held_bytes <= HELD_BYTES and self._spool_thread is not None
             if queued:
-                taken.spool_waiting = len(view)
-                self._spool_behind += len(view)
                 self._spool_queue.put(taken)  # under the lock: _stop_spool's end comes after it
         if not queued:
             self._spool(taken, view)
@@ -293,28 +283,14 @@ class Prefetcher:
     def _spool_one(self, taken: FetchRange) -> None:
         with self._held_lock:
             view = taken.buffer
-            if view is None or taken.spooled:  # given up (see _give_up_spool)
+            if taken.spooled:
                 return
-            if self._closing:  # its file is removed next: let go unwritten
+            if view is None or self._closing:  # (closing: its file is removed next) let go unwritten
                 self._unspooled.add(taken.pack)
-                self._give_up_spool(taken)
+                taken.spooled = taken.spool_failed = True
+                self._release(taken)
                 return
-            taken.spool_writing = True
-        try:
-            self._spool(taken, view)
-        finally:
-            with self._held_lock:
-                self._spool_behind -= taken.spool_waiting
-                taken.spool_waiting = 0
-
-    def _give_up_spool(self, taken: FetchRange) -> None:
-        """Called with _held_lock held, for a range whose segments were all read: not spooled,
-        its memory let go; keep_in fetches it again."""
-        self._not_spooled.append((taken.pack, taken.start, taken.end))
-        self._spool_behind -= taken.spool_waiting
-        taken.spool_waiting = 0
-        taken.spooled = taken.spool_failed = True
-        self._release(taken)
+        self._spool(taken, view)
 
     def _hold(self, taken: FetchRange, view: memoryview) -> None:
         with self._held_lock:
@@ -419,12 +395,8 @@ class Prefetcher:
         with self._held_lock:
             found.unread.discard(key)
             buffer = found.buffer
-            if buffer is not None and not found.unread:
-                if found.spooled:
-                    self._release(found)
-                elif (found.spool_waiting and not found.spool_writing
-                      and self._spool_behind > SPOOL_BEHIND_BYTES):
-                    self._give_up_spool(found)
+            if buffer is not None and not found.unread and found.spooled:
+                self._release(found)
             unspooled = found.spool_failed
         if buffer is not None:
             at = seg.offset - found.start
@@ -456,7 +428,7 @@ class Prefetcher:
 
     def settle(self) -> None:
         """Waits for the fetching threads, then the spool thread, to end: once every range is
-        down, each of them is in the spool (or given up) when this returns."""
+        down, each of them is in the spool when this returns."""
         for thread in self._threads:
             thread.join()
         self._stop_spool()
@@ -493,21 +465,21 @@ class Prefetcher:
                 size = self.source.stat(name).size
                 if size > cache.copy_room():
                     continue
-                gaps = _gaps(size, [(f[1], f[1] + f[2]) for f in self.stats.fetches if f[0] == pack],
-                             [(start, end) for p, start, end in self._not_spooled if p == pack])
+                spans = sorted((f[1], f[1] + f[2]) for f in self.stats.fetches if f[0] == pack)
                 # A pack mostly of other checkpoints' pages (an old pack a new checkpoint
                 # dedups against) is not made whole: that would download more than the
                 # restore itself did, after it, and evict copies that are used.
-                if sum(end - start for start, end in gaps) > KEEP_GAP_RATIO * size:
+                if size - sum(end - start for start, end in spans) > KEEP_GAP_RATIO * size:
                     continue
-                for start, end in gaps:
-                    at = start
-                    while at < end:  # fetched in ranges of RANGE_BYTES at most
-                        with self.source.get_view(name, at, min(end, at + RANGE_BYTES) - at) as view:
+                at = 0
+                for start, end in [*spans, (size, size)]:
+                    while at < start:  # a gap: fetched in ranges of RANGE_BYTES at most
+                        with self.source.get_view(name, at, min(start, at + RANGE_BYTES) - at) as view:
                             if not len(view):
                                 raise OSError(f"{name} ends at {at}, before {size}")
                             pwrite_all(fd, view, at)
                             at += len(view)
+                    at = max(at, end)
                 os.ftruncate(fd, size)
                 if cache.keep_copy(name, self.spool_dir / pack):
                     os.close(fd)
@@ -534,23 +506,6 @@ class Prefetcher:
             self.spool_dir.rmdir()
         except OSError:
             pass
-
-
-def _gaps(size: int, spooled: list[tuple[int, int]], not_spooled: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The spans [start, end) of a pack of size bytes its spool lacks: outside every fetched
-    span (spooled), and every span fetched but not spooled, merged, in order."""
-    missing, at = [], 0
-    for start, end in [*sorted(spooled), (size, size)]:
-        if at < start:
-            missing.append((at, start))
-        at = max(at, end)
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted(missing + not_spooled):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
 
 
 class PrefetchedRanges(RangeReader):
