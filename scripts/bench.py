@@ -1441,7 +1441,8 @@ def bench_recovery_s3(server: WeedServer, work: Path, criu: str, size_mib: int, 
                     shutil.rmtree(cache)
                 elif step == "download":
                     with _environment(server.environment()):
-                        rows["download_s"].append(bulk_download(backend, names, download_to / f"ckpt-bench-{os.getpid()}"))
+                        dest = download_to / f"ckpt-bench-{os.getpid()}"
+                        rows["download_s"].append(bulk_download(backend, names, dest))
                 elif step == "criu":
                     rows["criu_restore_s"].append(criu_restore_timed(criu, raw_images, pid))
                 elif not warm_missing:
@@ -1684,8 +1685,9 @@ def print_recovery(r: dict) -> None:
           f"target (dirtymem, random data; dump {s['dump_s']:.2f} s, raw criu dump to local disk "
           f"{s['raw_dump_s']:.2f} s); another host is a fresh empty CKPT_CACHE; the bulk download is get_file of "
           f"ckpt's encrypted S3 backend, {s['download_workers']} blobs at once, of every blob under packs/, "
-          f"objects/, index/, into files in {s.get('download_to', 'the work directory')}; the last page is in when the page server's figures say done (its live record "
-          f"/run/ckpt/lazy/<pid>.json, polled every 5 ms)")
+          f"objects/, index/, into files in {s.get('download_to', 'the work directory')}; the last page is in "
+          f"when the page server's figures say done (its live record /run/ckpt/lazy/<pid>.json, polled every "
+          f"5 ms)")
     print(f"  local: a {loc['size_mib']} MiB target dumped by ckpt and by raw criu (--leave-running, its own "
           f"directory); trees: one parent and N children of {tree['child_mib']} MiB (tests/fixtures/bench_tree.py), "
           f"each side dumping a fresh tree")

@@ -362,8 +362,6 @@ class PageStream:
         data.release()
 
 
-
-
 def earlier_pages(processes: dict[str, tuple[list, bytes]]) -> dict[str, PagesByAddress]:
     """PagesByAddress by pagemap image name, from EarlierCheckpoint's (runs, page list)."""
     from ckpt.criu.images import held_runs

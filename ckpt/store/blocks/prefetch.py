@@ -276,21 +276,24 @@ class Prefetcher:
                 self._spool_one(taken)
             except Exception:  # noqa: BLE001 - as a range the spool could not take: its pack never kept
                 with self._held_lock:
-                    self._unspooled.add(taken.pack)
-                    taken.spooled = taken.spool_failed = True
-                    self._release(taken)
+                    self._let_go_unspooled(taken)
 
     def _spool_one(self, taken: FetchRange) -> None:
         with self._held_lock:
             view = taken.buffer
             if taken.spooled:
                 return
-            if view is None or self._closing:  # (closing: its file is removed next) let go unwritten
-                self._unspooled.add(taken.pack)
-                taken.spooled = taken.spool_failed = True
-                self._release(taken)
+            if view is None or self._closing:  # (closing: its file is removed next)
+                self._let_go_unspooled(taken)
                 return
         self._spool(taken, view)
+
+    def _let_go_unspooled(self, taken: FetchRange) -> None:
+        """Called with _held_lock held: the range is let go unwritten, a hole in the spool (a
+        segment of it read again comes from the store) and its pack never kept."""
+        self._unspooled.add(taken.pack)
+        taken.spooled = taken.spool_failed = True
+        self._release(taken)
 
     def _hold(self, taken: FetchRange, view: memoryview) -> None:
         with self._held_lock:
