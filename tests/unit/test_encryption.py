@@ -90,6 +90,28 @@ def test_ranged_reads_at_chunk_boundaries_and_plaintext_sizes(enc, root, size):
     assert enc.get("packs/ab/blob") == data
 
 
+class _RecordingBackend(LocalBackend):
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self.requested: list[tuple[int, int]] = []
+
+    def get(self, name, offset=0, length=None):
+        self.requested.append((offset, offset + (length or 0)))
+        return super().get(name, offset, length)
+
+
+def test_stored_span_is_what_a_ranged_read_asks_the_inner_store_for(root):
+    # The prefetch ends its ranges by it where the S3 upload's parts end.
+    inner = _RecordingBackend(root)
+    enc = EncryptedBackend(inner, MASTER, chunk_size=SMALL)
+    enc.put("packs/ab/blob", os.urandom(10 * SMALL + 5))
+    enc.get_view("packs/ab/blob", 0, 1)  # the header is read (and kept) once
+    for offset, length in [(0, 1), (SMALL - 1, 2), (3 * SMALL, 2 * SMALL), (3 * SMALL + 7, SMALL), (9 * SMALL, 99)]:
+        inner.requested.clear()
+        enc.get_view("packs/ab/blob", offset, length)
+        assert inner.requested == [enc.stored_span("packs/ab/blob", offset, length)], (offset, length)
+
+
 def test_a_streamed_blob_is_sealed_chunk_by_chunk_whatever_the_writes(enc):
     data = os.urandom(5 * SMALL + 3)
     for step in (1, 7, SMALL - 1, SMALL, SMALL + 1, len(data)):

@@ -24,6 +24,31 @@ def test_adjacent_segments_of_a_pack_are_coalesced_up_to_the_range_size():
         ("a", 0, 2 * MIB, [0, 1]), ("a", 2 * MIB, 4 * MIB, [2, 3]), ("a", 4 * MIB, 5 * MIB, [4])]
 
 
+def test_ranges_end_on_multiples_of_the_range_size_in_the_pack():
+    # An S3 server reads a range that crosses one of the upload's parts from both parts.
+    segs = segments(*(("a", 2 * MIB + i * MIB, MIB) for i in range(20)))
+    assert [(r.start // MIB, r.end // MIB) for r in plan_ranges(list(range(20)), segs, range_bytes=8 * MIB)] == [
+        (2, 8), (8, 16), (16, 22)]
+    # A range starting less than a quarter before a multiple runs on to the next one.
+    segs = segments(*(("a", 7 * MIB + i * MIB, MIB) for i in range(12)))
+    assert [(r.start // MIB, r.end // MIB) for r in plan_ranges(list(range(12)), segs, range_bytes=8 * MIB)] == [
+        (7, 16), (16, 19)]
+
+
+def test_ranges_end_where_the_bytes_the_store_reads_for_them_would_cross_a_multiple():
+    # An encrypted pack: 16 bytes more per 256 KiB chunk, and a header: the plaintext's
+    # multiples of 8 MiB are not the store's.
+    def stored(pack, start, end):
+        return 40 + start + start // (256 << 10) * 16, 40 + end + -(-end // (256 << 10)) * 16 + 1
+
+    segs = segments(*(("a", i * MIB, MIB) for i in range(20)))
+    ranges = plan_ranges(list(range(20)), segs, range_bytes=8 * MIB, stored_span=stored)
+    assert [(r.start // MIB, r.end // MIB) for r in ranges] == [(0, 7), (7, 15), (15, 20)]
+    for r in ranges[:-1]:
+        start, end = stored(r.pack, r.start, r.end)
+        assert (end - 1) // (8 * MIB) == start // (8 * MIB) or start % (8 * MIB) > 6 * MIB
+
+
 def test_a_gap_or_another_pack_starts_a_new_range_and_unwanted_segments_are_never_fetched():
     # Segment 1 (an eager page's) lies between 0 and 2: not wanted, so 0 and 2 are not adjacent.
     segs = segments(("a", 0, 4096), ("a", 4096, 8192), ("a", 12288, 4096), ("b", 4096, 4096), ("b", 0, 4096))

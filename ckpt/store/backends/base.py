@@ -270,6 +270,13 @@ class Backend(abc.ABC):
         one decrypts into one buffer)."""
         return memoryview(self.get(name, offset, length))
 
+    def stored_span(self, name: str, offset: int, length: int) -> tuple[int, int]:
+        """The bytes [start, end) of the store that get_view(name, offset, length) requests:
+        the same bytes, unless the backend stores blobs transformed (EncryptedBackend reads
+        whole sealed chunks). A lazy restore's prefetch ends its ranges where the store's
+        parts end (see prefetch.plan_ranges)."""
+        return offset, offset + length
+
     @abc.abstractmethod
     def get_file(self, name: str, dest: Path) -> None:
         """Writes the whole blob to a new local file dest (local: a hard link where it can)."""
