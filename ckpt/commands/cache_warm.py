@@ -170,7 +170,7 @@ class _Warming:
     def _packs(self) -> list[str]:
         """The packs holding a segment of a page of the checkpoints (from the index and the
         page lists, both in the cache now)."""
-        import numpy as np
+        from ckpt.system.arrays import np
 
         blocks = self.store.blocks
         index = blocks.index()

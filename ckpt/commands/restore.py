@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
+from ckpt.system.arrays import np
 
 from ckpt.commands.session import Criu, Session, host_criu
 from ckpt.settings import Settings, StoreLocation

@@ -35,7 +35,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
+from ckpt.system.arrays import np
 
 from ckpt.criu.images import PE_PARENT, PE_PRESENT, write_pagemap
 from ckpt.errors import CkptError, PageStreamFailed

@@ -103,7 +103,7 @@ def _pieces_by_address(runs, earlier_runs, earlier_pages: int):
     Stretches, not a row per page: with a layout that did not change, or a mapping that grew,
     they are a handful for half a million pages, and comparing ids stretch by stretch reads
     both page lists in order (BlockIndex.missing)."""
-    import numpy as np
+    from ckpt.system.arrays import np
 
     held = held_runs(runs)
     by_address = runs_by_address(held_runs(earlier_runs), earlier_pages)

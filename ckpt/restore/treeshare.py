@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
+from ckpt.system.arrays import np
 
 from ckpt.criu.images import (PE_LAZY, PE_PARENT, PE_PRESENT, held_runs, parent_readable_mappings, read_pagemap,
                               write_pagemap)

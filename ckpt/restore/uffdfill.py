@@ -37,7 +37,7 @@ from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
+from ckpt.system.arrays import np
 
 from ckpt.errors import CriuFailed, DamagedCheckpoint
 from ckpt.restore.lazyplan import LazyPlan

@@ -56,7 +56,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
+from ckpt.system.arrays import np
 
 from ckpt.errors import CriuFailed
 from ckpt.restore.lazyplan import LazyPlan, needed_segments

@@ -35,7 +35,7 @@ from ckpt.store.blocks.segments import (CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segm
 from ckpt.system.files import FILE_MODE, punch_out, write_all
 
 if TYPE_CHECKING:
-    import numpy as np
+    from ckpt.system.arrays import np
 
     from ckpt.store.blocks.index import BlockIndex
     from ckpt.store.blocks.prefetch import Prefetcher
@@ -166,7 +166,7 @@ class StreamedPages:
 
     def candidates(self, index: BlockIndex, page_list: bytes, earlier: tuple | None) -> Sequence[int]:
         """Only the kept pages can be new (the others were known)."""
-        import numpy as np
+        from ckpt.system.arrays import np
 
         kept = np.frombuffer(page_list, dtype="V16")[self.rows].tobytes()
         return self.rows[index.missing(kept)].tolist()
@@ -174,7 +174,7 @@ class StreamedPages:
     def file_runs(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The runs are made of kept rows only (candidates looks up no other), so consecutive
         rows lie one after the other in the file of kept pages too."""
-        import numpy as np
+        from ckpt.system.arrays import np
 
         starts = np.searchsorted(self.rows, [start for start, _ in runs]).tolist()
         return [(at, at + end - start) for at, (start, end) in zip(starts, runs, strict=True)]
@@ -365,7 +365,7 @@ def _first_seen(rows, page_list: bytes, seen: list) -> list[int]:
     which these are added):
     a page repeated in one dump is stored once. Sorted searches, not a set of half a million
     ids (1.7 s for a first dump of 2 GiB)."""
-    import numpy as np
+    from ckpt.system.arrays import np
 
     rows = np.asarray(rows, dtype=np.int64)
     if not len(rows):
@@ -424,7 +424,7 @@ def _batches(runs: list[tuple[int, int]], pages: int) -> list[list[tuple[int, in
 def _segments_under(locations: list[int], holes: Sequence[tuple[int, int]]) -> list[int]:
     """The segments holding the pages of the holes, each once (sorted searches: a set built
     page by page cost a lazy restore of 2 GiB 0.6 s before the tree ran)."""
-    import numpy as np
+    from ckpt.system.arrays import np
 
     located = np.asarray(locations, dtype=np.int64)
     return np.unique(np.concatenate([segment_key(located[first:first + count]) for first, count in holes])).tolist()
@@ -432,7 +432,7 @@ def _segments_under(locations: list[int], holes: Sequence[tuple[int, int]]) -> l
 
 def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
     """Sorted positions as [start, end) runs of consecutive ones, each at most `longest` long."""
-    import numpy as np
+    from ckpt.system.arrays import np
 
     if not len(positions):
         return []
@@ -870,7 +870,7 @@ class BlockStore:
         (its size), the others are read against their checksums. Any found damaged is
         recorded, so `held` no longer counts its pages and the dump stores them again. A
         segment is checked once per command; nothing is read in a store without damage."""
-        import numpy as np
+        from ckpt.system.arrays import np
 
         index = self.index()
         if not index.damaged:
@@ -902,7 +902,7 @@ class BlockStore:
         """Merges the MERGE_COUNT index files with the fewest entries into one when the store
         has more than MERGE_ABOVE (docs/design.md, "Merging index files"); returns the names
         of the files merged (none: nothing to do). The caller holds the exclusive lock."""
-        import numpy as np
+        from ckpt.system.arrays import np
 
         self._index = None
         index = self.index()

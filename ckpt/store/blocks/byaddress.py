@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+from ckpt.system.arrays import np
 
 from ckpt.store.blocks.segments import ID_LEN, PAGE
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 
 import blake3
-import numpy as np
+from ckpt.system.arrays import np
 
 from ckpt.errors import DamagedCheckpoint
 from ckpt.store.blocks.segments import ID_LEN, Segment, segment_key, to_location
