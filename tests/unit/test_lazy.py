@@ -166,3 +166,20 @@ def test_eager_pages_in_a_huge_page_mapping_refuse_a_lazy_restore(madv, thp_alwa
     vmas = [(0x10000, 0x20000, madv), (0x40000, 0x50000, HUGE)]
     assert _huge_pages_in(runs, {0, 1}, vmas, thp_always) is refused
     assert _huge_pages_in(runs, set(), vmas, thp_always) is False, "all lazy: huge pages are fine"
+
+
+def test_the_segments_to_fetch_come_per_process_by_address_in_turn_each_once():
+    from ckpt.restore.lazyplan import needed_segments
+    from ckpt.store.blocks.segments import to_location
+
+    plan = LazyPlan()
+    # Process 1: two runs, given out of address order; its pages in segments 5, 5, 6, 5 (again), 9.
+    plan.runs[1] = ("pages-1.img", [(0x20000, 2, 3), (0x10000, 3, 0)])
+    plan.locations["pages-1.img"] = [to_location(5, 0), to_location(5, 1), to_location(6, 0),
+                                     to_location(5, 7), to_location(9, 2)]
+    # Process 2: segments 6 (shared with process 1), 7, 7.
+    plan.runs[2] = ("pages-2.img", [(0x10000, 3, 0)])
+    plan.locations["pages-2.img"] = [to_location(6, 3), to_location(7, 0), to_location(7, 1)]
+    # A process with nothing lazy.
+    plan.runs[3] = ("pages-3.img", [])
+    assert needed_segments(plan) == [5, 6, 7, 9]

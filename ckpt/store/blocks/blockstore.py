@@ -1118,9 +1118,12 @@ class BlockStore:
 
     def _not_held(self, wanted: Sequence[int], segments: Sequence[Segment]) -> list[int]:
         """The wanted segments of packs the backend does not hold locally."""
-        remote: dict[str, bool] = {}
-        return [key for key in wanted
-                if remote.setdefault(segments[key].pack, not self.backend.held_locally(pack_name(segments[key].pack)))]
+        remote: dict[str, bool] = {}  # per pack (a GiB's 1024 segments asked the cache 1024 times: 0.06 s)
+        for key in wanted:
+            pack = segments[key].pack
+            if pack not in remote:
+                remote[pack] = not self.backend.held_locally(pack_name(pack))
+        return [key for key in wanted if remote[segments[key].pack]]
 
     def page_sender(self, wanted: Sequence[int] = (), spool_dir: Path | None = None) -> PageSender:
         """A sender of pages by location (a lazy restore's page server). wanted: the segments
