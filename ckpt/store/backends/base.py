@@ -199,19 +199,24 @@ class RangeReader:
 
 
 class BlobStream:
-    """A blob as a readable binary stream, read range by range (decompressors read from it)."""
+    """A blob as a readable binary stream, read range by range (decompressors read from it).
+    Its end is where a read comes back short: its size is never asked (from S3, a request per
+    object of a restore's layout)."""
 
     def __init__(self, backend: Backend, name: str, chunk: int = 4 << 20):
         self._backend, self._name, self._chunk = backend, name, chunk
         self._offset = 0
-        self._size = backend.stat(name).size
+        self._ended = False
 
     def read(self, size: int = -1) -> bytes:
-        if size is None or size < 0:
-            size = self._size - self._offset
-        if size == 0 or self._offset >= self._size:
+        if self._ended or size == 0:
             return b""
-        data = self._backend.get(self._name, self._offset, min(size, self._size - self._offset))
+        if size is None or size < 0:
+            data = self._backend.get(self._name, self._offset)
+            self._ended = True
+        else:
+            data = self._backend.get(self._name, self._offset, size)
+            self._ended = len(data) < size
         self._offset += len(data)
         return data
 

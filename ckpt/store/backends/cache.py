@@ -247,10 +247,19 @@ class CachingBackend(Backend):
             self.inner.get_file(name, dest)
 
     def stat(self, name: str) -> BlobInfo:
-        return self.inner.stat(name)
+        info = self.inner.stat(name)
+        if _cached(name):
+            self._sizes[name] = info.size  # (get of a range asks no more)
+        return info
 
     def exists(self, name: str) -> bool:
-        return self.inner.exists(name)
+        # A stat, whose size get() then knows: a restore from S3 finds each object of its
+        # images (ObjectStore.find), then reads it.
+        try:
+            self.stat(name)
+        except BlobNotFound:
+            return False
+        return True
 
     def list(self, prefix: str, incomplete: bool = False) -> builtins.list[BlobInfo]:
         return self.inner.list(prefix, incomplete)

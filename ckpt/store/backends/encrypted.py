@@ -66,6 +66,7 @@ HEADER_CACHE = 256
 READER_CHUNKS = 32
 READ_AHEAD = 16
 COPY_BATCH = 64  # chunks per read of get_file and put_file: 16 MiB
+FIRST_CHUNKS = 4  # chunks get_file asks for with the header (1 MiB): a smaller blob in one request
 
 
 def _hkdf(master: bytes, length: int, info: bytes, salt: bytes | None = None) -> bytes:
@@ -382,18 +383,38 @@ class EncryptedBackend(Backend):
         """The ciphertext is read in parts of whole sealed chunks (S3: ranged GETs in parallel),
         each decrypted as it arrives and written at its place in dest: no sealed copy on disk
         and no second pass (through a sealed temp file it reached 0.6-0.85 of bare boto3's
-        download_file from SeaweedFS; now about as fast: docs/design.md, "Cost")."""
+        download_file from SeaweedFS; now about as fast: docs/design.md, "Cost"). The first
+        request asks for the header and FIRST_CHUNKS chunks: a blob no larger (an image's
+        object, most index files) comes in that one request, and only a larger one's size is
+        asked (a restore from S3 asked for each object its size, its header, then its chunks)."""
         inner_name = self._inner_name(name)
-        stored = self.inner.stat(inner_name).size  # BlobNotFound before dest is made
-        header = self.inner.get(inner_name, 0, HEADER_LEN)
+        first_end = HEADER_LEN + FIRST_CHUNKS * self._sealed
+        head = memoryview(self.inner.get(inner_name, 0, first_end + 1))  # BlobNotFound before dest is made
+        header = bytes(head[:HEADER_LEN])
         aead = self._open_header(name, header)
-        if stored - HEADER_LEN < TAG_LEN:
-            raise self._damaged(name, "it has no chunk (cut short after its header)")
         aad = header + name.encode()
-        count = -(-(stored - HEADER_LEN) // self._sealed)
+        if len(head) <= first_end:  # the whole blob
+            if len(head) - HEADER_LEN < TAG_LEN:
+                raise self._damaged(name, "it has no chunk (cut short after its header)")
+            with new_file(dest) as fd:
+                for piece in self._open_chunks(name, aead, aad, head[HEADER_LEN:], 0, True):
+                    write_all(fd, piece)
+            return
+        stored = self.inner.stat(inner_name).size
+        decrypt = self._chunk_writer(name, aead, aad, -(-(stored - HEADER_LEN) // self._sealed))
+        with new_file(dest) as fd:
+            decrypt(fd, HEADER_LEN, head[HEADER_LEN:first_end])
+            got = self.inner.get_parts(inner_name, COPY_BATCH * self._sealed,
+                                       lambda offset, sealed: decrypt(fd, offset, sealed), first_end)
+            if got != stored - first_end:  # immutable: a blob changed in between is damaged
+                raise self._damaged(name, f"{first_end + got} bytes read, {stored} expected")
+
+    def _chunk_writer(self, name: str, aead: AESGCM, aad: bytes, count: int) -> Callable[[int, int, object], None]:
+        """writer(fd, offset, sealed): decrypts whole sealed chunks read at offset of the blob
+        (of count chunks) and writes them at their place in fd; safe from several threads."""
         buffers = threading.local()  # a plaintext buffer per reading thread, reused
 
-        def decrypt(offset: int, sealed) -> None:
+        def decrypt(fd: int, offset: int, sealed) -> None:
             first = (offset - HEADER_LEN) // self._sealed
             plain = getattr(buffers, "plain", None)
             if plain is None:
@@ -415,10 +436,7 @@ class EncryptedBackend(Backend):
                     size += len(piece) - TAG_LEN
                 pwrite_all(fd, out[:size], first * self.chunk)
 
-        with new_file(dest) as fd:
-            got = self.inner.get_parts(inner_name, COPY_BATCH * self._sealed, decrypt, HEADER_LEN)
-            if got != stored - HEADER_LEN:  # immutable: a blob changed in between is damaged
-                raise self._damaged(name, f"{HEADER_LEN + got} bytes read, {stored} expected")
+        return decrypt
 
     def held_locally(self, name: str) -> bool:
         return self.inner.held_locally(self._inner_name(name))
