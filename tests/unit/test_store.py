@@ -711,3 +711,26 @@ def test_a_segment_recorded_damaged_whose_checksum_passes_is_not_repacked(store,
     again = fake_dump(reopened, {"pages-1.img": b"".join(pages[256:])}, codec="zstd")
     assert again.bytes_stored > 0, "a dump named the broken segment's pages again"
     assert verify(Store.open(store.root, settings=env_settings()).objects, again) == []
+
+
+@pytest.mark.parametrize("recorded,now", [("zstd", "none"), ("none", "zstd")])
+def test_an_object_found_under_the_other_codec_than_the_manifest_says_is_read(store, recorded, now):
+    """An object is read under the codec its checkpoint recorded, without asking whether it is
+    there first (from S3, a request per object); one healed since under the other codec's name
+    is found there."""
+    import zstandard
+
+    from ckpt.store.objects import object_name
+
+    core = os.urandom(3000) * 3  # compressible: stored as zstd when asked
+    dumped = fake_dump(store, {"core-1.img": core, "pages-1.img": os.urandom(PAGE * 4)}, codec=recorded)
+    entry = next(e for e in dumped.files if e.name == "core-1.img")
+    assert entry.codec == recorded
+    old, new = store.root / object_name(entry.hash, recorded), store.root / object_name(entry.hash, now)
+    new.write_bytes(zstandard.ZstdCompressor().compress(core) if now == "zstd" else core)
+    old.unlink()
+    assert (laid_out(store, dumped) / "core-1.img").read_bytes() == core
+    assert verify(store.objects, dumped) == []
+    new.unlink()
+    with pytest.raises(DamagedCheckpoint, match="missing from the store"):
+        laid_out(store, dumped)

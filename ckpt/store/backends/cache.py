@@ -39,6 +39,7 @@ from ckpt.store.fsutil import check_trusted_dir
 from ckpt.system.files import FILE_MODE, make_private_dir, pwrite_all, write_all
 
 CACHED_PREFIXES = ("index/", "objects/", "packs/")
+OBJECTS_PREFIX = "objects/"
 # Blobs named by the BLAKE3 of their content (objects: of their decompressed content): a
 # cached copy is checked against its name the first time a process reads it.
 CHECKED_PREFIXES = ("index/", "objects/")
@@ -225,6 +226,14 @@ class CachingBackend(Backend):
         # A range (a prune copying segments, a decompressor reading an object): the whole blob
         # first if it is small. Sizes never change: asked once per process.
         size = self._sizes.get(name)
+        if size is None and offset == 0 and length is not None and name.startswith(OBJECTS_PREFIX):
+            # An object is read from its start to its end (decompressed): a first read that
+            # comes back short is the whole object, without its size asked first (from S3,
+            # a request per object of a restore's layout).
+            data = self.inner.get(name, 0, length)
+            if len(data) < length:
+                self._keep_bytes(name, data, check=True)
+                return data
         if size is None:
             size = self._sizes[name] = self.inner.stat(name).size
         if self._fits_whole(size) and self._fetch(name) is not None:
