@@ -108,21 +108,31 @@ class Objects:
 
     def intact(self, name: str, codec: str, digest: str) -> bool:
         """Whether a stored object still holds the content its name promises."""
-        try:
-            return self.read_into(FileEntry(name.rpartition("/")[2], 0, digest, codec, 0), None) == digest
+        try:  # (that copy alone: read_into would read the other codec's copy of a damaged one)
+            entry = FileEntry(name.rpartition("/")[2], 0, digest, codec, 0)
+            return self._read_object(entry, name, codec, None) == digest
         except (DamagedCheckpoint, OSError):
             return False
 
     def load_page_list(self, entry: FileEntry) -> bytes:
         name = object_name(entry.hash, "none")  # as put_bytes stores it: read first, found if not there
+        data: bytes | None = None
+        damage: DamagedCheckpoint | None = None
         try:
-            data: bytes | None = self.backend.get(name)
+            data = self.backend.get(name)
         except BlobNotFound:
+            pass
+        except DamagedCheckpoint as exc:  # (an encrypted store's blob failing authentication)
+            damage = exc
+        if data is None or blake3.blake3(data).hexdigest() != entry.hash:
             found = self.find(entry.hash)
-            try:
-                data = self.backend.get(found[0]) if found is not None and found[0] != name else None
-            except BlobNotFound:
-                data = None
+            if found is not None and found[0] != name:
+                try:
+                    data, damage = self.backend.get(found[0]), None
+                except BlobNotFound:
+                    pass
+        if damage is not None:
+            raise damage
         if data is None:
             raise DamagedCheckpoint(f"image {entry.name}: its page list is missing from the store")
         if blake3.blake3(data).hexdigest() != entry.hash:
@@ -148,21 +158,35 @@ class Objects:
 
     def read_into(self, entry: FileEntry, dest: Path | None) -> str:
         """Streams an object (decompressed) into dest, or nowhere; returns the content's hash.
-        It is read under the codec the manifest recorded, and looked for (find) only if it is
-        not there (healed since under the other codec's name): from S3, a request per object
-        fewer (a restore of 100 processes reads 400 of them)."""
+        It is read under the codec the manifest recorded (from S3: no request asking whether
+        it is there first; a restore of 100 processes reads 400 objects), and under the other
+        codec's name if it is not there, or damaged there (a dump healed it under that name,
+        and may not have lived to delete the damaged copy)."""
         missing = DamagedCheckpoint(f"image {entry.name}: object {entry.hash[:16]}… is missing from the store")
         codec = entry.codec if entry.codec in OBJECT_SUFFIX else "none"
         name = object_name(entry.hash, codec)
+        digest: str | None = None
+        damage: DamagedCheckpoint | None = None
         try:
-            return self._read_object(entry, name, codec, dest)
+            digest = self._read_object(entry, name, codec, dest)
         except BlobNotFound:
             pass
-        found = self.find(entry.hash)
-        if found is None or found[0] == name:
-            raise missing
+        except DamagedCheckpoint as exc:
+            damage = exc
+        if digest == entry.hash:
+            return digest
+        other = next(((object_name(entry.hash, c), c) for c in OBJECT_SUFFIX
+                      if c != codec and self.backend.exists(object_name(entry.hash, c))), None)
+        if other is None:
+            if damage is not None:
+                raise damage
+            if digest is None:
+                raise missing
+            return digest  # the caller names the damage
+        if dest is not None:
+            dest.unlink(missing_ok=True)
         try:
-            return self._read_object(entry, *found, dest)
+            return self._read_object(entry, *other, dest)
         except BlobNotFound:
             raise missing from None
 

@@ -19,5 +19,7 @@ try:
 finally:
     if _given is None:
         os.environ.pop(_VARIABLE, None)
+    else:
+        os.environ[_VARIABLE] = _given  # (an empty value too)
 
 __all__ = ["np"]

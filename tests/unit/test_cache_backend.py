@@ -497,3 +497,27 @@ def test_store_directories_and_sizes(tmp_path):
     for bad in ("lots", "-1G", "120%"):
         with pytest.raises(ValueError):
             cache_bytes(bad, tmp_path)
+
+
+def test_an_object_read_from_its_start_asks_no_size_and_a_short_first_read_is_kept(remote, cache_root):
+    """A decompressor reading an object (BlobStream): its first range coming back short is the
+    whole object, kept in the cache, and nobody asked the store for its size (from S3, a
+    request per object of a restore's layout). A first range that is not short is served as
+    it is (not thrown away) and the object read on."""
+    from ckpt.store.backends.base import BlobStream
+
+    stats: list[str] = []
+    real_stat = remote.stat
+    remote.stat = lambda name: (stats.append(name), real_stat(name))[1]
+    small_name, small_data = zst_object(b"core image " * 1000)
+    large_name, large_data = zst_object(os.urandom(3 * MiB))
+    remote.put(small_name, small_data)
+    remote.put(large_name, large_data)
+    reading = cached(remote, cache_root)
+    stream = BlobStream(reading, small_name, MiB)
+    assert stream.read(MiB) == small_data and stream.read(MiB) == b""
+    assert stats == [] and remote.reads == [(small_name, 0, MiB)]
+    assert copy_path(reading, small_name).read_bytes() == small_data, "kept whole"
+    stream = BlobStream(reading, large_name, MiB)
+    assert b"".join(iter(lambda: stream.read(MiB), b"")) == large_data
+    assert remote.reads[1] == (large_name, 0, MiB), "the first MiB was asked once"

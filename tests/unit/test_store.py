@@ -734,3 +734,19 @@ def test_an_object_found_under_the_other_codec_than_the_manifest_says_is_read(st
     new.unlink()
     with pytest.raises(DamagedCheckpoint, match="missing from the store"):
         laid_out(store, dumped)
+
+
+def test_an_object_damaged_under_the_manifest_s_codec_is_read_from_its_healed_copy(store):
+    """A dump healed a damaged object under the other codec's name and died before deleting
+    the damaged copy: the older checkpoint still restores, from the healed copy."""
+    import zstandard
+
+    from ckpt.store.objects import object_name
+
+    core = os.urandom(3000) * 3
+    dumped = fake_dump(store, {"core-1.img": core, "pages-1.img": os.urandom(PAGE * 4)}, codec="none")
+    entry = next(e for e in dumped.files if e.name == "core-1.img")
+    flip_byte(store.root / object_name(entry.hash, "none"), 50)
+    (store.root / object_name(entry.hash, "zstd")).write_bytes(zstandard.ZstdCompressor().compress(core))
+    assert (laid_out(store, dumped) / "core-1.img").read_bytes() == core
+    assert not store.objects.intact(object_name(entry.hash, "none"), "none", entry.hash), "that copy alone"

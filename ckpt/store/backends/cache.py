@@ -233,7 +233,7 @@ class CachingBackend(Backend):
             data = self.inner.get(name, 0, length)
             if len(data) < length:
                 self._keep_bytes(name, data, check=True)
-                return data
+            return data  # (a larger one: the next range, further on, asks its size)
         if size is None:
             size = self._sizes[name] = self.inner.stat(name).size
         if self._fits_whole(size) and self._fetch(name) is not None:

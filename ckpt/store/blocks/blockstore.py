@@ -1132,10 +1132,7 @@ class BlockStore:
         spool files in spool_dir (ckpt/store/blocks/prefetch.py)."""
         index = self.index()
         segments = index.segment_list
-        remote: dict[str, bool] = {}
-        fetched = [key for key in wanted
-                   if remote.setdefault(segments[key].pack,
-                                        not self.backend.held_locally(pack_name(segments[key].pack)))]
+        fetched = self._not_held(wanted, segments)
         if not fetched or spool_dir is None:
             return PageSender(_SegmentReader(self, index))
         from ckpt.store.blocks.prefetch import PrefetchedRanges, Prefetcher

@@ -34,7 +34,9 @@ from ckpt.store.backends.base import Backend, RangeReader
 from ckpt.store.blocks.segments import Segment, pack_name
 from ckpt.system.files import FILE_MODE, pwrite_all
 
-RANGE_BYTES = 8 << 20  # a request's size: its latency small next to its transfer, THREADS of them in memory
+# A request's size (up to 1.25 times this: see _range_limit): its latency small next to its
+# transfer, THREADS of them in memory.
+RANGE_BYTES = 8 << 20
 KEEP_GAP_RATIO = 0.5  # a spooled pack is made whole and kept only if at most this share of it is missing
 THREADS = 4  # S3Backend's pool keeps 2 x 4 + 2 connections: these and the page server's own
 # Fetched ranges held in memory until the page server has read their segments, so that the
