@@ -7,6 +7,7 @@ import socket
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -32,7 +33,7 @@ from ckpt.store.password import PasswordSource
 from ckpt.store.manifest import FileEntry
 from ckpt.store.blocks.blockstore import PAGE
 from ckpt.store.blocks.segments import WITHIN_BITS
-from ckpt.store.materialize import LeftOut, link_images, materialize, materialize_lazily
+from ckpt.store.materialize import LAY_OUT_WORKERS, LeftOut, link_images, materialize, materialize_lazily
 from ckpt.store.staging import discard
 from ckpt.system import procs
 from ckpt.system.files import can_punch_holes, make_private_dir
@@ -595,6 +596,7 @@ class _ImageLayout:
         layout, whose files must stay plain)."""
         if self.request.copy is not None or len(self.manifest.processes) < 2:
             return None
+        self._load_page_lists()
         self.left_to_root = treeshare.plan(directory, self.manifest, self._page_list)
         return LeftOut(self.left_to_root) if self.left_to_root else None
 
@@ -602,6 +604,17 @@ class _ImageLayout:
     def shared_pages(self) -> int | None:
         """Pages read from the root's pages image (treeshare); None: none."""
         return sum(count for ranges in self.left_to_root.values() for _, count in ranges) or None
+
+    def _load_page_lists(self) -> None:
+        """Every pages image's page list not read yet, read at once: from S3 each is a request,
+        and a tree of 100 processes read them one after the other."""
+        missing = [entry for entry in self.manifest.files
+                   if entry.kind == "pages" and entry.name not in self._page_lists]
+        if len(missing) < 2:
+            return
+        with ThreadPoolExecutor(max_workers=LAY_OUT_WORKERS, thread_name_prefix="ckpt-page-lists") as pool:
+            for entry, page_list in zip(missing, pool.map(self.store.objects.load_page_list, missing), strict=True):
+                self._page_lists[entry.name] = page_list
 
     def _page_list(self, entry: FileEntry) -> bytes:
         """A pages image's page list, read once for the forked-memory check and the tree-share plan."""
@@ -686,6 +699,7 @@ class _ImageLayout:
         held by their parents decides."""
         by_pid = {proc["pid"]: proc.get("ppid") for proc in self.manifest.processes}
         entries = {entry.name: entry for entry in self.manifest.files if entry.kind == "pages"}
+        self._load_page_lists()
         ids: dict[int, np.ndarray] = {}
 
         def ids_of(pid: int) -> np.ndarray:
