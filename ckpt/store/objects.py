@@ -85,11 +85,12 @@ class Objects:
         self.blocks = blocks
         self.remote = remote
 
-    def find(self, digest: str) -> tuple[str, str] | None:
-        """(blob name, codec) of the object holding that content, or None."""
+    def find(self, digest: str, besides: str | None = None) -> tuple[str, str] | None:
+        """(blob name, codec) of the object holding that content, or None; besides: a name
+        already read (missing or damaged there), not asked again."""
         for codec in OBJECT_SUFFIX:
             name = object_name(digest, codec)
-            if self.backend.exists(name):
+            if name != besides and self.backend.exists(name):
                 return name, codec
         return None
 
@@ -125,8 +126,8 @@ class Objects:
         except DamagedCheckpoint as exc:  # (an encrypted store's blob failing authentication)
             damage = exc
         if data is None or blake3.blake3(data).hexdigest() != entry.hash:
-            found = self.find(entry.hash)
-            if found is not None and found[0] != name:
+            found = self.find(entry.hash, besides=name)
+            if found is not None:
                 try:
                     data, damage = self.backend.get(found[0]), None
                 except BlobNotFound:
@@ -175,8 +176,7 @@ class Objects:
             damage = exc
         if digest == entry.hash:
             return digest
-        other = next(((object_name(entry.hash, c), c) for c in OBJECT_SUFFIX
-                      if c != codec and self.backend.exists(object_name(entry.hash, c))), None)
+        other = self.find(entry.hash, besides=name)
         if other is None:
             if damage is not None:
                 raise damage
@@ -212,10 +212,6 @@ class Objects:
         except zstandard.ZstdError as exc:
             raise DamagedCheckpoint(f"image {entry.name}: object {self.backend.where(name)} cannot be "
                                     f"decompressed ({exc})") from exc
-        except BlobNotFound:
-            if dest is not None:  # made above, empty: read_into may look for the object elsewhere
-                os.unlink(dest)
-            raise
         finally:
             if out is not None:
                 os.close(out)

@@ -51,7 +51,7 @@ KEY_LEN = 32
 # 4 MiB (AES-NI, VAES); 256 KiB was the fastest (9.4 GB/s sealing), keeps the Python work per
 # chunk (a few us) near 1%, and bounds what a read of one page decrypts (about 30 us).
 CHUNK = 256 << 10
-SPAN_NAMES = 4096  # inner names stored_span remembers
+INNER_NAMES = 4096  # inner names remembered (see _inner_name)
 # Names longer than this (after the kind) are refused: their encrypted form would not fit a
 # file name (255 bytes) on a local inner backend. The store's longest is about 75.
 MAX_REST = 140
@@ -105,11 +105,22 @@ class EncryptedBackend(Backend):
         self._names = AESSIV(_hkdf(master, 64, b"ckpt names v1"))
         self._headers: OrderedDict[str, tuple[bytes, AESGCM]] = OrderedDict()
         self._headers_lock = threading.Lock()
-        self._span_names: dict[str, str] = {}  # stored_span's inner names
+        self._inner_names: dict[str, str] = {}  # see _inner_name
 
     # ---- names -----------------------------------------------------------------------------
 
     def _inner_name(self, name: str) -> str:
+        # Remembered (AES-SIV per call): a lazy restore's prefetch plan asks for a pack's twice
+        # per segment (stored_span), 14 ms for a GiB's segments without this.
+        known = self._inner_names.get(name)
+        if known is not None:
+            return known
+        if len(self._inner_names) > INNER_NAMES:
+            self._inner_names.clear()
+        inner = self._inner_names[name] = self._encrypt_name(name)
+        return inner
+
+    def _encrypt_name(self, name: str) -> str:
         check_name(name)
         kind, _, rest = name.partition("/")
         if kind in RESERVED_KINDS:
@@ -339,12 +350,7 @@ class EncryptedBackend(Backend):
     def stored_span(self, name: str, offset: int, length: int) -> tuple[int, int]:
         first = offset // self.chunk
         want = ((offset + length - 1) // self.chunk - first + 1) * self._sealed + 1  # as _get_view
-        inner_name = self._span_names.get(name)
-        if inner_name is None:  # (a prefetch's plan asks twice per segment: a GiB's took 14 ms without this)
-            if len(self._span_names) > SPAN_NAMES:
-                self._span_names.clear()
-            inner_name = self._span_names[name] = self._inner_name(name)
-        return self.inner.stored_span(inner_name, HEADER_LEN + first * self._sealed, want)
+        return self.inner.stored_span(self._inner_name(name), HEADER_LEN + first * self._sealed, want)
 
     def _get_view(self, name: str, inner_name: str, offset: int, length: int,
                   cached: tuple[bytes, AESGCM] | None) -> memoryview:
