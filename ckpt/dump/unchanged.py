@@ -24,7 +24,6 @@ from pathlib import Path
 from ckpt.criu.images import held_runs
 from ckpt.store import Manifest, Store
 from ckpt.store.blocks.blockstore import ID_LEN, PAGE
-from ckpt.store.blocks.byaddress import runs_by_address
 
 
 class EarlierCheckpoint:
@@ -103,6 +102,8 @@ def _pieces_by_address(runs, earlier_runs, earlier_pages: int):
     Stretches, not a row per page: with a layout that did not change, or a mapping that grew,
     they are a handful for half a million pages, and comparing ids stretch by stretch reads
     both page lists in order (BlockIndex.missing)."""
+    # (Here, not at the top: byaddress imports numpy, which a dump loads once CRIU has started.)
+    from ckpt.store.blocks.byaddress import runs_by_address
     from ckpt.system.arrays import np
 
     held = held_runs(runs)

@@ -180,6 +180,30 @@ def _punch(fd: int, offset: int, length: int) -> int:
     return 0
 
 
+SYNC_FILE_RANGE_WRITE = 0x02
+
+
+def start_writeback(path: Path, ranges: list[tuple[int, int]]) -> None:
+    """Starts writing the (offset, length) ranges of the file at path to disk without waiting
+    (sync_file_range, SYNC_FILE_RANGE_WRITE), so that a later fsync finds them written or on
+    their way. Only a head start: where it cannot (another system, an error), the fsync does
+    all of it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        sync_file_range = ctypes.CDLL(None).sync_file_range
+        sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        for offset, length in ranges:
+            if sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE) != 0:
+                return
+    except AttributeError:
+        return
+    finally:
+        os.close(fd)
+
+
 def punch_out(path: Path, keep: list[tuple[int, int]]) -> bool:
     """Frees every byte of the file at path outside the sorted, disjoint (offset, length)
     ranges of keep (FALLOC_FL_PUNCH_HOLE, the size kept): those read as zeros and take no

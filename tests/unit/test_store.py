@@ -632,6 +632,25 @@ def test_an_adopted_image_keeps_in_place_what_does_not_shrink_by_a_tenth(store):
     assert (laid_out(store, m) / "pages-1.img").read_bytes() == image
 
 
+def test_an_adopted_image_starts_writing_out_only_what_stays(store, monkeypatch):
+    """Once its pages are stored, what stays of an adopted image (its segments) is sent to
+    the disk ahead of the commit's fsync, and nothing else: a compressible run stored in the
+    dump's own pack is left to the punch, never written."""
+    from ckpt.store.blocks import blockstore
+    from ckpt.system import files
+
+    started: list[tuple[str, list[tuple[int, int]]]] = []
+    real = files.start_writeback
+    monkeypatch.setattr(blockstore, "start_writeback",
+                        lambda path, ranges: (started.append((path.name, list(ranges))), real(path, ranges)))
+    run = blockstore.SEGMENT_PAGES * PAGE
+    text = b"".join(f"line {k} of some text\n".encode() for k in range(run // 16))[:run]
+    image = os.urandom(run) + text + os.urandom(run)
+    m = fake_dump(store, {"pages-1.img": image})
+    assert started == [("pages-1.img", [(0, run), (2 * run, run)])]
+    assert (laid_out(store, m) / "pages-1.img").read_bytes() == image
+
+
 def test_adopted_images_stored_at_once_are_all_dropped_when_one_fails(store, monkeypatch):
     """The adopted images of a dump are made durable a few at once: when one fails (a full
     disk), the dump fails and none of them is left in the store, nor any index file."""
