@@ -29,6 +29,12 @@ def first_seen_by_loop(rows, page_list, seen):
     return fresh
 
 
+def _ids_seen(seen) -> set[bytes]:
+    """The ids _first_seen's arrays hold, as 16-byte strings."""
+    return {np.array([first, second], dtype=np.uint64).tobytes()
+            for firsts, seconds in seen for first, second in zip(firsts.tolist(), seconds.tolist(), strict=True)}
+
+
 def test_runs_and_first_seen_match_the_loops():
     rng = random.Random(7)
     for trial in range(200):
@@ -39,10 +45,30 @@ def test_runs_and_first_seen_match_the_loops():
         # ids drawn from a small alphabet: many repeats, within the image and with an earlier one
         page_list = b"".join(bytes([rng.randint(0, 40)]) * 16 for _ in range(5000))
         earlier = {bytes([k]) * 16 for k in rng.sample(range(41), 5)}
-        seen_a = [np.frombuffer(b"".join(sorted(earlier)), dtype=np.uint64).reshape(-1, 2)]
+        pairs = np.frombuffer(b"".join(sorted(earlier)), dtype=np.uint64).reshape(-1, 2)
+        order = np.argsort(pairs[:, 0], kind="stable")
+        seen_a = [(pairs[order, 0].copy(), pairs[order, 1].copy())]
         seen_b = set(earlier)
         assert _first_seen(positions, page_list, seen_a) == first_seen_by_loop(positions, page_list, seen_b), trial
-        assert {bytes(row) for row in np.concatenate(seen_a)} == seen_b
+        assert _ids_seen(seen_a) == seen_b
+
+
+def test_first_seen_over_many_images_matches_the_loop():
+    """Image after image, as a dump of a tree: ids repeated within an image, across images, and
+    ids alike in their first 8 bytes only; the arrays seen stay few and sorted."""
+    rng = random.Random(11)
+    alike = [bytes([7]) * 8 + bytes([k]) * 8 for k in range(6)]  # one first half, six ids
+    seen_a: list = []
+    seen_b: set[bytes] = set()
+    for image in range(60):
+        n = rng.randint(0, 400)
+        page_list = b"".join(rng.choice(alike) if rng.random() < 0.05 else rng.randbytes(16) if rng.random() < 0.5
+                             else bytes([rng.randint(0, 255)]) * 16 for _ in range(n))
+        positions = sorted(rng.sample(range(n), rng.randint(0, n)))
+        assert _first_seen(positions, page_list, seen_a) == first_seen_by_loop(positions, page_list, seen_b), image
+        assert _ids_seen(seen_a) == seen_b
+        assert all(np.all(firsts[1:] >= firsts[:-1]) for firsts, _ in seen_a)
+    assert len(seen_a) <= 8
 
 
 def test_a_streamed_image_and_the_pages_image_it_stands_for_are_stored_alike(tmp_path):
