@@ -131,15 +131,22 @@ def listed_ids(backend: Backend, prefix: str) -> list[str]:
     return sorted(i for i in found if ids.is_id(i))
 
 
-def read_json(backend: Backend, name: str, missing: str, what: str) -> object:
-    """A manifest blob's JSON: CheckpointNotFound ("no <missing>") when it is not there,
-    DamagedCheckpoint ("<what> <where> is not valid JSON") when it cannot be parsed."""
+def read_json(backend: Backend, name: str, missing: str, what: str, blob: bytes | None = None) -> object:
+    """A manifest blob's JSON (blob: its bytes, if read already): CheckpointNotFound ("no
+    <missing>") when it is not there, DamagedCheckpoint ("<what> <where> is not valid JSON")
+    when it cannot be parsed."""
     try:
-        return json.loads(backend.get(name))
-    except BlobNotFound:
-        raise CheckpointNotFound(f"no {missing}", hint="see 'ckpt list'") from None
+        return json.loads(read_blob(backend, name, missing) if blob is None else blob)
     except ValueError as exc:
         raise DamagedCheckpoint(f"{what} {backend.where(name)} is not valid JSON ({exc})") from exc
+
+
+def read_blob(backend: Backend, name: str, missing: str) -> bytes:
+    """A manifest blob's bytes; CheckpointNotFound ("no <missing>") when it is not there."""
+    try:
+        return backend.get(name)
+    except BlobNotFound:
+        raise CheckpointNotFound(f"no {missing}", hint="see 'ckpt list'") from None
 
 
 class Groups:

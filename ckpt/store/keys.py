@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from ckpt.errors import KeyNotFound, StoreError, UsageError, WrongPassword
-from ckpt.store.backends.base import Backend, BlobExists, BlobNotFound
+from ckpt.store.backends.base import Backend, BlobExists, BlobInfo, BlobNotFound
 from ckpt.store.backends.encrypted import KEY_LEN, MAGIC, EncryptedBackend
 
 KEYS_PREFIX = "keys/"
@@ -94,7 +94,12 @@ def _user() -> str:
 
 def is_encrypted(inner: Backend) -> bool:
     """Whether the store on this (raw) backend is encrypted: it has key files."""
-    return bool(inner.list(KEYS_PREFIX))
+    return bool(key_files(inner))
+
+
+def key_files(inner: Backend) -> list[BlobInfo]:
+    """The blobs under keys/ (for unlock(listed=...): from S3, one listing for both)."""
+    return inner.list(KEYS_PREFIX)
 
 
 def check_keys_not_lost(inner: Backend) -> None:
@@ -166,21 +171,21 @@ def _load(inner: Backend, key_id: str) -> dict:
     return record
 
 
-def _key_ids(inner: Backend) -> list[str]:
+def _key_ids(inner: Backend, listed: list[BlobInfo] | None = None) -> list[str]:
     ids = []
-    for info in inner.list(KEYS_PREFIX):
+    for info in inner.list(KEYS_PREFIX) if listed is None else listed:
         stem = info.name[len(KEYS_PREFIX):]
         if stem.endswith(".json") and "/" not in stem:
             ids.append(stem[:-5])
     return ids
 
 
-def unlock(inner: Backend, password: bytes) -> EncryptedBackend:
+def unlock(inner: Backend, password: bytes, listed: list[BlobInfo] | None = None) -> EncryptedBackend:
     """The encrypted backend of the store on `inner`, its master key unwrapped by the first key
     file the password opens (EncryptedBackend.key_id names it). WrongPassword if none does;
-    StoreError if the store has no (readable) key file."""
+    StoreError if the store has no (readable) key file. listed: key_files(inner), if read."""
     _check_password(password)
-    ids = _key_ids(inner)
+    ids = _key_ids(inner, listed)
     if not ids:
         check_keys_not_lost(inner)
         raise StoreError(f"the store is not encrypted (no key files in {_where(inner)})",

@@ -81,7 +81,8 @@ def open_remote(url: str, settings: Settings, passwords: PasswordSource) -> Open
     from ckpt.store.backends.s3 import S3Backend
 
     remote = S3Backend.from_url(url, lock_ttl=settings.lock_ttl, timeout=settings.s3_timeout)
-    if not keys.is_encrypted(remote):
+    listed = keys.key_files(remote)
+    if not listed:
         if remote.exists(STORE_META):
             keys.check_keys_not_lost(remote)
             raise StoreError(f"the store at {url} is not encrypted; ckpt keeps remote stores encrypted only",
@@ -89,7 +90,7 @@ def open_remote(url: str, settings: Settings, passwords: PasswordSource) -> Open
         raise CheckpointNotFound(f"no ckpt store at {url}",
                                  hint=f"create one with `ckpt init {url}`, or pass the right --store")
     root = local_side(url, settings.cache)
-    encryption = keys.unlock(remote, passwords.password_for(url))
+    encryption = keys.unlock(remote, passwords.password_for(url), listed)
     backend = cached(encryption, url, settings)
     check_format(backend, url)
     return OpenedStore(url, root, backend, True, encryption,

@@ -28,7 +28,7 @@ from ckpt.store.backends import Backend, BlobExists, LocalBackend
 from ckpt.store.blocks.blockstore import BlockStore
 from ckpt.store.fsutil import translate_os_error
 from ckpt.store.migrations import Decisions
-from ckpt.store.groups import GroupManifest, Groups, Visibility, group_of, listed_ids, read_json
+from ckpt.store.groups import GroupManifest, Groups, Visibility, group_of, listed_ids, read_blob, read_json
 from ckpt.store.manifest import FORMAT, FileEntry, Manifest, Origin
 from ckpt.store.objects import OBJECTS_PREFIX, Objects, hash_file
 from ckpt.store.opening import STORE_META, OpenedStore
@@ -41,6 +41,7 @@ __all__ = ["FORMAT", "MANIFESTS_PREFIX", "OBJECTS_PREFIX", "STORE_META", "FileEn
            "did_you_mean", "hash_file"]
 
 MANIFESTS_PREFIX = "checkpoints/"
+MANIFESTS_KEPT = 8  # manifests a Store keeps read while it holds a lock (Store.load)
 
 
 def did_you_mean(ref: str, names: Sequence[str], checkpoint_ids: Sequence[str] = ()) -> str:
@@ -73,6 +74,10 @@ class Store:
         self._blocks: BlockStore | None = None
         self._objects: Objects | None = None
         self._held_locks: list[object] = []
+        # The last MANIFESTS_KEPT manifests read while a lock is held, by ID: the lock keeps them
+        # from being forgotten, and a restore from S3 read its manifest twice (resolving its ID,
+        # then loading it).
+        self._manifest_blobs: dict[str, bytes] = {}
 
     @property
     def blocks(self) -> BlockStore:
@@ -145,6 +150,8 @@ class Store:
                 yield held
             finally:
                 self._held_locks.remove(held)
+                if not self._held_locks:
+                    self._manifest_blobs.clear()
 
     def check_lock(self, what: str) -> None:
         """Before a commit point: the locks this store holds are still held. A lock object can
@@ -170,8 +177,14 @@ class Store:
     def load(self, checkpoint_id: str) -> Manifest:
         name = self.manifest_name(checkpoint_id)
         path = self.backend.where(name)
-        data = read_json(self.backend, name, f"checkpoint with ID {checkpoint_id}",
-                         f"checkpoint {checkpoint_id}: manifest")
+        blob = self._manifest_blobs.get(checkpoint_id)
+        if blob is None:
+            blob = read_blob(self.backend, name, f"checkpoint with ID {checkpoint_id}")
+            if self._held_locks:
+                if len(self._manifest_blobs) >= MANIFESTS_KEPT:  # (a listing reads them all)
+                    del self._manifest_blobs[next(iter(self._manifest_blobs))]
+                self._manifest_blobs[checkpoint_id] = blob
+        data = read_json(self.backend, name, "", f"checkpoint {checkpoint_id}: manifest", blob)
         try:
             return Manifest.from_json(data)
         except KeyError as exc:
@@ -335,6 +348,7 @@ class Store:
         """Removes the checkpoints' manifests (each durably, one after the other), then their
         logs. Their objects stay until a prune (ckpt/store/prune.py)."""
         for checkpoint_id in checkpoint_ids:
+            self._manifest_blobs.pop(checkpoint_id, None)
             self.backend.delete([self.manifest_name(checkpoint_id)])
             shutil.rmtree(self.logs_root / ids.check_id(checkpoint_id), ignore_errors=True)
             if on_removed is not None:

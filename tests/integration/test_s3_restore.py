@@ -203,6 +203,34 @@ def test_copy_and_verify_of_an_s3_store_fetch_ahead_in_large_requests(procs, tmp
 
 
 
+def test_a_restore_from_s3_asks_for_what_it_reads_once(procs, tmp_path, s3_server):
+    """Opening the store and finding the checkpoint, counted by a relay in front of the server:
+    the key files are listed once, the manifest read once (resolving its ID and loading it), the
+    store's page-id key read without asking whether it exists, and the command's own lock
+    object not read back. On a cloud store each request is tens of milliseconds."""
+    from urllib.parse import urlsplit
+
+    from tests.s3count import CountingRelay
+
+    dumped, checksum, out = dumped_bigmem(procs, tmp_path, 8)
+    upstream = urlsplit(s3_server.endpoint)
+    relay = CountingRelay((upstream.hostname, upstream.port))
+    try:
+        restored = ckpt_json("restore", dumped, "--eager",
+                             env={"AWS_ENDPOINT_URL": relay.endpoint, "CKPT_CACHE": str(tmp_path / "fresh-cache")})
+        procs.adopt(restored["pid"])
+    finally:
+        relay.stop()
+    assert relay.unparsed == 0
+    requests = relay.requests
+    listings = [r.query for r in requests if r.method == "GET" and "list-type=2" in r.query]
+    assert sum("keys%2F" in query for query in listings) == 1, listings
+    assert len([r for r in requests if r.method == "GET" and "/checkpoints/" in r.path]) == 1, requests
+    assert not [r for r in requests if r.method == "HEAD" and r.path.endswith("/key")], requests
+    assert not [r for r in requests if r.method == "GET" and "/locks/" in r.path], requests
+    assert report(restored["pid"], out)[0] == checksum
+
+
 def test_the_tree_forks_at_once_while_the_store_is_stopped_mid_fetch(s3_server, procs, tmp_path):
     """ckpt's lazy-pages daemon reads a process's fork only while no copy into it is under way:
     a copying thread waiting for a segment's download must not hold that up (it held the

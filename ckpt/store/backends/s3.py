@@ -629,8 +629,7 @@ class S3Backend(Backend):
         pause, told = 0.1, False
         while True:
             self.put(name, data)
-            conflicts = [live for key, live in self._lock_objects() if key != name and
-                         (exclusive or live.mode == "exclusive")]
+            conflicts = [live for _, live in self._lock_objects(besides=name) if exclusive or live.mode == "exclusive"]
             if not conflicts:
                 break
             self._release(name)
@@ -657,12 +656,15 @@ class S3Backend(Backend):
         except CkptError:
             pass  # unreachable now: the object goes stale after lock_ttl
 
-    def _lock_objects(self) -> builtins.list[tuple[str, LockOwner]]:
-        """The live lock objects (name, owner); stale ones are deleted on the way."""
+    def _lock_objects(self, besides: str | None = None) -> builtins.list[tuple[str, LockOwner]]:
+        """The live lock objects (name, owner) but the one named besides (ours: not read, a
+        request saved); stale ones are deleted on the way."""
         infos, now = self._list_objects(LOCKS_PREFIX)
         now = now if now is not None else time.time()
         live, stale = [], []
         for info in infos:
+            if info.name == besides:
+                continue
             try:
                 record = json.loads(self.get(info.name))
                 owner = LockOwner(pid=int(record["pid"]), host=str(record["host"]), command=str(record["command"]),

@@ -819,14 +819,17 @@ class PackWriter:
 class BlockStore:
     def __init__(self, backend: Backend):
         self.backend = backend
-        if not backend.exists(KEY):
+        try:  # (read at once, not asked whether it exists first: from S3 that was a request more)
+            key = backend.get(KEY)
+        except BlobNotFound:
             try:
                 # Never replaced: two first dumps racing would otherwise hash with different seeds.
                 backend.put_if_absent(KEY, secrets.token_bytes(8))
             except BlobExists:
                 pass
+            key = backend.get(KEY)
         # Page ids are keyed: a process cannot craft pages that collide with another's.
-        self.seed = int.from_bytes(backend.get(KEY)[:8], "little")
+        self.seed = int.from_bytes(key[:8], "little")
         self._index: BlockIndex | None = None
         self._preload: threading.Thread | None = None
         self._checked: set[tuple[str, int]] = set()  # suspect segments found intact (check_suspect)
