@@ -179,3 +179,35 @@ def test_pagemaps_are_written_byte_for_byte_as_pycriu_writes_them(tmp_path):
     write_pagemap(tmp_path / "pagemap-1.img", 300, runs)
     assert (tmp_path / "pagemap-1.img").read_bytes() == expected.getvalue()
     assert read_pagemap(tmp_path / "pagemap-1.img") == (300, runs)
+
+
+def test_a_pagemap_is_parsed_once_until_it_changes(tmp_path, monkeypatch):
+    """read_pagemap remembers what it parsed (a restore's plans read each pagemap of a tree up
+    to four times) and what write_pagemap wrote; a file replaced by any other means (another
+    inode, size or time) is parsed again, and the runs kept stay bounded."""
+    import shutil
+
+    from ckpt.criu import images
+
+    parsed: list[str] = []
+    real = images._parse_pagemap
+    monkeypatch.setattr(images, "_parse_pagemap", lambda path: (parsed.append(path.name), real(path))[1])
+    monkeypatch.setattr(images, "_PAGEMAPS", images._ReadPagemaps())
+    first, second = [(0x10000, 3, PE_PRESENT)], [(0x20000, 1, PE_PRESENT | PE_LAZY), (0x30000, 2, PE_PARENT)]
+    path = tmp_path / "pagemap-1.img"
+    images.write_pagemap(path, 7, first)
+    assert read_pagemap(path) == (7, first) and read_pagemap(path) == (7, first)
+    assert parsed == []  # what write_pagemap wrote is known
+    read_pagemap(path)[1].append((0, 0, 0))  # a caller's list is its own
+    assert read_pagemap(path) == (7, first)
+    other = tmp_path / "other" / "pagemap-1.img"
+    other.parent.mkdir()
+    images.write_pagemap(other, 8, second)
+    shutil.copyfile(other, tmp_path / "copy.img")
+    (tmp_path / "copy.img").replace(path)  # replaced behind write_pagemap's back
+    assert read_pagemap(path) == (8, second) and parsed == ["pagemap-1.img"]
+    monkeypatch.setattr(images._ReadPagemaps, "KEPT_RUNS", 3)
+    kept = images._ReadPagemaps()
+    kept.put(path, 8, second)
+    kept.put(other, 8, second)  # 4 runs: the first is forgotten
+    assert kept.get(path) is None and kept.get(other) == (8, second)
