@@ -505,6 +505,8 @@ def _huge_pages_in(runs: list[tuple[int, int, int]], entries: set[int], vmas: li
                    everywhere: bool) -> bool:
     """Whether any of these pagemap entries lies in a mapping (start, end, madv) that uses
     transparent huge pages (everywhere: unless it opted out)."""
+    if not everywhere and not any(madv & MADV_HUGEPAGE_BIT for _, _, madv in vmas):
+        return False  # (the common case, known without finding each entry's mappings)
     starts = [start for start, _, _ in vmas]
     return any(madv & MADV_HUGEPAGE_BIT or (everywhere and not madv & MADV_NOHUGEPAGE_BIT)
                for i in entries for _, _, madv in (vmas[m] for m in _mappings_of(starts, *runs[i][:2])))
