@@ -393,11 +393,22 @@ def _fill_lazily(store: Store, plan: LazyPlan, work_dir: Path, ready_write: int,
         _tell(status_fd, b"P%d" % os.getpid())
         figures.pages = filler
         record.follow(figures)
-        _run_and_tell(filler.run, status_fd, record, figures)
+        _run_and_tell(lambda: _prepared_then_run(filler, work_dir), status_fd, record, figures)
     finally:
         filler.close()  # after a success, keeps the packs fetched ahead in the cache
     return (f"{filler.served} pages copied of {plan.pages} in {filler.copies} copies "
             f"({filler.faults} faults, {filler.forks} forks followed)")
+
+
+def _prepared_then_run(filler, work_dir: Path) -> None:  # pragma: no cover - runs in the forked server
+    """filler.prepare(), its failure written where `ckpt restore` looks for the daemon's error
+    (it said it listened already: CRIU is restoring), then filler.run()."""
+    try:
+        filler.prepare()
+    except Exception as exc:
+        _write_private(work_dir / "lazy-pages.log", f"Error: {exc}\n")
+        raise
+    filler.run()
 
 
 def _serve_criu_daemon(store: Store, binary: CriuBinary, images_dir: Path, work_dir: Path,  # noqa: PLR0913

@@ -233,17 +233,19 @@ class LazyFiller(UffdFiller):
         self._quit = threading.Event()
         self._filling = False
         # One reader for the events thread, one per copying thread; one prefetcher feeds them
-        # all (made by _prepare).
+        # all (made by prepare).
         self._readers: list = []
         self.prefetcher: Prefetcher | None = None
         self._prepared = threading.Event()
         self._spool_dir = spool_dir
         super().__init__(store, plan, work_dir)  # the receiver and the events thread start
 
-    def _prepare(self) -> None:
-        """The readers and the prefetcher, once CRIU may connect: the segments the plan needs
-        are looked up while CRIU begins the restore (from S3 they took 0.03-0.1 s before the
-        daemon said it listened)."""
+    def prepare(self) -> None:
+        """The readers and the prefetcher, once CRIU may connect (run() does it if not done):
+        the segments the plan needs are looked up while CRIU begins the restore (from S3 they
+        took 0.03-0.1 s before the daemon said it listened)."""
+        if self._prepared.is_set():
+            return
         self._readers, self.prefetcher = self.store.blocks.page_readers(self.threads + 1, needed_segments(self.plan),
                                                                         self._spool_dir)
         self._prepared.set()
@@ -254,7 +256,7 @@ class LazyFiller(UffdFiller):
         """Serves the restore and then the tree until every page is in; raises on failure
         (the tree must not run on: the caller tells the watcher)."""
         try:
-            self._prepare()
+            self.prepare()
             self._wait_for_restore()
             self._adopt()
             self._cut_at_mappings()

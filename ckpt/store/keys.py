@@ -207,6 +207,8 @@ def unlock(inner: Backend, password: bytes, listed: list[BlobInfo] | None = None
             continue
         if len(master) == KEY_LEN:
             return EncryptedBackend(inner, master, key_id=key_id)
+    if listed is not None and set(_key_ids(inner)) - set(ids):
+        return unlock(inner, password)  # a key file added since the listing (while a password was typed)
     if unreadable and len(unreadable) == len(ids):
         raise StoreError(f"no key file in {_where(inner)} can be read "
                          f"({', '.join(unreadable)})", hint="they are damaged; restore them from a copy")

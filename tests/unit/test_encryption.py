@@ -12,8 +12,8 @@ from ckpt.errors import DamagedBlob, DamagedCheckpoint, ExitCode, KeyNotFound, S
 from ckpt.store import Store
 from ckpt.store.backends import BlobNotFound, LocalBackend
 from ckpt.store.backends.encrypted import CHUNK, HEADER_LEN, TAG_LEN, EncryptedBackend
-from ckpt.store.keys import (KdfParams, add_key, change_password, initialize, is_encrypted, list_keys, remove_key,
-                             unlock)
+from ckpt.store.keys import (KdfParams, add_key, change_password, initialize, is_encrypted, key_files, list_keys,
+                             remove_key, unlock)
 from ckpt.store.prune import collect_garbage
 from ckpt.store.verify import verify
 from tests.unit.test_store import PAGE, fake_dump, flip_byte, laid_out
@@ -307,6 +307,19 @@ def test_keys_are_added_listed_removed_and_changed_without_touching_data(root):
         unlock(inner, b"two")
     assert unlock(inner, b"three").get("objects/ab/data") == b"payload"
     assert raw_files(root / "objects") == data_before, "no data was encrypted again"
+
+
+def test_a_key_added_after_the_listing_still_opens_the_store(root):
+    """Opening a remote store lists its key files once, before a password is asked for: a key
+    added while the user typed its password must still open it (a second listing, only then)."""
+    inner = LocalBackend(root)
+    enc, first = initialize(inner, b"one", CHEAP)
+    listed = key_files(inner)
+    second = add_key(inner, enc.master_key, b"two", CHEAP)
+    assert unlock(inner, b"two", listed).key_id == second
+    assert unlock(inner, b"one", listed).key_id == first
+    with pytest.raises(WrongPassword):
+        unlock(inner, b"three", listed)
 
 
 def test_the_default_scrypt_cost_is_bearable(root):
