@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -357,21 +358,25 @@ class _ReadPagemaps:
     def __init__(self) -> None:
         self._by_path: dict[str, tuple[tuple[int, int, int], int, tuple[tuple[int, int, int], ...]]] = {}
         self._runs = 0
+        self._lock = threading.Lock()  # a dump reads an earlier checkpoint's pagemaps in a thread
 
     def get(self, path: Path) -> tuple[int, list[tuple[int, int, int]]] | None:
-        known = self._by_path.get(str(path))
+        with self._lock:
+            known = self._by_path.get(str(path))
         if known is None or known[0] != _identity(path):
             return None
         return known[1], list(known[2])
 
     def put(self, path: Path, pages_id: int, runs: list[tuple[int, int, int]]) -> None:
-        self._forget(str(path))
-        if len(runs) > self.KEPT_RUNS:
-            return
-        while self._by_path and self._runs + len(runs) > self.KEPT_RUNS:
-            self._forget(next(iter(self._by_path)))
-        self._by_path[str(path)] = (_identity(path), pages_id, tuple(runs))
-        self._runs += len(runs)
+        identity, kept = _identity(path), tuple(runs)
+        with self._lock:
+            self._forget(str(path))
+            if len(kept) > self.KEPT_RUNS:
+                return
+            while self._by_path and self._runs + len(kept) > self.KEPT_RUNS:
+                self._forget(next(iter(self._by_path)))
+            self._by_path[str(path)] = (identity, pages_id, kept)
+            self._runs += len(kept)
 
     def _forget(self, key: str) -> None:
         gone = self._by_path.pop(key, None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import json
 import shutil
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -78,6 +79,7 @@ class Store:
         # from being forgotten, and a restore from S3 read its manifest twice (resolving its ID,
         # then loading it).
         self._manifest_blobs: dict[str, bytes] = {}
+        self._manifests_lock = threading.Lock()
 
     @property
     def blocks(self) -> BlockStore:
@@ -151,7 +153,8 @@ class Store:
             finally:
                 self._held_locks.remove(held)
                 if not self._held_locks:
-                    self._manifest_blobs.clear()
+                    with self._manifests_lock:
+                        self._manifest_blobs.clear()
 
     def check_lock(self, what: str) -> None:
         """Before a commit point: the locks this store holds are still held. A lock object can
@@ -181,9 +184,7 @@ class Store:
         if blob is None:
             blob = read_blob(self.backend, name, f"checkpoint with ID {checkpoint_id}")
             if self._held_locks:
-                if len(self._manifest_blobs) >= MANIFESTS_KEPT:  # (a listing reads them all)
-                    del self._manifest_blobs[next(iter(self._manifest_blobs))]
-                self._manifest_blobs[checkpoint_id] = blob
+                self._keep_manifest(checkpoint_id, blob)
         data = read_json(self.backend, name, "", f"checkpoint {checkpoint_id}: manifest", blob)
         try:
             return Manifest.from_json(data)
@@ -191,6 +192,12 @@ class Store:
             raise DamagedCheckpoint(f"checkpoint {checkpoint_id}: manifest {path} lacks {exc}") from exc
         except (TypeError, ValueError) as exc:  # valid JSON, but not a manifest ([], 3, a field of the wrong type)
             raise DamagedCheckpoint(f"checkpoint {checkpoint_id}: manifest {path} is not a manifest ({exc})") from exc
+
+    def _keep_manifest(self, checkpoint_id: str, blob: bytes) -> None:
+        with self._manifests_lock:  # (one store's loads may come from several threads)
+            while len(self._manifest_blobs) >= MANIFESTS_KEPT:  # (a listing reads them all)
+                del self._manifest_blobs[next(iter(self._manifest_blobs))]
+            self._manifest_blobs[checkpoint_id] = blob
 
     def manifests(self, on_damaged=None) -> list[Manifest]:
         """Every readable manifest a reader sees, oldest first: not those of unfinished members
@@ -348,7 +355,8 @@ class Store:
         """Removes the checkpoints' manifests (each durably, one after the other), then their
         logs. Their objects stay until a prune (ckpt/store/prune.py)."""
         for checkpoint_id in checkpoint_ids:
-            self._manifest_blobs.pop(checkpoint_id, None)
+            with self._manifests_lock:
+                self._manifest_blobs.pop(checkpoint_id, None)
             self.backend.delete([self.manifest_name(checkpoint_id)])
             shutil.rmtree(self.logs_root / ids.check_id(checkpoint_id), ignore_errors=True)
             if on_removed is not None:

@@ -769,3 +769,25 @@ def test_an_object_damaged_under_the_manifest_s_codec_is_read_from_its_healed_co
     (store.root / object_name(entry.hash, "zstd")).write_bytes(zstandard.ZstdCompressor().compress(core))
     assert (laid_out(store, dumped) / "core-1.img").read_bytes() == core
     assert not store.objects.intact(object_name(entry.hash, "none"), "none", entry.hash), "that copy alone"
+
+
+def test_a_manifest_is_read_once_while_a_lock_is_held(store, monkeypatch):
+    """Resolving an ID and loading it read its manifest twice (two GETs from S3): within one
+    lock hold the store keeps what it read; outside a lock, and after a forget, it reads again."""
+    m = fake_dump(store, {"pages-1.img": os.urandom(PAGE)})
+    other = fake_dump(store, {"pages-1.img": os.urandom(PAGE)})
+    reads: list[str] = []
+    real_get = store.backend.get
+    monkeypatch.setattr(store.backend, "get", lambda name: (reads.append(name), real_get(name))[1])
+    store.load(m.id)
+    store.load(m.id)
+    assert len(reads) == 2  # no lock: read each time
+    with store.lock():
+        assert store.load(m.id).id == m.id and store.load(m.id).files == m.files
+        assert len(reads) == 3
+        store.load(other.id)
+        store.remove([other.id])  # forgotten: no longer kept either
+        with pytest.raises(CheckpointNotFound):
+            store.load(other.id)
+    store.load(m.id)
+    assert len(reads) == 6  # the lock let go: read again
