@@ -241,11 +241,9 @@ class LazyFiller(UffdFiller):
         super().__init__(store, plan, work_dir)  # the receiver and the events thread start
 
     def prepare(self) -> None:
-        """The readers and the prefetcher, once CRIU may connect (run() does it if not done):
-        the segments the plan needs are looked up while CRIU begins the restore (from S3 they
-        took 0.03-0.1 s before the daemon said it listened)."""
-        if self._prepared.is_set():
-            return
+        """The readers and the prefetcher, before run() and once CRIU may connect: the segments
+        the plan needs are looked up while CRIU begins the restore (from S3 they took 0.03-0.1 s
+        before the daemon said it listened)."""
         self._readers, self.prefetcher = self.store.blocks.page_readers(self.threads + 1, needed_segments(self.plan),
                                                                         self._spool_dir)
         self._prepared.set()
@@ -253,10 +251,9 @@ class LazyFiller(UffdFiller):
     # ---- the run of the daemon -------------------------------------------------------------
 
     def run(self) -> None:
-        """Serves the restore and then the tree until every page is in; raises on failure
-        (the tree must not run on: the caller tells the watcher)."""
+        """After prepare(): serves the restore and then the tree until every page is in; raises
+        on failure (the tree must not run on: the caller tells the watcher)."""
         try:
-            self.prepare()
             self._wait_for_restore()
             self._adopt()
             self._cut_at_mappings()

@@ -378,41 +378,23 @@ def _first_seen(rows, page_list: bytes, seen: list) -> list[int]:
     shared = np.zeros(len(rows), dtype=bool)
     shared[1:] = first[1:] == first[:-1]
     shared[:-1] |= shared[1:]
+    drop = np.zeros(len(rows), dtype=bool)
     if shared.any():
         group = order[shared]  # rows (positions in `rows`) whose first half another row has
         by_id = group[np.lexsort((halves[group, 1], halves[group, 0]))]  # stable: row order kept
         repeat = (halves[by_id[1:], 0] == halves[by_id[:-1], 0]) & (halves[by_id[1:], 1] == halves[by_id[:-1], 1])
-        drop = np.zeros(len(rows), dtype=bool)
         drop[by_id[1:][repeat]] = True
-        rows, halves = rows[~drop], halves[~drop]
-    # In the order of their first halves from here: sorted keys search several times faster.
-    order = np.argsort(halves[:, 0], kind="stable")
+    # From here in the order of their first halves (the sort above, less the repeats): sorted
+    # keys search several times faster, and each array of `seen` is kept so.
+    order = order[~drop[order]]
     rows, firsts, seconds = rows[order], halves[order, 0], halves[order, 1]
-    for earlier in seen:
-        new = ~_seen_in(earlier, firsts, seconds)
+    search_ids = _blockindex().search_ids
+    for earlier_firsts, earlier_seconds in seen:
+        new = np.ones(len(rows), dtype=bool)
+        new[search_ids(earlier_firsts, earlier_seconds, firsts, seconds)[1]] = False
         rows, firsts, seconds = rows[new], firsts[new], seconds[new]
     _add_seen(seen, (firsts, seconds))
     return np.sort(rows).tolist()
-
-
-def _seen_in(earlier, firsts, seconds):
-    """Which of the ids (their first halves, sorted, and their second halves) earlier holds
-    (the same two arrays: contiguous, or each search would copy them)."""
-    from ckpt.system.arrays import np
-
-    earlier_firsts, earlier_seconds = earlier
-    at = np.searchsorted(earlier_firsts, firsts)
-    inside = np.flatnonzero(at < len(earlier_firsts))
-    same_first = earlier_firsts[at[inside]] == firsts[inside]
-    known = np.zeros(len(firsts), dtype=bool)
-    known[inside] = same_first & (earlier_seconds[at[inside]] == seconds[inside])
-    # Ids alike in their first 8 bytes (one in four billion): the match may be further on.
-    for k in inside[same_first & ~known[inside]].tolist():
-        row = int(at[k]) + 1
-        while row < len(earlier_firsts) and earlier_firsts[row] == firsts[k] and not known[k]:
-            known[k] = earlier_seconds[row] == seconds[k]
-            row += 1
-    return known
 
 
 def _add_seen(seen: list, new: tuple) -> None:

@@ -182,11 +182,11 @@ class BlockIndex:
             todo_high, todo_low = unique_high[todo], unique_low[todo]
             if columns.count >= len(todo) // 8:
                 high, low, back = columns.in_order()
-                rows, wanted = _search(high, low, todo_high, todo_low)
+                rows, wanted = search_ids(high, low, todo_high, todo_low)
                 if back is not None:
                     rows = back[rows]
             else:
-                wanted, rows = _search(todo_high, todo_low, columns.high.astype(np.uint64), columns.low)
+                wanted, rows = search_ids(todo_high, todo_low, columns.high.astype(np.uint64), columns.low)
             found[todo[wanted]] = columns.locations(rows)
             todo = todo[found[todo] < 0]
             if not len(todo):
@@ -298,7 +298,7 @@ def _fits(earlier: tuple, rows: int) -> bool:
                 and (pieces[:, 1] + pieces[:, 2]).max() <= len(earlier_list) // ID_LEN)
 
 
-def _search(hay_high, hay_low, needle_high, needle_low) -> tuple[np.ndarray, np.ndarray]:
+def search_ids(hay_high, hay_low, needle_high, needle_low) -> tuple[np.ndarray, np.ndarray]:
     """Finds needles in a haystack sorted by its high halves: (haystack rows, needle rows) of
     the needles found. Ids whose high halves are equal but whose low halves differ (one in
     four billion for a million ids) are settled one by one."""
