@@ -105,3 +105,32 @@ def test_a_streamed_image_and_the_pages_image_it_stands_for_are_stored_alike(tmp
     out = tmp_path / "rebuilt.img"
     blocks.write_image("pages-2.img", page_lists["pages-2.img"], out, check_ids=True)
     assert out.read_bytes() == bytes(second)
+
+
+def test_an_image_whose_pages_are_all_stored_is_not_sampled_for_its_codec(tmp_path):
+    """The codec is asked (a sample read and compressed) only of an image with pages to store:
+    a dump whose pages the store has already asks for none, and stores them as before."""
+    import os
+
+    from ckpt.store.backends import LocalBackend
+    from ckpt.store.blocks.blockstore import PAGE, BlockStore
+
+    blocks = BlockStore(LocalBackend(tmp_path / "blocks"))
+    data = os.urandom(8 * PAGE) + bytes(range(256)) * 16 * 8
+    asked = []
+
+    def codec_for(path):
+        asked.append(path.name)
+        return "zstd"
+
+    lists = []
+    for name in ("pages-1.img", "pages-2.img"):
+        image = tmp_path / name
+        image.write_bytes(data)
+        page_lists, stats, _ = blocks.ingest([image], codec_for)
+        lists.append((page_lists[name], stats.new_pages))
+    assert asked == ["pages-1.img"], "asked of the first image only: the second's pages are all stored"
+    assert lists[0][0] == lists[1][0] and lists[0][1] == 9 and lists[1][1] == 0
+    out = tmp_path / "out.img"
+    blocks.write_image("pages-2.img", lists[1][0], out, check_ids=True)
+    assert out.read_bytes() == data

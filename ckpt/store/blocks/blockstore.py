@@ -560,12 +560,15 @@ class PagesIngest:
         known = source.known_page_list()
         if known is not None:
             return _LookedUp(source, size, known, None, "none")
-        codec = self.codec_for(source.path)
         with open(source.path, "rb") as f, mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED,
                                                      prot=mmap.PROT_READ) as mm:
             page_list = source.ids(mm, self.blocks.seed)
         self.blocks.check_suspect(page_list)  # nothing to do in a store without damage
         rows = source.candidates(self.index, page_list, self.earlier.get(source.name))
+        # Asked only of an image with pages to store: its sample read and compressed a 32nd
+        # of every image, a quarter of the CPU of a dump whose pages were all stored already
+        # (101 images of a tree of processes: 0.065 of 0.26 s).
+        codec = self.codec_for(source.path) if rows is not None and len(rows) else "none"
         return _LookedUp(source, size, page_list, rows, codec)
 
     def finish(self) -> tuple[dict[str, bytes], IngestStats, list[str]]:
