@@ -2,6 +2,7 @@
 
 import ctypes
 import errno
+import mmap
 import os
 import secrets
 import stat
@@ -43,6 +44,13 @@ def pwrite_all(fd: int, data, offset: int) -> None:
     while view:
         written = os.pwrite(fd, view[:WRITE_PIECE], offset)
         view, offset = view[written:], offset + written
+
+
+def fresh_buffer(size: int) -> memoryview:
+    """size writable bytes of zeros, in an anonymous mapping of their own: the kernel hands its
+    pages out zeroed as they are first written, where a bytearray is zeroed once more by a
+    memset of its own (a GiB fetched into bytearrays: 0.1 CPU-seconds of memset)."""
+    return memoryview(mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
 
 @contextmanager

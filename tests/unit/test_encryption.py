@@ -112,6 +112,23 @@ def test_stored_span_is_what_a_ranged_read_asks_the_inner_store_for(root):
         assert inner.requested == [enc.stored_span("packs/ab/blob", offset, length)], (offset, length)
 
 
+def test_a_view_decrypted_into_a_buffer_given_is_the_blobs_bytes_and_lies_in_that_buffer(enc):
+    # The lazy restore's prefetch hands each range a buffer it uses again (prefetch.BufferPool).
+    data = os.urandom(10 * SMALL + 5)
+    enc.put("packs/ab/blob", data)
+    for offset, length in [(0, 1), (SMALL - 1, 2), (3 * SMALL, 2 * SMALL), (3 * SMALL + 7, SMALL), (9 * SMALL, 99),
+                           (10 * SMALL, 50)]:
+        given = []
+
+        def allocate(size):
+            given.append(memoryview(bytearray(size + 3)))  # larger than asked, as a pooled one may be
+            return given[-1]
+
+        view = enc.get_view("packs/ab/blob", offset, length, allocate=allocate)
+        assert bytes(view) == data[offset:offset + length], (offset, length)
+        assert len(given) == 1 and view.obj is given[0].obj, "decrypted into the buffer given, not a copy"
+
+
 def test_a_streamed_blob_is_sealed_chunk_by_chunk_whatever_the_writes(enc):
     data = os.urandom(5 * SMALL + 3)
     for step in (1, 7, SMALL - 1, SMALL, SMALL + 1, len(data)):

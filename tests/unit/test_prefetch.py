@@ -340,3 +340,122 @@ def test_a_spool_that_falls_behind_never_holds_up_the_fetch_and_every_range_reac
     finally:
         spool_may_write.set()
         prefetcher.close()
+
+
+def test_the_buffer_pool_hands_a_buffer_out_again_once_given_back_and_keeps_a_few():
+    from ckpt.store.blocks.prefetch import BufferPool
+
+    pool = BufferPool(keep=2, size=4096)
+    first = pool.take(100)
+    assert len(first) >= 4096 and not first.readonly
+    larger = pool.take(10000)
+    assert len(larger) >= 10000
+    pool.give(first)
+    pool.give(larger)
+    pool.give(memoryview(bytearray(4096)))  # a third: beyond keep, dropped
+    assert pool.free == 2
+    assert pool.take(5000) is larger, "a buffer large enough, used again"
+    assert pool.take(50) is first
+    assert pool.free == 0
+
+
+def test_a_ranges_buffer_goes_back_to_the_pool_only_once_no_reader_copies_out_of_it(tmp_path):
+    pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=1)
+    prefetcher.start()
+    try:
+        _all_down(prefetcher)
+        prefetcher.settle()  # every range spooled, none read: each held, in a buffer of the pool
+        taken = next(r for r in prefetcher.ranges if len(r.keys) > 1)
+        slab = taken.slab
+        assert slab is not None and taken.buffer is not None
+        with prefetcher._held_lock:
+            taken.readers += 1  # another page server thread, in the middle of its copy
+        for key in taken.keys:  # its every segment read: the range is let go...
+            with prefetcher.segment(key) as got:
+                assert bytes(got) == _bytes_of(pack, segs[key])
+        free = prefetcher.pool.free
+        assert taken.buffer is None and taken.slab is slab, "...its buffer not handed out while copied from"
+        with prefetcher._held_lock:
+            taken.readers -= 1
+            prefetcher._recycle(taken)
+        assert taken.slab is None and prefetcher.pool.free == free + 1
+    finally:
+        prefetcher.close()
+
+
+def test_readers_on_many_threads_read_every_segment_right_while_buffers_are_used_again(tmp_path):
+    """Four threads read every segment, twice, in orders of their own, while three fetch (and
+    the readers fetch what they need first themselves): what each reads is the pack's bytes (a
+    buffer handed out again too soon would show here); every buffer goes back."""
+    import random
+    import threading
+
+    import ckpt.store.blocks.prefetch as prefetch
+
+    made = []
+    real_fresh_buffer = prefetch.fresh_buffer
+
+    def counting(size):
+        made.append(size)
+        return real_fresh_buffer(size)
+
+    prefetch.fresh_buffer = counting
+    try:
+        pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=3)
+        wrong: list[int] = []
+
+        def read_all(seed: int) -> None:
+            order = wanted * 2
+            random.Random(seed).shuffle(order)
+            for key in order:
+                with prefetcher.segment(key) as got:
+                    if bytes(got) != _bytes_of(pack, segs[key]):
+                        wrong.append(key)
+
+        prefetcher.start()
+        try:
+            readers = [threading.Thread(target=read_all, args=(seed,)) for seed in range(4)]
+            for reader in readers:
+                reader.start()
+            for reader in readers:
+                reader.join(30)
+            assert not wrong, f"segments read wrong: {wrong}"
+            prefetcher.settle()
+            assert all(r.slab is None and r.buffer is None for r in prefetcher.ranges)
+        finally:
+            prefetcher.close()
+    finally:
+        prefetch.fresh_buffer = real_fresh_buffer
+    assert made
+
+
+def test_buffers_are_used_again_when_the_reader_keeps_up_with_the_fetch(tmp_path, monkeypatch):
+    """A fetch slower than the reader (as a restore from S3 is): each range is read and spooled
+    before the next one is down, and its buffer goes to a next one (two buffers in all, here:
+    fewer than ranges asserted, the machine may be slow)."""
+    import time
+
+    import ckpt.store.blocks.prefetch as prefetch
+
+    made = []
+    real_fresh_buffer = prefetch.fresh_buffer
+    monkeypatch.setattr(prefetch, "fresh_buffer", lambda size: made.append(size) or real_fresh_buffer(size))
+    pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=1)
+    real_get_view = prefetcher.source.get_view
+
+    def slow_get_view(*args, **kwargs):
+        time.sleep(0.02)
+        return real_get_view(*args, **kwargs)
+
+    prefetcher.source.get_view = slow_get_view
+    ranges = [list(r.keys) for r in prefetcher.ranges]
+    prefetcher.start()
+    try:
+        for keys in ranges:  # in the order of the fetch
+            for key in keys:
+                with prefetcher.segment(key) as got:
+                    assert bytes(got) == _bytes_of(pack, segs[key])
+        prefetcher.settle()
+    finally:
+        prefetcher.close()
+    assert len(ranges) > 5 and len(made) < len(ranges), f"{len(made)} buffers made for {len(ranges)} ranges"

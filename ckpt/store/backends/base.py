@@ -270,10 +270,18 @@ class Backend(abc.ABC):
     def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
         """The blob, or length bytes of it from offset (fewer where it ends)."""
 
-    def get_view(self, name: str, offset: int, length: int) -> memoryview:
+    def get_view(self, name: str, offset: int, length: int,
+                 allocate: Callable[[int], memoryview] | None = None) -> memoryview:
         """As get(name, offset, length), as a view: a backend may spare copies (the encrypted
-        one decrypts into one buffer)."""
-        return memoryview(self.get(name, offset, length))
+        one decrypts into one buffer). With allocate(size) (a writable buffer of at least size
+        bytes: a lazy restore's prefetch hands out buffers it uses again), the bytes are at the
+        start of the buffer it returned."""
+        data = self.get(name, offset, length)
+        if allocate is None:
+            return memoryview(data)
+        buffer = allocate(len(data))
+        buffer[:len(data)] = data
+        return buffer[:len(data)]
 
     def stored_span(self, name: str, offset: int, length: int) -> tuple[int, int]:
         """The bytes [start, end) of the store that get_view(name, offset, length) requests:

@@ -333,27 +333,30 @@ class EncryptedBackend(Backend):
         self._remember_header(name, header, aead)
         return header, aead
 
-    def get_view(self, name: str, offset: int, length: int) -> memoryview:
+    def get_view(self, name: str, offset: int, length: int,
+                 allocate: Callable[[int], memoryview] | None = None) -> memoryview:
         """As get, the chunks decrypted straight into one buffer (no join, no slice copied):
-        a lazy restore's prefetch reads a GiB this way, range by range, on several threads."""
+        a lazy restore's prefetch reads a GiB this way, range by range, on several threads.
+        allocate: as Backend.get_view (the chunks are decrypted into the buffer it returns)."""
         inner_name = self._inner_name(name)
         if length <= 0:
             return memoryview(self.get(name, offset, length))
         try:
-            return self._get_view(name, inner_name, offset, length, self._cached_header(name))
+            return self._get_view(name, inner_name, offset, length, self._cached_header(name), allocate)
         except DamagedBlob:
             if self._cached_header(name) is None:  # as in get: a header remembered from an older blob
                 raise
             self._forget_header(name)
-            return self._get_view(name, inner_name, offset, length, None)
+            return self._get_view(name, inner_name, offset, length, None, allocate)
 
     def stored_span(self, name: str, offset: int, length: int) -> tuple[int, int]:
         first = offset // self.chunk
         want = ((offset + length - 1) // self.chunk - first + 1) * self._sealed + 1  # as _get_view
         return self.inner.stored_span(self._inner_name(name), HEADER_LEN + first * self._sealed, want)
 
-    def _get_view(self, name: str, inner_name: str, offset: int, length: int,
-                  cached: tuple[bytes, AESGCM] | None) -> memoryview:
+    def _get_view(self, name: str, inner_name: str, offset: int, length: int,  # noqa: PLR0913
+                  cached: tuple[bytes, AESGCM] | None,
+                  allocate: Callable[[int], memoryview] | None) -> memoryview:
         header, aead = self._header(name, inner_name, cached)
         first = offset // self.chunk
         want = ((offset + length - 1) // self.chunk - first + 1) * self._sealed + 1  # one byte more: see _get_range
@@ -365,10 +368,10 @@ class EncryptedBackend(Backend):
         ends = len(sealed) < want
         if not ends:
             sealed = sealed[:-1]
-        plain = bytearray(len(sealed))
+        plain = memoryview(bytearray(len(sealed))) if allocate is None else allocate(len(sealed))
         aad = header + name.encode()
         size = 0
-        with sealed, memoryview(plain) as out:
+        with sealed, plain[:len(sealed)] as out:
             count = -(-len(sealed) // self._sealed)
             for i in range(count):
                 index, final = first + i, ends and i == count - 1
@@ -383,7 +386,7 @@ class EncryptedBackend(Backend):
                             name, f"chunk {index} (at byte {index * self.chunk}) fails authentication{cut}") from None
                     size += len(piece) - TAG_LEN
         skip = offset - first * self.chunk
-        return memoryview(plain)[skip:min(size, skip + length)]
+        return plain[skip:min(size, skip + length)]
 
     def get_file(self, name: str, dest: Path) -> None:
         """The ciphertext is read in parts of whole sealed chunks (S3: ranged GETs in parallel),
