@@ -266,14 +266,14 @@ class Settings:
         return cls(**values)
 
 
-# Where boto3 finds the S3 server and the credential files (not the credentials themselves):
+# Where botocore finds the S3 server and the credential files (not the credentials themselves):
 # what a schedule's cron line passes on, since cron's environment is bare.
 S3_LOCATION_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_REGION",
                          "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
 
 
 def s3_location_environment() -> dict[str, str]:
-    """The S3_LOCATION_VARIABLES that are set (boto3 reads them itself; not ckpt settings)."""
+    """The S3_LOCATION_VARIABLES that are set (botocore reads them itself; not ckpt settings)."""
     return {name: os.environ[name] for name in S3_LOCATION_VARIABLES if os.environ.get(name)}
 
 
