@@ -342,21 +342,24 @@ def test_a_spool_that_falls_behind_never_holds_up_the_fetch_and_every_range_reac
         prefetcher.close()
 
 
-def test_the_buffer_pool_hands_a_buffer_out_again_once_given_back_and_keeps_a_few():
+def test_the_buffer_pool_hands_a_slab_out_again_once_given_back_and_keeps_a_few():
     from ckpt.store.blocks.prefetch import BufferPool
 
-    pool = BufferPool(keep=2, size=4096)
-    first = pool.take(100)
-    assert len(first) >= 4096 and not first.readonly
-    larger = pool.take(10000)
-    assert len(larger) >= 10000
+    pool = BufferPool(keep=2, size=8192, smallest=1024)
+    first, second, third = pool.take(5000), pool.take(8192), pool.take(1024)
+    assert all(len(b) == 8192 and not b.readonly for b in (first, second, third))
+    small, large = pool.take(100), pool.take(10000)
+    assert (len(small), len(large)) == (100, 10000), "too small or too large: a buffer of its own size"
+    for buffer in (first, second, third, small, large):
+        pool.give(buffer)
+    assert pool.free == 2, "two slabs kept (keep), the third and the buffers of their own size dropped"
+    again = {id(pool.take(3000).obj), id(pool.take(3000).obj)}
+    assert again == {id(first.obj), id(second.obj)}, "slabs used again"
     pool.give(first)
-    pool.give(larger)
-    pool.give(memoryview(bytearray(4096)))  # a third: beyond keep, dropped
-    assert pool.free == 2
-    assert pool.take(5000) is larger, "a buffer large enough, used again"
-    assert pool.take(50) is first
+    pool.close()
     assert pool.free == 0
+    pool.give(second)
+    assert pool.free == 0, "none kept once closed"
 
 
 def test_a_ranges_buffer_goes_back_to_the_pool_only_once_no_reader_copies_out_of_it(tmp_path):
@@ -367,26 +370,29 @@ def test_a_ranges_buffer_goes_back_to_the_pool_only_once_no_reader_copies_out_of
         prefetcher.settle()  # every range spooled, none read: each held, in a buffer of the pool
         taken = next(r for r in prefetcher.ranges if len(r.keys) > 1)
         slab = taken.slab
+        given: list = []
+        real_give = prefetcher.pool.give
+        prefetcher.pool.give = lambda buffer: (given.append(buffer), real_give(buffer))[1]
         assert slab is not None and taken.buffer is not None
         with prefetcher._held_lock:
             taken.readers += 1  # another page server thread, in the middle of its copy
         for key in taken.keys:  # its every segment read: the range is let go...
             with prefetcher.segment(key) as got:
                 assert bytes(got) == _bytes_of(pack, segs[key])
-        free = prefetcher.pool.free
         assert taken.buffer is None and taken.slab is slab, "...its buffer not handed out while copied from"
+        assert not [b for b in given if b is slab]
         with prefetcher._held_lock:
             taken.readers -= 1
             prefetcher._recycle(taken)
-        assert taken.slab is None and prefetcher.pool.free == free + 1
+        assert taken.slab is None and [b for b in given if b is slab], "given back once the copy is made"
     finally:
         prefetcher.close()
 
 
 def test_readers_on_many_threads_read_every_segment_right_while_buffers_are_used_again(tmp_path):
     """Four threads read every segment, twice, in orders of their own, while three fetch (and
-    the readers fetch what they need first themselves): what each reads is the pack's bytes (a
-    buffer handed out again too soon would show here); every buffer goes back."""
+    the readers fetch what they need first themselves): what each reads is the pack's bytes,
+    and every buffer is let go in the end."""
     import random
     import threading
 
@@ -419,9 +425,11 @@ def test_readers_on_many_threads_read_every_segment_right_while_buffers_are_used
                 reader.start()
             for reader in readers:
                 reader.join(30)
+            assert not any(reader.is_alive() for reader in readers), "a reader did not end"
             assert not wrong, f"segments read wrong: {wrong}"
             prefetcher.settle()
             assert all(r.slab is None and r.buffer is None for r in prefetcher.ranges)
+            assert prefetcher.held_bytes == 0 and prefetcher.pool.free == 0, "the pool closed once all was down"
         finally:
             prefetcher.close()
     finally:

@@ -274,8 +274,8 @@ class Backend(abc.ABC):
                  allocate: Callable[[int], memoryview] | None = None) -> memoryview:
         """As get(name, offset, length), as a view: a backend may spare copies (the encrypted
         one decrypts into one buffer). With allocate(size) (a writable buffer of at least size
-        bytes: a lazy restore's prefetch hands out buffers it uses again), the bytes are at the
-        start of the buffer it returned."""
+        bytes: a lazy restore's prefetch hands out buffers it uses again), the view is of the
+        buffer it returned (here a copy into it: an encrypting backend decrypts into it)."""
         data = self.get(name, offset, length)
         if allocate is None:
             return memoryview(data)

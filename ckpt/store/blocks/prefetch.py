@@ -47,9 +47,9 @@ THREADS = 4  # S3Backend's pool keeps 2 x 4 + 2 connections: these and the page 
 HELD_BYTES = 128 << 20
 # The spool's pages leave the page cache every TRIM_BYTES written (see Prefetcher._trim).
 TRIM_BYTES = 32 << 20
-# The buffers ranges are fetched into (see BufferPool): a range's bytes as the store reads them
-# (up to 1.25 times RANGE_BYTES, whole chunks of an encrypted pack: see _range_limit).
-SLAB_BYTES = RANGE_BYTES * 5 // 4 + (1 << 20)
+# The buffers of the pool (see BufferPool): a range's bytes as the store reads them, up to 1.25
+# times the range size (see _range_limit) and SLAB_SLACK more (whole chunks of an encrypted pack).
+SLAB_SLACK = 1 << 20
 
 
 @dataclass
@@ -73,6 +73,7 @@ class FetchRange:
     spooled: bool = False  # its spool write is over (done or failed): its buffer may go
     slab: memoryview | None = field(default=None, repr=False, compare=False)  # the pool's buffer it is in
     readers: int = 0  # page server threads copying out of its buffer now: the slab goes back after them
+    footprint: int = 0  # what its buffer counts in the bytes held: the whole slab, for one of the pool
     spool_failed: bool = False  # the spool has a hole there: read again from the store (_read_again)
 
 
@@ -131,25 +132,31 @@ class BufferPool:
     """Buffers for the fetched ranges, used again once a range is let go (see
     Prefetcher._recycle): a new buffer per range, zeroed and then faulted in page by page,
     cost a GiB restored from S3 0.1 CPU-seconds of memset alone, and its last page came
-    0.13-0.27 s later (4 pairs, 2.54-2.64 s against 2.37-2.54 s). At most `keep` free buffers
-    are kept (the fetching threads' and HELD_BYTES' worth); thread-safe."""
+    0.13-0.27 s later (4 pairs, 2.54-2.64 s against 2.37-2.54 s). Buffers of the pool are
+    `size` bytes (slabs); a request smaller than `smallest` (or larger than a slab) gets a
+    buffer of its own size, never kept: a small range must not pin a slab a large one filled
+    before. At most `keep` free slabs are kept, none once closed; thread-safe."""
 
-    def __init__(self, keep: int, size: int = SLAB_BYTES):
+    def __init__(self, keep: int, size: int, smallest: int):
         self._lock = threading.Lock()
         self._free: list[memoryview] = []
-        self._keep, self._size = keep, size
+        self._keep, self._size, self._smallest = keep, size, smallest
 
     def take(self, size: int) -> memoryview:
+        if size < self._smallest or size > self._size:
+            return fresh_buffer(size)
         with self._lock:
-            for at, buffer in enumerate(self._free):
-                if len(buffer) >= size:
-                    return self._free.pop(at)
-        return fresh_buffer(max(size, self._size))
+            if self._free:
+                return self._free.pop()
+        return fresh_buffer(self._size)
+
+    def is_slab(self, buffer: memoryview) -> bool:
+        return len(buffer) == self._size
 
     def give(self, buffer: memoryview) -> None:
-        """Back to the pool: nobody reads or writes it any more."""
+        """Back to the pool: nobody reads or writes it any more (dropped unless a slab)."""
         with self._lock:
-            if len(self._free) < self._keep:
+            if self.is_slab(buffer) and len(self._free) < self._keep:
                 self._free.append(buffer)
 
     @property
@@ -157,8 +164,10 @@ class BufferPool:
         with self._lock:
             return len(self._free)
 
-    def clear(self) -> None:
+    def close(self) -> None:
+        """Every free slab let go, and every one given back from now on: the fetch is over."""
         with self._lock:
+            self._keep = 0
             self._free.clear()
 
 
@@ -257,7 +266,9 @@ class Prefetcher:
         self.checked: set[int] = set()  # segments whose checksum a fetching thread found right
         self._stats_lock = threading.Lock()
         self._fds: dict[str, int] = {}
-        self.pool = BufferPool(keep=HELD_BYTES // range_bytes + threads + 2)
+        slab = range_bytes * 5 // 4 + SLAB_SLACK
+        # Held slabs count whole in HELD_BYTES (see _hold): its worth, and one per fetching thread.
+        self.pool = BufferPool(keep=HELD_BYTES // slab + threads + 1, size=slab, smallest=range_bytes // 8)
         self._threads: list[threading.Thread] = []
         self._keys_left = sum(len(r.keys) for r in self.ranges)
         self._held_lock = threading.Lock()
@@ -373,7 +384,10 @@ class Prefetcher:
     def _hold(self, taken: FetchRange, view: memoryview) -> None:
         with self._held_lock:
             taken.buffer, taken.unread = view, set(taken.keys)
-            self._held_bytes += len(view)
+            # A slab counts whole: pages a larger range wrote into it before stay in memory.
+            taken.footprint = len(taken.slab) if taken.slab is not None and self.pool.is_slab(taken.slab) \
+                else len(view)
+            self._held_bytes += taken.footprint
 
     def _spool(self, taken: FetchRange, view: memoryview) -> None:
         """The range into its spool file; then its buffer goes if its segments were read (or
@@ -397,7 +411,7 @@ class Prefetcher:
     def _release(self, taken: FetchRange) -> None:
         """Called with _held_lock held."""
         if taken.buffer is not None:
-            self._held_bytes -= len(taken.buffer)
+            self._held_bytes -= taken.footprint
             taken.buffer = None
         self._recycle(taken)
 
@@ -464,6 +478,7 @@ class Prefetcher:
             self._keys_left -= keys_down  # a damaged segment is never down: the packs are not kept
             if self._keys_left == 0:
                 self.stats.all_down_at = time.monotonic()
+                self.pool.close()  # nothing more to fetch: buffers go as their ranges are let go
 
     def segment(self, key: int) -> memoryview:
         """The segment's stored bytes, once fetched (from the range's buffer while it is held,
@@ -595,7 +610,7 @@ class Prefetcher:
         with self._held_lock:
             for taken in self.ranges:
                 self._release(taken)
-            self.pool.clear()
+            self.pool.close()
             for pack, fd in self._fds.items():
                 os.close(fd)
                 (self.spool_dir / pack).unlink(missing_ok=True)
