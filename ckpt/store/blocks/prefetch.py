@@ -337,7 +337,8 @@ class Prefetcher:
             self._give_back(slabs)
             self.queue.finish(taken, exc)
             return
-        taken.slab = slabs[-1] if slabs else None
+        # (a buffer of its own size, for a small range, goes with its range: not the pool's)
+        taken.slab = slabs[-1] if slabs and self.pool.is_slab(slabs[-1]) else None
         self._hold(taken, view)
         self._fetched(taken, [(taken.start, got, len(taken.keys))], len(taken.keys))
         self.queue.finish(taken)  # the page server may read it from memory now
@@ -385,8 +386,7 @@ class Prefetcher:
         with self._held_lock:
             taken.buffer, taken.unread = view, set(taken.keys)
             # A slab counts whole: pages a larger range wrote into it before stay in memory.
-            taken.footprint = len(taken.slab) if taken.slab is not None and self.pool.is_slab(taken.slab) \
-                else len(view)
+            taken.footprint = len(taken.slab) if taken.slab is not None else len(view)
             self._held_bytes += taken.footprint
 
     def _spool(self, taken: FetchRange, view: memoryview) -> None:
