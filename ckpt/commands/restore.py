@@ -612,7 +612,8 @@ class _ImageLayout:
                    if entry.kind == "pages" and entry.name not in self._page_lists]
         if len(missing) < 2:
             return
-        with ThreadPoolExecutor(max_workers=LAY_OUT_WORKERS, thread_name_prefix="ckpt-page-lists") as pool:
+        workers = max(LAY_OUT_WORKERS, self.store.backend.reads_in_flight())
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-page-lists") as pool:
             for entry, page_list in zip(missing, pool.map(self.store.objects.load_page_list, missing), strict=True):
                 self._page_lists[entry.name] = page_list
 

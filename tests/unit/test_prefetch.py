@@ -467,3 +467,51 @@ def test_buffers_are_used_again_when_the_reader_keeps_up_with_the_fetch(tmp_path
     finally:
         prefetcher.close()
     assert len(ranges) > 5 and len(made) < len(ranges), f"{len(made)} buffers made for {len(ranges)} ranges"
+
+
+def test_keep_in_fetches_the_gaps_joined_and_in_parallel_and_makes_the_pack_whole(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    import xxhash
+
+    import ckpt.store.blocks.prefetch as prefetch
+    from ckpt.store.backends.memory import MemoryBackend
+    from ckpt.store.blocks.prefetch import Prefetcher
+
+    backend = MemoryBackend()
+    monkeypatch.setattr(backend, "reads_in_flight", lambda: 4)  # as a store a round trip away
+    pack = os.urandom(64 * 4096)
+    backend.put("packs/pa/pack1", pack)
+    # Two pages fetched of every four: 16 gaps of two pages, the last at the pack's end.
+    segs = [Segment("pack1", n * 4 * 4096, 2 * 4096, 2, 0, b"") for n in range(16)]
+    for seg in segs:
+        seg.checksum = xxhash.xxh3_128_digest(_bytes_of(pack, seg))
+    gap_reads: list[tuple[int, int, str]] = []
+    real_get_view = backend.get_view
+
+    def counted(name, offset, length, **kwargs):
+        if threading.current_thread().name.startswith("ckpt-keep"):
+            gap_reads.append((offset, length, threading.current_thread().name))
+        return real_get_view(name, offset, length, **kwargs)
+
+    monkeypatch.setattr(backend, "get_view", counted)
+    for join, requests in ((prefetch.KEEP_JOIN, 1), (0, 16)):
+        monkeypatch.setattr(prefetch, "KEEP_JOIN", join)
+        gap_reads.clear()
+        prefetcher = Prefetcher(backend, segs, list(range(16)), tmp_path / f"spool-{join}", threads=2,
+                                range_bytes=2 * 4096)
+        prefetcher.start()
+        try:
+            _all_down(prefetcher)
+            for key in range(16):
+                prefetcher.segment(key).release()
+            cache = _Cache()
+            prefetcher.keep_in(cache)  # type: ignore[arg-type]
+            assert cache.kept == ["packs/pa/pack1"]
+            assert (tmp_path / f"spool-{join}" / "pack1").read_bytes() == pack, "made whole"
+            assert len(gap_reads) == requests, gap_reads
+            if requests > 1:
+                assert len({thread for *_, thread in gap_reads}) > 1, "the gaps fetched by several threads"
+        finally:
+            prefetcher.close()

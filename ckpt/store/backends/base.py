@@ -380,6 +380,13 @@ class Backend(abc.ABC):
         lock whose holder is gone never blocks anyone (local: flock dies with its process;
         lock objects: stale once their process is gone or they are not refreshed)."""
 
+    def reads_in_flight(self) -> int:
+        """How many reads of separate blobs are worth having in flight at once (callers reading
+        many small blobs, or small ranges of many, size their thread pools by it): 1 here, a
+        local disk or page cache answers at once and the callers' own few threads suffice;
+        more for a store a round trip away, whose requests mostly wait."""
+        return 1
+
     def gc_margin(self) -> float:
         """Seconds during which an unreferenced blob may still be part of a write in progress
         and prune keeps it: 0 where locks cannot be lost (flock), more for lock objects."""

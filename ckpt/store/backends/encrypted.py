@@ -525,6 +525,9 @@ class EncryptedBackend(Backend):
     def lock_holders(self) -> builtins.list[LockOwner]:
         return self.inner.lock_holders()
 
+    def reads_in_flight(self) -> int:
+        return self.inner.reads_in_flight()
+
     def gc_margin(self) -> float:
         return self.inner.gc_margin()
 

@@ -23,6 +23,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -38,7 +39,13 @@ from ckpt.system.files import FILE_MODE, fresh_buffer, pwrite_all
 # transfer, THREADS of them in memory.
 RANGE_BYTES = 8 << 20
 KEEP_GAP_RATIO = 0.5  # a spooled pack is made whole and kept only if at most this share of it is missing
-THREADS = 4  # S3Backend's pool keeps 2 x 4 + 2 connections: these and the page server's own
+THREADS = 4  # S3Backend's pool keeps connections for these and the page server's own
+# Threads making the spooled packs whole after the last page (see Prefetcher.keep_in): each
+# holds up to RANGE_BYTES of a gap in memory at a time.
+KEEP_THREADS = 8
+# Gaps of a pack closer than this are fetched in one request, the fetched bytes between them
+# again: a round trip costs more than this much of a transfer.
+KEEP_JOIN = 256 << 10
 # Fetched ranges held in memory until the page server has read their segments, so that the
 # spool can leave the page cache as it is written: a GiB restored from S3 grew the page cache
 # by 1044 MiB when the server read the spool back, by 190-420 MiB now (its speed unchanged
@@ -564,40 +571,77 @@ class Prefetcher:
         """Once every range is down, makes each spooled pack whole (its bytes not fetched: other
         pages, eager or of other checkpoints) and hands it to the cache, if it fits its cap: a
         next restore on this host downloads nothing. After the last page: the tree never waits
-        for it. Best effort: a failure leaves the pack uncached."""
+        for it. The gaps of all packs are fetched by up to KEEP_THREADS threads (between a
+        tree's eager pages and those its processes share are a hundred gaps, each a round trip
+        away). Best effort: a failure leaves the pack uncached."""
         with self._stats_lock:
             if self._keys_left:  # a fetch failed (or the server stopped early)
                 return
         self.settle()
-        for pack, fd in list(self._fds.items()):
-            name = pack_name(pack)
-            if pack in self._unspooled:
+        spooled = [(pack, fd) for pack, fd in self._fds.items() if pack not in self._unspooled]
+        if not spooled:
+            return
+        room = cache.copy_room()
+        threads = max(1, min(KEEP_THREADS, self.source.reads_in_flight()))
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-keep") as pool:
+            gaps = dict(zip(spooled, pool.map(lambda item: self._gaps(item[0], room), spooled), strict=True))
+            wanted = [(pack, fd, size, gap) for (pack, fd), found in gaps.items() if found is not None
+                      for size, ranges in [found] for gap in ranges]
+            filled = list(pool.map(lambda item: self._fill_gap(item[0], item[1], item[3]), wanted))
+        failed = {pack for (pack, *_), ok in zip(wanted, filled, strict=True) if not ok}
+        for (pack, fd), found in gaps.items():
+            if found is None or pack in failed:
                 continue
             try:
-                size = self.source.stat(name).size
-                if size > cache.copy_room():
-                    continue
-                spans = sorted((f[1], f[1] + f[2]) for f in self.stats.fetches if f[0] == pack)
-                # A pack mostly of other checkpoints' pages (an old pack a new checkpoint
-                # dedups against) is not made whole: that would download more than the
-                # restore itself did, after it, and evict copies that are used.
-                if size - sum(end - start for start, end in spans) > KEEP_GAP_RATIO * size:
-                    continue
-                at = 0
-                for start, end in [*spans, (size, size)]:
-                    while at < start:  # a gap: fetched in ranges of RANGE_BYTES at most
-                        with self.source.get_view(name, at, min(start, at + RANGE_BYTES) - at) as view:
-                            if not len(view):
-                                raise OSError(f"{name} ends at {at}, before {size}")
-                            pwrite_all(fd, view, at)
-                            at += len(view)
-                    at = max(at, end)
-                os.ftruncate(fd, size)
-                if cache.keep_copy(name, self.spool_dir / pack):
-                    os.close(fd)
-                    del self._fds[pack]
-            except Exception:  # noqa: BLE001 - the cache is an optimisation: any failure only leaves it out
+                os.ftruncate(fd, found[0])
+            except OSError:
                 continue
+            if cache.keep_copy(pack_name(pack), self.spool_dir / pack):
+                os.close(fd)
+                del self._fds[pack]
+
+    def _gaps(self, pack: str, room: int) -> tuple[int, list[tuple[int, int]]] | None:
+        """The size of pack and the ranges of it not fetched (adjacent gaps less than
+        KEEP_JOIN apart fetched as one, up to RANGE_BYTES); None if it is not worth keeping
+        (larger than room, or mostly bytes the restore did not fetch) or its size is unknown."""
+        try:
+            size = self.source.stat(pack_name(pack)).size
+        except Exception:  # noqa: BLE001 - the cache is an optimisation: any failure only leaves it out
+            return None
+        with self._stats_lock:
+            spans = sorted((f[1], f[1] + f[2]) for f in self.stats.fetches if f[0] == pack)
+        # A pack mostly of other checkpoints' pages (an old pack a new checkpoint dedups
+        # against) is not made whole: that would download more than the restore itself did,
+        # after it, and evict copies that are used.
+        if size > room or size - sum(end - start for start, end in spans) > KEEP_GAP_RATIO * size:
+            return None
+        ranges: list[tuple[int, int]] = []
+        at = 0
+        for start, end in [*spans, (size, size)]:
+            while at < start:
+                stop = min(start, at + RANGE_BYTES)
+                if ranges and at - ranges[-1][1] < KEEP_JOIN and stop - ranges[-1][0] <= RANGE_BYTES:
+                    ranges[-1] = (ranges[-1][0], stop)  # (the few bytes between fetched again)
+                else:
+                    ranges.append((at, stop))
+                at = stop
+            at = max(at, end)
+        return size, ranges
+
+    def _fill_gap(self, pack: str, fd: int, gap: tuple[int, int]) -> bool:
+        """Bytes gap of pack written at their place in its spool file; False if a read failed."""
+        name = pack_name(pack)
+        at, end = gap
+        try:
+            while at < end:
+                with self.source.get_view(name, at, end - at) as view:
+                    if not len(view):
+                        raise OSError(f"{name} ends at {at}, before {end}")
+                    pwrite_all(fd, view, at)
+                    at += len(view)
+        except Exception:  # noqa: BLE001 - the cache is an optimisation: any failure only leaves it out
+            return False
+        return True
 
     def close(self) -> None:
         """Stops the threads (a range being fetched is let finish) and removes the spool files."""
