@@ -7,7 +7,7 @@ import socket
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -557,6 +557,7 @@ class _ImageLayout:
         self.memory = "image"
         self.left_to_root: dict[str, list[tuple[int, int]]] = {}  # by pages image: ranges read from the root's
         self._page_lists: dict[str, bytes] = {}  # by pages image, as the plans below read them
+        self._page_lists_coming: dict[str, Future[bytes]] = {}  # read while the other images are laid out
 
     def lay_out(self) -> tuple[Path, str, LazyPlan, hostcheck.HostReport]:
         """Returns the directory, how the tree's memory comes back ("lazy": a page server fills
@@ -571,15 +572,19 @@ class _ImageLayout:
         elif self.fill_enabled and _wants_fill(self.request, self.manifest, self.binary):
             self.memory = "fill"
         self.reporter.step(f"verifying checkpoint {self.manifest.id}")
-        if self.memory == "image":
-            images_dir = materialize(self.store.objects, self.store.staging_area(), self.manifest, self.reporter,
-                                     before_pages=self._check_host_and_share)
-            return images_dir, "image", self.plan, self._linked(images_dir)
-        # Not checked here: filled in, each segment is checked by the thread that copies it;
-        # served lazily, by a thread while CRIU restores (_SegmentCheck).
-        images_dir, self.plan.locations = materialize_lazily(self.store.objects, self.store.staging_area(),
-                                                             self.manifest, self._holes_for, self.reporter,
-                                                             check_holes=False)
+        self._start_reading_page_lists()
+        try:
+            if self.memory == "image":
+                images_dir = materialize(self.store.objects, self.store.staging_area(), self.manifest,
+                                         self.reporter, before_pages=self._check_host_and_share)
+                return images_dir, "image", self.plan, self._linked(images_dir)
+            # Not checked here: filled in, each segment is checked by the thread that copies it;
+            # served lazily, by a thread while CRIU restores (_SegmentCheck).
+            images_dir, self.plan.locations = materialize_lazily(self.store.objects, self.store.staging_area(),
+                                                                 self.manifest, self._holes_for, self.reporter,
+                                                                 check_holes=False)
+        finally:
+            self._stop_reading_page_lists()
         # none left out: nothing to serve
         return images_dir, self.memory if self.plan.locations else "image", self.plan, self._linked(images_dir)
 
@@ -605,20 +610,37 @@ class _ImageLayout:
         """Pages read from the root's pages image (treeshare); None: none."""
         return sum(count for ranges in self.left_to_root.values() for _, count in ranges) or None
 
-    def _load_page_lists(self) -> None:
-        """Every pages image's page list not read yet, read at once: from S3 each is a request,
-        and a tree of 100 processes read them one after the other."""
-        missing = [entry for entry in self.manifest.files
-                   if entry.kind == "pages" and entry.name not in self._page_lists]
-        if len(missing) < 2:
+    def _start_reading_page_lists(self) -> None:
+        """A tree's page lists (the plans below read them all) read by LAY_OUT_WORKERS threads
+        while the other images are laid out: from S3 each is a request (a 101-process tree's
+        took 0.5 s after its 600 other images, 20 ms away)."""
+        pages = [entry for entry in self.manifest.files if entry.kind == "pages"]
+        if len(pages) < 2 or len(self.manifest.processes) < 2:
             return
-        workers = max(LAY_OUT_WORKERS, self.store.backend.reads_in_flight())
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-page-lists") as pool:
-            for entry, page_list in zip(missing, pool.map(self.store.objects.load_page_list, missing), strict=True):
-                self._page_lists[entry.name] = page_list
+        pool = ThreadPoolExecutor(max_workers=LAY_OUT_WORKERS, thread_name_prefix="ckpt-page-lists")
+        self._page_lists_coming = {entry.name: pool.submit(self.store.objects.load_page_list, entry)
+                                   for entry in pages}
+        pool.shutdown(wait=False)  # its threads end with the last read
+
+    def _stop_reading_page_lists(self) -> None:
+        """Once laid out: the reads not needed are let go, and none runs on (a page server is
+        forked next: no thread may hold a lock of the store's backend then)."""
+        coming, self._page_lists_coming = self._page_lists_coming, {}
+        for future in coming.values():
+            future.cancel()
+        wait(list(coming.values()))
+
+    def _load_page_lists(self) -> None:
+        """Every pages image's page list, read at once (see _start_reading_page_lists): a
+        failure to read one is raised here, where they are needed."""
+        for name, future in list(self._page_lists_coming.items()):
+            self._page_lists[name] = future.result()
+            del self._page_lists_coming[name]  # (those not read yet stay, for _stop_reading_page_lists)
 
     def _page_list(self, entry: FileEntry) -> bytes:
         """A pages image's page list, read once for the forked-memory check and the tree-share plan."""
+        if entry.name in self._page_lists_coming:
+            self._load_page_lists()
         if entry.name not in self._page_lists:
             self._page_lists[entry.name] = self.store.objects.load_page_list(entry)
         return self._page_lists[entry.name]
