@@ -69,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 
 from ckpt.criu.binary import find_criu  # noqa: E402
 from ckpt.settings import Settings  # noqa: E402
-from tests.s3server import WeedServer, weed_binary  # noqa: E402
+from tests.s3server import LaggingProxy, WeedServer, weed_binary  # noqa: E402
 
 TARGET = r"""
 import os, random, signal, sys, time
@@ -1250,6 +1250,10 @@ LAST_PAGE_POLL_S = 0.005
 LAST_PAGE_TIMEOUT_S = 600.0
 RECOVERY_PREFIX = "recovery"
 RECOVERY_WORKERS = 4  # blobs downloaded at once by the bulk download (each get_file: 4 ranges at once)
+RECOVERY_TREE_PREFIX = "recovery-tree"
+# Half the round trip to "a bucket in the cloud" (tests/fixtures/lag_proxy.py): 20 ms, as from a
+# host to S3 in a neighbouring region, or to a server of another provider.
+LAG_MS = 10.0
 
 
 def last_page_in(lazy: dict | None, timeout: float = LAST_PAGE_TIMEOUT_S) -> dict:
@@ -1471,6 +1475,65 @@ def bench_recovery_s3(server: WeedServer, work: Path, criu: str, size_mib: int, 
             "medians": {k: statistics.median(v) for k, v in rows.items() if v and not isinstance(v[0], dict)}}
 
 
+def _tree_dumped(count: int, work: Path, env: dict) -> tuple[str, float]:
+    """A BenchTree of 1 + count processes dumped with `--stop` into a store made first:
+    (checkpoint id, seconds of the dump)."""
+    timed(CKPT + ["init", "-q"], env)
+    tree = BenchTree(count, work)
+    try:
+        dump_s, out = timed(CKPT + ["dump", str(tree.proc.pid), "--stop", "--json", "--name", f"tree-{count}"], env)
+        tree.dumped()
+    finally:
+        if state(tree.proc.pid) not in (None, "Z"):
+            tree.end()
+    return json.loads(out)["id"], dump_s
+
+
+def bench_recovery_tree_s3(server: WeedServer, work: Path, count: int, runs: int) -> dict:
+    """A tree of 1 + count processes dumped once (`--stop`) into an encrypted store in S3. Each
+    run, in rotated order, RETURN_PAUSE before each step: `ckpt restore --eager` into a fresh
+    empty CKPT_CACHE (another host) and the bulk download of the same blobs (see
+    bench_recovery_s3), each from the server directly and through a LaggingProxy that puts it
+    a round trip of 2 x LAG_MS away (as a bucket in the cloud is: its hundreds of small
+    images are requests that mostly wait)."""
+    from ckpt.store import keys
+    from ckpt.store.backends import s3
+
+    url = f"s3://{S3_BUCKET}/{RECOVERY_TREE_PREFIX}"
+    env = {**os.environ, "CKPT_STORE": url, "CKPT_PASSWORD": S3_PASSWORD,
+           "CKPT_CACHE": str(work / "recovery-tree-s3-cache-a")}
+    checkpoint, dump_s = _tree_dumped(count, work, {**env, **server.environment()})
+    proxy = LaggingProxy(server, LAG_MS).start()
+    places = {"near": server.environment(), "far": proxy.environment()}
+    backends = {}
+    rows: dict[str, list] = {f"{place}_{what}": [] for place in places for what in ("restore_s", "download_s")}
+    try:
+        for place, place_env in places.items():
+            with _environment(place_env):
+                backends[place] = keys.unlock(s3.S3Backend(S3_BUCKET, RECOVERY_TREE_PREFIX), S3_PASSWORD.encode())
+        blobs = [info for kind in ("packs/", "objects/", "index/") for info in backends["near"].list(kind)]
+        download_to = download_directory(work, sum(info.size for info in blobs))
+        for run in range(runs):
+            for place, what in rotated([(p, w) for p in places for w in ("restore", "download")], run):
+                pause()
+                if what == "restore":
+                    cache = work / f"recovery-tree-s3-cache-{place}-{run}"
+                    r = ckpt_restore_timed([checkpoint, "--eager"], {**env, **places[place], "CKPT_CACHE": str(cache)})
+                    rows[f"{place}_restore_s"].append(r["last_page_s"])
+                    shutil.rmtree(cache)
+                else:
+                    with _environment(places[place]):
+                        rows[f"{place}_download_s"].append(bulk_download(
+                            backends[place], [info.name for info in blobs], download_to / f"ckpt-bench-{os.getpid()}"))
+    finally:
+        for backend in backends.values():
+            backend.close()
+        proxy.stop()
+    return {"count": count, "runs": runs, "lag_ms": LAG_MS, "dump_s": dump_s, "blobs": len(blobs),
+            "blob_bytes": sum(info.size for info in blobs), "samples": rows,
+            "medians": {k: statistics.median(v) for k, v in rows.items() if v}}
+
+
 def bench_recovery_local(work: Path, criu: str, size_mib: int, runs: int) -> dict:
     """A size_mib DirtyTarget dumped once by ckpt (local store) and once by raw CRIU
     (--leave-running, its own directory), then ended. Each run, in rotated order,
@@ -1613,16 +1676,18 @@ def bench_recovery(work: Path, criu: str, s3_mib: int, local_mib: int, tree_coun
     try:
         server.client().create_bucket(Bucket=S3_BUCKET)
         from_s3 = bench_recovery_s3(server, work, criu, s3_mib, runs)
+        took = {"s3": time.monotonic() - began}
+        tree_s3 = bench_recovery_tree_s3(server, work, max(tree_counts), runs)
+        took["tree from s3"] = time.monotonic() - began - took["s3"]
     finally:
         server.stop()
-    took = {"s3": time.monotonic() - began}
     local = bench_recovery_local(work, criu, local_mib, runs)
-    took["local"] = time.monotonic() - began - took["s3"]
+    took["local"] = time.monotonic() - began - sum(took.values())
     tree = bench_recovery_tree(work, criu, tree_counts, runs)
-    took["tree"] = time.monotonic() - began - took["s3"] - took["local"]
+    took["tree"] = time.monotonic() - began - sum(took.values())
     result = {"return_pause_s": RETURN_PAUSE, "free_page_reporting": reporting["reporting"],
               "load_average": {"before": load_before, "after": os.getloadavg()}, "took_s": took,
-              "s3": from_s3, "local": local, "tree": tree}
+              "s3": from_s3, "tree_s3": tree_s3, "local": local, "tree": tree}
     result["table"] = recovery_table(result)
     return result
 
@@ -1652,6 +1717,14 @@ def recovery_table(r: dict) -> list[dict]:
         row("from S3 after `ckpt cache warm`: the tree runs", m["warm_running_s"], m["criu_restore_s"], raw, 1.0,
             strict=True, note=f"warm took {m['warm_s']:.2f} s")
         row("  ... until its last page is back", m["warm_last_page_s"], m["criu_restore_s"], raw, 1.5)
+    ts3 = r.get("tree_s3")
+    if ts3:
+        tm3 = ts3["medians"]
+        bulk = f"bulk download, {ts3['blobs']} blobs, {ts3['blob_bytes'] / 2**20:.0f} MiB"
+        row(f"1 + {ts3['count']} processes from S3, empty cache: `ckpt restore --eager`", tm3["near_restore_s"],
+            tm3["near_download_s"], bulk, 1.5)
+        row(f"  ... the bucket {2 * ts3['lag_ms']:g} ms away", tm3["far_restore_s"], tm3["far_download_s"],
+            bulk + ", as far", 1.5)
     loc, lm = r["local"], r["local"]["medians"]
     row(f"{loc['size_mib']} MiB local, lazy (the default): the tree runs", lm["lazy_running_s"], lm["criu_restore_s"],
         "criu restore -d", 1.0, strict=True)
@@ -1714,6 +1787,12 @@ def print_recovery(r: dict) -> None:
                            f"the last {sv['all_fetched_s']:.2f} s after it started")
                 print(f"    page server, {label}: {sv['pages_served']} pages in of {sv['pages']}, the last "
                       f"{sv['server_s']:.2f} s after it started" + fetched)
+    if r.get("tree_s3"):
+        ts = r["tree_s3"]["samples"]
+        print(f"  samples, 1 + {r['tree_s3']['count']} processes from S3 (dumped in {r['tree_s3']['dump_s']:.2f} s): "
+              f"--eager {_samples(ts['near_restore_s'])} s, bulk download {_samples(ts['near_download_s'])} s; "
+              f"{2 * r['tree_s3']['lag_ms']:g} ms away (tests/fixtures/lag_proxy.py) --eager "
+              f"{_samples(ts['far_restore_s'])} s, bulk download {_samples(ts['far_download_s'])} s")
     ls = loc["samples"]
     print(f"  samples, local: lazy runs {_samples(ls['lazy_running_s'])} s, last page "
           f"{_samples(ls['lazy_last_page_s'])} s; --eager {_samples(ls['eager_s'])} s; raw restore "

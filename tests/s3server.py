@@ -148,3 +148,36 @@ class WeedServer:
         for port in self.ports:
             for path in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
                 path.unlink(missing_ok=True)
+
+
+class LaggingProxy:
+    """tests/fixtures/lag_proxy.py in front of a server on 127.0.0.1: its endpoint answers
+    delay_ms later in each direction (a bucket a round trip of 2 x delay_ms away). Started and
+    ended by PID."""
+
+    def __init__(self, server: WeedServer, delay_ms: float):
+        self.server, self.delay_ms = server, delay_ms
+        self.process: subprocess.Popen | None = None
+        self.endpoint = ""
+
+    def start(self) -> LaggingProxy:
+        port = _free_ports(1)[0]
+        target = int(self.server.endpoint.rsplit(":", 1)[1])
+        script = Path(__file__).parent / "fixtures" / "lag_proxy.py"
+        self.process = subprocess.Popen([sys.executable, str(script), str(port), str(target), str(self.delay_ms)],
+                                        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        assert self.process.stdout is not None
+        if self.process.stdout.readline().strip() != "ready":  # (it exits if the port was taken meanwhile)
+            self.stop()
+            raise RuntimeError("the lagging proxy did not start")
+        self.endpoint = f"http://127.0.0.1:{port}"
+        return self
+
+    def environment(self) -> dict[str, str]:
+        return {**self.server.environment(), "AWS_ENDPOINT_URL": self.endpoint}
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(STOP_TIMEOUT)
+        self.process = None

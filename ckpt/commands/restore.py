@@ -576,17 +576,25 @@ class _ImageLayout:
         try:
             if self.memory == "image":
                 images_dir = materialize(self.store.objects, self.store.staging_area(), self.manifest,
-                                         self.reporter, before_pages=self._check_host_and_share)
+                                         self.reporter, before_pages=self._check_host_and_share,
+                                         whole_packs=self._reads_every_page)
                 return images_dir, "image", self.plan, self._linked(images_dir)
             # Not checked here: filled in, each segment is checked by the thread that copies it;
             # served lazily, by a thread while CRIU restores (_SegmentCheck).
             images_dir, self.plan.locations = materialize_lazily(self.store.objects, self.store.staging_area(),
                                                                  self.manifest, self._holes_for, self.reporter,
-                                                                 check_holes=False)
+                                                                 check_holes=False, whole_packs=self._reads_every_page)
         finally:
             self._stop_reading_page_lists()
         # none left out: nothing to serve
         return images_dir, self.memory if self.plan.locations else "image", self.plan, self._linked(images_dir)
+
+    def _reads_every_page(self) -> bool:
+        """Whether the restore, as decided so far, reads every page before the tree runs from
+        a remote store: then the packs it reads most of come down whole first (the lay-out
+        asks once the pages to leave out are known; a lazy restore's page server fetches
+        them in the order the tree needs them instead)."""
+        return self.store.objects.remote and self.memory != "lazy"
 
     def _check_host(self, directory: Path) -> None:
         self._host_report(directory)

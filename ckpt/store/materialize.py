@@ -16,6 +16,7 @@ from ckpt.store.manifest import FileEntry, Manifest
 from ckpt.store.objects import Objects
 from ckpt.store.staging import StagingArea, discard
 from ckpt.system.files import FILE_MODE, make_private_dir
+from ckpt.system.textutil import human_bytes
 
 
 
@@ -38,19 +39,23 @@ HolesFor = Callable[[Path], "dict[str, list[tuple[int, int]]] | LeftOut"]
 
 
 def materialize(objects: Objects, area: StagingArea, manifest: Manifest, reporter: Reporter = NullReporter(),
-                skip_pages: bool = False, before_pages: Callable[[Path], LeftOut | None] | None = None) -> Path:
+                skip_pages: bool = False, before_pages: Callable[[Path], LeftOut | None] | None = None,
+                whole_packs: Callable[[], bool] = lambda: False) -> Path:
     """Writes the checkpoint's images into a fresh restore-* directory of area (the store's
     staging area, Store.staging_area), verifying each.
 
     skip_pages leaves out the page data (for inspection, which needs only the metadata).
     before_pages(directory) is called once every other image is written, before the pages
     images (the bulk): a restore checks the host there, and what it raises ends the layout;
-    it may return the pages to leave out (LeftOut)."""
+    it may return the pages to leave out (LeftOut). whole_packs(), asked once the pages to
+    leave out are known: whether the packs holding most of the pages to write are to be
+    downloaded whole into the cache first (a full restore from a remote store, which reads
+    them all before the tree runs: BlockStore.keep_packs_whole)."""
     def no_holes(directory: Path) -> dict[str, list[tuple[int, int]]] | LeftOut:
         left_out = before_pages(directory) if before_pages is not None else None
         return left_out if left_out is not None else {}
 
-    return _lay_out(objects, area, manifest, reporter, skip_pages, no_holes)[0]
+    return _lay_out(objects, area, manifest, reporter, skip_pages, no_holes, whole_packs=whole_packs)[0]
 
 
 def link_images(area: StagingArea, source: Path) -> Path:
@@ -73,19 +78,22 @@ def link_images(area: StagingArea, source: Path) -> Path:
     return dest
 
 
-def materialize_lazily(objects: Objects, area: StagingArea, manifest: Manifest, holes_for: HolesFor,
-                       reporter: Reporter = NullReporter(), check_holes: bool = True
-                       ) -> tuple[Path, dict[str, list[int]]]:
+def materialize_lazily(objects: Objects, area: StagingArea, manifest: Manifest, holes_for: HolesFor,  # noqa: PLR0913
+                       reporter: Reporter = NullReporter(), check_holes: bool = True,
+                       whole_packs: Callable[[], bool] = lambda: False) -> tuple[Path, dict[str, list[int]]]:
     """Like materialize, for a lazy restore: holes_for(directory), called once every image
     but the pages images is written, names per pages image the page ranges a page server
     is to serve; they are verified but left out (check_holes=False: not verified here, the
-    caller checks each segment before its pages reach the tree). Returns the directory and,
-    per pages image, the location of each page (what the page server reads)."""
-    return _lay_out(objects, area, manifest, reporter, False, holes_for, check_holes)
+    caller checks each segment before its pages reach the tree). whole_packs: see
+    materialize (the holes too are read before the tree runs when the memory is copied in).
+    Returns the directory and, per pages image, the location of each page (what the page
+    server reads)."""
+    return _lay_out(objects, area, manifest, reporter, False, holes_for, check_holes, whole_packs)
 
 
-def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: Reporter, skip_pages: bool,
-             holes_for: HolesFor, check_holes: bool = True) -> tuple[Path, dict[str, list[int]]]:
+def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: Reporter, skip_pages: bool,  # noqa: PLR0913
+             holes_for: HolesFor, check_holes: bool = True, whole_packs: Callable[[], bool] = lambda: False
+             ) -> tuple[Path, dict[str, list[int]]]:
     """The images into a fresh restore-* directory of area, each verified; holes_for names the
     page ranges to verify but leave out. Returns the directory and, per pages image with
     holes, the location of each page (what a page server reads)."""
@@ -117,22 +125,31 @@ def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: 
             if pages and not skip_pages:
                 found_holes = holes_for(dest)
                 left_out = found_holes if isinstance(found_holes, LeftOut) else LeftOut({}, found_holes)
-                locations = _write_pages_images(objects, pool, dest, pages, left_out, check_holes, progress)
+                locations = _write_pages_images(objects, pool, dest, pages, left_out, check_holes, progress,
+                                                whole_packs())
     except BaseException:
         discard(dest)
         raise
     return dest, locations
 
 
-def _write_pages_images(objects: Objects, pool: ThreadPoolExecutor, dest: Path, pages: list[FileEntry],
-                        left_out: LeftOut, check_holes: bool, progress: _Progress) -> dict[str, list[int]]:
+def _write_pages_images(objects: Objects, pool: ThreadPoolExecutor, dest: Path, pages: list[FileEntry],  # noqa: PLR0913
+                        left_out: LeftOut, check_holes: bool, progress: _Progress,
+                        whole_packs: bool = False) -> dict[str, list[int]]:
     """The pages images into dest by the pool's threads, but the pages left out; returns, per
-    image with holes, the location of each of its pages."""
+    image with holes, the location of each of its pages. whole_packs: the packs holding most
+    of the located pages are downloaded whole into the cache first (see materialize)."""
     # Every image's pages looked up at once, before the threads write them (the page lists
     # read by the threads: from a store in S3, each is a request).
     lists = pool.map(lambda entry: objects.image_page_list(entry, left_out.ranges.get(entry.name, ())), pages)
     page_lists = {entry.name: page_list for entry, page_list in zip(pages, lists, strict=True)}
     located = objects.blocks.locate_images(page_lists)
+    if whole_packs:
+        wanted = objects.blocks.packs_worth_keeping_whole(list(located.values()))
+        if wanted:
+            progress.reporter.step(f"downloading {len(wanted)} pack(s) of the checkpoint whole "
+                                   f"({human_bytes(sum(wanted.values()))}): the restore reads most of them")
+            objects.blocks.keep_packs_whole(list(wanted))
     # Segments found intact by one image are not checked again for the next, nor decoded
     # again while they are among the last decoded: the processes of a tree share most of their pages.
     checked: set[int] = set()

@@ -158,18 +158,48 @@ def test_a_server_killed_mid_fetch_ends_the_tree_and_the_failure_is_recorded(s3_
     assert [row["lazy_restore_failures"] for row in json.loads(listed.stdout)] == [1], listed.stdout
 
 
-def test_an_eager_restore_from_s3_fetches_ahead_and_copies_every_page_in(procs, tmp_path):
-    """A full restore from S3 (--eager: the memory copied in through userfaultfd before the tree
-    runs) fetches the segments ahead in large requests, as a lazy one does."""
+def test_an_eager_restore_from_s3_downloads_its_pack_whole_once_then_copies_every_page_in(procs, tmp_path,
+                                                                                         s3_server):
+    """A full restore from S3 (--eager: every page is read before the tree runs) downloads the
+    pack it reads most of whole into the cache first, in large parallel parts, each byte
+    asked for once (counted by a relay in front of the server), then writes and copies the
+    pages from that copy: nothing more is fetched for the copy into the tree."""
+    import itertools
+    import re
+    from urllib.parse import urlsplit
+
+    from tests.s3count import CountingRelay
+
     dumped, checksum, out = dumped_bigmem(procs, tmp_path, 64)
-    restored = on_another_host(["restore", dumped, "--eager", "--json"], tmp_path / "cache-b", tmp_path / "cache")
+    upstream = urlsplit(s3_server.endpoint)
+    relay = CountingRelay((upstream.hostname, upstream.port))
+    try:
+        restored = ckpt("restore", dumped, "--eager", "--json",
+                        env={"AWS_ENDPOINT_URL": relay.endpoint, "CKPT_CACHE": str(tmp_path / "cache-b")})
+    finally:
+        relay.stop()
     assert restored.returncode == 0, restored.stderr
     result = json.loads(restored.stdout)
     procs.adopt(result["pid"])
+    assert re.search(r"downloading \d+ pack\(s\) of the checkpoint whole", restored.stderr), restored.stderr
     filled = result["filled"]
     assert result["lazy"] is None and filled is not None and filled["pages"] >= (64 << 20) // PAGE, result
-    assert (64 - LAID_OUT_MIB) << 20 <= filled["bytes_fetched"]  # (see the 256 MiB test)
-    assert 0 < filled["store_requests"] <= filled["bytes_fetched"] / (1 << 20)
+    assert filled["bytes_fetched"] == 0 and filled["store_requests"] == 0, filled
+    assert relay.unparsed == 0
+    asked: dict[str, list[tuple[int, int]]] = {}
+    for request in relay.requests:
+        if request.method == "GET" and "/packs/" in request.path:
+            match = re.fullmatch(r"bytes=(\d+)-(\d+)", request.range or "")
+            assert match, request
+            asked.setdefault(request.path, []).append((int(match[1]), int(match[2]) + 1))
+    assert sum(end - start for ranges in asked.values() for start, end in ranges) >= 64 << 20
+    for pack, ranges in asked.items():
+        ranges.sort()
+        assert ranges[0][0] == 0, (pack, ranges)
+        # (the first request asks for one byte more than it keeps: whether the blob goes on)
+        assert all(end <= start + 1 for (_, end), (start, _) in itertools.pairwise(ranges)), f"asked twice: {ranges}"
+        # Large parts (16 MiB): a few per pack, not a request per segment.
+        assert len(ranges) <= 2 + ranges[-1][1] // (16 << 20), (pack, ranges)
     assert report(result["pid"], out)[0] == checksum, "the restored memory differs from the checkpoint's"
 
 

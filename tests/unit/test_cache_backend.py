@@ -47,6 +47,9 @@ class Counting(Backend):
     def reader(self):
         return RangeReader(self)  # every range through get: counted
 
+    def held_locally(self, name):
+        return self.inner.held_locally(name)
+
     def put(self, name, data):
         self.inner.put(name, data)
 
@@ -521,3 +524,42 @@ def test_an_object_read_from_its_start_asks_no_size_and_a_short_first_read_is_ke
     stream = BlobStream(reading, large_name, MiB)
     assert b"".join(iter(lambda: stream.read(MiB), b"")) == large_data
     assert remote.reads[1] == (large_name, 0, MiB), "the first MiB was asked once"
+
+
+def test_a_full_restore_downloads_whole_only_the_packs_it_reads_most_of_once(remote, cache_root, tmp_path):
+    """BlockStore.packs_worth_keeping_whole / keep_packs_whole (an eager restore from S3): a pack
+    of which the restore reads most is downloaded whole into the cache, once; one it reads
+    little of, one larger than the cache can keep, and one held already are not."""
+    big, small = tmp_path / "pages-1.img", tmp_path / "pages-2.img"
+    big_bytes = os.urandom(8 * 256 * PAGE)  # 8 segments of 1 MiB, incompressible
+    big.write_bytes(big_bytes)  # (the ingest takes the file)
+    small.write_bytes(os.urandom(256 * PAGE))
+    writer = BlockStore(cached(remote, cache_root))
+    lists = {}
+    for image in (big, small):  # a pack each
+        page_lists, _, _ = writer.ingest([image], lambda _: "none")
+        lists[image.name] = page_lists[image.name]
+    other_host = BlockStore(cached(remote, tmp_path / "cache-b"))
+    located = {name: other_host.locate(name, page_list) for name, page_list in lists.items()}
+    few = located["pages-1.img"][:2 * 256]  # 2 of its 8 segments
+    wanted = other_host.packs_worth_keeping_whole([few, located["pages-2.img"]])
+    assert len(wanted) == 1 and list(wanted.values())[0] >= 256 * PAGE, wanted
+    cramped = BlockStore(cached(remote, tmp_path / "cache-c", max_bytes=4 * MiB))
+    assert len(cramped.packs_worth_keeping_whole(list(located.values()))) == 1, "the 8 MiB pack cannot be kept"
+    wanted = other_host.packs_worth_keeping_whole(list(located.values()))
+    assert len(wanted) == 2
+    remote.reads.clear()
+    remote.downloaded = 0
+    assert other_host.keep_packs_whole(list(wanted)) == remote.downloaded >= 9 * 256 * PAGE
+    assert other_host.packs_worth_keeping_whole(list(located.values())) == {}, "held now"
+    assert other_host.keep_packs_whole(list(wanted)) == 0
+    reader = other_host.page_sender()
+    served = tmp_path / "served"
+    out = os.open(served, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    remote.downloaded = 0
+    try:
+        reader.send(located["pages-1.img"], 0, 8 * 256, out)
+    finally:
+        os.close(out)
+        reader.close()
+    assert served.read_bytes() == big_bytes and remote.downloaded == 0, "read from the copy"

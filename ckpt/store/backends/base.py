@@ -348,6 +348,15 @@ class Backend(abc.ABC):
         same filesystem); whether it did. This default keeps no copies."""
         return False
 
+    def keep_whole(self, name: str) -> int:
+        """Makes sure a whole local copy of the blob is kept in front of the store (a cache),
+        downloading it whole (in parallel parts) if there is none: for a reader that is about
+        to read most of it in many ranges (an eager restore from S3). Returns the bytes
+        downloaded: 0 where the copy was there, or where no copies are kept (this default).
+        Errors as for get; DamagedCheckpoint if the download fails its check; OSError if the
+        copy cannot be kept."""
+        return 0
+
     def drop_copy(self, name: str) -> bool:
         """Drops a local copy of the blob kept in front of the store (a cache) whose bytes
         failed their check, so that the next reads come from the store itself; whether there

@@ -288,6 +288,11 @@ class CachingBackend(Backend):
                 pass
         return self.inner.held_locally(name)
 
+    def keep_whole(self, name: str) -> int:
+        if not _cached(name) or self.max_bytes == 0:
+            return 0
+        return self.warm(name)
+
     def drop_copy(self, name: str) -> bool:
         if not _cached(name) or self.max_bytes == 0:
             return False

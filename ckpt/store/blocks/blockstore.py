@@ -27,7 +27,7 @@ import blake3
 import xxhash
 import zstandard
 
-from ckpt.errors import DamagedBlob, DamagedCheckpoint
+from ckpt.errors import CkptError, DamagedBlob, DamagedCheckpoint
 from ckpt.phases import phase
 from ckpt.store.backends import Backend, BlobExists, BlobNotFound, BlobWriter, RangeReader
 from ckpt.store.blocks.segments import (CODECS, ID_LEN, INDEX_PREFIX, PAGE, Segment, pack_name, segment_key,
@@ -335,6 +335,11 @@ SHARED_DECODED_BYTES = 64 << 20  # decoded segments a layout's readers share (De
 ENCODED_AT_MOST = 0.9  # of its size, for an encoding to be worth keeping (else stored as it is)
 ADOPT_AT_LEAST = 0.75  # of a file's bytes in segments stored as they are, for it to become a pack
 ADOPTED_AT_ONCE = 4  # adopted files made durable at once (PackWriter.commit)
+# A full restore from a remote store downloads whole the packs of which it reads at least
+# this share (see BlockStore.keep_packs_whole), this many at once (each in the backend's
+# parallel parts: memory for their parts in flight only).
+WHOLE_SHARE = 0.5
+WHOLE_PACKS_AT_ONCE = 4
 ADOPT_SPARSE_AT_LEAST = 1 << 20  # bytes stored as they are, for a file to become a pack with holes
 
 
@@ -1029,6 +1034,46 @@ class BlockStore:
             if count and min(located[name]) < 0:
                 located[name] = self.locate(name, page_list)  # raises, saying which page is missing
         return located
+
+    def packs_worth_keeping_whole(self, located: Sequence[Sequence[int]]) -> dict[str, int]:
+        """For a full restore from a remote store about to read the pages at these locations:
+        the packs (blob name: bytes) that are mostly those pages (WHOLE_SHARE of their bytes at
+        least), not held locally, and whose copy the cache in front of the store can take. Read
+        range by range instead, a 101-process tree's one pack took 600 requests (its pages
+        images, the copy into the tree, then the gaps to keep it)."""
+        from ckpt.system.arrays import np
+
+        keys = [np.asarray(locations, dtype=np.int64) >> WITHIN_BITS for locations in located if len(locations)]
+        if not keys:
+            return {}
+        segments = self.index().segment_list
+        needed: dict[str, int] = collections.defaultdict(int)
+        for key in np.unique(np.concatenate(keys)).tolist():
+            needed[segments[key].pack] += segments[key].length
+        extent = dict.fromkeys(needed, 0)
+        for seg in segments:  # (every segment of those packs, this checkpoint's or not)
+            if seg.pack in extent:
+                extent[seg.pack] = max(extent[seg.pack], seg.offset + seg.length)
+        room = self.backend.copy_room()
+        return {pack_name(pack): extent[pack] for pack, count in needed.items()
+                if extent[pack] <= room and count >= WHOLE_SHARE * extent[pack]
+                and not self.backend.held_locally(pack_name(pack))}
+
+    def keep_packs_whole(self, names: Sequence[str]) -> int:
+        """The packs downloaded whole into the cache in front of the store (Backend.keep_whole),
+        WHOLE_PACKS_AT_ONCE at a time, each in the backend's parallel parts, so that their
+        pages are then read locally. Best effort: a pack not kept (no room, a failed download)
+        is read range by range, as it would have been, and a damaged one is reported there,
+        segment by segment. Returns the bytes downloaded."""
+
+        def kept(name: str) -> int:
+            try:
+                return self.backend.keep_whole(name)
+            except (CkptError, OSError):  # read range by range, as without this
+                return 0
+
+        with ThreadPoolExecutor(max_workers=WHOLE_PACKS_AT_ONCE, thread_name_prefix="ckpt-whole-pack") as pool:
+            return sum(pool.map(kept, names))
 
     def write_image(self, image_name: str, page_list: bytes, dest: Path | None, check_ids: bool = False,  # noqa: PLR0913
                     holes: Sequence[tuple[int, int]] = (), check_holes: bool = True,
