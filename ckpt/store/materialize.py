@@ -145,7 +145,11 @@ def _write_pages_images(objects: Objects, pool: ThreadPoolExecutor, dest: Path, 
     page_lists = {entry.name: page_list for entry, page_list in zip(pages, lists, strict=True)}
     located = objects.blocks.locate_images(page_lists)
     if whole_packs:
-        wanted = objects.blocks.packs_worth_keeping_whole(list(located.values()))
+        # The pages this layout writes: the holes are copied in later, from ranges fetched
+        # ahead in large requests while the copy goes on (a 1 GiB tree's one pack downloaded
+        # whole first, then copied, took 3.6 s against 1.7-3.2 s).
+        written = [_between_holes_of(located[entry.name], left_out.holes.get(entry.name, [])) for entry in pages]
+        wanted = objects.blocks.packs_worth_keeping_whole(list(located.values()), written)
         if wanted:
             progress.reporter.step(f"downloading {len(wanted)} pack(s) of the checkpoint whole "
                                    f"({human_bytes(sum(wanted.values()))}): the restore reads most of them")
@@ -165,6 +169,18 @@ def _write_pages_images(objects: Objects, pool: ThreadPoolExecutor, dest: Path, 
 
     _each(pool, write_pages, pages, progress)
     return locations
+
+
+def _between_holes_of(locations: list[int], holes: list[tuple[int, int]]) -> list[int]:
+    """The locations of an image's pages but those in its holes ((first, count) ranges, sorted)."""
+    if not holes:
+        return locations
+    kept, at = [], 0
+    for first, count in holes:
+        kept.extend(locations[at:first])
+        at = max(at, first + count)
+    kept.extend(locations[at:])
+    return kept
 
 
 LAY_OUT_WORKERS = 4

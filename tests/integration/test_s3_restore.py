@@ -158,19 +158,39 @@ def test_a_server_killed_mid_fetch_ends_the_tree_and_the_failure_is_recorded(s3_
     assert [row["lazy_restore_failures"] for row in json.loads(listed.stdout)] == [1], listed.stdout
 
 
-def test_an_eager_restore_from_s3_downloads_its_pack_whole_once_then_copies_every_page_in(procs, tmp_path,
-                                                                                         s3_server):
-    """A full restore from S3 (--eager: every page is read before the tree runs) downloads the
-    pack it reads most of whole into the cache first, in large parallel parts, each byte
-    asked for once (counted by a relay in front of the server), then writes and copies the
-    pages from that copy: nothing more is fetched for the copy into the tree."""
+def test_an_eager_restore_from_s3_fetches_ahead_and_copies_every_page_in(procs, tmp_path):
+    """A full restore from S3 (--eager: the memory copied in through userfaultfd before the tree
+    runs) fetches the segments ahead in large requests, as a lazy one does."""
+    dumped, checksum, out = dumped_bigmem(procs, tmp_path, 64)
+    restored = on_another_host(["restore", dumped, "--eager", "--json"], tmp_path / "cache-b", tmp_path / "cache")
+    assert restored.returncode == 0, restored.stderr
+    result = json.loads(restored.stdout)
+    procs.adopt(result["pid"])
+    filled = result["filled"]
+    assert result["lazy"] is None and filled is not None and filled["pages"] >= (64 << 20) // PAGE, result
+    assert (64 - LAID_OUT_MIB) << 20 <= filled["bytes_fetched"]  # (see the 256 MiB test)
+    assert 0 < filled["store_requests"] <= filled["bytes_fetched"] / (1 << 20)
+    assert report(result["pid"], out)[0] == checksum, "the restored memory differs from the checkpoint's"
+
+
+def test_a_tree_restored_in_full_from_s3_downloads_its_pack_whole_once_then_copies_every_page_in(procs, tmp_path,
+                                                                                               s3_server):
+    """A worker pool restored from S3 (in full: its children share their parent's memory)
+    reads many segments of its pack while it lays out the pages images (the root's, whole):
+    the pack comes down whole into the cache first, in large parallel parts, each byte asked
+    for once (counted by a relay in front of the server), then the pages images are written
+    and the rest copied into the tree from that copy: nothing more is fetched for the copy.
+    Every child comes back with its memory intact and counts on."""
     import itertools
     import re
     from urllib.parse import urlsplit
 
+    from tests.integration import test_many_processes as pool
     from tests.s3count import CountingRelay
 
-    dumped, checksum, out = dumped_bigmem(procs, tmp_path, 64)
+    root, out, pids = pool.start_pool(procs, tmp_path)
+    before = pool.reports(out, root.pid)
+    dumped = pool.dump_and_end(root.pid, pids, popen=root)["id"]
     upstream = urlsplit(s3_server.endpoint)
     relay = CountingRelay((upstream.hostname, upstream.port))
     try:
@@ -183,7 +203,7 @@ def test_an_eager_restore_from_s3_downloads_its_pack_whole_once_then_copies_ever
     procs.adopt(result["pid"])
     assert re.search(r"downloading \d+ pack\(s\) of the checkpoint whole", restored.stderr), restored.stderr
     filled = result["filled"]
-    assert result["lazy"] is None and filled is not None and filled["pages"] >= (64 << 20) // PAGE, result
+    assert result["lazy"] is None and filled is not None and filled["pages"] >= pool.CHILDREN * (pool.MIB << 20) // PAGE
     assert filled["bytes_fetched"] == 0 and filled["store_requests"] == 0, filled
     assert relay.unparsed == 0
     asked: dict[str, list[tuple[int, int]]] = {}
@@ -192,7 +212,7 @@ def test_an_eager_restore_from_s3_downloads_its_pack_whole_once_then_copies_ever
             match = re.fullmatch(r"bytes=(\d+)-(\d+)", request.range or "")
             assert match, request
             asked.setdefault(request.path, []).append((int(match[1]), int(match[2]) + 1))
-    assert sum(end - start for ranges in asked.values() for start, end in ranges) >= 64 << 20
+    assert sum(end - start for ranges in asked.values() for start, end in ranges) >= pool.CHILDREN * pool.MIB << 20
     for pack, ranges in asked.items():
         ranges.sort()
         assert ranges[0][0] == 0, (pack, ranges)
@@ -200,7 +220,7 @@ def test_an_eager_restore_from_s3_downloads_its_pack_whole_once_then_copies_ever
         assert all(end <= start + 1 for (_, end), (start, _) in itertools.pairwise(ranges)), f"asked twice: {ranges}"
         # Large parts (16 MiB): a few per pack, not a request per segment.
         assert len(ranges) <= 2 + ranges[-1][1] // (16 << 20), (pack, ranges)
-    assert report(result["pid"], out)[0] == checksum, "the restored memory differs from the checkpoint's"
+    pool.check_restored(result, out, pids, before)
 
 
 def test_copy_and_verify_of_an_s3_store_fetch_ahead_in_large_requests(procs, tmp_path, s3_server):

@@ -526,14 +526,20 @@ def test_an_object_read_from_its_start_asks_no_size_and_a_short_first_read_is_ke
     assert remote.reads[1] == (large_name, 0, MiB), "the first MiB was asked once"
 
 
-def test_a_full_restore_downloads_whole_only_the_packs_it_reads_most_of_once(remote, cache_root, tmp_path):
-    """BlockStore.packs_worth_keeping_whole / keep_packs_whole (an eager restore from S3): a pack
-    of which the restore reads most is downloaded whole into the cache, once; one it reads
-    little of, one larger than the cache can keep, and one held already are not."""
+def test_a_full_restore_downloads_whole_only_the_packs_it_reads_most_of_once(remote, cache_root, tmp_path,
+                                                                             monkeypatch):
+    """BlockStore.packs_worth_keeping_whole / keep_packs_whole (a full restore from S3): a pack
+    of which the restore reads most, and its layout many segments, is downloaded whole into
+    the cache, once; one it reads little of, one whose pages it copies in from ranges
+    fetched ahead (its layout reading few segments), one larger than the cache can keep, and
+    one held already are not."""
+    import ckpt.store.blocks.blockstore as blockstore
+
+    monkeypatch.setattr(blockstore, "WHOLE_MIN_SEGMENTS", 4)
     big, small = tmp_path / "pages-1.img", tmp_path / "pages-2.img"
     big_bytes = os.urandom(8 * 256 * PAGE)  # 8 segments of 1 MiB, incompressible
     big.write_bytes(big_bytes)  # (the ingest takes the file)
-    small.write_bytes(os.urandom(256 * PAGE))
+    small.write_bytes(os.urandom(4 * 256 * PAGE))
     writer = BlockStore(cached(remote, cache_root))
     lists = {}
     for image in (big, small):  # a pack each
@@ -541,17 +547,20 @@ def test_a_full_restore_downloads_whole_only_the_packs_it_reads_most_of_once(rem
         lists[image.name] = page_lists[image.name]
     other_host = BlockStore(cached(remote, tmp_path / "cache-b"))
     located = {name: other_host.locate(name, page_list) for name, page_list in lists.items()}
-    few = located["pages-1.img"][:2 * 256]  # 2 of its 8 segments
-    wanted = other_host.packs_worth_keeping_whole([few, located["pages-2.img"]])
-    assert len(wanted) == 1 and list(wanted.values())[0] >= 256 * PAGE, wanted
-    cramped = BlockStore(cached(remote, tmp_path / "cache-c", max_bytes=4 * MiB))
-    assert len(cramped.packs_worth_keeping_whole(list(located.values()))) == 1, "the 8 MiB pack cannot be kept"
-    wanted = other_host.packs_worth_keeping_whole(list(located.values()))
+    every = list(located.values())
+    few = located["pages-1.img"][:5 * 256]  # 5 of its 8 segments: most of it, but...
+    wanted = other_host.packs_worth_keeping_whole([few[:2 * 256], located["pages-2.img"]], every)
+    assert len(wanted) == 1 and list(wanted.values())[0] >= 4 * 256 * PAGE, wanted  # ...2 of 8 read
+    wanted = other_host.packs_worth_keeping_whole(every, [few[:3 * 256], located["pages-2.img"]])
+    assert len(wanted) == 1 and list(wanted.values())[0] < 8 * 256 * PAGE, "3 segments laid out: ranges"
+    cramped = BlockStore(cached(remote, tmp_path / "cache-c", max_bytes=6 * MiB))
+    assert len(cramped.packs_worth_keeping_whole(every, every)) == 1, "the 8 MiB pack cannot be kept"
+    wanted = other_host.packs_worth_keeping_whole(every, every)
     assert len(wanted) == 2
     remote.reads.clear()
     remote.downloaded = 0
-    assert other_host.keep_packs_whole(list(wanted)) == remote.downloaded >= 9 * 256 * PAGE
-    assert other_host.packs_worth_keeping_whole(list(located.values())) == {}, "held now"
+    assert other_host.keep_packs_whole(list(wanted)) == remote.downloaded >= 12 * 256 * PAGE
+    assert other_host.packs_worth_keeping_whole(every, every) == {}, "held now"
     assert other_host.keep_packs_whole(list(wanted)) == 0
     reader = other_host.page_sender()
     served = tmp_path / "served"

@@ -335,10 +335,12 @@ SHARED_DECODED_BYTES = 64 << 20  # decoded segments a layout's readers share (De
 ENCODED_AT_MOST = 0.9  # of its size, for an encoding to be worth keeping (else stored as it is)
 ADOPT_AT_LEAST = 0.75  # of a file's bytes in segments stored as they are, for it to become a pack
 ADOPTED_AT_ONCE = 4  # adopted files made durable at once (PackWriter.commit)
-# A full restore from a remote store downloads whole the packs of which it reads at least
-# this share (see BlockStore.keep_packs_whole), this many at once (each in the backend's
-# parallel parts: memory for their parts in flight only).
+# A full restore from a remote store downloads a pack whole first (see
+# BlockStore.packs_worth_keeping_whole) when it reads at least WHOLE_SHARE of it and its
+# layout at least WHOLE_MIN_SEGMENTS of its segments; WHOLE_PACKS_AT_ONCE packs at a time,
+# each in the backend's parallel parts (memory: their parts in flight only).
 WHOLE_SHARE = 0.5
+WHOLE_MIN_SEGMENTS = 32
 WHOLE_PACKS_AT_ONCE = 4
 ADOPT_SPARSE_AT_LEAST = 1 << 20  # bytes stored as they are, for a file to become a pack with holes
 
@@ -1035,21 +1037,29 @@ class BlockStore:
                 located[name] = self.locate(name, page_list)  # raises, saying which page is missing
         return located
 
-    def packs_worth_keeping_whole(self, located: Sequence[Sequence[int]]) -> dict[str, int]:
-        """For a full restore from a remote store about to read the pages at these locations:
-        the packs (blob name: bytes) that are mostly those pages (WHOLE_SHARE of their bytes at
-        least), not held locally, and whose copy the cache in front of the store can take. Read
-        range by range instead, a 101-process tree's one pack took 600 requests (its pages
-        images, the copy into the tree, then the gaps to keep it)."""
+    def packs_worth_keeping_whole(self, located: Sequence[Sequence[int]],
+                                  written: Sequence[Sequence[int]]) -> dict[str, int]:
+        """For a full restore from a remote store about to read the pages at located, of which
+        its layout writes those at written into pages images (the rest it copies into the
+        tree from ranges fetched ahead in large requests): the packs (blob name: bytes) that
+        are mostly pages it reads (WHOLE_SHARE of their bytes at least) and of which the
+        layout itself reads WHOLE_MIN_SEGMENTS segments or more (each a request of its own),
+        not held locally, whose copy the cache in front of the store can take. Read range by
+        range, a 101-process tree's one pack took 600 requests (its pages images, the copy
+        into the tree, then the gaps to keep it); whole, 22. A 1 GiB tree's pack, copied in
+        from ranges fetched ahead while the copy goes on, is not downloaded whole first."""
         from ckpt.system.arrays import np
 
-        keys = [np.asarray(locations, dtype=np.int64) >> WITHIN_BITS for locations in located if len(locations)]
-        if not keys:
-            return {}
+        def segment_keys(locations: Sequence[Sequence[int]]) -> list[int]:
+            keys = [np.asarray(found, dtype=np.int64) >> WITHIN_BITS for found in locations if len(found)]
+            return np.unique(np.concatenate(keys)).tolist() if keys else []
+
         segments = self.index().segment_list
+        layout_reads: dict[str, int] = collections.Counter(segments[key].pack for key in segment_keys(written))
         needed: dict[str, int] = collections.defaultdict(int)
-        for key in np.unique(np.concatenate(keys)).tolist():
-            needed[segments[key].pack] += segments[key].length
+        for key in segment_keys(located):
+            if layout_reads[segments[key].pack] >= WHOLE_MIN_SEGMENTS:
+                needed[segments[key].pack] += segments[key].length
         extent = dict.fromkeys(needed, 0)
         for seg in segments:  # (every segment of those packs, this checkpoint's or not)
             if seg.pack in extent:
