@@ -28,6 +28,12 @@ CompletePageLists = Callable[[dict[str, bytes]], int]
 FILE_WORKERS = 4  # threads storing the small images: most of their time is waiting for fsync
 
 
+def file_workers(objects: Objects) -> int:
+    """Threads storing the small images: FILE_WORKERS, or as many as the store has requests in
+    flight (in S3, each image is a request or two that mostly wait for the round trip)."""
+    return max(FILE_WORKERS, objects.backend.requests_in_flight())
+
+
 def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporter = NullReporter(),  # noqa: PLR0913
            complete_page_lists: CompletePageLists | None = None,
            earlier: dict | None = None, ahead: IngestAhead | None = None) -> tuple[list[FileEntry], int, IngestStats]:
@@ -53,7 +59,7 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
     # they cost a 100-process dump 0.55 s while its tree was frozen (--stop).
     first, rewritten = _before_and_after_pages(other_files, complete_page_lists is not None)
     stored: list[Future] = []
-    with ThreadPoolExecutor(max_workers=FILE_WORKERS, thread_name_prefix="ckpt-ingest") as pool:
+    with ThreadPoolExecutor(max_workers=file_workers(objects), thread_name_prefix="ckpt-ingest") as pool:
         try:
             stored = ingestion.store_files(first, object_codec, pool)
             block_stats, lists = ingestion.store_pages(page_images, codec, reporter, complete_page_lists, earlier,
@@ -111,7 +117,7 @@ class IngestAhead:
         self.object_codec = objects_codec(codec)
         self.scratch = scratch
         self.stored: set[str] = set()  # names of the images taken
-        self._pool = ThreadPoolExecutor(max_workers=FILE_WORKERS, thread_name_prefix="ckpt-ingest-early")
+        self._pool = ThreadPoolExecutor(max_workers=file_workers(objects), thread_name_prefix="ckpt-ingest-early")
         self._futures: list[Future] = []
 
     def add(self, path: Path) -> None:

@@ -107,7 +107,7 @@ def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: 
         # of images (a 101-process tree: 712, 5 s one after the other), and the work on each
         # (reading, decompressing, hashing, writing) mostly releases the GIL; from a remote
         # store, as many threads as its reads in flight (each mostly waits for its answer).
-        workers = max(LAY_OUT_WORKERS, objects.backend.reads_in_flight())
+        workers = max(LAY_OUT_WORKERS, objects.backend.requests_in_flight())
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-lay-out") as pool:
             # Images of one content (many in a worker pool) are checked once, the others linked to it.
             alike: dict[str, list[FileEntry]] = {}

@@ -480,7 +480,7 @@ def test_keep_in_fetches_the_gaps_joined_and_in_parallel_and_makes_the_pack_whol
     from ckpt.store.blocks.prefetch import Prefetcher
 
     backend = MemoryBackend()
-    monkeypatch.setattr(backend, "reads_in_flight", lambda: 4)  # as a store a round trip away
+    monkeypatch.setattr(backend, "requests_in_flight", lambda: 4)  # as a store a round trip away
     pack = os.urandom(64 * 4096)
     backend.put("packs/pa/pack1", pack)
     # Two pages fetched of every four: 16 gaps of two pages, the last at the pack's end.

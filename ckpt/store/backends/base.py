@@ -389,11 +389,11 @@ class Backend(abc.ABC):
         lock whose holder is gone never blocks anyone (local: flock dies with its process;
         lock objects: stale once their process is gone or they are not refreshed)."""
 
-    def reads_in_flight(self) -> int:
-        """How many reads of separate blobs are worth having in flight at once (callers reading
-        many small blobs, or small ranges of many, size their thread pools by it): 1 here, a
-        local disk or page cache answers at once and the callers' own few threads suffice;
-        more for a store a round trip away, whose requests mostly wait."""
+    def requests_in_flight(self) -> int:
+        """How many requests for separate blobs are worth having in flight at once (callers
+        reading or storing many small blobs, or small ranges of many, size their thread pools
+        by it): 1 here, a local disk or page cache answers at once and the callers' own few
+        threads suffice; more for a store a round trip away, whose requests mostly wait."""
         return 1
 
     def gc_margin(self) -> float:

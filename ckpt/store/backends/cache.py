@@ -337,8 +337,8 @@ class CachingBackend(Backend):
              on_wait: Callable[[builtins.list[LockOwner]], None] | None = None) -> AbstractContextManager:
         return self.inner.lock(exclusive, timeout, on_wait)
 
-    def reads_in_flight(self) -> int:
-        return self.inner.reads_in_flight()
+    def requests_in_flight(self) -> int:
+        return self.inner.requests_in_flight()
 
     def gc_margin(self) -> float:
         return self.inner.gc_margin()

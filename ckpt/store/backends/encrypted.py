@@ -525,8 +525,8 @@ class EncryptedBackend(Backend):
     def lock_holders(self) -> builtins.list[LockOwner]:
         return self.inner.lock_holders()
 
-    def reads_in_flight(self) -> int:
-        return self.inner.reads_in_flight()
+    def requests_in_flight(self) -> int:
+        return self.inner.requests_in_flight()
 
     def gc_margin(self) -> float:
         return self.inner.gc_margin()

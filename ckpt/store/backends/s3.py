@@ -71,10 +71,10 @@ PARTS_PER_SIZE = 2000
 # alone) instead of one PUT.
 MULTIPART_FROM = 32 << 20
 CONCURRENCY = 4
-# Requests for separate small blobs (a tree's small images, page lists, the first segments of
-# its packs) worth having in flight at once: each waits a round trip (20 ms away, a 101-process
-# tree's 600 small reads took 2.7 s four at a time) and moves little.
-READS_IN_FLIGHT = 16
+# Requests for separate small blobs (a tree's small images read or stored, page lists, the
+# first segments of its packs) worth having in flight at once: each waits a round trip (20 ms
+# away, a 101-process tree's 600 small reads took 2.7 s four at a time) and moves little.
+REQUESTS_IN_FLIGHT = 16
 # Requests are retried here, not by botocore (whose retries know no overall deadline):
 # throttling (503 SlowDown: backoff from 1 s, doubling, at most 20 s) and transient errors
 # (5xx, resets, timeouts: backoff from 50 ms), at most MAX_ATTEMPTS times and only while the
@@ -186,7 +186,7 @@ class S3Backend(Backend):
             # A connection for each read in flight, each part of two parallel transfers (a
             # prefetch's ranges), and two spare: a request beyond the pool would open a
             # connection of its own and log a warning when it is discarded.
-            max_pool_connections=READS_IN_FLIGHT + 2 * self.concurrency + 2)
+            max_pool_connections=REQUESTS_IN_FLIGHT + 2 * self.concurrency + 2)
         try:
             # The default session: AWS_PROFILE, AWS_ENDPOINT_URL(_S3), AWS_ACCESS_KEY_ID, ~/.aws/config.
             self._client: Any = botocore.session.get_session().create_client("s3", config=config)
@@ -211,8 +211,8 @@ class S3Backend(Backend):
                 if os.getpid() != self._pid:
                     self._connect()
 
-    def reads_in_flight(self) -> int:
-        return READS_IN_FLIGHT
+    def requests_in_flight(self) -> int:
+        return REQUESTS_IN_FLIGHT
 
     def gc_margin(self) -> float:
         # Twice the locks' TTL: a blob younger than that may belong to a command whose lock

@@ -582,7 +582,7 @@ class Prefetcher:
         if not spooled:
             return
         room = cache.copy_room()
-        threads = max(1, min(KEEP_THREADS, self.source.reads_in_flight()))
+        threads = max(1, min(KEEP_THREADS, self.source.requests_in_flight()))
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-keep") as pool:
             gaps = dict(zip(spooled, pool.map(lambda item: self._gaps(item[0], room), spooled), strict=True))
             wanted = [(pack, fd, size, gap) for (pack, fd), found in gaps.items() if found is not None
