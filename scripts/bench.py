@@ -1518,9 +1518,12 @@ def bench_recovery_tree_s3(server: WeedServer, work: Path, count: int, runs: int
                 pause()
                 if what == "restore":
                     cache = work / f"recovery-tree-s3-cache-{place}-{run}"
-                    r = ckpt_restore_timed([checkpoint, "--eager"], {**env, **places[place], "CKPT_CACHE": str(cache)})
+                    try:
+                        r = ckpt_restore_timed([checkpoint, "--eager"],
+                                               {**env, **places[place], "CKPT_CACHE": str(cache)})
+                    finally:
+                        shutil.rmtree(cache, ignore_errors=True)
                     rows[f"{place}_restore_s"].append(r["last_page_s"])
-                    shutil.rmtree(cache)
                 else:
                     with _environment(places[place]):
                         rows[f"{place}_download_s"].append(bulk_download(

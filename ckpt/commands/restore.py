@@ -589,12 +589,12 @@ class _ImageLayout:
         # none left out: nothing to serve
         return images_dir, self.memory if self.plan.locations else "image", self.plan, self._linked(images_dir)
 
-    def _reads_every_page(self) -> bool:
-        """Whether the restore, as decided so far, reads every page before the tree runs from
-        a remote store: then the packs it reads most of come down whole first (the lay-out
-        asks once the pages to leave out are known; a lazy restore's page server fetches
-        them in the order the tree needs them instead)."""
-        return self.store.objects.remote and self.memory != "lazy"
+    def _reads_every_page(self, holes: dict[str, list[tuple[int, int]]]) -> bool:
+        """Whether the restore reads every page from a remote store before the tree runs (the
+        lay-out asks once it knows the holes: a restore meant to be lazy may have none, all
+        its memory then restored first): then the packs it reads most of come down whole
+        first. A lazy restore's page server fetches them in the order the tree needs them."""
+        return self.store.objects.remote and (self.memory != "lazy" or not any(holes.values()))
 
     def _check_host(self, directory: Path) -> None:
         self._host_report(directory)
@@ -623,11 +623,15 @@ class _ImageLayout:
         while the other images are laid out: from S3 each is a request (a 101-process tree's
         took 0.5 s after its 600 other images, 20 ms away)."""
         pages = [entry for entry in self.manifest.files if entry.kind == "pages"]
-        if len(pages) < 2 or len(self.manifest.processes) < 2:
-            return
+        forced_lazy = self.memory == "lazy" and self.request.lazy
+        if len(pages) < 2 or len(self.manifest.processes) < 2 or self.request.copy is not None or forced_lazy:
+            return  # (the plans that read them are not made)
         pool = ThreadPoolExecutor(max_workers=LAY_OUT_WORKERS, thread_name_prefix="ckpt-page-lists")
-        self._page_lists_coming = {entry.name: pool.submit(self.store.objects.load_page_list, entry)
-                                   for entry in pages}
+        alike: dict[str, Future[bytes]] = {}  # (a worker pool's children have page lists alike)
+        for entry in pages:
+            if entry.hash not in alike:
+                alike[entry.hash] = pool.submit(self.store.objects.load_page_list, entry)
+            self._page_lists_coming[entry.name] = alike[entry.hash]
         pool.shutdown(wait=False)  # its threads end with the last read
 
     def _stop_reading_page_lists(self) -> None:

@@ -36,19 +36,22 @@ class LeftOut:
 # Per pages image, the page ranges a page server is to serve (a lazy restore): left out as
 # holes of the file; or LeftOut.
 HolesFor = Callable[[Path], "dict[str, list[tuple[int, int]]] | LeftOut"]
+# Given the holes (per pages image, the page ranges copied in or served later): whether the
+# packs holding most of the pages are to come down whole first (see materialize).
+WholePacks = Callable[["dict[str, list[tuple[int, int]]]"], bool]
 
 
 def materialize(objects: Objects, area: StagingArea, manifest: Manifest, reporter: Reporter = NullReporter(),
                 skip_pages: bool = False, before_pages: Callable[[Path], LeftOut | None] | None = None,
-                whole_packs: Callable[[], bool] = lambda: False) -> Path:
+                whole_packs: WholePacks = lambda holes: False) -> Path:
     """Writes the checkpoint's images into a fresh restore-* directory of area (the store's
     staging area, Store.staging_area), verifying each.
 
     skip_pages leaves out the page data (for inspection, which needs only the metadata).
     before_pages(directory) is called once every other image is written, before the pages
     images (the bulk): a restore checks the host there, and what it raises ends the layout;
-    it may return the pages to leave out (LeftOut). whole_packs(), asked once the pages to
-    leave out are known: whether the packs holding most of the pages to write are to be
+    it may return the pages to leave out (LeftOut). whole_packs(holes), asked once the pages
+    to leave out are known: whether the packs holding most of the pages to write are to be
     downloaded whole into the cache first (a full restore from a remote store, which reads
     them all before the tree runs: BlockStore.keep_packs_whole)."""
     def no_holes(directory: Path) -> dict[str, list[tuple[int, int]]] | LeftOut:
@@ -80,7 +83,7 @@ def link_images(area: StagingArea, source: Path) -> Path:
 
 def materialize_lazily(objects: Objects, area: StagingArea, manifest: Manifest, holes_for: HolesFor,  # noqa: PLR0913
                        reporter: Reporter = NullReporter(), check_holes: bool = True,
-                       whole_packs: Callable[[], bool] = lambda: False) -> tuple[Path, dict[str, list[int]]]:
+                       whole_packs: WholePacks = lambda holes: False) -> tuple[Path, dict[str, list[int]]]:
     """Like materialize, for a lazy restore: holes_for(directory), called once every image
     but the pages images is written, names per pages image the page ranges a page server
     is to serve; they are verified but left out (check_holes=False: not verified here, the
@@ -92,7 +95,7 @@ def materialize_lazily(objects: Objects, area: StagingArea, manifest: Manifest, 
 
 
 def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: Reporter, skip_pages: bool,  # noqa: PLR0913
-             holes_for: HolesFor, check_holes: bool = True, whole_packs: Callable[[], bool] = lambda: False
+             holes_for: HolesFor, check_holes: bool = True, whole_packs: WholePacks = lambda holes: False
              ) -> tuple[Path, dict[str, list[int]]]:
     """The images into a fresh restore-* directory of area, each verified; holes_for names the
     page ranges to verify but leave out. Returns the directory and, per pages image with
@@ -126,7 +129,7 @@ def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: 
                 found_holes = holes_for(dest)
                 left_out = found_holes if isinstance(found_holes, LeftOut) else LeftOut({}, found_holes)
                 locations = _write_pages_images(objects, pool, dest, pages, left_out, check_holes, progress,
-                                                whole_packs())
+                                                whole_packs(left_out.holes))
     except BaseException:
         discard(dest)
         raise
@@ -172,11 +175,11 @@ def _write_pages_images(objects: Objects, pool: ThreadPoolExecutor, dest: Path, 
 
 
 def _between_holes_of(locations: list[int], holes: list[tuple[int, int]]) -> list[int]:
-    """The locations of an image's pages but those in its holes ((first, count) ranges, sorted)."""
+    """The locations of an image's pages but those in its holes ((first, count) ranges)."""
     if not holes:
         return locations
     kept, at = [], 0
-    for first, count in holes:
+    for first, count in sorted(holes):
         kept.extend(locations[at:first])
         at = max(at, first + count)
     kept.extend(locations[at:])

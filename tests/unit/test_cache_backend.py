@@ -555,6 +555,8 @@ def test_a_full_restore_downloads_whole_only_the_packs_it_reads_most_of_once(rem
     assert len(wanted) == 1 and list(wanted.values())[0] < 8 * 256 * PAGE, "3 segments laid out: ranges"
     cramped = BlockStore(cached(remote, tmp_path / "cache-c", max_bytes=6 * MiB))
     assert len(cramped.packs_worth_keeping_whole(every, every)) == 1, "the 8 MiB pack cannot be kept"
+    either = BlockStore(cached(remote, tmp_path / "cache-d", max_bytes=11 * MiB))  # room for one of them
+    assert list(either.packs_worth_keeping_whole(every, every).values()) == [8 * 256 * PAGE], "the most read"
     wanted = other_host.packs_worth_keeping_whole(every, every)
     assert len(wanted) == 2
     remote.reads.clear()

@@ -159,3 +159,14 @@ def test_a_layout_decodes_each_compressed_segment_once_for_all_the_images_that_s
     # Each segment once, not once per image (but by each of the layout's threads that asked
     # for it at the same time, before the first had decoded it).
     assert max(decoded.count(segment) for segment in decoded) <= LAY_OUT_WORKERS < PROCESSES
+
+
+def test_the_pages_a_layout_writes_are_those_between_its_holes_in_any_order():
+    from ckpt.store.materialize import _between_holes_of
+
+    locations = list(range(100, 110))
+    assert _between_holes_of(locations, []) == locations
+    assert _between_holes_of(locations, [(0, 10)]) == []
+    # (first, count), unsorted, one overlapping the next: pages 2-4 and 6-8 are holes
+    assert _between_holes_of(locations, [(6, 3), (2, 2), (3, 2)]) == [100, 101, 105, 109]
+    assert _between_holes_of(locations, [(8, 5)]) == locations[:8], "a hole past the end"

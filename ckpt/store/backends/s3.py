@@ -183,10 +183,11 @@ class S3Backend(Backend):
             retries={"mode": "standard", "total_max_attempts": 1},  # retried by _call, within a budget
             # Half the budget without a byte from the server ends an attempt: two fit in it.
             connect_timeout=min(CONNECT_TIMEOUT, max(1.0, self.timeout / 3)), read_timeout=max(1.0, self.timeout / 2),
-            # A connection for each read in flight, each part of two parallel transfers (a
-            # prefetch's ranges), and two spare: a request beyond the pool would open a
+            # A connection for each request in flight, and as many again for what runs beside
+            # them (the parts of a transfer, a restore's page-list and index threads, a
+            # prefetch's ranges, the lock's refresh): a request beyond the pool would open a
             # connection of its own and log a warning when it is discarded.
-            max_pool_connections=REQUESTS_IN_FLIGHT + 2 * self.concurrency + 2)
+            max_pool_connections=2 * REQUESTS_IN_FLIGHT)
         try:
             # The default session: AWS_PROFILE, AWS_ENDPOINT_URL(_S3), AWS_ACCESS_KEY_ID, ~/.aws/config.
             self._client: Any = botocore.session.get_session().create_client("s3", config=config)

@@ -338,10 +338,11 @@ ADOPTED_AT_ONCE = 4  # adopted files made durable at once (PackWriter.commit)
 # A full restore from a remote store downloads a pack whole first (see
 # BlockStore.packs_worth_keeping_whole) when it reads at least WHOLE_SHARE of it and its
 # layout at least WHOLE_MIN_SEGMENTS of its segments; WHOLE_PACKS_AT_ONCE packs at a time,
-# each in the backend's parallel parts (memory: their parts in flight only).
+# each in the backend's parallel parts (memory: each thread of a download, the 2 callers and
+# the S3 backend's 4, holds a part as received and its plaintext, 2 x 16 MiB: 192 MiB at most).
 WHOLE_SHARE = 0.5
 WHOLE_MIN_SEGMENTS = 32
-WHOLE_PACKS_AT_ONCE = 4
+WHOLE_PACKS_AT_ONCE = 2
 ADOPT_SPARSE_AT_LEAST = 1 << 20  # bytes stored as they are, for a file to become a pack with holes
 
 
@@ -1064,10 +1065,15 @@ class BlockStore:
         for seg in segments:  # (every segment of those packs, this checkpoint's or not)
             if seg.pack in extent:
                 extent[seg.pack] = max(extent[seg.pack], seg.offset + seg.length)
-        room = self.backend.copy_room()
-        return {pack_name(pack): extent[pack] for pack, count in needed.items()
-                if extent[pack] <= room and count >= WHOLE_SHARE * extent[pack]
-                and not self.backend.held_locally(pack_name(pack))}
+        # Most read first, while they fit together: a copy installed beyond the cap would evict
+        # the ones installed just before it (read by nobody yet), and be read range by range.
+        room, wanted = self.backend.copy_room(), {}
+        for pack, count in sorted(needed.items(), key=lambda item: -item[1]):
+            if (count >= WHOLE_SHARE * extent[pack] and extent[pack] <= room
+                    and not self.backend.held_locally(pack_name(pack))):
+                wanted[pack_name(pack)] = extent[pack]
+                room -= extent[pack]
+        return wanted
 
     def keep_packs_whole(self, names: Sequence[str]) -> int:
         """The packs downloaded whole into the cache in front of the store (Backend.keep_whole),

@@ -40,9 +40,11 @@ from ckpt.system.files import FILE_MODE, fresh_buffer, pwrite_all
 RANGE_BYTES = 8 << 20
 KEEP_GAP_RATIO = 0.5  # a spooled pack is made whole and kept only if at most this share of it is missing
 THREADS = 4  # S3Backend's pool keeps connections for these and the page server's own
-# Threads making the spooled packs whole after the last page (see Prefetcher.keep_in): each
-# holds up to RANGE_BYTES of a gap in memory at a time.
+# Threads making the spooled packs whole after the last page (see Prefetcher.keep_in), each
+# fetching up to KEEP_RANGE_BYTES at a time (held twice through the encryption, as received
+# and decrypted: 8 x 2 x 2 MiB at most).
 KEEP_THREADS = 8
+KEEP_RANGE_BYTES = 2 << 20
 # Gaps of a pack closer than this are fetched in one request, the fetched bytes between them
 # again: a round trip costs more than this much of a transfer.
 KEEP_JOIN = 256 << 10
@@ -581,28 +583,34 @@ class Prefetcher:
         spooled = [(pack, fd) for pack, fd in self._fds.items() if pack not in self._unspooled]
         if not spooled:
             return
-        room = cache.copy_room()
-        threads = max(1, min(KEEP_THREADS, self.source.requests_in_flight()))
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-keep") as pool:
-            gaps = dict(zip(spooled, pool.map(lambda item: self._gaps(item[0], room), spooled), strict=True))
-            wanted = [(pack, fd, size, gap) for (pack, fd), found in gaps.items() if found is not None
-                      for size, ranges in [found] for gap in ranges]
-            filled = list(pool.map(lambda item: self._fill_gap(item[0], item[1], item[3]), wanted))
-        failed = {pack for (pack, *_), ok in zip(wanted, filled, strict=True) if not ok}
-        for (pack, fd), found in gaps.items():
-            if found is None or pack in failed:
-                continue
-            try:
-                os.ftruncate(fd, found[0])
-            except OSError:
-                continue
-            if cache.keep_copy(pack_name(pack), self.spool_dir / pack):
-                os.close(fd)
-                del self._fds[pack]
+        try:
+            room = cache.copy_room()
+            threads = max(1, min(KEEP_THREADS, self.source.requests_in_flight()))
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-keep") as pool:
+                gaps = dict(zip(spooled, pool.map(lambda item: self._gaps(item[0], room), spooled), strict=True))
+                wanted = [(pack, fd, gap) for (pack, fd), found in gaps.items() if found is not None
+                          for gap in found[1]]
+                filled = list(pool.map(lambda item: self._fill_gap(*item), wanted))
+            failed = {pack for (pack, *_), ok in zip(wanted, filled, strict=True) if not ok}
+            for (pack, fd), found in gaps.items():
+                if found is not None and pack not in failed:
+                    self._keep(cache, pack, fd, found[0])
+        except Exception:  # noqa: BLE001 - the tree runs already: the cache is an optimisation
+            return
+
+    def _keep(self, cache: Backend, pack: str, fd: int, size: int) -> None:
+        """A spooled pack made whole handed to the cache (then its spool file is the cache's)."""
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            return
+        if cache.keep_copy(pack_name(pack), self.spool_dir / pack):
+            os.close(fd)
+            del self._fds[pack]
 
     def _gaps(self, pack: str, room: int) -> tuple[int, list[tuple[int, int]]] | None:
         """The size of pack and the ranges of it not fetched (adjacent gaps less than
-        KEEP_JOIN apart fetched as one, up to RANGE_BYTES); None if it is not worth keeping
+        KEEP_JOIN apart fetched as one, up to KEEP_RANGE_BYTES); None if it is not worth keeping
         (larger than room, or mostly bytes the restore did not fetch) or its size is unknown."""
         try:
             size = self.source.stat(pack_name(pack)).size
@@ -619,8 +627,8 @@ class Prefetcher:
         at = 0
         for start, end in [*spans, (size, size)]:
             while at < start:
-                stop = min(start, at + RANGE_BYTES)
-                if ranges and at - ranges[-1][1] < KEEP_JOIN and stop - ranges[-1][0] <= RANGE_BYTES:
+                stop = min(start, at + KEEP_RANGE_BYTES)
+                if ranges and at - ranges[-1][1] < KEEP_JOIN and stop - ranges[-1][0] <= KEEP_RANGE_BYTES:
                     ranges[-1] = (ranges[-1][0], stop)  # (the few bytes between fetched again)
                 else:
                     ranges.append((at, stop))
