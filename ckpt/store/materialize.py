@@ -109,7 +109,7 @@ def _lay_out(objects: Objects, area: StagingArea, manifest: Manifest, reporter: 
         # Each image checked and written in a few threads: a tree of many processes has hundreds
         # of images (a 101-process tree: 712, 5 s one after the other), and the work on each
         # (reading, decompressing, hashing, writing) mostly releases the GIL; from a remote
-        # store, as many threads as its reads in flight (each mostly waits for its answer).
+        # store, as many threads as its requests in flight (each mostly waits for its answer).
         workers = max(LAY_OUT_WORKERS, objects.backend.requests_in_flight())
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-lay-out") as pool:
             # Images of one content (many in a worker pool) are checked once, the others linked to it.
