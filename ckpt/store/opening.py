@@ -14,6 +14,7 @@ Every value that comes from the settings is a parameter: nothing here looks them
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import dataclass
@@ -240,8 +241,13 @@ def _store_directory(root: Path, create: bool) -> Path:
 
 def _finish_creating(root: Path, real: Path, backend: Backend, password: bytes | None) -> Backend:
     """Makes (or finishes making) a store in real, an empty directory or one an interrupted
-    creation left; with a password, an encrypted one. Returns the backend to use."""
-    foreign = sorted(n for n in os.listdir(real) if n not in STORE_ENTRIES and not n.startswith(".store.json."))
+    creation left; with a password, an encrypted one. Returns the backend to use.
+    FileExistsError if another dump finished making it since the caller looked (its
+    store.json is there now): the caller opens it as the store it is."""
+    names = os.listdir(real)
+    if STORE_META in names:  # (six first dumps into one new directory: one of 300 saw this)
+        raise FileExistsError(errno.EEXIST, "another dump made the store meanwhile", str(real / STORE_META))
+    foreign = sorted(n for n in names if n not in STORE_ENTRIES and not n.startswith(".store.json."))
     if foreign:
         raise UsageError(f"{root} is not a ckpt store and is not empty (it holds {foreign[0]}"
                          f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''})",

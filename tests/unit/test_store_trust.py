@@ -86,6 +86,26 @@ def test_an_interrupted_creation_is_finished_by_the_next_dump(tmp_path):
     assert json.loads((root / "store.json").read_text())["format"] == 2
 
 
+def test_a_store_another_dump_finishes_making_meanwhile_is_opened_as_it_is(tmp_path, monkeypatch):
+    """Six first dumps into one new directory: one saw no store.json, then found one when it
+    listed the directory to make the store (one in 300 failed, "not a ckpt store")."""
+    root = tmp_path / "store"
+    Store.open(root, create=True, settings=env_settings())
+    real_lexists = os.path.lexists
+    looked = []
+
+    def not_yet(path):  # the first look at store.json: before the other dump wrote it
+        if str(path).endswith("store.json") and not looked:
+            looked.append(path)
+            return False
+        return real_lexists(path)
+
+    monkeypatch.setattr(opening.os.path, "lexists", not_yet)
+    store = Store.open(root, create=True, settings=env_settings())
+    assert looked and store.root == root
+    assert json.loads((root / "store.json").read_text())["format"] == 2
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
 def test_a_store_others_can_write_is_refused(tmp_path, mode):
     root = tmp_path / "store"
