@@ -162,11 +162,11 @@ def test_a_layout_decodes_each_compressed_segment_once_for_all_the_images_that_s
 
 
 def test_the_pages_a_layout_writes_are_those_between_its_holes_in_any_order():
-    from ckpt.store.materialize import _between_holes_of
+    from ckpt.store.blocks.blockstore import pages_between_holes
 
     locations = list(range(100, 110))
-    assert _between_holes_of(locations, []) == locations
-    assert _between_holes_of(locations, [(0, 10)]) == []
+    assert pages_between_holes(locations, []) == locations
+    assert pages_between_holes(locations, [(0, 10)]) == []
     # (first, count), unsorted, one overlapping the next: pages 2-4 and 6-8 are holes
-    assert _between_holes_of(locations, [(6, 3), (2, 2), (3, 2)]) == [100, 101, 105, 109]
-    assert _between_holes_of(locations, [(8, 5)]) == locations[:8], "a hole past the end"
+    assert pages_between_holes(locations, [(6, 3), (2, 2), (3, 2)]) == [100, 101, 105, 109]
+    assert pages_between_holes(locations, [(8, 5)]) == locations[:8], "a hole past the end"

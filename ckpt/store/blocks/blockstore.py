@@ -1227,6 +1227,13 @@ class BlockStore:
         return PageSender(_SegmentReader(self, index, ranges), prefetcher)
 
 
+def pages_between_holes(locations: Sequence[int], holes: Sequence[tuple[int, int]]) -> list[int]:
+    """The locations of an image's pages but those in its holes ((first, count) ranges, in any
+    order): the pages write_image writes into the file."""
+    return [location for begin, end in _between_holes(sorted(holes), len(locations))
+            for location in locations[begin:end]]
+
+
 def _between_holes(holes: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
     """The [begin, end) ranges of an image of n pages between its holes (sorted (first, count))."""
     written, at = [], 0
