@@ -24,11 +24,9 @@ from typing import Callable
 from ckpt.errors import DamagedCheckpoint, UsageError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Store
-from ckpt.store.backends import BlobNotFound
 from ckpt.store.backends.cache import LOW_WATER, CachingBackend
 from ckpt.store.blocks.segments import INDEX_PREFIX, pack_name, segment_key
 from ckpt.store.fsutil import translate_os_error
-from ckpt.store.objects import OBJECT_SUFFIX, object_name
 from ckpt.system.textutil import human_bytes
 
 # Blobs downloaded at once. Each download is itself parallel (the S3 backend's ranged GETs of
@@ -157,13 +155,10 @@ class _Warming:
         report.cached_blobs, report.cached_bytes = len(cached), sum(cached)
 
     def _object_blob(self, digest: str) -> tuple[str, int]:
-        """The blob holding an object, and its size, asked in the order Objects.find looks."""
-        for codec in OBJECT_SUFFIX:
-            name = object_name(digest, codec)
-            try:
-                return name, self.store.backend.stat(name).size
-            except BlobNotFound:
-                continue
+        """The blob holding an object, and its size."""
+        found = self.store.objects.find(digest)
+        if found is not None:
+            return found.name, found.size
         raise DamagedCheckpoint(f"object {digest[:16]}… is missing from the store: its checkpoint cannot be restored",
                                 hint="run `ckpt verify`")
 

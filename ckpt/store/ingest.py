@@ -19,7 +19,7 @@ from ckpt.store.blocks.blockstore import IngestStats, PagesIngest, StreamedPages
 from ckpt.store.blocks.segments import CODECS, ID_LEN as PAGE_ID_SIZE, PAGE
 from ckpt.store.fsutil import translate_os_error
 from ckpt.store.manifest import FileEntry
-from ckpt.store.objects import Objects, hash_file, worth_compressing
+from ckpt.store.objects import Objects, hash_file, object_codec as stored_codec, worth_compressing
 from ckpt.store.staging import DumpStaging
 
 # Called with the page lists before anything else is stored; may lengthen them with pages the
@@ -69,7 +69,6 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
                 stored += ingestion.store_files(rewritten, object_codec, pool)
             for future in stored:
                 future.result()
-            objects.backend.delete(ingestion.superseded)  # only now that the fresh copies are durable
         except OSError as exc:
             raise translate_os_error(exc, "storing the images") from exc
         finally:
@@ -132,7 +131,7 @@ class IngestAhead:
             # read would change a published object): a copy.
             # (Decided here once: store_file takes "none" as it is, without sampling again.)
             second = self.scratch / path.name
-            codec = self.object_codec if self.object_codec == "none" or worth_compressing(path) else "none"
+            codec = stored_codec(path, self.object_codec)
             if codec == "none":
                 shutil.copyfile(path, second)
             else:
@@ -183,14 +182,12 @@ def _before_and_after_pages(files: list[Path], completed: bool) -> tuple[list[Pa
 
 
 class _Ingestion:
-    """What one ingest has stored so far: the file entries, the bytes added, and the damaged
-    copies under another codec's name that are deleted last."""
+    """What one ingest has stored so far: the file entries and the bytes added."""
 
     def __init__(self, objects: Objects):
         self.objects = objects
         self.entries: list[FileEntry] = []
         self.added = 0
-        self.superseded: list[str] = []
         self._lock = threading.Lock()
         self._submitted: dict[str, Future] = {}  # by content: the store_file that stores it
 
@@ -233,10 +230,8 @@ class _Ingestion:
 
     def store_page_list(self, page_list: bytes, digest: str, images: list[tuple[str, int]]) -> None:
         """A page list as an object, and the entries of the pages images (name, size) it is of."""
-        superseded: list[str] = []
-        _, stored, new = self.objects.put_bytes(page_list, superseded)
+        _, stored, new = self.objects.put_bytes(page_list)
         with self._lock:
-            self.superseded += superseded
             self.added += new
             self.entries.extend(FileEntry(name, size, digest, "pages", stored, kind="pages") for name, size in images)
 
@@ -271,20 +266,18 @@ class _Ingestion:
         """Image files of one content as an object, unless the store holds it intact already.
         Called from several threads at once: each call adds its entries and bytes under the lock."""
         size = paths[0].stat().st_size
-        existing = self.objects.find(digest)
+        codec = stored_codec(paths[0], object_codec)
+        existing = self.objects.find(digest, codecs=(codec,))
         added = 0
-        if existing and self.objects.intact(*existing, digest):
-            stored_name, stored_codec = existing
-            stored_size = self.objects.backend.stat(stored_name).size
+        if existing and self.objects.intact(existing.name, existing.codec, digest):
+            stored_size = existing.size
         else:
             # New, or damaged: a damaged object is replaced, which heals every older checkpoint
             # naming it (see "Damage and healing" in docs/design.md). The first file may be moved
             # into the store (a rename): the entries are made from what was read before.
-            stored_codec, stored_size = self.objects.store_file(paths[0], digest, object_codec)
+            codec, stored_size = self.objects.store_file(paths[0], digest, codec)
             added = stored_size
         with self._lock:
-            if existing and existing[1] != stored_codec:
-                self.superseded.append(existing[0])
             self.added += added
-            self.entries.extend(FileEntry(path.name, size, digest, stored_codec, stored_size) for path in paths)
-        return stored_codec, stored_size
+            self.entries.extend(FileEntry(path.name, size, digest, codec, stored_size) for path in paths)
+        return codec, stored_size

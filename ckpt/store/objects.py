@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import blake3
 import zstandard
@@ -33,6 +33,19 @@ SAMPLES = 16
 PAGE_SAMPLE = 4096
 SMALL_FILE = 8 << 20  # compressed by the calling thread alone (a multithreaded compressor starts threads)
 _local = threading.local()
+
+
+class Found(NamedTuple):
+    """A stored object: its blob's name, its codec and the size of the blob."""
+
+    name: str
+    codec: str
+    size: int
+
+
+def object_codec(path: Path, codec: str) -> str:
+    """The codec a file is stored with when a dump asks for codec ("zstd" or "none")."""
+    return "zstd" if codec == "zstd" and worth_compressing(path) else "none"
 
 
 def _compressor() -> zstandard.ZstdCompressor:
@@ -85,26 +98,32 @@ class Objects:
         self.blocks = blocks
         self.remote = remote
 
-    def find(self, digest: str, besides: str | None = None) -> tuple[str, str] | None:
-        """(blob name, codec) of the object holding that content, or None; besides: a name
-        already read (missing or damaged there), not asked again."""
-        for codec in OBJECT_SUFFIX:
+    def find(self, digest: str, besides: str | None = None, codecs: Sequence[str] = tuple(OBJECT_SUFFIX)
+             ) -> Found | None:
+        """The object holding that content, or None; besides: a name already read (missing or
+        damaged there), not asked again. codecs: the names looked for, in order; a writer asks
+        only for the codec it would store the content with (from S3 each name is a request: a
+        dump of 100 processes asked twice for each of 300 new objects): a copy under the other
+        codec's name (a dump with other settings) is then not found, and the content is stored
+        again under this one (both are the object: see "Objects" in docs/design.md)."""
+        for codec in codecs:
             name = object_name(digest, codec)
-            if name != besides and self.backend.exists(name):
-                return name, codec
+            if name == besides:
+                continue
+            try:
+                return Found(name, codec, self.backend.stat(name).size)
+            except BlobNotFound:
+                pass
         return None
 
-    def put_bytes(self, data: bytes, superseded: list[str]) -> tuple[str, int, int]:
+    def put_bytes(self, data: bytes) -> tuple[str, int, int]:
         """Stores bytes as an object (codec none); returns (hash, stored size, bytes added).
-        A damaged existing copy is replaced (one under another codec's name goes to superseded)."""
+        A damaged existing copy is replaced."""
         digest = blake3.blake3(data).hexdigest()
-        existing = self.find(digest)
-        if existing and self.intact(*existing, digest):
+        existing = self.find(digest, codecs=("none",))
+        if existing and self.intact(existing.name, existing.codec, digest):
             return digest, len(data), 0
-        name = object_name(digest, "none")
-        self.backend.put(name, data)
-        if existing and existing[0] != name:
-            superseded.append(existing[0])
+        self.backend.put(object_name(digest, "none"), data)
         return digest, len(data), len(data)
 
     def intact(self, name: str, codec: str, digest: str) -> bool:
@@ -129,7 +148,7 @@ class Objects:
             found = self.find(entry.hash, besides=name)
             if found is not None:
                 try:
-                    data, damage = self.backend.get(found[0]), None
+                    data, damage = self.backend.get(found.name), None
                 except BlobNotFound:
                     pass
         if damage is not None:
@@ -141,9 +160,9 @@ class Objects:
         return data
 
     def store_file(self, source: Path, digest: str, codec: str) -> tuple[str, int]:
-        """Stores one file under its hash; returns the codec used and the stored size."""
-        if codec == "zstd" and not worth_compressing(source):
-            codec = "none"
+        """Stores one file under its hash; returns the codec used and the stored size. codec:
+        as object_codec decided it ("zstd" is sampled again)."""
+        codec = object_codec(source, codec)
         name = object_name(digest, codec)
         if codec == "none":
             return codec, self.backend.put_file(name, source)  # locally a rename: no copy
@@ -186,7 +205,7 @@ class Objects:
         if dest is not None:
             dest.unlink(missing_ok=True)
         try:
-            return self._read_object(entry, *other, dest)
+            return self._read_object(entry, other.name, other.codec, dest)
         except BlobNotFound:
             raise missing from None
 

@@ -35,7 +35,7 @@ from ckpt.store.backends import BlobExists, BlobNotFound, BlobStream
 from ckpt.store.blocks.blockstore import KEY, PackWriter, page_ids
 from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, PAGE
 from ckpt.store.groups import Groups
-from ckpt.store.objects import object_name
+from ckpt.store.objects import OBJECT_SUFFIX, object_name
 from ckpt.store.repository import STORE_META, Manifest, Store
 from ckpt.store.staging import discard
 
@@ -139,7 +139,7 @@ class CheckpointCopier:
                         pairs.update(zip(_ids(src_list), _ids(dest_list), strict=True))
                     entries[entry.name].update(self._page_list(dest_list, result))
                 else:
-                    copied = self._object(entry.name, entry.hash)
+                    copied = self._object(entry.name, entry.hash, entry.codec)
                     result.bytes_sent += copied
                     result.objects_sent += copied > 0
                 done += entry.size
@@ -182,7 +182,7 @@ class CheckpointCopier:
         """Stores the page list (in the destination's ids) unless the destination has it; returns
         what its manifest entry then says of it."""
         digest = blake3.blake3(dest_list).hexdigest()
-        if self.dest.objects.find(digest) is None:
+        if self.dest.objects.find(digest, codecs=("none",)) is None:
             self.dest.backend.put(object_name(digest, "none"), dest_list)
             result.bytes_sent += len(dest_list)
             result.objects_sent += 1
@@ -202,15 +202,17 @@ class CheckpointCopier:
 
     # ---- objects ----------------------------------------------------------------------------
 
-    def _object(self, image: str, digest: str) -> int:
+    def _object(self, image: str, digest: str, codec: str) -> int:
         """Copies one object unless the destination has it; returns the bytes sent. Its content
         is checked against its hash on the way: damage is not spread to the copy."""
-        if self.dest.objects.find(digest) is not None:
+        # Asked for under the codec the manifest records (from S3 one request, not two).
+        asked = (codec,) if codec in OBJECT_SUFFIX else tuple(OBJECT_SUFFIX)
+        if self.dest.objects.find(digest, codecs=asked) is not None:
             return 0
         found = self.source.objects.find(digest)
         if found is None:
             raise DamagedCheckpoint(f"image {image}: object {digest[:16]}… is missing from the source store")
-        name, codec = found
+        name, codec = found.name, found.codec
         hasher = blake3.blake3()
         decompressor = zstandard.ZstdDecompressor().decompressobj() if codec == "zstd" else None
         sent = 0

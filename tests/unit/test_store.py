@@ -732,6 +732,26 @@ def test_a_segment_recorded_damaged_whose_checksum_passes_is_not_repacked(store,
     assert verify(Store.open(store.root, settings=env_settings()).objects, again) == []
 
 
+def test_a_dump_asks_once_for_each_object_new_or_stored(store, monkeypatch):
+    """In S3 every question is a request: an object (an image, a page list) is looked for
+    under the one name it would be stored under, and a stored one is not asked again for its
+    size (a dump of 100 processes asked 1027 times for 312 new objects and 204 stored ones)."""
+    files = {f"core-{i}.img": os.urandom(1000) * 3 for i in range(5)}  # compressible: zstd
+    files |= {"random.img": os.urandom(2 << 20), "pages-1.img": os.urandom(PAGE * 4)}  # stored as they are
+    asked: list[str] = []
+    for question in ("stat", "exists"):
+        real = getattr(store.backend, question)
+        monkeypatch.setattr(store.backend, question, lambda name, real=real: (asked.append(name), real(name))[1])
+    first = fake_dump(store, files)
+    objects_asked = [name for name in asked if name.startswith("objects/")]
+    assert len(first.files) == 7 and len(objects_asked) == 7 == len(set(objects_asked)), objects_asked
+    assert {e.codec for e in first.files if e.kind != "pages"} == {"zstd", "none"}
+    asked.clear()
+    second = fake_dump(store, files)
+    assert second.bytes_stored == 0 and verify(store.objects, second) == []
+    assert len([name for name in asked if name.startswith("objects/")]) == 7, asked
+
+
 @pytest.mark.parametrize("recorded,now", [("zstd", "none"), ("none", "zstd")])
 def test_an_object_found_under_the_other_codec_than_the_manifest_says_is_read(store, recorded, now):
     """An object is read under the codec its checkpoint recorded, without asking whether it is
