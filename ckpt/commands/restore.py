@@ -33,7 +33,8 @@ from ckpt.store.password import PasswordSource
 from ckpt.store.manifest import FileEntry
 from ckpt.store.blocks.blockstore import PAGE
 from ckpt.store.blocks.segments import WITHIN_BITS
-from ckpt.store.materialize import LAY_OUT_WORKERS, LeftOut, link_images, materialize, materialize_lazily
+from ckpt.store.materialize import (LAY_OUT_WORKERS, PACKS_AHEAD_MIN_OBJECTS, LeftOut, PacksAhead, link_images,
+                                    materialize, materialize_lazily)
 from ckpt.store.staging import discard
 from ckpt.system import procs
 from ckpt.system.files import can_punch_holes, make_private_dir
@@ -558,6 +559,7 @@ class _ImageLayout:
         self.left_to_root: dict[str, list[tuple[int, int]]] = {}  # by pages image: ranges read from the root's
         self._page_lists: dict[str, bytes] = {}  # by pages image, as the plans below read them
         self._page_lists_coming: dict[str, Future[bytes]] = {}  # read while the other images are laid out
+        self._packs_ahead: PacksAhead | None = None  # and the packs read most, downloaded whole meanwhile
 
     def lay_out(self) -> tuple[Path, str, LazyPlan, hostcheck.HostReport]:
         """Returns the directory, how the tree's memory comes back ("lazy": a page server fills
@@ -594,6 +596,9 @@ class _ImageLayout:
         lay-out asks once it knows the holes: a restore meant to be lazy may have none, all
         its memory then restored first): then the packs it reads most of come down whole
         first. A lazy restore's page server fetches them in the order the tree needs them."""
+        if self._packs_ahead is not None:
+            self._packs_ahead.wait(self.reporter)  # (what it kept is not downloaded again)
+            self._packs_ahead = None
         return self.store.objects.remote and (self.memory != "lazy" or not any(holes.values()))
 
     def _check_host(self, directory: Path) -> None:
@@ -626,13 +631,17 @@ class _ImageLayout:
         forced_lazy = self.memory == "lazy" and self.request.lazy
         if len(pages) < 2 or len(self.manifest.processes) < 2 or self.request.copy is not None or forced_lazy:
             return  # (the plans that read them are not made)
-        pool = ThreadPoolExecutor(max_workers=LAY_OUT_WORKERS, thread_name_prefix="ckpt-page-lists")
+        pool = ThreadPoolExecutor(max_workers=max(LAY_OUT_WORKERS, self.store.objects.backend.requests_in_flight()),
+                                  thread_name_prefix="ckpt-page-lists")
         alike: dict[str, Future[bytes]] = {}  # (a worker pool's children have page lists alike)
         for entry in pages:
             if entry.hash not in alike:
                 alike[entry.hash] = pool.submit(self.store.objects.load_page_list, entry)
             self._page_lists_coming[entry.name] = alike[entry.hash]
         pool.shutdown(wait=False)  # its threads end with the last read
+        others = len(self.manifest.files) - len(pages)
+        if self.store.objects.remote and self.memory != "lazy" and others >= PACKS_AHEAD_MIN_OBJECTS:
+            self._packs_ahead = PacksAhead(self.store.objects.blocks, list(alike.values()))
 
     def _stop_reading_page_lists(self) -> None:
         """Once laid out: the reads not needed are let go, and none runs on (a page server is
@@ -641,6 +650,8 @@ class _ImageLayout:
         for future in coming.values():
             future.cancel()
         wait(list(coming.values()))
+        if self._packs_ahead is not None:
+            self._packs_ahead.wait()
 
     def _load_page_lists(self) -> None:
         """Every pages image's page list, read at once (see _start_reading_page_lists): a

@@ -201,7 +201,7 @@ def test_a_tree_restored_in_full_from_s3_downloads_its_pack_whole_once_then_copi
     assert restored.returncode == 0, restored.stderr
     result = json.loads(restored.stdout)
     procs.adopt(result["pid"])
-    assert re.search(r"downloading \d+ pack\(s\) of the checkpoint whole", restored.stderr), restored.stderr
+    assert re.search(r"download(ing|ed) \d+ pack\(s\) of the checkpoint whole", restored.stderr), restored.stderr
     filled = result["filled"]
     assert result["lazy"] is None and filled is not None and filled["pages"] >= pool.CHILDREN * (pool.MIB << 20) // PAGE
     assert filled["bytes_fetched"] == 0 and filled["store_requests"] == 0, filled

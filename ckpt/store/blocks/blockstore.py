@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
 
 import blake3
 import xxhash
@@ -825,6 +825,7 @@ class BlockStore:
         self.seed = int.from_bytes(key[:8], "little")
         self._index: BlockIndex | None = None
         self._preload: threading.Thread | None = None
+        self._index_lock = threading.Lock()
         self._checked: set[tuple[str, int]] = set()  # suspect segments found intact (check_suspect)
 
     def preload_index(self) -> None:
@@ -841,10 +842,11 @@ class BlockStore:
         self._preload.start()
 
     def index(self) -> BlockIndex:
-        preload, self._preload = self._preload, None
-        if preload is not None:
-            preload.join()
-        return self._load_index()
+        with self._index_lock:  # (a restore's threads may ask at once: loaded once)
+            preload, self._preload = self._preload, None
+            if preload is not None:
+                preload.join()
+            return self._load_index()
 
     def forget_index(self) -> None:
         """Drops the loaded index: the next index() reads the index files again (after a
@@ -854,9 +856,11 @@ class BlockStore:
     def _load_index(self) -> BlockIndex:
         if self._index is None:
             index = _blockindex().BlockIndex()
-            for name in self.index_file_names():
+            for name, data in self._index_files():
                 try:
-                    index.add_file(name, self.backend.get(INDEX_PREFIX + name))
+                    if data is None:
+                        raise BlobNotFound(name)
+                    index.add_file(name, data)
                 except (DamagedCheckpoint, BlobNotFound):
                     # Not fatal: dumps store the pages it named again (healing the checkpoints
                     # that name them); reads name it; prune refuses to run (see prune.py).
@@ -867,6 +871,24 @@ class BlockStore:
                                    if (seg.pack, seg.offset) in markers)
             self._index = index
         return self._index
+
+    def _index_files(self) -> Iterator[tuple[str, bytes | None]]:
+        """Each index file's name and bytes (None: damaged or gone), in order. From a remote
+        store, as many at once as its requests in flight: one after the other, a store's 14
+        index files took a 101-process tree's restore from S3 1.2 s, behind its other reads."""
+        def read(name: str) -> tuple[str, bytes | None]:
+            try:
+                return name, self.backend.get(INDEX_PREFIX + name)
+            except (DamagedCheckpoint, BlobNotFound):
+                return name, None
+
+        names = self.index_file_names()
+        workers = min(len(names), self.backend.requests_in_flight())
+        if workers < 2:
+            yield from map(read, names)
+            return
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-index") as pool:
+            yield from pool.map(read, names)
 
     # ---- damage markers (see "Damage and healing" in docs/design.md) -------------------------
 
