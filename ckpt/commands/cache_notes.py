@@ -13,5 +13,5 @@ def tell_copies_read_again(store: Store, reporter: Reporter) -> None:
         return
     shown = ", ".join(name.rpartition("/")[2][:12] for name in names[:3]) + (", ..." if len(names) > 3 else "")
     copies = f"{len(names)} copies in the local cache" if len(names) > 1 else "a copy in the local cache"
-    reporter.warn(f"{copies} failed the check (damaged on this host's disk: {shown}); dropped and fetched "
-                  "again from the store, which is intact")
+    reporter.warn(f"{copies} failed the check (damaged on this host's disk, or cut short by a crash: {shown}); "
+                  "dropped and fetched again from the store, which is intact")

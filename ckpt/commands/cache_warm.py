@@ -27,6 +27,7 @@ from ckpt.store import Manifest, Store
 from ckpt.store.backends.cache import LOW_WATER, CachingBackend
 from ckpt.store.blocks.segments import INDEX_PREFIX, pack_name, segment_key
 from ckpt.store.fsutil import translate_os_error
+from ckpt.store.objects import codecs_from
 from ckpt.system.textutil import human_bytes
 
 # Blobs downloaded at once. Each download is itself parallel (the S3 backend's ranged GETs of
@@ -134,7 +135,7 @@ class _Warming:
             self.pool = pool
             for info in self.store.backend.list(INDEX_PREFIX):
                 self.plan.add(info.name, info.size)
-            objects = sorted({entry.hash for m in self.report.checkpoints for entry in m.files})
+            objects = sorted({(entry.hash, entry.codec) for m in self.report.checkpoints for entry in m.files})
             for name, size in pool.map(self._object_blob, objects):
                 self.plan.add(name, size)
             self._check_fits(packs_known=False)
@@ -154,9 +155,11 @@ class _Warming:
         cached = [size for name, size in self.plan.sizes.items() if name not in self.fetched]
         report.cached_blobs, report.cached_bytes = len(cached), sum(cached)
 
-    def _object_blob(self, digest: str) -> tuple[str, int]:
-        """The blob holding an object, and its size."""
-        found = self.store.objects.find(digest)
+    def _object_blob(self, named: tuple[str, str]) -> tuple[str, int]:
+        """The blob holding an object (hash, codec its manifest records), and its size: the
+        name a restore reads first, if the store has it (Objects.read_into)."""
+        digest, codec = named
+        found = self.store.objects.find(digest, codecs=codecs_from(codec))
         if found is not None:
             return found.name, found.size
         raise DamagedCheckpoint(f"object {digest[:16]}… is missing from the store: its checkpoint cannot be restored",
@@ -198,7 +201,8 @@ class _Warming:
         if what is not None:
             self.reporter.step(f"{what}, {human_bytes(total)}")
         done = 0
-        for name, fetched in zip(names, self.pool.map(self.cache.warm, names), strict=True):
+        warmed = self.pool.map(lambda name: self.cache.warm(name, self.plan.sizes[name]), names)
+        for name, fetched in zip(names, warmed, strict=True):
             if fetched:
                 self.fetched[name] = self.fetched.get(name, 0) + fetched
             done += self.plan.sizes[name]

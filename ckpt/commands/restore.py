@@ -596,9 +596,9 @@ class _ImageLayout:
         lay-out asks once it knows the holes: a restore meant to be lazy may have none, all
         its memory then restored first): then the packs it reads most of come down whole
         first. A lazy restore's page server fetches them in the order the tree needs them."""
-        if self._packs_ahead is not None:
-            self._packs_ahead.wait(self.reporter)  # (what it kept is not downloaded again)
-            self._packs_ahead = None
+        ahead, self._packs_ahead = self._packs_ahead, None
+        if ahead is not None and ahead.wait(self.reporter):
+            return False  # decided already, with every page counted as read
         return self.store.objects.remote and (self.memory != "lazy" or not any(holes.values()))
 
     def _check_host(self, directory: Path) -> None:

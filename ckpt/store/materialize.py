@@ -13,6 +13,7 @@ from typing import Callable
 from ckpt.errors import DamagedCheckpoint
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store.blocks.blockstore import BlockStore, DecodedSegments, pages_between_holes
+from ckpt.store.blocks.segments import WITHIN_BITS, pack_name
 from ckpt.store.manifest import FileEntry, Manifest
 from ckpt.store.objects import Objects
 from ckpt.store.staging import StagingArea, discard
@@ -179,6 +180,7 @@ LAY_OUT_WORKERS = 4
 # A tree with this many other images (each a request from a remote store) has its packs
 # downloaded whole while they come (PacksAhead): fewer take too little time to hide a download.
 PACKS_AHEAD_MIN_OBJECTS = 64
+PACKS_AHEAD_MIN_READERS = 8  # images reading a pack for it to come down whole ahead
 
 
 class PacksAhead:
@@ -193,7 +195,9 @@ class PacksAhead:
     checkpoint's page lists, being read."""
 
     def __init__(self, blocks: BlockStore, page_lists: list[Future[bytes]]):
-        self.wanted: dict[str, int] = {}  # the packs (blob name: bytes) downloaded, once decided
+        self.wanted: dict[str, int] | None = None  # the packs (blob name: bytes) to download, once decided
+        self.kept: list[str] = []  # those held in the cache once done
+        self.left: set[str] = set()  # packs worth it that few images read: the layout's to decide
         self._decided = threading.Event()
         self._thread = threading.Thread(target=self._keep, args=(blocks, page_lists), name="ckpt-packs-ahead",
                                         daemon=True)
@@ -203,24 +207,50 @@ class PacksAhead:
         try:
             lists = {str(number): future.result() for number, future in enumerate(page_lists)}
             located = list(blocks.locate_images(lists).values())
-            self.wanted = blocks.packs_worth_keeping_whole(located, located)
+            wanted = blocks.packs_worth_keeping_whole(located, located)
+            readers = _readers_of_packs(blocks, located)
+            # Only packs many images read a little of each (a tree's): one image's many pages
+            # (a 1 GiB process's) come in large ranges fetched ahead while the copy goes on,
+            # sooner than downloaded whole first (see materialize); the layout decides those.
+            self.left = {name for name in wanted if readers.get(name, 0) < PACKS_AHEAD_MIN_READERS}
+            wanted = self.wanted = {name: size for name, size in wanted.items() if name not in self.left}
             self._decided.set()
-            if self.wanted:
-                blocks.keep_packs_whole(list(self.wanted))
+            if wanted:
+                blocks.keep_packs_whole(list(wanted))
+                self.kept = [name for name in wanted if blocks.backend.held_locally(name)]
         except Exception:  # noqa: BLE001 - best effort (see above); a read cancelled included
             pass
         finally:
             self._decided.set()
 
-    def wait(self, reporter: Reporter = NullReporter()) -> None:
+    def wait(self, reporter: Reporter = NullReporter()) -> bool:
         """Returns once the downloads begun are done (no thread of this is left running),
-        telling the reporter of them."""
+        telling the reporter of them; whether it decided which packs to download (then that
+        decision stands: made again, it could take the room in the cache these copies took)."""
         self._decided.wait()
-        if self.wanted:
-            doing = "downloading" if self._thread.is_alive() else "downloaded"
-            reporter.step(f"{doing} {len(self.wanted)} pack(s) of the checkpoint whole "
+        running = self._thread.is_alive()
+        if self.wanted and running:
+            reporter.step(f"downloading {len(self.wanted)} pack(s) of the checkpoint whole "
                           f"({human_bytes(sum(self.wanted.values()))}): the restore reads most of them")
         self._thread.join()
+        if self.kept and self.wanted and not running:
+            reporter.step(f"downloaded {len(self.kept)} pack(s) of the checkpoint whole "
+                          f"({human_bytes(sum(self.wanted[name] for name in self.kept))}) while the other "
+                          "images came: the restore reads most of them")
+        return self.wanted is not None and not self.left
+
+
+def _readers_of_packs(blocks: BlockStore, located: list[list[int]]) -> dict[str, int]:
+    """For each pack (blob name), how many of the images (their pages' locations) read it."""
+    from ckpt.system.arrays import np
+
+    segments = blocks.index().segment_list
+    readers: dict[str, int] = {}
+    for locations in located:
+        keys = np.unique(np.asarray(locations, dtype=np.int64) >> WITHIN_BITS).tolist() if len(locations) else []
+        for name in {pack_name(segments[key].pack) for key in keys}:
+            readers[name] = readers.get(name, 0) + 1
+    return readers
 
 
 class _Progress:

@@ -43,6 +43,13 @@ class Found(NamedTuple):
     size: int
 
 
+def codecs_from(codec: str) -> tuple[str, ...]:
+    """Both codecs, in the order an object a manifest entry names is looked for: the codec it
+    records first (a page list's entry records "pages": stored as none)."""
+    first = codec if codec in OBJECT_SUFFIX else "none"
+    return (first, *(other for other in OBJECT_SUFFIX if other != first))
+
+
 def object_codec(path: Path, codec: str) -> str:
     """The codec a file is stored with when a dump asks for codec ("zstd" or "none")."""
     return "zstd" if codec == "zstd" and worth_compressing(path) else "none"
@@ -161,8 +168,7 @@ class Objects:
 
     def store_file(self, source: Path, digest: str, codec: str) -> tuple[str, int]:
         """Stores one file under its hash; returns the codec used and the stored size. codec:
-        as object_codec decided it ("zstd" is sampled again)."""
-        codec = object_codec(source, codec)
+        as object_codec decided it."""
         name = object_name(digest, codec)
         if codec == "none":
             return codec, self.backend.put_file(name, source)  # locally a rename: no copy
@@ -181,7 +187,8 @@ class Objects:
         It is read under the codec the manifest recorded (from S3: no request asking whether
         it is there first; a restore of 100 processes reads 400 objects), and under the other
         codec's name if it is not there, or damaged there (a dump healed it under that name,
-        and may not have lived to delete the damaged copy)."""
+        and may not have lived to delete the damaged copy, or stored it under the codec it
+        would use without asking for the other name: see "Damage and healing")."""
         missing = DamagedCheckpoint(f"image {entry.name}: object {entry.hash[:16]}… is missing from the store")
         codec = entry.codec if entry.codec in OBJECT_SUFFIX else "none"
         name = object_name(entry.hash, codec)

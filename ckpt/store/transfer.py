@@ -35,7 +35,7 @@ from ckpt.store.backends import BlobExists, BlobNotFound, BlobStream
 from ckpt.store.blocks.blockstore import KEY, PackWriter, page_ids
 from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, PAGE
 from ckpt.store.groups import Groups
-from ckpt.store.objects import OBJECT_SUFFIX, object_name
+from ckpt.store.objects import codecs_from, object_name
 from ckpt.store.repository import STORE_META, Manifest, Store
 from ckpt.store.staging import discard
 
@@ -182,7 +182,7 @@ class CheckpointCopier:
         """Stores the page list (in the destination's ids) unless the destination has it; returns
         what its manifest entry then says of it."""
         digest = blake3.blake3(dest_list).hexdigest()
-        if self.dest.objects.find(digest, codecs=("none",)) is None:
+        if self.dest.objects.find(digest, codecs=codecs_from("pages")) is None:
             self.dest.backend.put(object_name(digest, "none"), dest_list)
             result.bytes_sent += len(dest_list)
             result.objects_sent += 1
@@ -203,16 +203,26 @@ class CheckpointCopier:
     # ---- objects ----------------------------------------------------------------------------
 
     def _object(self, image: str, digest: str, codec: str) -> int:
-        """Copies one object unless the destination has it; returns the bytes sent. Its content
-        is checked against its hash on the way: damage is not spread to the copy."""
-        # Asked for under the codec the manifest records (from S3 one request, not two).
-        asked = (codec,) if codec in OBJECT_SUFFIX else tuple(OBJECT_SUFFIX)
-        if self.dest.objects.find(digest, codecs=asked) is not None:
+        """Copies one object unless the destination has it (under either name, the manifest's
+        codec's asked first); returns the bytes sent. Its content is checked against its hash
+        on the way: damage is not spread to the copy. Read from the source under the
+        manifest's codec's name first, and under the other if it is not there or damaged
+        there (a dump may have healed it under that name)."""
+        if self.dest.objects.find(digest, codecs=codecs_from(codec)) is not None:
             return 0
-        found = self.source.objects.find(digest)
-        if found is None:
-            raise DamagedCheckpoint(f"image {image}: object {digest[:16]}… is missing from the source store")
-        name, codec = found.name, found.codec
+        damage: DamagedCheckpoint | None = None
+        for source_codec in codecs_from(codec):
+            try:
+                return self._copy_object(image, digest, object_name(digest, source_codec), source_codec)
+            except BlobNotFound:
+                continue
+            except DamagedCheckpoint as exc:
+                damage = damage or exc
+        raise damage or DamagedCheckpoint(f"image {image}: object {digest[:16]}… is missing from the source store")
+
+    def _copy_object(self, image: str, digest: str, name: str, codec: str) -> int:
+        """One source copy of an object into the destination, under its name (BlobNotFound if
+        the source has none there)."""
         hasher = blake3.blake3()
         decompressor = zstandard.ZstdDecompressor().decompressobj() if codec == "zstd" else None
         sent = 0
@@ -230,8 +240,6 @@ class CheckpointCopier:
         except zstandard.ZstdError as exc:
             raise DamagedCheckpoint(f"image {image}: object {self.source.backend.where(name)} cannot be "
                                     f"decompressed ({exc})") from exc
-        except BlobNotFound:
-            raise DamagedCheckpoint(f"image {image}: object {digest[:16]}… is missing from the source store") from None
         return sent
 
     # ---- pages ------------------------------------------------------------------------------

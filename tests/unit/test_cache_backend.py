@@ -366,6 +366,23 @@ def test_a_damaged_copy_of_a_pack_is_read_again_from_the_store(remote, cache_roo
         assert not path.exists() or path.read_bytes() == remote.inner.get(pack)
 
 
+def test_a_pack_copy_cut_short_by_a_crash_is_warmed_again(remote, cache_root, tmp_path):
+    """Copies are not made durable: after a power loss a pack's copy may be short (or empty).
+    Warming with the blob's size downloads it again; a restore reading it anyway reads the
+    store's pack again past the damaged segment (the test above)."""
+    data, page_list, pack, path = pack_with_a_rotten_copy(remote, cache_root, tmp_path, 1 << 40)
+    size = remote.inner.stat(pack).size
+    with open(path, "r+b") as f:
+        f.truncate(size // 3)
+    warming = cached(remote, cache_root)
+    assert warming.warm(pack) == 0, "without the size, a copy held is taken as it is"
+    assert warming.warm(pack, size) == size
+    assert path.read_bytes() == remote.inner.get(pack)
+    assert warming.warm(pack, size) == 0, "whole now: not again"
+    BlockStore(cached(remote, cache_root)).write_image("pages-1.img", page_list, tmp_path / "a")
+    assert (tmp_path / "a").read_bytes() == data
+
+
 def test_a_lazy_restore_serves_on_after_a_damaged_copy_is_read_again_range_by_range(remote, cache_root, tmp_path):
     """The page server serves a segment in growing runs; when its copy turns out damaged and the
     pack is too large to download whole, the store's pack is read range by range: the held

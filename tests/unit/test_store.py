@@ -791,6 +791,32 @@ def test_an_object_damaged_under_the_manifest_s_codec_is_read_from_its_healed_co
     assert not store.objects.intact(object_name(entry.hash, "none"), "none", entry.hash), "that copy alone"
 
 
+@pytest.mark.parametrize("recorded,healed", [("zstd", "none"), ("none", "zstd")])
+def test_a_copy_reads_an_object_damaged_under_the_manifest_s_codec_from_its_healed_copy(store, tmp_path, recorded,
+                                                                                       healed):
+    """The copy a dump healed under the other codec's name is what `ckpt copy` sends: the
+    damaged one under the manifest's codec is not, and the copy succeeds."""
+    import zstandard
+
+    from ckpt.reporting import NullReporter
+    from ckpt.store.objects import object_name
+    from ckpt.store.transfer import CheckpointCopier
+
+    core = os.urandom(3000) * 3
+    dumped = fake_dump(store, {"core-1.img": core, "pages-1.img": os.urandom(PAGE * 4)}, codec=recorded)
+    entry = next(e for e in dumped.files if e.name == "core-1.img")
+    assert entry.codec == recorded
+    flip_byte(store.root / object_name(entry.hash, recorded), 20)
+    (store.root / object_name(entry.hash, healed)).write_bytes(
+        zstandard.ZstdCompressor().compress(core) if healed == "zstd" else core)
+    dest = Store.open(tmp_path / "dest", create=True, settings=env_settings())
+    result = CheckpointCopier(store, dest, NullReporter(), "zstd", same_seed=False).copy_one(dumped.id)
+    assert result.status == "copied"
+    assert not (dest.root / object_name(entry.hash, recorded)).exists(), "the damaged copy is not sent"
+    assert (laid_out(dest, dest.load(dumped.id)) / "core-1.img").read_bytes() == core
+    assert verify(dest.objects, dest.load(dumped.id)) == []
+
+
 def test_a_manifest_is_read_once_while_a_lock_is_held(store, monkeypatch):
     """Resolving an ID and loading it read its manifest twice (two GETs from S3): within one
     lock hold the store keeps what it read; outside a lock, and after a forget, it reads again."""

@@ -632,7 +632,7 @@ class CachingBackend(Backend):
 
     # ---- warming (`ckpt cache warm`, ckpt/commands/cache_warm.py) --------------------------
 
-    def warm(self, name: str) -> int:
+    def warm(self, name: str, size: int | None = None) -> int:
         """Makes sure the cache holds a whole copy of name (an index file, object or pack),
         downloading it whole if it lacks one; returns the bytes downloaded, 0 if the copy was
         there (then marked as just used, as every read marks it: eviction takes it last). The
@@ -640,11 +640,15 @@ class CachingBackend(Backend):
         object against its name; a pack is authenticated by the encryption beneath). Safe from
         several threads. BlobNotFound and the remote store's errors pass; DamagedCheckpoint if
         the remote blob fails its check; OSError if the copy cannot be kept (the cache's disk,
-        or a blob larger than the cap)."""
+        or a blob larger than the cap). size, when known (the blob's): a copy of another size
+        (a pack's copy a power loss cut short: copies are not made durable) is downloaded again."""
         if not _cached(name) or self.max_bytes == 0:
             raise ValueError(f"{name} is not a blob the cache keeps")
-        if self._use(name) is not None:
-            return 0
+        held = self._use(name)
+        if held is not None:
+            if size is None or _size_or_zero(held) == size:
+                return 0
+            self._drop(name)
         path = self._path(name)
         _copy_dir(path.parent)
         tmp = _temp_name(path)

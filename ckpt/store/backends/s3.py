@@ -187,7 +187,8 @@ class S3Backend(Backend):
             # them (the parts of a transfer, a restore's page-list and index threads, a
             # prefetch's ranges, the lock's refresh): a request beyond the pool would open a
             # connection of its own and log a warning when it is discarded.
-            max_pool_connections=2 * REQUESTS_IN_FLIGHT)
+            # (a restore's page lists, images, index files and whole packs are read at once)
+            max_pool_connections=4 * REQUESTS_IN_FLIGHT)
         try:
             # The default session: AWS_PROFILE, AWS_ENDPOINT_URL(_S3), AWS_ACCESS_KEY_ID, ~/.aws/config.
             self._client: Any = botocore.session.get_session().create_client("s3", config=config)

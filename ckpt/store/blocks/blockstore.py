@@ -1089,10 +1089,12 @@ class BlockStore:
                 extent[seg.pack] = max(extent[seg.pack], seg.offset + seg.length)
         # Most read first, while they fit together: a copy installed beyond the cap would evict
         # the ones installed just before it (read by nobody yet), and be read range by range.
-        room, wanted = self.backend.copy_room(), {}
+        # (Those held already take their room: one a restore kept moments ago must not be
+        # evicted by the next it keeps, read by nobody yet.)
+        held = {pack for pack in needed if self.backend.held_locally(pack_name(pack))}
+        room, wanted = self.backend.copy_room() - sum(extent[pack] for pack in held), {}
         for pack, count in sorted(needed.items(), key=lambda item: -item[1]):
-            if (count >= WHOLE_SHARE * extent[pack] and extent[pack] <= room
-                    and not self.backend.held_locally(pack_name(pack))):
+            if pack not in held and count >= WHOLE_SHARE * extent[pack] and extent[pack] <= room:
                 wanted[pack_name(pack)] = extent[pack]
                 room -= extent[pack]
         return wanted
