@@ -579,23 +579,24 @@ class _ImageLayout:
             if self.memory == "image":
                 images_dir = materialize(self.store.objects, self.store.staging_area(), self.manifest,
                                          self.reporter, before_pages=self._check_host_and_share,
-                                         whole_packs=self._reads_every_page)
+                                         whole_packs=self._whole_packs_first)
                 return images_dir, "image", self.plan, self._linked(images_dir)
             # Not checked here: filled in, each segment is checked by the thread that copies it;
             # served lazily, by a thread while CRIU restores (_SegmentCheck).
             images_dir, self.plan.locations = materialize_lazily(self.store.objects, self.store.staging_area(),
                                                                  self.manifest, self._holes_for, self.reporter,
-                                                                 check_holes=False, whole_packs=self._reads_every_page)
+                                                                 check_holes=False, whole_packs=self._whole_packs_first)
         finally:
             self._stop_reading_page_lists()
         # none left out: nothing to serve
         return images_dir, self.memory if self.plan.locations else "image", self.plan, self._linked(images_dir)
 
-    def _reads_every_page(self, holes: dict[str, list[tuple[int, int]]]) -> bool:
-        """Whether the restore reads every page from a remote store before the tree runs (the
-        lay-out asks once it knows the holes: a restore meant to be lazy may have none, all
-        its memory then restored first): then the packs it reads most of come down whole
-        first. A lazy restore's page server fetches them in the order the tree needs them."""
+    def _whole_packs_first(self, holes: dict[str, list[tuple[int, int]]]) -> bool:
+        """Whether the lay-out is to download whole the packs it reads most of before writing
+        the pages images (it asks once it knows the holes): when the restore reads every page
+        from a remote store before the tree runs (a restore meant to be lazy may have no
+        holes, all its memory then restored first), unless PacksAhead decided that already.
+        A lazy restore's page server fetches the packs in the order the tree needs them."""
         ahead, self._packs_ahead = self._packs_ahead, None
         if ahead is not None and ahead.wait(self.reporter):
             return False  # decided already, with every page counted as read

@@ -13,7 +13,7 @@ from typing import Callable
 from ckpt.errors import DamagedCheckpoint
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store.blocks.blockstore import BlockStore, DecodedSegments, pages_between_holes
-from ckpt.store.blocks.segments import WITHIN_BITS, pack_name
+from ckpt.store.blocks.segments import pack_name, segment_key
 from ckpt.store.manifest import FileEntry, Manifest
 from ckpt.store.objects import Objects
 from ckpt.store.staging import StagingArea, discard
@@ -247,7 +247,7 @@ def _readers_of_packs(blocks: BlockStore, located: list[list[int]]) -> dict[str,
     segments = blocks.index().segment_list
     readers: dict[str, int] = {}
     for locations in located:
-        keys = np.unique(np.asarray(locations, dtype=np.int64) >> WITHIN_BITS).tolist() if len(locations) else []
+        keys = np.unique(segment_key(np.asarray(locations, dtype=np.int64))).tolist() if len(locations) else []
         for name in {pack_name(segments[key].pack) for key in keys}:
             readers[name] = readers.get(name, 0) + 1
     return readers
