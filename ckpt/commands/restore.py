@@ -166,11 +166,14 @@ class RestoreSession(Session[RestoreRequest]):
         store = self._open_store(create=False)
         self._hold_store_lock()
         self.manifest = manifest = store.load(store.resolve(self.request.ref))
+        if any(entry.kind == "pages" for entry in manifest.files) and not self.request.rehearsal:
+            store.blocks.preload_index()  # meanwhile, the other images are written and checked
+        if store.objects.take_bundle(manifest.bundle, manifest.files):
+            self.reporter.info(f"read {len(store.objects.bundled)} of the checkpoint's small images in one "
+                               "request (its bundle)")
         if self.request.rehearsal:
             self._rehearse()
             return
-        if any(entry.kind == "pages" for entry in manifest.files):
-            store.blocks.preload_index()  # meanwhile, the other images are written and checked
         layout = _ImageLayout(store, manifest, self.request, self.binary, self.reporter, self.settings)
         self.images_dir, self.memory, self.plan, self.host = layout.lay_out()
         self.shared_pages = layout.shared_pages

@@ -15,6 +15,7 @@ from typing import Callable
 from ckpt.phases import phase
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store import Manifest, Origin, Store
+from ckpt.store.bundles import write_bundle
 from ckpt.store.ingest import ingest
 from ckpt.store.blocks.segments import PAGE
 from ckpt.store.staging import DumpStaging
@@ -50,8 +51,10 @@ def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, co
     checkpoint; pages images stored while CRIU wrote the others).
     before_commit(manifest), when given, runs right before the commit (a dump with --copy-to
     writes its pending-copy record there: no committed checkpoint is without it)."""
-    entries, added, block_stats = ingest(store.objects, staging, codec, reporter, complete_page_lists,
-                                         earlier=earlier, ahead=ahead)
+    entries, added, block_stats, bundle_contents = ingest(store.objects, staging, codec, reporter,
+                                                          complete_page_lists, earlier=earlier, ahead=ahead)
+    bundle, bundled_bytes = (None, 0) if bundle_contents is None else write_bundle(
+        store.backend, record.checkpoint_id, bundle_contents.contents, entries)
     criu = dict(record.criu)
     if record.tracking is not None:
         criu["tracking"] = {**record.tracking, "pages_from_parent": block_stats.pages_from_parent}
@@ -79,7 +82,8 @@ def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, co
                if block_stats.bytes_new else None,
                "duration_ms": round((record.clock() - record.started) * 1000, 1)},
         bytes_total=sum(e.size for e in entries),
-        bytes_stored=added,
+        bytes_stored=added + bundled_bytes,
+        bundle=bundle,
     )
     phase("dump.before-commit")
     if before_commit is not None:

@@ -17,6 +17,7 @@ from ckpt.errors import StoreError
 from ckpt.reporting import NullReporter, Reporter
 from ckpt.store.blocks.blockstore import IngestStats, PagesIngest, StreamedPages
 from ckpt.store.blocks.segments import CODECS, ID_LEN as PAGE_ID_SIZE, PAGE
+from ckpt.store.bundles import BundleContents
 from ckpt.store.fsutil import translate_os_error
 from ckpt.store.manifest import FileEntry
 from ckpt.store.objects import Objects, hash_file, object_codec as stored_codec, worth_compressing
@@ -36,12 +37,14 @@ def file_workers(objects: Objects) -> int:
 
 def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporter = NullReporter(),  # noqa: PLR0913
            complete_page_lists: CompletePageLists | None = None,
-           earlier: dict | None = None, ahead: IngestAhead | None = None) -> tuple[list[FileEntry], int, IngestStats]:
+           earlier: dict | None = None, ahead: IngestAhead | None = None
+           ) -> tuple[list[FileEntry], int, IngestStats, BundleContents | None]:
     """Moves every image file of the staging area into the store, durably.
 
     pages-*.img go to the block store; every other file becomes an object. complete_page_lists,
     when given, may complete the page lists first (see CompletePageLists). Returns the file
-    entries, the bytes this added to the store and the block figures. earlier, when given,
+    entries, the bytes this added to the store, the block figures and, into a remote store, a
+    copy of the small objects for the checkpoint's bundle (None otherwise). earlier, when given,
     comes from a checkpoint of the same target (ckpt/dump/unchanged.py): it spares looking up
     the pages that have not changed since (see BlockStore.ingest). ahead, when given, holds
     the images of this staging area stored while CRIU still wrote the others (IngestAhead):
@@ -75,7 +78,7 @@ def ingest(objects: Objects, staging: DumpStaging, codec: str, reporter: Reporte
             for future in stored:
                 future.cancel()  # the pool waits for those running on the way out
     ingestion.entries.sort(key=lambda e: e.name)
-    return ingestion.entries, ingestion.added, block_stats
+    return ingestion.entries, ingestion.added, block_stats, ingestion.bundle
 
 
 def _images_left(staging: DumpStaging, ahead: IngestAhead | None) -> tuple[list[Path | StreamedPages], list[Path]]:
@@ -190,6 +193,8 @@ class _Ingestion:
         self.added = 0
         self._lock = threading.Lock()
         self._submitted: dict[str, Future] = {}  # by content: the store_file that stores it
+        # Into a remote store: a copy of each small object, for the checkpoint's bundle.
+        self.bundle = BundleContents() if objects.remote else None
 
     def store_pages(self, page_images: list[Path | StreamedPages], codec: str, reporter: Reporter,
                     complete_page_lists: CompletePageLists | None, earlier: dict | None,
@@ -231,6 +236,8 @@ class _Ingestion:
     def store_page_list(self, page_list: bytes, digest: str, images: list[tuple[str, int]]) -> None:
         """A page list as an object, and the entries of the pages images (name, size) it is of."""
         _, stored, new = self.objects.put_bytes(page_list)
+        if self.bundle is not None:
+            self.bundle.add(digest, page_list)
         with self._lock:
             self.added += new
             self.entries.extend(FileEntry(name, size, digest, "pages", stored, kind="pages") for name, size in images)
@@ -266,6 +273,8 @@ class _Ingestion:
         """Image files of one content as an object, unless the store holds it intact already.
         Called from several threads at once: each call adds its entries and bytes under the lock."""
         size = paths[0].stat().st_size
+        if self.bundle is not None and self.bundle.wants(size):
+            self.bundle.add(digest, paths[0].read_bytes())  # (before store_file may move the file)
         codec = stored_codec(paths[0], object_codec)
         existing = self.objects.find(digest, codecs=(codec,))
         added = 0

@@ -85,10 +85,15 @@ class Manifest:
     # A member of a group checkpoint: {"id": the group's ID, "name": its name or null}; a reader
     # sees the member only once that group's manifest exists (ckpt/store/groups.py).
     group: dict | None = None
+    # A dump into a remote store: {"blob": "bundles/<id>", "size": bytes, "spans": {hash:
+    # [offset, length]}}, where a copy of each small object is (ckpt/store/bundles.py).
+    bundle: dict | None = None
     format: int = FORMAT
 
     def to_json(self) -> dict:
         data = asdict(self)
+        if data["bundle"] is None:
+            del data["bundle"]  # (only dumps into a remote store write one)
         # Keep "format" and "id" first so the file reads well.
         return {"format": data.pop("format"), "id": data.pop("id"), **data}
 

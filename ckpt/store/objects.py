@@ -14,6 +14,7 @@ import blake3
 import zstandard
 
 from ckpt.errors import DamagedCheckpoint
+from ckpt.store import bundles
 from ckpt.store.backends import Backend, BlobNotFound, BlobStream
 from ckpt.store.blocks.blockstore import ENCODED_AT_MOST, BlockStore, DecodedSegments
 from ckpt.store.blocks.segments import ID_LEN
@@ -104,6 +105,23 @@ class Objects:
         self.backend = backend
         self.blocks = blocks
         self.remote = remote
+        # A restore's copy of its checkpoint's small objects, each checked already (take_bundle).
+        self.bundled: dict[str, memoryview] = {}
+
+    def take_bundle(self, bundle: dict | None, entries: Sequence[FileEntry]) -> int:
+        """From a remote store, a checkpoint's small objects read at once from its bundle
+        (ckpt/store/bundles.py), unless this host's cache holds them (a standby warmed ahead
+        then asks the bucket for nothing); returns how many it holds. Later reads of those
+        objects take them from it; the others, or all when the bundle cannot be read, are
+        read one by one as before."""
+        if not self.remote or not bundle or not isinstance(bundle.get("spans"), dict):
+            return 0
+        spans = bundle["spans"]
+        names = {object_name(entry.hash, codecs_from(entry.codec)[0]) for entry in entries if entry.hash in spans}
+        if sum(not self.backend.held_locally(name) for name in names) < bundles.MIN_OBJECTS:
+            return 0
+        self.bundled = bundles.read_bundle(self.backend, bundle)
+        return len(self.bundled)
 
     def find(self, digest: str, besides: str | None = None, codecs: Sequence[str] = tuple(OBJECT_SUFFIX)
              ) -> Found | None:
@@ -142,6 +160,8 @@ class Objects:
             return False
 
     def load_page_list(self, entry: FileEntry) -> bytes:
+        if entry.hash in self.bundled:
+            return bytes(self.bundled[entry.hash])
         name = object_name(entry.hash, "none")  # as put_bytes stores it: read first, found if not there
         data: bytes | None = None
         damage: DamagedCheckpoint | None = None
@@ -189,6 +209,10 @@ class Objects:
         codec's name if it is not there, or damaged there (a dump healed it under that name,
         and may not have lived to delete the damaged copy, or stored it under the codec it
         would use without asking for the other name: see "Damage and healing")."""
+        if entry.hash in self.bundled:
+            if dest is not None:
+                _write_new(dest, self.bundled[entry.hash])
+            return entry.hash  # (checked against it as the bundle was read)
         missing = DamagedCheckpoint(f"image {entry.name}: object {entry.hash[:16]}… is missing from the store")
         codec = entry.codec if entry.codec in OBJECT_SUFFIX else "none"
         name = object_name(entry.hash, codec)
@@ -294,6 +318,14 @@ class Objects:
 
     def total_bytes(self) -> int:
         return sum(self.iter_sizes())
+
+
+def _write_new(dest: Path, data: memoryview) -> None:
+    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        write_all(out, data)
+    finally:
+        os.close(out)
 
 
 def without_pages(page_list: bytes, ranges: Sequence[tuple[int, int]]) -> bytes:

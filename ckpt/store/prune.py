@@ -27,6 +27,7 @@ from ckpt.phases import phase
 from ckpt.store import journal
 from ckpt.store.backends import BlobInfo
 from ckpt.store.blocks.blockstore import BlockStore
+from ckpt.store.bundles import BUNDLES_PREFIX
 from ckpt.store.blocks.index import BlockIndex, render_index
 from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, Segment, pack_name, segment_key, split_location
 from ckpt.store.fsutil import translate_os_error
@@ -94,6 +95,7 @@ def prune_plan(store: Store) -> PrunePlan:
     manifests = finished + still_young  # what stays: everything they name is live
     plan.journal = journal.prunable(store.backend, [(m.id, m.name) for m in manifests])
     _plan_objects(plan, store.backend, {e.hash for m in manifests for e in m.files}, young)
+    _plan_bundles(plan, store.backend, {m.id for m in manifests}, young)
     live_pages = _live_pages(store, index, manifests, young)
     live_keys = {segment_key(index.pages[p]) for p in live_pages if p in index.pages}
     _plan_packs(plan, store.backend, index, live_keys, young)
@@ -150,6 +152,15 @@ def _plan_objects(plan: PrunePlan, backend, referenced: set[str], young) -> None
             plan.bytes_freed += info.size
     for info in backend.list(OBJECTS_PREFIX, incomplete=True) + backend.list(INDEX_PREFIX, incomplete=True):
         if not young(info):
+            plan.objects.append(info.name)
+            plan.bytes_freed += info.size
+
+
+def _plan_bundles(plan: PrunePlan, backend, live_ids: set[str], young) -> None:
+    """The bundles of checkpoints that are gone, or that a dump never committed (a young one
+    may be a dump's, written before its manifest)."""
+    for info in backend.list(BUNDLES_PREFIX):
+        if info.name[len(BUNDLES_PREFIX):] not in live_ids and not young(info):
             plan.objects.append(info.name)
             plan.bytes_freed += info.size
 

@@ -189,7 +189,10 @@ class CheckpointCopier:
         return {"hash": digest, "stored_size": len(dest_list)}
 
     def _commit(self, name: str, raw: dict, result: CopyResult) -> None:
-        """The manifest, last: the checkpoint exists in the destination from then on."""
+        """The manifest, last: the checkpoint exists in the destination from then on. Not its
+        bundle (ckpt/store/bundles.py): the destination's page lists may be others (another
+        seed), and the copy's restores read each object, as they would without one."""
+        raw.pop("bundle", None)
         phase("copy.before-commit")
         data = json.dumps(raw, indent=2).encode() + b"\n"
         try:

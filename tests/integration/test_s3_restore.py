@@ -178,7 +178,8 @@ def test_a_tree_restored_in_full_from_s3_downloads_its_pack_whole_once_then_copi
     """A worker pool restored from S3 (in full: its children share their parent's memory)
     reads many segments of its pack while it lays out the pages images (the root's, whole):
     the pack comes down whole into the cache first, in large parallel parts, each byte asked
-    for once (counted by a relay in front of the server), then the pages images are written
+    for once (counted by a relay in front of the server), its small images and page lists in
+    one request (the bundle its dump wrote), then the pages images are written
     and the rest copied into the tree from that copy: nothing more is fetched for the copy.
     Every child comes back with its memory intact and counts on."""
     import itertools
@@ -206,6 +207,11 @@ def test_a_tree_restored_in_full_from_s3_downloads_its_pack_whole_once_then_copi
     assert result["lazy"] is None and filled is not None and filled["pages"] >= pool.CHILDREN * (pool.MIB << 20) // PAGE
     assert filled["bytes_fetched"] == 0 and filled["store_requests"] == 0, filled
     assert relay.unparsed == 0
+    # Its hundred-odd small images and page lists came in one request: the dump's bundle.
+    assert re.search(r"read \d+ of the checkpoint's small images in one request", restored.stderr), restored.stderr
+    gets = [r.path for r in relay.requests if r.method == "GET"]
+    assert len([path for path in gets if "/bundles/" in path]) == 1, gets
+    assert len([path for path in gets if "/objects/" in path]) <= 2, gets
     asked: dict[str, list[tuple[int, int]]] = {}
     for request in relay.requests:
         if request.method == "GET" and "/packs/" in request.path:
