@@ -54,7 +54,7 @@ def ingest_and_commit(store: Store, staging: DumpStaging, record: DumpRecord, co
     entries, added, block_stats, bundle_contents = ingest(store.objects, staging, codec, reporter,
                                                           complete_page_lists, earlier=earlier, ahead=ahead)
     bundle, bundled_bytes = (None, 0) if bundle_contents is None else write_bundle(
-        store.backend, record.checkpoint_id, bundle_contents.contents, entries)
+        store.backend, record.checkpoint_id, bundle_contents.contents, [entry.hash for entry in entries])
     criu = dict(record.criu)
     if record.tracking is not None:
         criu["tracking"] = {**record.tracking, "pages_from_parent": block_stats.pages_from_parent}

@@ -22,7 +22,6 @@ import zstandard
 
 from ckpt.errors import CkptError
 from ckpt.store.backends import Backend, BlobNotFound
-from ckpt.store.manifest import FileEntry
 
 BUNDLES_PREFIX = "bundles/"
 # A larger object is one request's worth of bytes on its own (a 1 GiB process's page list is
@@ -58,11 +57,11 @@ class BundleContents:
 
 
 def write_bundle(backend: Backend, checkpoint_id: str, contents: dict[str, bytes],
-                 entries: Sequence[FileEntry]) -> tuple[dict | None, int]:
-    """Writes the bundle of the checkpoint whose images these entries are (durable once this
-    returns: before its manifest). Returns the manifest's `bundle` and the bytes stored, or
-    (None, 0) when a bundle would win nothing."""
-    wanted = [digest for digest in dict.fromkeys(entry.hash for entry in entries) if digest in contents]
+                 hashes: Sequence[str]) -> tuple[dict | None, int]:
+    """Writes the bundle of a checkpoint, those of contents its manifest's entries name (by
+    hashes, in their order), durable once this returns: before its manifest. Returns the
+    manifest's `bundle` and the bytes stored, or (None, 0) when a bundle would win nothing."""
+    wanted = [digest for digest in dict.fromkeys(hashes) if digest in contents]
     if len(wanted) < MIN_OBJECTS:
         return None, 0
     spans: dict[str, list[int]] = {}

@@ -34,7 +34,9 @@ from ckpt.reporting import Reporter
 from ckpt.store.backends import BlobExists, BlobNotFound, BlobStream
 from ckpt.store.blocks.blockstore import KEY, PackWriter, page_ids
 from ckpt.store.blocks.segments import ID_LEN, INDEX_PREFIX, PAGE
+from ckpt.store.bundles import BundleContents, write_bundle
 from ckpt.store.groups import Groups
+from ckpt.store.manifest import FileEntry
 from ckpt.store.objects import codecs_from, object_name
 from ckpt.store.repository import STORE_META, Manifest, Store
 from ckpt.store.staging import discard
@@ -127,6 +129,7 @@ class CheckpointCopier:
         pack = PackWriter(self.dest.backend)
         in_pack: set[bytes] = set()  # ids this pack holds (the destination's index learns them at commit)
         entries = {e["name"]: e for e in raw["files"]}  # the manifest as written: unknown keys kept
+        bundled = BundleContents() if self.dest.remote else None  # (ckpt/store/bundles.py)
         total, done = manifest.bytes_total or 1, 0
         try:
             for entry in manifest.files:
@@ -137,11 +140,9 @@ class CheckpointCopier:
                                                 base + n * PAGE, total, f"copying {checkpoint_id}"))
                     if not self.same_seed:
                         pairs.update(zip(_ids(src_list), _ids(dest_list), strict=True))
-                    entries[entry.name].update(self._page_list(dest_list, result))
+                    entries[entry.name].update(self._page_list(dest_list, result, bundled))
                 else:
-                    copied = self._object(entry.name, entry.hash, entry.codec)
-                    result.bytes_sent += copied
-                    result.objects_sent += copied > 0
+                    self._object(entry, result, bundled)
                 done += entry.size
                 self.reporter.progress(done, total, f"copying {checkpoint_id}")
             written = pack.commit()
@@ -152,7 +153,7 @@ class CheckpointCopier:
         except BaseException:
             pack.abort()
             raise
-        self._commit(name, raw, result)
+        self._commit(name, raw, result, bundled)
         if not self.same_seed:
             self.last = (manifest.pid, pairs)
         return result
@@ -178,21 +179,29 @@ class CheckpointCopier:
             return GroupCopyResult(group_id, "present")  # another copy committed it meanwhile
         return GroupCopyResult(group_id, "copied", bytes_sent=len(data))
 
-    def _page_list(self, dest_list: bytes, result: CopyResult) -> dict:
+    def _page_list(self, dest_list: bytes, result: CopyResult, bundled: BundleContents | None) -> dict:
         """Stores the page list (in the destination's ids) unless the destination has it; returns
-        what its manifest entry then says of it."""
+        what its manifest entry then says of it. A copy for the bundle, if one is made."""
         digest = blake3.blake3(dest_list).hexdigest()
+        if bundled is not None:
+            bundled.add(digest, dest_list)
         if self.dest.objects.find(digest, codecs=codecs_from("pages")) is None:
             self.dest.backend.put(object_name(digest, "none"), dest_list)
             result.bytes_sent += len(dest_list)
             result.objects_sent += 1
         return {"hash": digest, "stored_size": len(dest_list)}
 
-    def _commit(self, name: str, raw: dict, result: CopyResult) -> None:
-        """The manifest, last: the checkpoint exists in the destination from then on. Not its
-        bundle (ckpt/store/bundles.py): the destination's page lists may be others (another
-        seed), and the copy's restores read each object, as they would without one."""
+    def _commit(self, name: str, raw: dict, result: CopyResult, bundled: BundleContents | None) -> None:
+        """The manifest, last: the checkpoint exists in the destination from then on. Into a
+        remote store, after a bundle of its own (ckpt/store/bundles.py): the source's names
+        the source's page lists, which may be others (another seed)."""
         raw.pop("bundle", None)
+        if bundled is not None:
+            bundle, sent = write_bundle(self.dest.backend, raw["id"], bundled.contents,
+                                        [entry["hash"] for entry in raw["files"]])
+            if bundle is not None:
+                raw["bundle"] = bundle
+                result.bytes_sent += sent
         phase("copy.before-commit")
         data = json.dumps(raw, indent=2).encode() + b"\n"
         try:
@@ -205,7 +214,16 @@ class CheckpointCopier:
 
     # ---- objects ----------------------------------------------------------------------------
 
-    def _object(self, image: str, digest: str, codec: str) -> int:
+    def _object(self, entry: FileEntry, result: CopyResult, bundled: BundleContents | None) -> None:
+        """Copies one object, counted in result; a small one's content kept for the bundle, if
+        one is made."""
+        copied = self._object_once(entry.name, entry.hash, entry.codec)
+        result.bytes_sent += copied
+        result.objects_sent += copied > 0
+        if bundled is not None and bundled.wants(entry.size):
+            bundled.add(entry.hash, self.source.objects.content(entry))
+
+    def _object_once(self, image: str, digest: str, codec: str) -> int:
         """Copies one object unless the destination has it (under either name, the manifest's
         codec's asked first); returns the bytes sent. Its content is checked against its hash
         on the way: damage is not spread to the copy. Read from the source under the

@@ -62,7 +62,7 @@ def test_a_restore_reads_the_small_objects_of_a_dump_into_s3_in_one_request(s3_s
     dumped = fake_dump(open_store(s3_store_url, tmp_path / "cache-a"), files)
     spans = dumped.bundle["spans"]
     assert dumped.bundle["blob"] == BUNDLES_PREFIX + dumped.id
-    # every image but the large one, and the page lists (three alike: one object)
+    # every image but the large one, and the three page lists
     assert len(spans) == SMALL_IMAGES + 3 and all(e.hash in spans for e in dumped.files if e.name != "ghost-file-1.img")
     relay.requests.clear()
     store = open_store(s3_store_url, tmp_path / "cache-b")  # another host: an empty cache
@@ -106,6 +106,25 @@ def test_a_bundle_is_taken_only_where_its_bytes_match_their_hash(s3_store_url, t
     for broken in ({**dumped.bundle, "size": dumped.bundle["size"] + 1}, {**dumped.bundle, "blob": "bundles/x"},
                    {"spans": spans}, {**dumped.bundle, "size": 1 << 40}):
         assert read_bundle(store.backend, broken) == {}
+
+
+def test_a_copy_into_s3_writes_a_bundle_of_its_own(s3_store_url, relay, tmp_path):
+    """A checkpoint copied from a local store (a schedule's --copy-to) gets a bundle made by the
+    copy, of the destination's page lists (another seed: other page ids)."""
+    files = images()
+    local = Store.open(tmp_path / "local", create=True, settings=Settings(store=tmp_path / "local"))
+    dumped = fake_dump(local, files)
+    assert dumped.bundle is None, "a local store's dump wrote a bundle"
+    CheckpointCopier(local, open_store(s3_store_url, tmp_path / "cache-a"), NullReporter(), "zstd",
+                     same_seed=False).copy_one(dumped.id)
+    relay.requests.clear()
+    store = open_store(s3_store_url, tmp_path / "cache-b")
+    copied = store.load(dumped.id)
+    assert copied.bundle is not None and len(copied.bundle["spans"]) == SMALL_IMAGES + 3
+    assert {e.hash for e in copied.files if e.kind == "pages"} <= copied.bundle["spans"].keys()
+    assert store.objects.take_bundle(copied.bundle, copied.files) == SMALL_IMAGES + 3
+    assert {p.name: p.read_bytes() for p in laid_out(store, copied).iterdir()} == files
+    assert gets(relay, "bundles") == 1 and gets(relay, "objects") == 1
 
 
 def test_prune_removes_the_bundle_with_its_checkpoint_and_a_copy_takes_none(s3_store_url, tmp_path, monkeypatch):
