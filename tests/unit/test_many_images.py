@@ -170,3 +170,20 @@ def test_the_pages_a_layout_writes_are_those_between_its_holes_in_any_order():
     # (first, count), unsorted, one overlapping the next: pages 2-4 and 6-8 are holes
     assert pages_between_holes(locations, [(6, 3), (2, 2), (3, 2)]) == [100, 101, 105, 109]
     assert pages_between_holes(locations, [(8, 5)]) == locations[:8], "a hole past the end"
+
+
+def test_the_readers_of_each_pack_count_each_image_once():
+    """PacksAhead's count of the images reading each pack (ckpt/store/materialize.py), made
+    over every page of the tree at once: an image reading two segments of a pack counts once."""
+    from types import SimpleNamespace
+
+    from ckpt.store.blocks.segments import pack_name, to_location as location
+    from ckpt.store.materialize import _readers_of_packs
+    from ckpt.system.arrays import np
+
+    segments = [SimpleNamespace(pack="a"), SimpleNamespace(pack="b"), SimpleNamespace(pack="a")]
+    blocks = SimpleNamespace(index=lambda: SimpleNamespace(segment_list=segments))
+    located = np.array([location(0, 0), location(0, 1), location(2, 0),  # image 0: pack a, two segments
+                        location(1, 0), location(0, 3),  # image 1: b and a
+                        location(1, 5)], dtype=np.int64)  # image 2: b
+    assert _readers_of_packs(blocks, located, [3, 2, 1]) == {pack_name("a"): 2, pack_name("b"): 2}

@@ -1060,8 +1060,8 @@ class BlockStore:
                 located[name] = self.locate(name, page_list)  # raises, saying which page is missing
         return located
 
-    def packs_worth_keeping_whole(self, located: Sequence[Sequence[int]],
-                                  written: Sequence[Sequence[int]]) -> dict[str, int]:
+    def packs_worth_keeping_whole(self, located: Sequence[Sequence[int] | np.ndarray],
+                                  written: Sequence[Sequence[int] | np.ndarray]) -> dict[str, int]:
         """For a full restore from a remote store about to read the pages at located, of which
         its layout writes those at written into pages images (the rest it copies into the
         tree from ranges fetched ahead in large requests): the packs (blob name: bytes) that
@@ -1073,7 +1073,7 @@ class BlockStore:
         from ranges fetched ahead while the copy goes on, is not downloaded whole first."""
         from ckpt.system.arrays import np
 
-        def segment_keys(locations: Sequence[Sequence[int]]) -> list[int]:
+        def segment_keys(locations: Sequence[Sequence[int] | np.ndarray]) -> list[int]:
             keys = [np.asarray(found, dtype=np.int64) >> WITHIN_BITS for found in locations if len(found)]
             return np.unique(np.concatenate(keys)).tolist() if keys else []
 
