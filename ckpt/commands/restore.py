@@ -168,14 +168,15 @@ class RestoreSession(Session[RestoreRequest]):
         self.manifest = manifest = store.load(store.resolve(self.request.ref))
         if any(entry.kind == "pages" for entry in manifest.files) and not self.request.rehearsal:
             store.blocks.preload_index()  # meanwhile, the other images are written and checked
-        if store.objects.take_bundle(manifest.bundle, manifest.files):
-            self.reporter.info(f"read {len(store.objects.bundled)} of the checkpoint's small images in one "
-                               "request (its bundle)")
-        if self.request.rehearsal:
-            self._rehearse()
-            return
-        layout = _ImageLayout(store, manifest, self.request, self.binary, self.reporter, self.settings)
-        self.images_dir, self.memory, self.plan, self.host = layout.lay_out()
+        self._take_bundle(store, manifest)
+        try:
+            if self.request.rehearsal:
+                self._rehearse()
+                return
+            layout = _ImageLayout(store, manifest, self.request, self.binary, self.reporter, self.settings)
+            self.images_dir, self.memory, self.plan, self.host = layout.lay_out()
+        finally:
+            store.objects.drop_bundle()
         self.shared_pages = layout.shared_pages
         self.lazy = self.memory == "lazy"
         if self.memory == "fill" and not store.objects.remote:
@@ -189,6 +190,13 @@ class RestoreSession(Session[RestoreRequest]):
             if self.segment_check is not None:
                 self.segment_check.result()  # a damaged checkpoint is the first thing to say
             raise
+
+    def _take_bundle(self, store: Store, manifest: Manifest) -> None:
+        """From a remote store, the checkpoint's small images read in one request (its bundle,
+        ckpt/store/bundles.py); not by the copies of a clone, which share one layout."""
+        if self.request.images_from is None and store.objects.take_bundle(manifest.bundle, manifest.files):
+            self.reporter.info(f"read {len(store.objects.bundled)} of the checkpoint's small images in one "
+                               "request (its bundle)")
 
     def _prepare_to_run(self, store: Store, manifest: Manifest) -> None:
         self._check_copy()

@@ -114,7 +114,8 @@ class Objects:
         then asks the bucket for nothing); returns how many it holds. Later reads of those
         objects take them from it; the others, or all when the bundle cannot be read, are
         read one by one as before."""
-        if not self.remote or not bundle or not isinstance(bundle.get("spans"), dict):
+        self.bundled = {}
+        if not self.remote or not isinstance(bundle, dict) or not isinstance(bundle.get("spans"), dict):
             return 0
         spans = bundle["spans"]
         names = {object_name(entry.hash, codecs_from(entry.codec)[0]) for entry in entries if entry.hash in spans}
@@ -122,6 +123,10 @@ class Objects:
             return 0
         self.bundled = bundles.read_bundle(self.backend, bundle)
         return len(self.bundled)
+
+    def drop_bundle(self) -> None:
+        """Once the images are laid out: its memory let go (a member agent's store lives on)."""
+        self.bundled = {}
 
     def find(self, digest: str, besides: str | None = None, codecs: Sequence[str] = tuple(OBJECT_SUFFIX)
              ) -> Found | None:
@@ -276,6 +281,8 @@ class Objects:
             try:
                 data = self.backend.get(object_name(entry.hash, codec))
                 if codec == "zstd":
+                    if zstandard.frame_content_size(data) not in (entry.size, -1):
+                        continue  # (zstd would take the frame's size over the limit below)
                     data = zstandard.ZstdDecompressor().decompress(data, max_output_size=bundles.MAX_OBJECT)
             except (BlobNotFound, DamagedCheckpoint, zstandard.ZstdError):
                 continue
@@ -326,8 +333,8 @@ class Objects:
         return without_pages(page_list, left_out) if left_out else page_list
 
     def iter_sizes(self) -> Iterator[int]:
-        """The size of each object, pack and index file."""
-        for prefix in (OBJECTS_PREFIX, *INDEX_AND_PACKS):
+        """The size of each object, pack, index file and bundle."""
+        for prefix in (OBJECTS_PREFIX, *INDEX_AND_PACKS, bundles.BUNDLES_PREFIX):
             for info in self.backend.list(prefix):
                 # (a pack adopted from a pages image may have holes: what it holds on disk)
                 yield info.held if prefix == INDEX_AND_PACKS[0] else info.size

@@ -163,6 +163,10 @@ def _plan_bundles(plan: PrunePlan, backend, live_ids: set[str], young) -> None:
         if info.name[len(BUNDLES_PREFIX):] not in live_ids and not young(info):
             plan.objects.append(info.name)
             plan.bytes_freed += info.size
+    for info in backend.list(BUNDLES_PREFIX, incomplete=True):  # an upload that died midway
+        if not young(info):
+            plan.objects.append(info.name)
+            plan.bytes_freed += info.size
 
 
 def _live_pages(store: Store, index, manifests, young) -> set[bytes]:

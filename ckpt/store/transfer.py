@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import blake3
 import zstandard
 
-from ckpt.errors import CheckpointNotFound, DamagedCheckpoint, StoreError
+from ckpt.errors import CheckpointNotFound, CkptError, DamagedCheckpoint, StoreError
 from ckpt.phases import phase
 from ckpt.reporting import Reporter
 from ckpt.store.backends import BlobExists, BlobNotFound, BlobStream
@@ -220,8 +220,13 @@ class CheckpointCopier:
         copied = self._object_once(entry.name, entry.hash, entry.codec)
         result.bytes_sent += copied
         result.objects_sent += copied > 0
-        if bundled is not None and bundled.wants(entry.size):
-            bundled.add(entry.hash, self.source.objects.content(entry))
+        if bundled is not None and bundled.wants(entry.size) and entry.hash not in bundled.contents:
+            for store in (self.source, self.dest):  # (the source's may be damaged: the copy is the destination's)
+                try:
+                    bundled.add(entry.hash, store.objects.content(entry))
+                    break
+                except (CkptError, OSError):
+                    continue  # left out of the bundle: read on its own
 
     def _object_once(self, image: str, digest: str, codec: str) -> int:
         """Copies one object unless the destination has it (under either name, the manifest's

@@ -137,3 +137,30 @@ def test_prune_removes_the_bundle_with_its_checkpoint_and_a_copy_takes_none(s3_s
     local = Store.open(tmp_path / "local", create=True, settings=Settings(store=tmp_path / "local"))
     CheckpointCopier(store, local, NullReporter(), "zstd", same_seed=False).copy_one(kept.id)
     assert local.load(kept.id).bundle is None
+
+
+def test_a_copy_whose_source_object_cannot_be_read_again_still_copies(s3_store_url, tmp_path, monkeypatch):
+    """The bundle's copy of an object is read after the object was copied: where the source's
+    cannot be read (damaged since, or gone), the destination's is taken; never a failed copy."""
+    from ckpt.errors import DamagedCheckpoint
+
+    files = images()
+    local = Store.open(tmp_path / "local", create=True, settings=Settings(store=tmp_path / "local"))
+    dumped = fake_dump(local, files)
+    broken = next(e for e in dumped.files if e.name == "core-0.img")
+
+    def content(entry):
+        raise DamagedCheckpoint(f"image {entry.name} is damaged")
+
+    monkeypatch.setattr(local.objects, "content", content)
+    dest = open_store(s3_store_url, tmp_path / "cache-a")
+    CheckpointCopier(local, dest, NullReporter(), "zstd", same_seed=False).copy_one(dumped.id)
+    copied = open_store(s3_store_url, tmp_path / "cache-b").load(dumped.id)
+    assert broken.hash in copied.bundle["spans"] and len(copied.bundle["spans"]) == SMALL_IMAGES + 3
+
+
+@pytest.mark.parametrize("bundle", [["not", "a", "dict"], "bundles/x", 7, {"spans": []}, {}])
+def test_a_manifest_bundle_of_another_shape_is_ignored(s3_store_url, tmp_path, bundle):
+    store = open_store(s3_store_url, tmp_path / "cache")
+    dumped = fake_dump(store, images())
+    assert store.objects.take_bundle(bundle, dumped.files) == 0 and store.objects.bundled == {}
