@@ -176,7 +176,7 @@ class RestoreSession(Session[RestoreRequest]):
             layout = _ImageLayout(store, manifest, self.request, self.binary, self.reporter, self.settings)
             self.images_dir, self.memory, self.plan, self.host = layout.lay_out()
         finally:
-            store.objects.drop_bundle()
+            store.objects.forget_read_ahead()
         self.shared_pages = layout.shared_pages
         self.lazy = self.memory == "lazy"
         if self.memory == "fill" and not store.objects.remote:
@@ -638,17 +638,20 @@ class _ImageLayout:
     def _start_reading_page_lists(self) -> None:
         """A tree's page lists (the plans below read them all) read by LAY_OUT_WORKERS threads
         while the other images are laid out: from S3 each is a request (a 101-process tree's
-        took 0.5 s after its 600 other images, 20 ms away)."""
+        took 0.5 s after its 600 other images, 20 ms away). From a remote store always: the
+        layout reads every one of them (writing the pages images), and waits for these reads."""
         pages = [entry for entry in self.manifest.files if entry.kind == "pages"]
         forced_lazy = self.memory == "lazy" and self.request.lazy
-        if len(pages) < 2 or len(self.manifest.processes) < 2 or self.request.copy is not None or forced_lazy:
-            return  # (the plans that read them are not made)
+        plans = not (len(pages) < 2 or len(self.manifest.processes) < 2 or forced_lazy)
+        if self.request.copy is not None or not pages or not (plans or self.store.objects.remote):
+            return  # (the plans that read them are not made, and the layout reads them in place)
         pool = ThreadPoolExecutor(max_workers=max(LAY_OUT_WORKERS, self.store.objects.backend.requests_in_flight()),
                                   thread_name_prefix="ckpt-page-lists")
-        alike: dict[str, Future[bytes]] = {}  # (a worker pool's children have page lists alike)
+        # (a worker pool's children have page lists alike: each content read once)
+        alike: dict[str, Future[bytes]] = self.store.objects.read_page_lists_ahead(pages, pool)
         for entry in pages:
-            if entry.hash not in alike:
-                alike[entry.hash] = pool.submit(self.store.objects.load_page_list, entry)
+            if entry.hash not in alike:  # in the bundle
+                alike[entry.hash] = _done(self.store.objects.load_page_list(entry))
             self._page_lists_coming[entry.name] = alike[entry.hash]
         pool.shutdown(wait=False)  # its threads end with the last read
         others = len(self.manifest.files) - len(pages)
@@ -818,6 +821,12 @@ def wait_for_memory(result: RestoreResult, settings: Settings, reporter: Reporte
             "last_page_ms": None if last is None else round((started + last - began) * 1000, 1),
             "pages": figures.get("pages_served"), "bytes_fetched": figures.get("bytes_fetched", 0),
             "store_requests": figures.get("store_requests", 0)}
+
+
+def _done(value: bytes) -> Future[bytes]:
+    future: Future[bytes] = Future()
+    future.set_result(value)
+    return future
 
 
 def _only_child(pid: int) -> int:

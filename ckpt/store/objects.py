@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import CancelledError, Executor, Future
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
 
@@ -107,6 +108,7 @@ class Objects:
         self.remote = remote
         # A restore's copy of its checkpoint's small objects, each checked already (take_bundle).
         self.bundled: dict[str, memoryview] = {}
+        self._page_lists_ahead: dict[str, Future[bytes]] = {}  # by hash (read_page_lists_ahead)
 
     def take_bundle(self, bundle: dict | None, entries: Sequence[FileEntry]) -> int:
         """From a remote store, a checkpoint's small objects read at once from its bundle
@@ -124,9 +126,21 @@ class Objects:
         self.bundled = bundles.read_bundle(self.backend, bundle)
         return len(self.bundled)
 
-    def drop_bundle(self) -> None:
-        """Once the images are laid out: its memory let go (a member agent's store lives on)."""
+    def read_page_lists_ahead(self, entries: Sequence[FileEntry], pool: Executor) -> dict[str, Future[bytes]]:
+        """The page lists of these pages images (each content once, but those in the bundle)
+        read by pool's threads from now on, returned by hash; load_page_list waits for such a
+        read instead of reading again. From S3, a 1 GiB process's page list (4 MiB) came down
+        only once its other images were laid out, 0.08 s before its page server could start."""
+        for entry in entries:
+            if entry.hash not in self._page_lists_ahead and entry.hash not in self.bundled:
+                self._page_lists_ahead[entry.hash] = pool.submit(self._read_page_list, entry)
+        return dict(self._page_lists_ahead)
+
+    def forget_read_ahead(self) -> None:
+        """Once a restore's images are laid out: the bundle's memory let go, and the page lists
+        read ahead (a member agent's store lives on, for other checkpoints)."""
         self.bundled = {}
+        self._page_lists_ahead = {}
 
     def find(self, digest: str, besides: str | None = None, codecs: Sequence[str] = tuple(OBJECT_SUFFIX)
              ) -> Found | None:
@@ -167,6 +181,15 @@ class Objects:
     def load_page_list(self, entry: FileEntry) -> bytes:
         if entry.hash in self.bundled:
             return bytes(self.bundled[entry.hash])
+        ahead = self._page_lists_ahead.get(entry.hash)
+        if ahead is not None and not ahead.cancelled():
+            try:
+                return ahead.result()
+            except CancelledError:
+                pass  # (let go between the look and the wait)
+        return self._read_page_list(entry)
+
+    def _read_page_list(self, entry: FileEntry) -> bytes:
         name = object_name(entry.hash, "none")  # as put_bytes stores it: read first, found if not there
         data: bytes | None = None
         damage: DamagedCheckpoint | None = None
