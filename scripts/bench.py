@@ -1495,7 +1495,8 @@ def bench_recovery_tree_s3(server: WeedServer, work: Path, count: int, runs: int
     empty CKPT_CACHE (another host) and the bulk download of the same blobs (see
     bench_recovery_s3), each from the server directly and through a LaggingProxy that puts it
     a round trip of 2 x LAG_MS away (as a bucket in the cloud is: its hundreds of small
-    images are requests that mostly wait)."""
+    images are requests that mostly wait); and the bulk download of only what the restore
+    reads (_blobs_a_restore_reads: its bundle instead of the objects it holds copies of)."""
     from ckpt.store import keys
     from ckpt.store.backends import s3
 
@@ -1506,15 +1507,17 @@ def bench_recovery_tree_s3(server: WeedServer, work: Path, count: int, runs: int
     proxy = LaggingProxy(server, LAG_MS).start()
     places = {"near": server.environment(), "far": proxy.environment()}
     backends = {}
-    rows: dict[str, list] = {f"{place}_{what}": [] for place in places for what in ("restore_s", "download_s")}
+    rows: dict[str, list] = {f"{place}_{what}": [] for place in places
+                             for what in ("restore_s", "download_s", "needed_s")}
     try:
         for place, place_env in places.items():
             with _environment(place_env):
                 backends[place] = keys.unlock(s3.S3Backend(S3_BUCKET, RECOVERY_TREE_PREFIX), S3_PASSWORD.encode())
         blobs = [info for kind in ("packs/", "objects/", "index/") for info in backends["near"].list(kind)]
+        needed = _blobs_a_restore_reads(backends["near"], checkpoint)
         download_to = download_directory(work, sum(info.size for info in blobs))
         for run in range(runs):
-            for place, what in rotated([(p, w) for p in places for w in ("restore", "download")], run):
+            for place, what in rotated([(p, w) for p in places for w in ("restore", "download", "needed")], run):
                 pause()
                 if what == "restore":
                     cache = work / f"recovery-tree-s3-cache-{place}-{run}"
@@ -1525,16 +1528,34 @@ def bench_recovery_tree_s3(server: WeedServer, work: Path, count: int, runs: int
                         shutil.rmtree(cache, ignore_errors=True)
                     rows[f"{place}_restore_s"].append(r["last_page_s"])
                 else:
+                    chosen = blobs if what == "download" else needed
                     with _environment(places[place]):
-                        rows[f"{place}_download_s"].append(bulk_download(
-                            backends[place], [info.name for info in blobs], download_to / f"ckpt-bench-{os.getpid()}"))
+                        rows[f"{place}_{what}_s"].append(bulk_download(
+                            backends[place], [info.name for info in chosen], download_to / f"ckpt-bench-{os.getpid()}"))
     finally:
         for backend in backends.values():
             backend.close()
         proxy.stop()
     return {"count": count, "runs": runs, "lag_ms": LAG_MS, "dump_s": dump_s, "blobs": len(blobs),
-            "blob_bytes": sum(info.size for info in blobs), "samples": rows,
+            "blob_bytes": sum(info.size for info in blobs), "needed_blobs": len(needed),
+            "needed_bytes": sum(info.size for info in needed), "samples": rows,
             "medians": {k: statistics.median(v) for k, v in rows.items() if v}}
+
+
+def _blobs_a_restore_reads(backend, checkpoint: str) -> list:
+    """What a restore of the checkpoint downloads: every pack and index file, the checkpoint's
+    bundle (ckpt/store/bundles.py), and the objects it names that the bundle holds no copy of."""
+    from ckpt.store.objects import codecs_from, object_name
+    from ckpt.store.repository import Store
+
+    manifest = json.loads(backend.get(Store.manifest_name(checkpoint)))
+    bundle = manifest.get("bundle") or {}
+    spans = bundle.get("spans", {})
+    found = [info for kind in ("packs/", "index/") for info in backend.list(kind)]
+    found += [info for info in backend.list("bundles/") if info.name == bundle.get("blob")]
+    names = {object_name(entry["hash"], codecs_from(entry["codec"])[0]) for entry in manifest["files"]
+             if entry["hash"] not in spans}
+    return found + [backend.stat(name) for name in sorted(names)]
 
 
 def bench_recovery_local(work: Path, criu: str, size_mib: int, runs: int) -> dict:
@@ -1728,6 +1749,12 @@ def recovery_table(r: dict) -> list[dict]:
             tm3["near_download_s"], bulk, 1.5)
         row(f"  ... the bucket {2 * ts3['lag_ms']:g} ms away", tm3["far_restore_s"], tm3["far_download_s"],
             bulk + ", as far", 1.5)
+        if tm3.get("near_needed_s"):
+            needed = (f"bulk download of what it reads, {ts3['needed_blobs']} blobs, "
+                      f"{ts3['needed_bytes'] / 2**20:.0f} MiB")
+            row("  ... against only what the restore reads", tm3["near_restore_s"], tm3["near_needed_s"], needed, 1.5)
+            row(f"  ... the bucket {2 * ts3['lag_ms']:g} ms away", tm3["far_restore_s"], tm3["far_needed_s"],
+                needed + ", as far", 1.5)
     loc, lm = r["local"], r["local"]["medians"]
     row(f"{loc['size_mib']} MiB local, lazy (the default): the tree runs", lm["lazy_running_s"], lm["criu_restore_s"],
         "criu restore -d", 1.0, strict=True)
@@ -1795,7 +1822,9 @@ def print_recovery(r: dict) -> None:
         print(f"  samples, 1 + {r['tree_s3']['count']} processes from S3 (dumped in {r['tree_s3']['dump_s']:.2f} s): "
               f"--eager {_samples(ts['near_restore_s'])} s, bulk download {_samples(ts['near_download_s'])} s; "
               f"{2 * r['tree_s3']['lag_ms']:g} ms away (tests/fixtures/lag_proxy.py) --eager "
-              f"{_samples(ts['far_restore_s'])} s, bulk download {_samples(ts['far_download_s'])} s")
+              f"{_samples(ts['far_restore_s'])} s, bulk download {_samples(ts['far_download_s'])} s"
+              + (f"; bulk download of what the restore reads {_samples(ts['near_needed_s'])} s, "
+                 f"{_samples(ts['far_needed_s'])} s as far" if ts.get("near_needed_s") else ""))
     ls = loc["samples"]
     print(f"  samples, local: lazy runs {_samples(ls['lazy_running_s'])} s, last page "
           f"{_samples(ls['lazy_last_page_s'])} s; --eager {_samples(ls['eager_s'])} s; raw restore "
