@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ckpt.errors import DamagedCheckpoint
 from ckpt.reporting import NullReporter, Reporter
+from ckpt.store.bundles import read_bundle
 from ckpt.store.manifest import Manifest
 from ckpt.store.objects import Objects
 
@@ -24,4 +25,20 @@ def verify(objects: Objects, manifest: Manifest, reporter: Reporter = NullReport
             problems.append(exc.message)
         done += entry.size
         reporter.progress(done, total, f"verifying {manifest.id}")
+    unusable = _unusable_bundled(objects, manifest)
+    if unusable:
+        # Not a problem of the checkpoint: the bundle only holds copies (ckpt/store/bundles.py).
+        reporter.warn(f"checkpoint {manifest.id}: {unusable} of the copies in its bundle cannot be used (the bundle "
+                      "is missing or damaged): its restores read those images one by one, as from a store without "
+                      "bundles")
     return problems
+
+
+def _unusable_bundled(objects: Objects, manifest: Manifest) -> int:
+    """How many of the copies the checkpoint's bundle is to hold (in a remote store) are not
+    there intact."""
+    bundle = manifest.bundle
+    if not objects.remote or not isinstance(bundle, dict) or not isinstance(bundle.get("spans"), dict):
+        return 0
+    found = read_bundle(objects.backend, bundle)
+    return sum(1 for digest in bundle["spans"] if digest not in found)

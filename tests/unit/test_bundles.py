@@ -17,6 +17,7 @@ from ckpt.store.password import PasswordSource
 from ckpt.store.prune import collect_garbage
 from ckpt.reporting import NullReporter
 from ckpt.store.transfer import CheckpointCopier
+from ckpt.store.verify import verify
 from tests.helpers import ckpt_json
 from tests.s3count import CountingRelay
 from tests.unit.test_store import fake_dump, laid_out
@@ -93,6 +94,25 @@ def test_a_damaged_or_missing_bundle_falls_back_to_the_objects(s3_store_url, s3_
         assert store.objects.take_bundle(manifest.bundle, manifest.files) == 0
         assert {p.name: p.read_bytes() for p in laid_out(store, manifest).iterdir()} == files
         assert gets(relay, "objects") >= SMALL_IMAGES
+        # verify says so, and finds the checkpoint itself intact
+        warnings = Warnings()
+        assert verify(store.objects, manifest, warnings) == []
+        assert len(warnings.said) == 1 and f"{len(manifest.bundle['spans'])} of the copies" in warnings.said[0]
+
+
+class Warnings(NullReporter):
+    def __init__(self) -> None:
+        self.said: list[str] = []
+
+    def warn(self, message: str) -> None:
+        self.said.append(message)
+
+
+def test_verify_of_an_intact_bundle_warns_of_nothing(s3_store_url, tmp_path):
+    store = open_store(s3_store_url, tmp_path / "cache")
+    dumped = fake_dump(store, images())
+    warnings = Warnings()
+    assert verify(store.objects, dumped, warnings) == [] and warnings.said == []
 
 
 def test_a_bundle_is_taken_only_where_its_bytes_match_their_hash(s3_store_url, tmp_path):
