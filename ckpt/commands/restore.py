@@ -650,8 +650,6 @@ class _ImageLayout:
         # (a worker pool's children have page lists alike: each content read once)
         alike: dict[str, Future[bytes]] = self.store.objects.read_page_lists_ahead(pages, pool)
         for entry in pages:
-            if entry.hash not in alike:  # in the bundle
-                alike[entry.hash] = _done(self.store.objects.load_page_list(entry))
             self._page_lists_coming[entry.name] = alike[entry.hash]
         pool.shutdown(wait=False)  # its threads end with the last read
         others = len(self.manifest.files) - len(pages)
@@ -821,12 +819,6 @@ def wait_for_memory(result: RestoreResult, settings: Settings, reporter: Reporte
             "last_page_ms": None if last is None else round((started + last - began) * 1000, 1),
             "pages": figures.get("pages_served"), "bytes_fetched": figures.get("bytes_fetched", 0),
             "store_requests": figures.get("store_requests", 0)}
-
-
-def _done(value: bytes) -> Future[bytes]:
-    future: Future[bytes] = Future()
-    future.set_result(value)
-    return future
 
 
 def _only_child(pid: int) -> int:

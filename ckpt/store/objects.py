@@ -127,12 +127,18 @@ class Objects:
         return len(self.bundled)
 
     def read_page_lists_ahead(self, entries: Sequence[FileEntry], pool: Executor) -> dict[str, Future[bytes]]:
-        """The page lists of these pages images (each content once, but those in the bundle)
-        read by pool's threads from now on, returned by hash; load_page_list waits for such a
-        read instead of reading again. From S3, a 1 GiB process's page list (4 MiB) came down
-        only once its other images were laid out, 0.08 s before its page server could start."""
+        """The page lists of these pages images, each content once, by hash: read by pool's
+        threads from now on (those in the bundle are there already); load_page_list waits for
+        such a read instead of reading again. From S3, a 1 GiB process's page list (4 MiB) came
+        down only once its other images were laid out, 0.08 s before its page server could start."""
         for entry in entries:
-            if entry.hash not in self._page_lists_ahead and entry.hash not in self.bundled:
+            if entry.hash in self._page_lists_ahead:
+                continue
+            if entry.hash in self.bundled:
+                done: Future[bytes] = Future()
+                done.set_result(bytes(self.bundled[entry.hash]))
+                self._page_lists_ahead[entry.hash] = done
+            else:
                 self._page_lists_ahead[entry.hash] = pool.submit(self._read_page_list, entry)
         return dict(self._page_lists_ahead)
 
