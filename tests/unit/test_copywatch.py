@@ -48,10 +48,12 @@ def test_each_copy_is_torn_down_as_its_init_ends(tmp_path, inits):
     watcher.start()
     inits[0].kill()
     inits[0].wait()
-    wait_until(lambda: not (tmp_path / "pidns-4026530001.json").exists(), timeout=5, what="copy 1's identity gone")
+    # The registry row goes last in a tear-down: once it has, every other step has run.
+    wait_until(lambda: [c["index"] for c in json.loads(registry.read_text())["copies"]] == [2], timeout=5,
+               what="copy 1's registry row gone")
+    assert not (tmp_path / "pidns-4026530001.json").exists()
     assert not (tmp_path / "pidns-4026539999.json").exists()
     assert (tmp_path / "pidns-4026530002.json").exists()
-    assert [c["index"] for c in json.loads(registry.read_text())["copies"]] == [2]
     inits[1].kill()
     inits[1].wait()
     watcher.join(5)
