@@ -501,7 +501,7 @@ def _copy_segment(reader, runs: list[_Work]) -> None:
     """Copies runs (all within one segment, in order) into the tree: the segment's pages read
     once, each run copied from its place among them."""
     first, end = runs[0].within, max(item.within + (1 if item.repeated else item.count) for item in runs)
-    with reader.reader.view(runs[0].key, first, end - first) as pages:
+    with reader.reader.borrowed(runs[0].key, first, end - first) as pages:
         source = np.frombuffer(pages, dtype=np.uint8)
         try:
             base = source.ctypes.data

@@ -581,7 +581,7 @@ def _source(run: Run, reader) -> Iterator[tuple[int, bool]]:
         repeats = np.frombuffer(content * count, dtype=np.uint8)
         yield repeats.ctypes.data, False
         return
-    with reader.reader.view(key, within, count) as pages:
+    with reader.reader.borrowed(key, within, count) as pages:
         source = np.frombuffer(pages, dtype=np.uint8)
         try:
             yield source.ctypes.data, False

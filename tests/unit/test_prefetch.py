@@ -4,6 +4,8 @@ segment needed now jumping ahead of the rest."""
 
 from __future__ import annotations
 
+import pytest
+
 from ckpt.store.blocks.prefetch import FetchQueue, plan_ranges
 from ckpt.store.blocks.segments import Segment
 
@@ -389,12 +391,81 @@ def test_a_ranges_buffer_goes_back_to_the_pool_only_once_no_reader_copies_out_of
         prefetcher.close()
 
 
-def test_readers_on_many_threads_read_every_segment_right_while_buffers_are_used_again(tmp_path):
+def test_a_lent_segment_is_read_in_place_and_its_buffer_goes_back_only_once_given_back(tmp_path):
+    pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=1)
+    prefetcher.start()
+    try:
+        _all_down(prefetcher)
+        prefetcher.settle()  # every range spooled, none read: each held, in a buffer of the pool
+        taken = next(r for r in prefetcher.ranges if len(r.keys) > 1)
+        slab = taken.slab
+        given: list = []
+        real_give = prefetcher.pool.give
+        prefetcher.pool.give = lambda buffer: (given.append(buffer), real_give(buffer))[1]
+        lent = [prefetcher.lend(key) for key in taken.keys]
+        assert all(item is not None for item in lent)
+        for key, (view, _) in zip(taken.keys, lent, strict=True):
+            assert bytes(view) == _bytes_of(pack, segs[key])
+            assert view.obj is slab.obj, "a copy, not the range's buffer"
+        assert taken.buffer is None, "every segment read: the range is let go..."
+        for view, give_back in lent[:-1]:
+            view.release()
+            give_back()
+        assert not [b for b in given if b is slab], "...its buffer not handed out while one is still lent"
+        lent[-1][0].release()
+        lent[-1][1]()
+        assert taken.slab is None and [b for b in given if b is slab], "given back with the last"
+        assert prefetcher.lend(taken.keys[0]) is None, "its buffer is gone: read from the spool"
+        with prefetcher.segment(taken.keys[0]) as again:
+            assert bytes(again) == _bytes_of(pack, segs[taken.keys[0]])
+    finally:
+        prefetcher.close()
+
+
+def test_a_reader_borrows_only_whole_segments_checked_by_the_fetch_and_holds_a_part(tmp_path):
+    from ckpt.store.blocks.blockstore import _SegmentReader
+    from ckpt.store.blocks.prefetch import PrefetchedRanges
+
+    pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=2)
+    backend = prefetcher.source
+    index = type("Index", (), {"segment_list": segs})()
+    blocks = type("Blocks", (), {"record_damage": lambda self, seg: None})()
+    prefetcher.start()
+    reader = _SegmentReader(blocks, index, PrefetchedRanges(backend.reader(), prefetcher, backend))
+    try:
+        _all_down(prefetcher)
+        whole = next(k for k in wanted if segs[k].pages == 3)
+        fetched = next(r for r in prefetcher.ranges if whole in r.keys)
+        assert fetched.buffer is not None
+        buffer = fetched.buffer.obj
+        with reader.borrowed(whole, 0, 3) as pages:
+            assert bytes(pages) == _bytes_of(pack, segs[whole])
+            assert pages.obj is buffer and whole not in reader.held, "read in place, not held"
+        part = next(k for k in wanted if segs[k].pages == 3 and k != whole)
+        with reader.borrowed(part, 1, 2) as pages:
+            assert bytes(pages) == _bytes_of(pack, segs[part])[4096:]
+        assert part in reader.held, "a part: the segment is held for the rest"
+        unchecked = next(k for k in wanted if segs[k].pages == 2)
+        prefetcher.checked.discard(unchecked)  # as if its fetch had found it wrong
+        assert reader.ranges.lend("packs/pa/pack1", segs[unchecked].offset, segs[unchecked].length,
+                                  segs[unchecked].checksum) is None
+        with reader.borrowed(unchecked, 0, 2) as pages:  # read and checked the usual way
+            assert bytes(pages) == _bytes_of(pack, segs[unchecked])
+    finally:
+        reader.close()
+        prefetcher.close()
+
+
+@pytest.mark.parametrize("lending", [False, True], ids=["copied", "lent"])
+def test_readers_on_many_threads_read_every_segment_right_while_buffers_are_used_again(tmp_path, lending):
     """Four threads read every segment, twice, in orders of their own, while three fetch (and
     the readers fetch what they need first themselves): what each reads is the pack's bytes,
-    and every buffer is let go in the end."""
+    and every buffer is let go in the end. Lent: each read in place where its range's
+    buffer is still held (Prefetcher.lend), its bytes compared after a pause, while the other
+    threads read on and buffers go back to the pool."""
     import random
     import threading
+    import time
 
     import ckpt.store.blocks.prefetch as prefetch
 
@@ -409,11 +480,24 @@ def test_readers_on_many_threads_read_every_segment_right_while_buffers_are_used
     try:
         pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=3)
         wrong: list[int] = []
+        read_in_place: list[int] = []
 
         def read_all(seed: int) -> None:
             order = wanted * 2
             random.Random(seed).shuffle(order)
             for key in order:
+                lent = prefetcher.lend(key) if lending else None
+                if lent is not None:
+                    read_in_place.append(key)
+                    view, give_back = lent
+                    try:
+                        time.sleep(0.0005)  # the others read meanwhile: buffers would be used again
+                        if bytes(view) != _bytes_of(pack, segs[key]):
+                            wrong.append(key)
+                    finally:
+                        view.release()
+                        give_back()
+                    continue
                 with prefetcher.segment(key) as got:
                     if bytes(got) != _bytes_of(pack, segs[key]):
                         wrong.append(key)
@@ -427,6 +511,7 @@ def test_readers_on_many_threads_read_every_segment_right_while_buffers_are_used
                 reader.join(30)
             assert not any(reader.is_alive() for reader in readers), "a reader did not end"
             assert not wrong, f"segments read wrong: {wrong}"
+            assert bool(read_in_place) == lending
             prefetcher.settle()
             assert all(r.slab is None and r.buffer is None for r in prefetcher.ranges)
             assert prefetcher.held_bytes == 0 and prefetcher.pool.free == 0, "the pool closed once all was down"

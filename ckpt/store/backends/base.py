@@ -140,6 +140,10 @@ class BufferedBlobWriter(BlobWriter):
         self._drop()
 
 
+# Bytes lent in place (RangeReader.lend): the view, and what to call once done with it.
+Lent = tuple[memoryview, Callable[[], None]]
+
+
 class RangeReader:
     """A reading session: ranged reads of a few blobs, many times each (a restore reads
     thousands of segments out of a few packs). This default asks the backend for each range;
@@ -169,6 +173,13 @@ class RangeReader:
         """Whether this session already checked the bytes at offset of the blob against that
         checksum (a lazy restore's prefetch checks segments on its fetching threads)."""
         return False
+
+    def lend(self, name: str, offset: int, length: int, checksum: bytes) -> Lent | None:
+        """The bytes at offset of the blob, already checked against that checksum, in place in
+        a buffer of this session's (no copy), and the function to call once done with them
+        (release the view first, and keep no other); or None: read() them. This default has
+        no such buffer."""
+        return None
 
     def read_again(self, name: str) -> bool:
         """Called when bytes read from the blob failed their check: drops any local copy the

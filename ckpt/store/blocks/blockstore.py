@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import mmap
 import os
 import secrets
@@ -1555,6 +1556,29 @@ class _SegmentReader:
         """The same pages without a copy: release the view (a `with` block) before the next read."""
         seg = self._segment(key, within, count)
         return self._pages_of(key, seg)[within * PAGE:(within + count) * PAGE]
+
+    @contextlib.contextmanager
+    def borrowed(self, key: int, within: int, count: int) -> Iterator[memoryview]:
+        """view() for the `with` block this opens: a whole segment stored as it is that the
+        session fetched ahead and checked (a restore from a remote store) is read in place,
+        in the fetched range's buffer, neither copied nor held (a copy in reads a segment's
+        pages once); any other read as view() (a part is held: the rest is read next). Keep
+        no view of it past the block."""
+        seg = self._segment(key, within, count)
+        lent = None
+        if within == 0 and count == seg.pages and key not in self.held and seg.codec == CODECS["none"]:
+            lent = self.ranges.lend(pack_name(seg.pack), seg.offset, seg.length, seg.checksum)
+        if lent is None:
+            with self.view(key, within, count) as pages:
+                yield pages
+            return
+        stored, give_back = lent
+        try:
+            self.checked.add(key)
+            with stored, stored[within * PAGE:(within + count) * PAGE] as pages:
+                yield pages
+        finally:
+            give_back()
 
     def check(self, key: int, within: int, count: int) -> None:
         """Checks the segment's checksum without decoding or copying it."""
