@@ -604,3 +604,104 @@ def test_keep_in_fetches_the_gaps_joined_and_in_parallel_and_makes_the_pack_whol
                 assert not together.broken, "the gaps fetched by several threads at once"
         finally:
             prefetcher.close()
+
+
+def _encrypted_prefetcher(tmp_path, chunk: int = 64 << 10):
+    """An encrypted pack (as in S3) of 3 MiB of random bytes, 12 segments of 200-300 KiB from
+    offset 1000 (none on a page's start), and a Prefetcher of them in ranges of up to 1 MiB."""
+    import os
+    import random
+
+    import xxhash
+
+    from ckpt.store.backends.encrypted import EncryptedBackend
+    from ckpt.store.backends.memory import MemoryBackend
+    from ckpt.store.blocks.prefetch import Prefetcher
+
+    backend = EncryptedBackend(MemoryBackend(), os.urandom(32), chunk_size=chunk)
+    pack = os.urandom(3 << 20)
+    backend.put("packs/pa/pack1", pack)
+    segs, at, picks = [], 1000, random.Random(5)
+    for _ in range(12):
+        length = picks.randrange(200 << 10, 300 << 10)
+        segs.append(Segment("pack1", at, length, 1, 0, xxhash.xxh3_128_digest(pack[at:at + length])))
+        at += length
+    prefetcher = Prefetcher(backend, segs, list(range(len(segs))), tmp_path / "spool", threads=2,
+                            range_bytes=1 << 20)
+    return pack, segs, prefetcher
+
+
+def _skip_without_direct_io(directory) -> None:
+    from ckpt.store.blocks.prefetch import _open_direct
+
+    probe = directory / "probe"
+    probe.touch()
+    fd = _open_direct(probe)
+    if fd < 0:
+        pytest.skip("this file system refuses O_DIRECT")
+    import os
+
+    os.close(fd)
+
+
+def _spooled(prefetcher, pack: bytes, segs) -> None:
+    """Every segment's bytes are at their place in the spool file."""
+    spool = (prefetcher.spool_dir / "pack1").read_bytes()
+    for seg in segs:
+        assert spool[seg.offset:seg.offset + seg.length] == pack[seg.offset:seg.offset + seg.length]
+
+
+def test_the_spool_is_written_past_the_page_cache_but_a_ranges_ragged_ends(tmp_path, monkeypatch):
+    import os
+
+    import ckpt.store.blocks.prefetch as prefetch
+
+    monkeypatch.setattr(prefetch, "DIRECT_MIN", 4096)  # (a range of one small segment would stay out)
+    pack, segs, prefetcher = _encrypted_prefetcher(tmp_path)
+    written: list[tuple[int, int, int]] = []
+    real = prefetch.pwrite_all
+    monkeypatch.setattr(prefetch, "pwrite_all", lambda fd, data, offset: (
+        written.append((fd, offset, len(memoryview(data)))), real(fd, data, offset))[1])
+    _skip_without_direct_io(tmp_path)
+    prefetcher.start()
+    try:
+        direct = prefetcher._direct["pack1"]
+        _all_down(prefetcher)
+        prefetcher.settle()
+        _spooled(prefetcher, pack, segs)
+        assert os.fstat(direct).st_size > 0
+    finally:
+        prefetcher.close()
+    past = [(offset, length) for fd, offset, length in written if fd == direct]
+    through = [(offset, length) for fd, offset, length in written if fd != direct and length]
+    assert past and all(offset % 4096 == 0 and length % 4096 == 0 for offset, length in past)
+    assert sum(length for _, length in through) < 4096 * 2 * len(prefetcher.ranges), "only the ragged ends"
+    assert not prefetcher._direct, "closed with the spool"
+
+
+def test_a_spool_that_refuses_writes_past_the_page_cache_is_written_through_it(tmp_path, monkeypatch):
+    import errno
+
+    import ckpt.store.blocks.prefetch as prefetch
+
+    pack, segs, prefetcher = _encrypted_prefetcher(tmp_path)
+    real = prefetch.pwrite_all
+    refused: list[int] = []
+
+    def refusing(fd, data, offset):
+        if fd in prefetcher._direct.values() or fd in refused:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd, data, offset)
+
+    monkeypatch.setattr(prefetch, "pwrite_all", refusing)
+    _skip_without_direct_io(tmp_path)
+    prefetcher.start()
+    try:
+        _all_down(prefetcher)
+        prefetcher.settle()
+        _spooled(prefetcher, pack, segs)
+        assert refused and prefetcher._direct["pack1"] == -1, "refused once, then through the page cache"
+        assert len(set(refused)) == 1 and not prefetcher._unspooled
+    finally:
+        prefetcher.close()
