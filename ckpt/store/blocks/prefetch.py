@@ -19,8 +19,6 @@ the bounds on memory and disk.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import os
 import queue
 import threading
@@ -58,10 +56,6 @@ KEEP_JOIN = 256 << 10
 HELD_BYTES = 128 << 20
 # The spool's pages leave the page cache every TRIM_BYTES written (see Prefetcher._trim).
 TRIM_BYTES = 32 << 20
-# O_DIRECT writes of the spool (Prefetcher._write_spool): whole pages of memory to whole pages
-# of the file, and only ranges with at least DIRECT_MIN bytes of them.
-DIRECT_ALIGN = 4096
-DIRECT_MIN = 256 << 10
 # The buffers of the pool (see BufferPool): a range's bytes as the store reads them, up to 1.25
 # times the range size (see _range_limit) and SLAB_SLACK more (whole chunks of an encrypted pack).
 SLAB_SLACK = 1 << 20
@@ -90,29 +84,6 @@ class FetchRange:
     readers: int = 0  # page server threads copying out of its buffer now: the slab goes back after them
     footprint: int = 0  # what its buffer counts in the bytes held: the whole slab, for one of the pool
     spool_failed: bool = False  # the spool has a hole there: read again from the store (_read_again)
-
-
-def _open_direct(path: Path) -> int:
-    """A second descriptor of a spool file, writing past the page cache, or -1 (a file system
-    without O_DIRECT)."""
-    try:
-        return os.open(path, os.O_WRONLY | os.O_DIRECT)
-    except OSError:
-        return -1
-
-
-def _lined_up(view: memoryview, head: int) -> bool:
-    """Whether the byte at head of view lies at the start of a page of memory (O_DIRECT
-    writes from whole pages): a range's buffer holds whole chunks of its pack from a page's
-    start, so its bytes line up with the spool file's pages."""
-    try:
-        anchor = ctypes.c_char.from_buffer(view)
-    except (TypeError, ValueError):  # read-only: not a buffer of the pool
-        return False
-    try:
-        return (ctypes.addressof(anchor) + head) % DIRECT_ALIGN == 0
-    finally:
-        del anchor
 
 
 def plan_ranges(wanted: Sequence[int], segments: Sequence[Segment], range_bytes: int = RANGE_BYTES,
@@ -304,8 +275,6 @@ class Prefetcher:
         self.checked: set[int] = set()  # segments whose checksum a fetching thread found right
         self._stats_lock = threading.Lock()
         self._fds: dict[str, int] = {}
-        self._direct: dict[str, int] = {}  # the same files opened O_DIRECT (-1: refused), see _write_spool
-        self._direct_refused: set[int] = set()  # descriptors of those found refusing a write: closed at the end
         slab = range_bytes * 5 // 4 + SLAB_SLACK
         # Held slabs count whole in HELD_BYTES (see _hold): its worth, and one per fetching thread.
         self.pool = BufferPool(keep=HELD_BYTES // slab + threads + 1, size=slab, smallest=range_bytes // 8)
@@ -334,7 +303,6 @@ class Prefetcher:
         self.spool_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for pack in {r.pack for r in self.ranges}:
             self._fds[pack] = os.open(self.spool_dir / pack, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
-            self._direct[pack] = _open_direct(self.spool_dir / pack)
         self._spool_thread = threading.Thread(target=self._spool_work, name="ckpt-prefetch-spool", daemon=True)
         self._spool_thread.start()
         for number in range(min(self.threads_wanted, len(self.ranges))):
@@ -436,9 +404,8 @@ class Prefetcher:
         same rule: its pack is never kept in the cache, and a segment of it read again is
         fetched again (see _read_again)."""
         fd = self._fds[taken.pack]
-        direct = False
         try:
-            direct = self._write_spool(taken.pack, view, taken.start)
+            pwrite_all(fd, view, taken.start)
         except OSError:
             with self._held_lock:
                 taken.spool_failed = True
@@ -447,37 +414,8 @@ class Prefetcher:
             taken.spooled = True
             if not taken.unread or self._held_bytes > HELD_BYTES:
                 self._release(taken)
-        if not taken.spool_failed and not direct:
+        if not taken.spool_failed:
             self._trim(fd, taken.start, len(view))
-
-    def _write_spool(self, pack: str, view: memoryview, offset: int) -> bool:
-        """view at offset of pack's spool file; whether its pages went past the page cache
-        (O_DIRECT, from the range's buffer to the disk: then nothing of it is left to trim).
-        Written through the page cache, a GiB restored from S3 cost the page server 0.4
-        CPU-seconds (the copy into new page cache pages, their writeback) on a path that is
-        CPU-bound on this host; directly, the bytes before the first whole page and after
-        the last go through the page cache (a few KiB a range). Where the file system
-        refuses, or the buffer's pages do not line up with the file's, through the page cache."""
-        fd, direct = self._fds[pack], self._direct.get(pack, -1)
-        head = -offset % DIRECT_ALIGN
-        tail = (offset + len(view)) // DIRECT_ALIGN * DIRECT_ALIGN - offset
-        if direct < 0 or tail - head < DIRECT_MIN or not _lined_up(view, head):
-            pwrite_all(fd, view, offset)
-            return False
-        with view[head:tail] as middle:
-            try:
-                pwrite_all(direct, middle, offset + head)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                with self._stats_lock:  # (closed with the others, once: see close)
-                    self._direct[pack] = -1
-                    self._direct_refused.add(direct)
-                pwrite_all(fd, middle, offset + head)
-        with view[:head] as before, view[tail:] as after:
-            pwrite_all(fd, before, offset)
-            pwrite_all(fd, after, offset + tail)
-        return True
 
     def _release(self, taken: FetchRange) -> None:
         """Called with _held_lock held."""
@@ -701,14 +639,6 @@ class Prefetcher:
             os.close(fd)
             del self._fds[pack]
 
-    def _close_direct(self) -> None:
-        """Once no thread writes the spool any more (close)."""
-        with self._stats_lock:
-            for fd in {*self._direct.values(), *self._direct_refused} - {-1}:
-                os.close(fd)
-            self._direct.clear()
-            self._direct_refused.clear()
-
     def _gaps(self, pack: str, room: int) -> tuple[int, list[tuple[int, int]]] | None:
         """The size of pack and the ranges of it not fetched (adjacent gaps less than
         KEEP_JOIN apart fetched as one, up to KEEP_RANGE_BYTES); None if it is not worth keeping
@@ -768,7 +698,6 @@ class Prefetcher:
                 os.close(fd)
                 (self.spool_dir / pack).unlink(missing_ok=True)
             self._fds.clear()
-            self._close_direct()
         try:
             self.spool_dir.rmdir()
         except OSError:
