@@ -402,7 +402,7 @@ def test_a_lent_segment_is_read_in_place_and_its_buffer_goes_back_only_once_give
         given: list = []
         real_give = prefetcher.pool.give
         prefetcher.pool.give = lambda buffer: (given.append(buffer), real_give(buffer))[1]
-        lent = [prefetcher.lend(key) for key in taken.keys]
+        lent = [prefetcher.lend(key, segs[key].pages) for key in taken.keys]
         assert all(item is not None for item in lent)
         for key, (view, _) in zip(taken.keys, lent, strict=True):
             assert bytes(view) == _bytes_of(pack, segs[key])
@@ -415,14 +415,14 @@ def test_a_lent_segment_is_read_in_place_and_its_buffer_goes_back_only_once_give
         lent[-1][0].release()
         lent[-1][1]()
         assert taken.slab is None and [b for b in given if b is slab], "given back with the last"
-        assert prefetcher.lend(taken.keys[0]) is None, "its buffer is gone: read from the spool"
+        assert prefetcher.lend(taken.keys[0], 1) is None, "its buffer is gone: read from the spool"
         with prefetcher.segment(taken.keys[0]) as again:
             assert bytes(again) == _bytes_of(pack, segs[taken.keys[0]])
     finally:
         prefetcher.close()
 
 
-def test_a_reader_borrows_only_whole_segments_checked_by_the_fetch_and_holds_a_part(tmp_path):
+def test_a_reader_borrows_segments_checked_by_the_fetch_in_parts_until_every_page_was_read(tmp_path):
     from ckpt.store.blocks.blockstore import _SegmentReader
     from ckpt.store.blocks.prefetch import PrefetchedRanges
 
@@ -442,13 +442,18 @@ def test_a_reader_borrows_only_whole_segments_checked_by_the_fetch_and_holds_a_p
             assert bytes(pages) == _bytes_of(pack, segs[whole])
             assert pages.obj is buffer and whole not in reader.held, "read in place, not held"
         part = next(k for k in wanted if segs[k].pages == 3 and k != whole)
+        fetched = next(r for r in prefetcher.ranges if part in r.keys)
         with reader.borrowed(part, 1, 2) as pages:
             assert bytes(pages) == _bytes_of(pack, segs[part])[4096:]
-        assert part in reader.held, "a part: the segment is held for the rest"
+            assert pages.obj is fetched.buffer.obj and part not in reader.held
+        assert part in fetched.unread, "a part read: the rest may still be read from the buffer"
+        with reader.borrowed(part, 0, 1) as pages:
+            assert bytes(pages) == _bytes_of(pack, segs[part])[:4096]
+        assert part not in fetched.unread, "every page read"
         unchecked = next(k for k in wanted if segs[k].pages == 2)
         prefetcher.checked.discard(unchecked)  # as if its fetch had found it wrong
         assert reader.ranges.lend("packs/pa/pack1", segs[unchecked].offset, segs[unchecked].length,
-                                  segs[unchecked].checksum) is None
+                                  segs[unchecked].checksum, 2) is None
         with reader.borrowed(unchecked, 0, 2) as pages:  # read and checked the usual way
             assert bytes(pages) == _bytes_of(pack, segs[unchecked])
     finally:
@@ -486,7 +491,7 @@ def test_readers_on_many_threads_read_every_segment_right_while_buffers_are_used
             order = wanted * 2
             random.Random(seed).shuffle(order)
             for key in order:
-                lent = prefetcher.lend(key) if lending else None
+                lent = prefetcher.lend(key, segs[key].pages) if lending else None
                 if lent is not None:
                     read_in_place.append(key)
                     view, give_back = lent

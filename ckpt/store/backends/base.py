@@ -174,11 +174,12 @@ class RangeReader:
         checksum (a lazy restore's prefetch checks segments on its fetching threads)."""
         return False
 
-    def lend(self, name: str, offset: int, length: int, checksum: bytes) -> Lent | None:
-        """The bytes at offset of the blob, already checked against that checksum, in place in
-        a buffer of this session's (no copy), and the function to call once done with them
-        (release the view first, and keep no other); or None: read() them. This default has
-        no such buffer."""
+    def lend(self, name: str, offset: int, length: int, checksum: bytes, pages: int) -> Lent | None:
+        """The bytes at offset of the blob (a segment of a pack), already checked against that
+        checksum, in place in a buffer of this session's (no copy), and the function to call
+        once done with them (release the view first, and keep no other); or None: read()
+        them. pages: how many of its pages the caller reads of them. This default has no
+        such buffer."""
         return None
 
     def read_again(self, name: str) -> bool:

@@ -1559,15 +1559,14 @@ class _SegmentReader:
 
     @contextlib.contextmanager
     def borrowed(self, key: int, within: int, count: int) -> Iterator[memoryview]:
-        """view() for the `with` block this opens: a whole segment stored as it is that the
-        session fetched ahead and checked (a restore from a remote store) is read in place,
-        in the fetched range's buffer, neither copied nor held (a copy in reads a segment's
-        pages once); any other read as view() (a part is held: the rest is read next). Keep
-        no view of it past the block."""
+        """view() for the `with` block this opens: pages of a segment stored as it is that the
+        session fetched ahead and checked (a restore from a remote store) are read in place,
+        in the fetched range's buffer, neither copied nor held (a copy in reads each page
+        once); any other read as view(). Keep no view of it past the block."""
         seg = self._segment(key, within, count)
         lent = None
-        if within == 0 and count == seg.pages and key not in self.held and seg.codec == CODECS["none"]:
-            lent = self.ranges.lend(pack_name(seg.pack), seg.offset, seg.length, seg.checksum)
+        if key not in self.held and seg.codec == CODECS["none"]:
+            lent = self.ranges.lend(pack_name(seg.pack), seg.offset, seg.length, seg.checksum, count)
         if lent is None:
             with self.view(key, within, count) as pages:
                 yield pages

@@ -79,6 +79,7 @@ class FetchRange:
     # Once down: its bytes, until the page server has read its segments (see Prefetcher._hold).
     buffer: memoryview | None = field(default=None, repr=False, compare=False)
     unread: set[int] = field(default_factory=set, repr=False, compare=False)
+    pages_lent: dict[int, int] = field(default_factory=dict, repr=False, compare=False)  # by segment (see lend)
     spooled: bool = False  # its spool write is over (done or failed): its buffer may go
     slab: memoryview | None = field(default=None, repr=False, compare=False)  # the pool's buffer it is in
     readers: int = 0  # page server threads copying out of its buffer now: the slab goes back after them
@@ -506,23 +507,29 @@ class Prefetcher:
                     raise found.damaged[key]
                 return found
 
-    def lend(self, key: int) -> Lent | None:
+    def lend(self, key: int, pages: int) -> Lent | None:
         """The segment's stored bytes in place, in its range's buffer, without a copy, and the
         function to call once done with them (the buffer stays out of the pool until then:
         the view must be released before it is called, and never kept); None when the
-        range's buffer is gone (let go once spooled: segment() reads the spool). Copying each
-        segment out (as segment() does) cost a GiB restored from S3 0.15 s of the page
-        server's CPU, on a path that is CPU-bound on this host. Raises what segment() raises."""
+        range's buffer is gone (let go once spooled: segment() reads the spool). pages: how
+        many of the segment's pages the caller reads (a run of a copy in may take part of a
+        segment, the next run the rest): once as many as it has were lent, it counts as read
+        (see segment). Copying each segment out (as segment() does) cost a GiB restored from
+        S3 0.15 s of the page server's CPU, on a path that is CPU-bound on this host. Only a
+        segment a fetching thread found right: any other is None too (read, checked and its
+        damage recorded the usual way). Raises what segment() raises."""
         found = self._down(key)
         seg = self.segments[key]
         with self._held_lock:
             buffer = found.buffer
-            if buffer is None:
+            if buffer is None or key not in self.checked:
                 return None
             found.readers += 1
-            found.unread.discard(key)
-            if not found.unread and found.spooled:
-                self._release(found)  # (its slab goes back only once the readers are done)
+            found.pages_lent[key] = lent = found.pages_lent.get(key, 0) + pages
+            if lent >= seg.pages:
+                found.unread.discard(key)
+                if not found.unread and found.spooled:
+                    self._release(found)  # (its slab goes back only once the readers are done)
         at = seg.offset - found.start
 
         def give_back() -> None:
@@ -731,13 +738,12 @@ class PrefetchedRanges(RangeReader):
         return (key is not None and key in self._prefetcher.checked
                 and self._prefetcher.segments[key].checksum == checksum)
 
-    def lend(self, name: str, offset: int, length: int, checksum: bytes) -> Lent | None:
-        # Only a segment a fetching thread checked: any other is read (and checked, its damage
-        # recorded) the usual way.
+    def lend(self, name: str, offset: int, length: int, checksum: bytes, pages: int) -> Lent | None:
         key = self._at.get((name, offset))
-        if key is None or self._prefetcher.segments[key].length != length or not self.checked(name, offset, checksum):
+        seg = self._prefetcher.segments[key] if key is not None else None
+        if key is None or seg is None or seg.length != length or seg.checksum != checksum:
             return None
-        return self._prefetcher.lend(key)
+        return self._prefetcher.lend(key, pages)  # (waits for its range: a thread checks it once down)
 
     def mapped(self, name: str) -> bool:
         return False if name in self._packs else self._inner.mapped(name)
