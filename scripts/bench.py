@@ -1873,8 +1873,8 @@ def main() -> None:
     only = set(args.only or SECTIONS)
     # The bytecode of the ckpt measured, as an installed ckpt has it (`make bench` compiles it
     # through `make setup`): run straight from a fresh clone with PYTHONDONTWRITEBYTECODE set,
-    # every `ckpt` command compiled its modules again, 0.17-0.2 s that no installed ckpt pays
-    # (`ckpt --version`: 0.41-0.45 s against 0.24 s).
+    # every `ckpt` command compiled its modules again, time no installed ckpt spends
+    # (`ckpt --version` 0.41-0.45 s against 0.24 s; a 100-process `dump --stop` about 0.08 s).
     compileall.compile_dir(ROOT / "ckpt", quiet=1, workers=0)
     criu = find_criu(Settings.from_environment()).path
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir="/var/tmp"))
