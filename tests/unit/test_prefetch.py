@@ -364,17 +364,23 @@ def test_the_buffer_pool_hands_a_slab_out_again_once_given_back_and_keeps_a_few(
     assert pool.free == 0, "none kept once closed"
 
 
+def _a_held_range(prefetcher):
+    """Once every range is down and spooled, none read (each held, in a buffer of the pool):
+    a range of several segments, its slab, and the buffers given back to the pool from now on."""
+    _all_down(prefetcher)
+    prefetcher.settle()
+    taken = next(r for r in prefetcher.ranges if len(r.keys) > 1)
+    given: list = []
+    real_give = prefetcher.pool.give
+    prefetcher.pool.give = lambda buffer: (given.append(buffer), real_give(buffer))[1]
+    return taken, taken.slab, given
+
+
 def test_a_ranges_buffer_goes_back_to_the_pool_only_once_no_reader_copies_out_of_it(tmp_path):
     pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=1)
     prefetcher.start()
     try:
-        _all_down(prefetcher)
-        prefetcher.settle()  # every range spooled, none read: each held, in a buffer of the pool
-        taken = next(r for r in prefetcher.ranges if len(r.keys) > 1)
-        slab = taken.slab
-        given: list = []
-        real_give = prefetcher.pool.give
-        prefetcher.pool.give = lambda buffer: (given.append(buffer), real_give(buffer))[1]
+        taken, slab, given = _a_held_range(prefetcher)
         assert slab is not None and taken.buffer is not None
         with prefetcher._held_lock:
             taken.readers += 1  # another page server thread, in the middle of its copy
@@ -395,13 +401,7 @@ def test_a_lent_segment_is_read_in_place_and_its_buffer_goes_back_only_once_give
     pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=1)
     prefetcher.start()
     try:
-        _all_down(prefetcher)
-        prefetcher.settle()  # every range spooled, none read: each held, in a buffer of the pool
-        taken = next(r for r in prefetcher.ranges if len(r.keys) > 1)
-        slab = taken.slab
-        given: list = []
-        real_give = prefetcher.pool.give
-        prefetcher.pool.give = lambda buffer: (given.append(buffer), real_give(buffer))[1]
+        taken, slab, given = _a_held_range(prefetcher)
         lent = [prefetcher.lend(key, segs[key].pages) for key in taken.keys]
         assert all(item is not None for item in lent)
         for key, (view, _) in zip(taken.keys, lent, strict=True):
