@@ -79,3 +79,17 @@ def needed_segments(plan: LazyPlan) -> list[int]:
             if key is not None:
                 order[key] = None
     return list(order)
+
+
+def pages_by_segment(plan: LazyPlan) -> dict[int, int]:
+    """How many distinct pages of each segment the plan's lazy pages are: what the copy in
+    reads of it at least (a page in several processes, or at several addresses, is read for
+    each; one repeated is read as a copy, see Prefetcher.lend)."""
+    from ckpt.system.arrays import np
+
+    locations = [np.asarray(plan.locations.get(image, [])[first:first + nr_pages], dtype=np.int64)
+                 for image, runs in plan.runs.values() for _, nr_pages, first in runs if nr_pages]
+    if not locations:
+        return {}
+    found, counts = np.unique(segment_key(np.unique(np.concatenate(locations))), return_counts=True)
+    return dict(zip(found.tolist(), counts.tolist(), strict=True))

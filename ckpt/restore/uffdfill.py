@@ -23,6 +23,7 @@ fails, so the connection stays open until the restore is over.
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import errno
 import itertools
@@ -295,10 +296,8 @@ class UffdFiller:
         by_segment = [[list(runs) for _, runs in itertools.groupby(sorted(share, key=attrgetter("key", "within")),
                                                                      key=attrgetter("key"))]
                       for share in shares]
-        # A remote store's segments come down ahead, in large parallel requests, in the order
-        # the threads will copy them (round the shares); a local store's are read in place.
-        order = [runs[0].key for round_ in itertools.zip_longest(*by_segment) for runs in round_ if runs is not None]
-        readers, prefetcher = self.store.blocks.page_readers(len(shares), order, self.spool_dir, self.checked)
+        readers, prefetcher = self.store.blocks.page_readers(len(shares), _fetch_order(by_segment), self.spool_dir,
+                                                             self.checked, _pages_wanted(by_segment))
 
         given_up = threading.Event()
 
@@ -497,10 +496,30 @@ def _mapping_bounds(pid: int) -> list[int]:
     return sorted(set(bounds))
 
 
+def _fetch_order(by_segment: list[list[list[_Work]]]) -> list[int]:
+    """A remote store's segments come down ahead, in large parallel requests, in the order the
+    threads will copy them (round the shares); a local store's are read in place."""
+    return [runs[0].key for round_ in itertools.zip_longest(*by_segment) for runs in round_ if runs is not None]
+
+
+def _pages_wanted(by_segment: list[list[list[_Work]]]) -> dict[int, int]:
+    """The pages each segment is read for (Prefetcher.lend): each share reads a segment's
+    pages once, from its first run's to its last's, for all its runs there (_copy_segment)."""
+    wanted: dict[int, int] = collections.Counter()
+    for runs in itertools.chain.from_iterable(by_segment):
+        wanted[runs[0].key] += _span(runs)[1] - runs[0].within
+    return wanted
+
+
+def _span(runs: list[_Work]) -> tuple[int, int]:
+    """The pages [first, end) of their segment that runs (in order, all in one segment) take."""
+    return runs[0].within, max(item.within + (1 if item.repeated else item.count) for item in runs)
+
+
 def _copy_segment(reader, runs: list[_Work]) -> None:
     """Copies runs (all within one segment, in order) into the tree: the segment's pages read
     once, each run copied from its place among them."""
-    first, end = runs[0].within, max(item.within + (1 if item.repeated else item.count) for item in runs)
+    first, end = _span(runs)
     with reader.reader.borrowed(runs[0].key, first, end - first) as pages:
         source = np.frombuffer(pages, dtype=np.uint8)
         try:

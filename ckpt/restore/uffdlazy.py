@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING
 from ckpt.system.arrays import np
 
 from ckpt.errors import CriuFailed
-from ckpt.restore.lazyplan import LazyPlan, needed_segments
+from ckpt.restore.lazyplan import LazyPlan, needed_segments, pages_by_segment
 from ckpt.restore.uffdfill import (
     _EVENT_FORK,
     _EVENT_PAGEFAULT,
@@ -244,8 +244,8 @@ class LazyFiller(UffdFiller):
         """The readers and the prefetcher, before run() and once CRIU may connect: the segments
         the plan needs are looked up while CRIU begins the restore (from S3 they took 0.03-0.1 s
         before the daemon said it listened)."""
-        self._readers, self.prefetcher = self.store.blocks.page_readers(self.threads + 1, needed_segments(self.plan),
-                                                                        self._spool_dir)
+        self._readers, self.prefetcher = self.store.blocks.page_readers(
+            self.threads + 1, needed_segments(self.plan), self._spool_dir, pages_wanted=pages_by_segment(self.plan))
         self._prepared.set()
 
     # ---- the run of the daemon -------------------------------------------------------------

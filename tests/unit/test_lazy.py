@@ -183,3 +183,20 @@ def test_the_segments_to_fetch_come_per_process_by_address_in_turn_each_once():
     # A process with nothing lazy.
     plan.runs[3] = ("pages-3.img", [])
     assert needed_segments(plan) == [5, 6, 7, 9]
+
+
+def test_the_pages_wanted_of_each_segment_are_its_distinct_lazy_pages():
+    from ckpt.restore.lazyplan import pages_by_segment
+    from ckpt.store.blocks.segments import to_location
+
+    plan = LazyPlan()
+    # Process 1: pages 5/0, 5/1 and 6/0 lazy, 5/7 not (its run leaves it out), 5/0 twice.
+    plan.runs[1] = ("pages-1.img", [(0x10000, 3, 0), (0x20000, 1, 4)])
+    plan.locations["pages-1.img"] = [to_location(5, 0), to_location(5, 1), to_location(6, 0),
+                                     to_location(5, 7), to_location(5, 0)]
+    # Process 2: 6/0 again (the same page as process 1's) and 6/1.
+    plan.runs[2] = ("pages-2.img", [(0x10000, 2, 0)])
+    plan.locations["pages-2.img"] = [to_location(6, 0), to_location(6, 1)]
+    plan.runs[3] = ("pages-3.img", [])
+    assert pages_by_segment(plan) == {5: 2, 6: 2}
+    assert pages_by_segment(LazyPlan()) == {}

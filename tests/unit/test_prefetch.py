@@ -467,7 +467,7 @@ def test_readers_on_many_threads_read_every_segment_right_while_buffers_are_used
     the readers fetch what they need first themselves): what each reads is the pack's bytes,
     and every buffer is let go in the end. Lent: each read in place where its range's
     buffer is still held (Prefetcher.lend), its bytes compared after a pause, while the other
-    threads read on and buffers go back to the pool."""
+    threads read on and let buffers go (each overwritten as it goes back to the pool)."""
     import random
     import threading
     import time
@@ -484,6 +484,13 @@ def test_readers_on_many_threads_read_every_segment_right_while_buffers_are_used
     prefetch.fresh_buffer = counting
     try:
         pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=3)
+        real_give = prefetcher.pool.give
+
+        def poisoned(buffer):  # a buffer given back while a reader still reads it reads wrong
+            buffer[:] = b"\xa5" * len(buffer)
+            real_give(buffer)
+
+        prefetcher.pool.give = poisoned
         wrong: list[int] = []
         read_in_place: list[int] = []
 
@@ -609,3 +616,56 @@ def test_keep_in_fetches_the_gaps_joined_and_in_parallel_and_makes_the_pack_whol
                 assert not together.broken, "the gaps fetched by several threads at once"
         finally:
             prefetcher.close()
+
+
+def test_a_segment_read_in_parts_counts_as_read_once_the_pages_wanted_of_it_were_lent(tmp_path):
+    pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=1)
+    three = [k for k in wanted if segs[k].pages == 3]
+    prefetcher.pages_wanted = {three[0]: 2}  # (its third page no process of the plan has)
+    prefetcher.start()
+    try:
+        _all_down(prefetcher)
+        prefetcher.settle()
+        first, second = (next(r for r in prefetcher.ranges if key in r.keys) for key in three[:2])
+        for key, pages, still_unread in ((three[0], 1, True), (three[0], 1, False), (three[1], 2, True)):
+            lent = prefetcher.lend(key, pages)
+            assert lent is not None
+            lent[0].release()
+            lent[1]()
+            lent[1]()  # given back twice: counted once
+            assert (key in (first if key == three[0] else second).unread) == still_unread
+        assert first.readers == 0 == second.readers
+    finally:
+        prefetcher.close()
+
+
+def test_a_segment_whose_fetch_failed_is_not_lent_and_its_damage_is_recorded(tmp_path):
+    from ckpt.errors import DamagedBlob, DamagedCheckpoint
+    from ckpt.store.blocks.blockstore import _SegmentReader
+    from ckpt.store.blocks.prefetch import PrefetchedRanges
+
+    pack, segs, wanted, prefetcher = _prefetcher_over_a_pack(tmp_path, threads=1)
+    backend = prefetcher.source
+    victim = next(r for r in prefetcher.ranges if len(r.keys) > 1)
+    real_get_view = backend.get_view
+
+    def failing(name, offset, length, allocate=None):
+        if victim.start <= offset < victim.end:
+            raise DamagedBlob(f"chunk at {offset} fails authentication", name=name)
+        return real_get_view(name, offset, length, allocate)
+
+    backend.get_view = failing
+    recorded: list = []
+    blocks = type("Blocks", (), {"record_damage": lambda self, seg: recorded.append(seg)})()
+    index = type("Index", (), {"segment_list": segs})()
+    reader = _SegmentReader(blocks, index, PrefetchedRanges(backend.reader(), prefetcher, backend))
+    prefetcher.start()
+    try:
+        key = victim.keys[0]
+        assert prefetcher.lend(key, segs[key].pages) is None
+        with pytest.raises(DamagedCheckpoint), reader.borrowed(key, 0, segs[key].pages):
+            pass
+        assert recorded == [segs[key]], "the store's damage is recorded, as a read through view() records it"
+    finally:
+        reader.close()
+        prefetcher.close()

@@ -1175,19 +1175,22 @@ class BlockStore:
         return PageReader(_SegmentReader(self, self.index(), ranges, checked))
 
     def page_readers(self, count: int, wanted: Sequence[int] = (), spool_dir: Path | None = None,
-                     checked: set[int] | None = None) -> tuple[list[PageReader], Prefetcher | None]:
+                     checked: set[int] | None = None, pages_wanted: dict[int, int] | None = None
+                     ) -> tuple[list[PageReader], Prefetcher | None]:
         """count readers of pages by location, for as many threads (a full restore copying the
         tree's memory in, ckpt/restore/uffdfill.py); wanted: the segments they will read, in
         about that order: those of packs the backend does not hold locally are fetched ahead
-        into spool_dir by one Prefetcher that every reader reads through (see page_sender).
-        The caller closes the readers, then the prefetcher."""
+        into spool_dir by one Prefetcher that every reader reads through (see page_sender);
+        pages_wanted: how many pages of each they will read at least (Prefetcher's). The
+        caller closes the readers, then the prefetcher."""
         index = self.index()
         fetched = self._not_held(wanted, index.segment_list) if spool_dir is not None else []
         prefetcher = None
         if fetched and spool_dir is not None:
             from ckpt.store.blocks.prefetch import Prefetcher
 
-            prefetcher = Prefetcher(self.backend.without_copies(), index.segment_list, fetched, spool_dir)
+            prefetcher = Prefetcher(self.backend.without_copies(), index.segment_list, fetched, spool_dir,
+                                    pages_wanted=pages_wanted)
             try:
                 prefetcher.start()
             except OSError:  # no room for the spool: every segment read when first asked for

@@ -263,9 +263,12 @@ class Prefetcher:
     once down. A failed fetch (the store unreachable past its budget) fails the segments of
     its range: whoever asks for one gets the error."""
 
-    def __init__(self, source: Backend, segments: Sequence[Segment], wanted: Sequence[int], spool_dir: Path,
-                 threads: int = THREADS, range_bytes: int = RANGE_BYTES):
+    def __init__(self, source: Backend, segments: Sequence[Segment], wanted: Sequence[int], spool_dir: Path,  # noqa: PLR0913
+                 threads: int = THREADS, range_bytes: int = RANGE_BYTES, pages_wanted: dict[int, int] | None = None):
+        """pages_wanted: how many pages of each segment its readers will read at least (the
+        lent ones: see lend); a segment not named is read whole."""
         self.source, self.segments = source, segments
+        self.pages_wanted = pages_wanted or {}
         names = {pack: pack_name(pack) for pack in {segments[key].pack for key in wanted}}
         self.ranges = plan_ranges(wanted, segments, range_bytes,
                                   lambda pack, start, end: source.stored_span(names[pack], start, end - start))
@@ -508,17 +511,19 @@ class Prefetcher:
                 return found
 
     def lend(self, key: int, pages: int) -> Lent | None:
-        """The segment's stored bytes in place, in its range's buffer, without a copy, and the
-        function to call once done with them (the buffer stays out of the pool until then:
-        the view must be released before it is called, and never kept); None when the
-        range's buffer is gone (let go once spooled: segment() reads the spool). pages: how
-        many of the segment's pages the caller reads (a run of a copy in may take part of a
-        segment, the next run the rest): once as many as it has were lent, it counts as read
-        (see segment). Copying each segment out (as segment() does) cost a GiB restored from
-        S3 0.15 s of the page server's CPU, on a path that is CPU-bound on this host. Only a
-        segment a fetching thread found right: any other is None too (read, checked and its
-        damage recorded the usual way). Raises what segment() raises."""
-        found = self._down(key)
+        """The segment's stored bytes in place, in its range's buffer (no copy), and the
+        function to call once done with them: until then the buffer stays out of the pool.
+        Release the view before calling it, and keep nothing made from it (a numpy array of
+        it outlives the view's release unnoticed). pages: how many of its pages the caller
+        reads; the segment counts as read (see segment) once as many as it is read for (see
+        `pages_wanted`) were lent. None, for the caller to read it the usual way (a copy, its
+        check, its damage recorded): its range's buffer went, a fetching thread did not find
+        it right, or its fetch failed. Copying each segment out cost a GiB from S3 0.15-0.2
+        s of the page server's CPU, on a path that is CPU-bound on this host."""
+        try:
+            found = self._down(key)
+        except Exception:  # noqa: BLE001 - raised again, and recorded as damage, by the usual read
+            return None
         seg = self.segments[key]
         with self._held_lock:
             buffer = found.buffer
@@ -526,14 +531,18 @@ class Prefetcher:
                 return None
             found.readers += 1
             found.pages_lent[key] = lent = found.pages_lent.get(key, 0) + pages
-            if lent >= seg.pages:
+            if lent >= self.pages_wanted.get(key, seg.pages):
                 found.unread.discard(key)
                 if not found.unread and found.spooled:
                     self._release(found)  # (its slab goes back only once the readers are done)
         at = seg.offset - found.start
+        given = threading.Event()
 
         def give_back() -> None:
             with self._held_lock:
+                if given.is_set():
+                    return  # (twice would drop another reader's hold)
+                given.set()
                 found.readers -= 1
                 self._recycle(found)
 
@@ -740,8 +749,8 @@ class PrefetchedRanges(RangeReader):
 
     def lend(self, name: str, offset: int, length: int, checksum: bytes, pages: int) -> Lent | None:
         key = self._at.get((name, offset))
-        seg = self._prefetcher.segments[key] if key is not None else None
-        if key is None or seg is None or seg.length != length or seg.checksum != checksum:
+        if key is None or self._prefetcher.segments[key].length != length \
+                or self._prefetcher.segments[key].checksum != checksum:
             return None
         return self._prefetcher.lend(key, pages)  # (waits for its range: a thread checks it once down)
 
