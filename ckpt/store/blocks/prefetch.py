@@ -532,21 +532,28 @@ class Prefetcher:
             found.readers += 1
             found.pages_lent[key] = lent = found.pages_lent.get(key, 0) + pages
             if lent >= self.pages_wanted.get(key, seg.pages):
-                found.unread.discard(key)
-                if not found.unread and found.spooled:
-                    self._release(found)  # (its slab goes back only once the readers are done)
+                self._read_out(found, key)
         at = seg.offset - found.start
-        given = threading.Event()
+        given = False
 
         def give_back() -> None:
+            nonlocal given
             with self._held_lock:
-                if given.is_set():
+                if given:
                     return  # (twice would drop another reader's hold)
-                given.set()
+                given = True
                 found.readers -= 1
                 self._recycle(found)
 
         return buffer[at:at + seg.length], give_back
+
+    def _read_out(self, found: FetchRange, key: int) -> None:
+        """Called with _held_lock held: segment key of range found has been read; the range's
+        buffer goes once each of its segments was and its spool write is over (its slab back to
+        the pool only once no reader copies out of it, see _recycle)."""
+        found.unread.discard(key)
+        if not found.unread and found.spooled:
+            self._release(found)
 
     def segment(self, key: int) -> memoryview:
         """The segment's stored bytes, once fetched (from the range's buffer while it is held,
@@ -554,12 +561,10 @@ class Prefetcher:
         found = self._down(key)
         seg = self.segments[key]
         with self._held_lock:
-            found.unread.discard(key)
             buffer = found.buffer
             if buffer is not None:
                 found.readers += 1  # its buffer stays out of the pool until the copy below is made
-                if not found.unread and found.spooled:
-                    self._release(found)
+            self._read_out(found, key)
             unspooled = found.spool_failed
         if buffer is not None:
             at = seg.offset - found.start
