@@ -168,7 +168,7 @@ class _Warming:
     def _packs(self) -> list[str]:
         """The packs holding a segment of a page of the checkpoints (from the index and the
         page lists, both in the cache now)."""
-        from ckpt.system.arrays import np
+        from ckpt.system.arrays import distinct, np
 
         blocks = self.store.blocks
         index = blocks.index()
@@ -177,7 +177,7 @@ class _Warming:
             for entry in manifest.files:
                 if entry.kind == "pages":
                     locations = blocks.locate(entry.name, self.store.objects.load_page_list(entry))
-                    keys.update(np.unique(segment_key(np.asarray(locations, dtype=np.int64))).tolist())
+                    keys.update(distinct(segment_key(np.asarray(locations, dtype=np.int64))).tolist())
         return sorted({pack_name(index.segment_list[key].pack) for key in keys})
 
     def _check_fits(self, packs_known: bool) -> None:

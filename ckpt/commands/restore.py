@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ckpt.system.arrays import np
+from ckpt.system.arrays import distinct, np
 
 from ckpt.commands.session import Criu, Session, host_criu
 from ckpt.settings import Settings, StoreLocation
@@ -523,7 +523,7 @@ class _SegmentCheck:
     process runs, raises DamagedCheckpoint if one is damaged (CRIU then ends the restore)."""
 
     def __init__(self, store: Store, plan: LazyPlan):
-        keys = np.unique(np.concatenate([np.asarray(locations, dtype=np.int64) >> WITHIN_BITS
+        keys = distinct(np.concatenate([np.asarray(locations, dtype=np.int64) >> WITHIN_BITS
                                          for locations in plan.locations.values()])).tolist()
         self.error: BaseException | None = None
         self.checked: set[int] = set()  # found intact: a full restore's copying threads skip them
@@ -766,7 +766,7 @@ class _ImageLayout:
             # whole id, and sorted several times faster than 16-byte strings.
             if pid not in ids:
                 image = self.plan.runs[pid][0]
-                ids[pid] = np.unique(np.frombuffer(self._page_list(entries[image]), dtype=np.uint64)[0::2])
+                ids[pid] = distinct(np.frombuffer(self._page_list(entries[image]), dtype=np.uint64)[0::2])
             return ids[pid]
 
         shared = total = 0

@@ -85,11 +85,13 @@ def pages_by_segment(plan: LazyPlan) -> dict[int, int]:
     """How many distinct pages of each segment the plan's lazy pages are: what the copy in
     reads of it at least (a page in several processes, or at several addresses, is read for
     each; one repeated is read as a copy, see Prefetcher.lend)."""
-    from ckpt.system.arrays import np
+    from ckpt.system.arrays import distinct, np
 
-    locations = [np.asarray(plan.locations.get(image, [])[first:first + nr_pages], dtype=np.int64)
+    of_image = {image: np.asarray(locations, dtype=np.int64) for image, locations in plan.locations.items()}
+    none = np.empty(0, dtype=np.int64)
+    locations = [of_image.get(image, none)[first:first + nr_pages]
                  for image, runs in plan.runs.values() for _, nr_pages, first in runs if nr_pages]
     if not locations:
         return {}
-    found, counts = np.unique(segment_key(np.unique(np.concatenate(locations))), return_counts=True)
+    found, counts = np.unique(segment_key(distinct(np.concatenate(locations))), return_counts=True)
     return dict(zip(found.tolist(), counts.tolist(), strict=True))

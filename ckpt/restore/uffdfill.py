@@ -38,7 +38,7 @@ from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ckpt.system.arrays import np
+from ckpt.system.arrays import distinct, np
 
 from ckpt.errors import CriuFailed, DamagedCheckpoint
 from ckpt.restore.lazyplan import LazyPlan
@@ -444,7 +444,7 @@ def run_pieces(vaddr: int, here: list[int], bounds: list[int]) -> list[tuple[int
         return _short_run_pieces(here, at_bound)
     located = np.asarray(here, dtype=np.int64)
     pages = np.arange(nr_pages + 1)
-    starts = np.unique(np.concatenate(([0], pages[1:-1][np.diff(located) != 1],
+    starts = distinct(np.concatenate(([0], pages[1:-1][np.diff(located) != 1],
                                        np.fromiter(at_bound, dtype=np.int64), [nr_pages])))
     return _merged_repeats(starts, located, at_bound)
 

@@ -57,7 +57,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt.system.arrays import np
+from ckpt.system.arrays import distinct, np
 
 from ckpt.errors import CriuFailed
 from ckpt.restore.lazyplan import LazyPlan, needed_segments, pages_by_segment
@@ -560,7 +560,7 @@ def _plan_runs(plan: LazyPlan, pid: int) -> list[Run]:
             continue
         here = np.asarray(locations[first:first + nr_pages], dtype=np.int64)
         pages = np.arange(nr_pages + 1)
-        starts = np.unique(np.concatenate(([0], pages[1:-1][np.diff(here) != 1], [nr_pages])))
+        starts = distinct(np.concatenate(([0], pages[1:-1][np.diff(here) != 1], [nr_pages])))
         for begin, end, repeated in _merged_repeats(starts, here, set()):
             key, within = split_location(int(here[begin]))
             runs.append((vaddr + begin * PAGE, end - begin, key, within, repeated))

@@ -247,7 +247,7 @@ class PacksAhead:
 def _readers_of_packs(blocks: BlockStore, located, counts: list[int]) -> dict[str, int]:
     """For each pack (blob name), how many of the images read it: located holds the location
     of every page of the images, one after the other, counts how many pages each has."""
-    from ckpt.system.arrays import np
+    from ckpt.system.arrays import distinct, np
 
     segments = blocks.index().segment_list
     keys, of_page = np.unique(segment_key(located), return_inverse=True)
@@ -255,7 +255,7 @@ def _readers_of_packs(blocks: BlockStore, located, counts: list[int]) -> dict[st
     packs, of_key = np.unique(np.asarray(names, dtype=object), return_inverse=True)
     image = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     # Each (image, pack) once: how many images each pack has.
-    pairs = np.unique(image * len(packs) + of_key[of_page.reshape(-1)])
+    pairs = distinct(image * len(packs) + of_key[of_page.reshape(-1)])
     return dict(zip(packs.tolist(), np.bincount(pairs % len(packs), minlength=len(packs)).tolist(), strict=True))
 
 

@@ -250,3 +250,39 @@ def test_a_full_bucket_answered_500_internal_error_is_exit_9_as_the_docs_say(pro
     table = (ROOT / "docs" / "commands.md").read_text().splitlines()
     row = next(line for line in table if line.startswith("| 9 |"))
     assert "full bucket" in row and "500 InternalError" in row, row
+
+
+def test_a_forked_process_requests_with_credentials_whose_refresh_lock_was_held_at_the_fork(s3_url):
+    """A lazy restore's page server is forked, and its client made from the session it
+    inherits (S3Backend._connect): refreshable credentials whose lock another thread of the
+    parent held at the fork must not block the child's first request for ever."""
+    import signal
+
+    from botocore.credentials import RefreshableCredentials
+
+    backend = S3Backend.from_url(s3_url)
+    backend.put("before-fork", b"1")
+    static = backend._session.get_credentials().get_frozen_credentials()
+
+    def fresh() -> dict:
+        expiry = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
+        return {"access_key": static.access_key, "secret_key": static.secret_key, "token": None,
+                "expiry_time": expiry}
+
+    expiring = dict(fresh(), expiry_time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 60)))
+    credentials = RefreshableCredentials.create_from_metadata(expiring, fresh, "test")
+    backend._session._credentials = credentials  # (what a profile of temporary credentials gives)
+    credentials._refresh_lock.acquire()  # as a thread mid-refresh holds it
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the forked process
+        code = 3
+        try:
+            signal.alarm(20)  # held for ever: killed, not hung
+            backend.put("after-fork", b"2")  # a refresh is due (60 s left): it takes the lock
+            code = 0 if backend.get("after-fork") == b"2" else 4
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    credentials._refresh_lock.release()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert backend.get("after-fork") == b"2"

@@ -121,6 +121,15 @@ _TIMEOUTS = (ReadTimeoutError, ConnectTimeoutError)
 _TRANSIENT = (BotoConnectionError, HTTPClientError, ResponseStreamingError, IncompleteReadError)
 
 
+def _unlock_credentials(session: Any) -> None:
+    """In a forked process: the lock botocore's refreshable credentials take to refresh them, a
+    new one. Another thread of the parent may have held the inherited one at the fork, and
+    nothing would ever release it here (the next refresh would wait forever)."""
+    credentials = session.get_credentials()
+    if hasattr(credentials, "_refresh_lock"):
+        credentials._refresh_lock = threading.Lock()
+
+
 class _PreconditionFailed(Exception):
     """412: an If-None-Match or If-Match did not hold."""
 
@@ -178,6 +187,7 @@ class S3Backend(Backend):
         replaced = getattr(self, "_client", None)
         if replaced is not None:
             _FORSAKEN.append(replaced)
+        session = getattr(self, "_session", None)
         config = Config(
             request_checksum_calculation="when_required", response_checksum_validation="when_required",
             retries={"mode": "standard", "total_max_attempts": 1},  # retried by _call, within a budget
@@ -191,7 +201,15 @@ class S3Backend(Backend):
             max_pool_connections=4 * REQUESTS_IN_FLIGHT)
         try:
             # The default session: AWS_PROFILE, AWS_ENDPOINT_URL(_S3), AWS_ACCESS_KEY_ID, ~/.aws/config.
-            self._client: Any = botocore.session.get_session().create_client("s3", config=config)
+            # Kept for a forked process's client: a session of its own cost a lazy restore's
+            # page server 0.06-0.08 s of CPU before its first fetch (0.25 s of wall time while
+            # it planned), against 0.005 s from the session it inherits (its models loaded).
+            if session is None:
+                session = botocore.session.get_session()
+            else:
+                _unlock_credentials(session)
+            self._session = session
+            self._client: Any = session.create_client("s3", config=config)
         except ProfileNotFound as exc:
             raise UsageError(f"the AWS profile {exc.kwargs.get('profile')!r} does not exist",
                              hint="set AWS_PROFILE to a profile of ~/.aws/config, or unset it") from None

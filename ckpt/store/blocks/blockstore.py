@@ -440,10 +440,10 @@ def _batches(runs: list[tuple[int, int]], pages: int) -> list[list[tuple[int, in
 def _segments_under(locations: list[int], holes: Sequence[tuple[int, int]]) -> list[int]:
     """The segments holding the pages of the holes, each once (sorted searches: a set built
     page by page cost a lazy restore of 2 GiB 0.6 s before the tree ran)."""
-    from ckpt.system.arrays import np
+    from ckpt.system.arrays import distinct, np
 
     located = np.asarray(locations, dtype=np.int64)
-    return np.unique(np.concatenate([segment_key(located[first:first + count]) for first, count in holes])).tolist()
+    return distinct(np.concatenate([segment_key(located[first:first + count]) for first, count in holes])).tolist()
 
 
 def _runs(positions: list[int], longest: int) -> list[tuple[int, int]]:
@@ -920,7 +920,7 @@ class BlockStore:
         (its size), the others are read against their checksums. Any found damaged is
         recorded, so `held` no longer counts its pages and the dump stores them again. A
         segment is checked once per command; nothing is read in a store without damage."""
-        from ckpt.system.arrays import np
+        from ckpt.system.arrays import distinct
 
         index = self.index()
         if not index.damaged:
@@ -928,7 +928,7 @@ class BlockStore:
         found = index.find(page_list)
         suspect, damaged = index.suspect, index.damaged
         segments = index.segment_list
-        keys = [key for key in np.unique(segment_key(found[found >= 0])).tolist() if key in suspect
+        keys = [key for key in distinct(segment_key(found[found >= 0])).tolist() if key in suspect
                 and key not in damaged and (segments[key].pack, segments[key].offset) not in self._checked]
         if not keys:
             return
@@ -1072,11 +1072,11 @@ class BlockStore:
         range, a 101-process tree's one pack took 600 requests (its pages images, the copy
         into the tree, then the gaps to keep it); whole, 22. A 1 GiB tree's pack, copied in
         from ranges fetched ahead while the copy goes on, is not downloaded whole first."""
-        from ckpt.system.arrays import np
+        from ckpt.system.arrays import distinct, np
 
         def segment_keys(locations: Sequence[Sequence[int] | np.ndarray]) -> list[int]:
             keys = [np.asarray(found, dtype=np.int64) >> WITHIN_BITS for found in locations if len(found)]
-            return np.unique(np.concatenate(keys)).tolist() if keys else []
+            return distinct(np.concatenate(keys)).tolist() if keys else []
 
         segments = self.index().segment_list
         layout_reads: dict[str, int] = collections.Counter(segments[key].pack for key in segment_keys(written))
