@@ -394,11 +394,14 @@ class EncryptedBackend(Backend):
         and no second pass (through a sealed temp file it reached 0.6-0.85 of bare boto3's
         download_file from SeaweedFS; now about as fast: docs/design.md, "Cost"). The first
         request asks for the header and FIRST_CHUNKS chunks: a blob no larger (an image's
-        object, most index files) comes in that one request, and only a larger one's size is
-        asked (a restore from S3 asked for each object its size, its header, then its chunks)."""
+        object, most index files) comes in that one request, and a larger one's size with it
+        (get_sized: a restore from S3 asked for each object its size, its header, then its
+        chunks; then for a larger blob its size after its first chunks)."""
         inner_name = self._inner_name(name)
         first_end = HEADER_LEN + FIRST_CHUNKS * self._sealed
-        head = memoryview(self.inner.get(inner_name, 0, first_end + 1))  # BlobNotFound before dest is made
+        # (its size told with it: a larger blob's next requests are planned without a HEAD)
+        head_bytes, stored = self.inner.get_sized(inner_name, 0, first_end + 1)  # BlobNotFound before dest is made
+        head = memoryview(head_bytes)
         header = bytes(head[:HEADER_LEN])
         aead = self._open_header(name, header)
         aad = header + name.encode()
@@ -409,7 +412,6 @@ class EncryptedBackend(Backend):
                 for piece in self._open_chunks(name, aead, aad, head[HEADER_LEN:], 0, True):
                     write_all(fd, piece)
             return
-        stored = self.inner.stat(inner_name).size
         decrypt = self._chunk_writer(name, aead, aad, -(-(stored - HEADER_LEN) // self._sealed))
         with new_file(dest) as fd:
             decrypt(fd, HEADER_LEN, head[HEADER_LEN:first_end])

@@ -543,6 +543,12 @@ class S3Backend(Backend):
         pieces, _ = self._read_ranges(name, offset, None if length is None else offset + length)
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
+    def get_sized(self, name: str, offset: int, length: int) -> tuple[bytes, int]:
+        pieces, total = self._read_ranges(name, offset, offset + length)
+        if total is None:  # (offset at or past the end: no range tells the size)
+            return b"", self.stat(name).size
+        return (pieces[0] if len(pieces) == 1 else b"".join(pieces)), total
+
     def get_parts(self, name: str, part: int, sink: Callable[[int, bytes], None], offset: int = 0) -> int:
         _, total = self._read_ranges(name, offset, None, sink=sink, part=part)
         return 0 if total is None else total - offset

@@ -685,6 +685,14 @@ def _stored_as_is(view: memoryview, at: list[tuple[int, int]], codec: str,
     return flat, flat
 
 
+def _called(function: Callable[[], object], into: list) -> None:
+    """function's result, or what it raised, appended to into (a thread's target)."""
+    try:
+        into.append(function())
+    except BaseException as exc:  # noqa: BLE001 - raised again by the thread that waits for it
+        into.append(exc)
+
+
 class PackWriter:
     """One new pack and its index file (docs/design.md, "Write order"): segments are appended
     in order; commit() makes the pack durable under its name, then writes the index file
@@ -839,8 +847,11 @@ class BlockStore:
             except Exception:  # noqa: BLE001 - index() loads it again and reports the error
                 pass
 
-        self._preload = threading.Thread(target=load, name="ckpt-index-preload")
-        self._preload.start()
+        with self._index_lock:  # once: asked again (Store.read_index_ahead, then the caller), nothing more
+            if self._preload is not None or self._index is not None:
+                return
+            self._preload = threading.Thread(target=load, name="ckpt-index-preload")
+            self._preload.start()
 
     def index(self) -> BlockIndex:
         with self._index_lock:  # (a restore's threads may ask at once: loaded once)
@@ -857,21 +868,36 @@ class BlockStore:
     def _load_index(self) -> BlockIndex:
         if self._index is None:
             index = _blockindex().BlockIndex()
-            for name, data in self._index_files():
-                try:
-                    if data is None:
-                        raise BlobNotFound(name)
-                    index.add_file(name, data)
-                except (DamagedCheckpoint, BlobNotFound):
-                    # Not fatal: dumps store the pages it named again (healing the checkpoints
-                    # that name them); reads name it; prune refuses to run (see prune.py).
-                    index.damaged_files.append(name)
-            markers = set(self.damage_markers())
+            # The damage markers' listing beside the index files' reads: from S3 it came after
+            # them, a round trip before a restore could read its first segment.
+            listed: list[list[tuple[str, int]] | BaseException] = []
+            listing = threading.Thread(target=_called, args=(self.damage_markers, listed), name="ckpt-damage-markers")
+            listing.start()
+            try:
+                index = self._index_read(index)
+            finally:
+                listing.join()
+            if isinstance(listed[0], BaseException):
+                raise listed[0]
+            markers = set(listed[0])
             if markers:
                 index.mark_damaged(key for key, seg in enumerate(index.segment_list)
                                    if (seg.pack, seg.offset) in markers)
             self._index = index
         return self._index
+
+    def _index_read(self, index: BlockIndex) -> BlockIndex:
+        """index with every index file added (those damaged or gone named as such)."""
+        for name, data in self._index_files():
+            try:
+                if data is None:
+                    raise BlobNotFound(name)
+                index.add_file(name, data)
+            except (DamagedCheckpoint, BlobNotFound):
+                # Not fatal: dumps store the pages it named again (healing the checkpoints
+                # that name them); reads name it; prune refuses to run (see prune.py).
+                index.damaged_files.append(name)
+        return index
 
     def _index_files(self) -> Iterator[tuple[str, bytes | None]]:
         """Each index file's name and bytes (None: damaged or gone), in order. From a remote
