@@ -165,9 +165,10 @@ class RestoreSession(Session[RestoreRequest]):
         self.binary = self.criu.binary
         store = self._open_store(create=False)
         self._hold_store_lock()
+        checkpoint_id = store.resolve(self.request.ref)
         if store.remote and not self.request.rehearsal:
-            store.read_index_ahead()  # while the checkpoint is found and read
-        self.manifest = manifest = store.load(store.resolve(self.request.ref))
+            store.read_index_ahead()  # while the manifest is read (once the checkpoint is known to exist)
+        self.manifest = manifest = store.load(checkpoint_id)
         if any(entry.kind == "pages" for entry in manifest.files) and not self.request.rehearsal:
             store.blocks.preload_index()  # meanwhile, the other images are written and checked
         self._take_bundle(store, manifest)

@@ -88,8 +88,8 @@ def pages_by_segment(plan: LazyPlan) -> dict[int, int]:
     from ckpt.system.arrays import distinct, np
 
     of_image = {image: np.asarray(locations, dtype=np.int64) for image, locations in plan.locations.items()}
-    none = np.empty(0, dtype=np.int64)
-    locations = [of_image.get(image, none)[first:first + nr_pages]
+    no_locations = np.empty(0, dtype=np.int64)
+    locations = [of_image.get(image, no_locations)[first:first + nr_pages]
                  for image, runs in plan.runs.values() for _, nr_pages, first in runs if nr_pages]
     if not locations:
         return {}

@@ -73,7 +73,7 @@ class Store:
         self.tmp_dir = root / "tmp"
         self.settings = settings if settings is not None else Settings()
         self._blocks: BlockStore | None = None
-        self._blocks_lock = threading.Lock()  # (made once, by whichever thread asks first)
+        self._blocks_ahead: threading.Thread | None = None  # read_index_ahead's
         self._objects: Objects | None = None
         self._held_locks: list[object] = []
         # The last MANIFESTS_KEPT manifests read while a lock is held, by ID: the lock keeps them
@@ -84,22 +84,29 @@ class Store:
 
     @property
     def blocks(self) -> BlockStore:
-        with self._blocks_lock:
-            if self._blocks is None:
-                self._blocks = BlockStore(self.backend)
-            return self._blocks
+        ahead = self._blocks_ahead
+        if ahead is not None and ahead is not threading.current_thread():
+            # Waited for by whoever asks next (no thread of it outlives the lay-out, before a
+            # page server is forked): it reads the key and starts the index's thread, no more.
+            ahead.join()
+            self._blocks_ahead = None
+        if self._blocks is None:
+            self._blocks = BlockStore(self.backend)
+        return self._blocks
 
     def read_index_ahead(self) -> None:
-        """The block store's key, then its index (BlockStore.preload_index), read in a thread
-        from now on: from S3, while the checkpoint is found and its manifest read (the key
-        and the index files were requests after those, one round trip after another)."""
+        """The block store's key, then its index (BlockStore.preload_index, whose thread
+        index() waits for), read from now on: from S3, while the manifest is read (the key and
+        the index files were requests after it, one round trip after another)."""
         def read() -> None:
             try:
                 self.blocks.preload_index()
             except Exception:  # noqa: BLE001 - read again, and its error told, where it is needed
                 pass
 
-        threading.Thread(target=read, name="ckpt-blocks-ahead", daemon=True).start()
+        if self._blocks is None and self._blocks_ahead is None:
+            self._blocks_ahead = threading.Thread(target=read, name="ckpt-blocks-ahead", daemon=True)
+            self._blocks_ahead.start()
 
     @property
     def groups(self) -> Groups:

@@ -307,9 +307,12 @@ class Backend(abc.ABC):
         """Writes the whole blob to a new local file dest (local: a hard link where it can)."""
 
     def get_sized(self, name: str, offset: int, length: int) -> tuple[bytes, int]:
-        """get(name, offset, length), and the blob's whole size. A backend whose answer tells
-        the size with the bytes (S3's Content-Range) spares the request stat() is."""
+        """get(name, offset, length), and the blob's whole size: known where the range was cut
+        short by the blob's end, else asked (stat). A backend whose answer tells the size with
+        the bytes (S3's Content-Range) overrides this to save that request."""
         data = self.get(name, offset, length)
+        if 0 < len(data) < length:
+            return data, offset + len(data)
         return data, self.stat(name).size
 
     def get_parts(self, name: str, part: int, sink: Callable[[int, bytes], None], offset: int = 0) -> int:

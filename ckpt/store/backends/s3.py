@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator
 import botocore.session
 import urllib3.exceptions
 from botocore.config import Config
+from botocore.credentials import RefreshableCredentials
 from botocore.exceptions import BotoCoreError, ClientError, ConnectionClosedError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.exceptions import (ConnectTimeoutError, HTTPClientError, IncompleteReadError, NoCredentialsError,
@@ -121,13 +122,17 @@ _TIMEOUTS = (ReadTimeoutError, ConnectTimeoutError)
 _TRANSIENT = (BotoConnectionError, HTTPClientError, ResponseStreamingError, IncompleteReadError)
 
 
-def _unlock_credentials(session: Any) -> None:
-    """In a forked process: the lock botocore's refreshable credentials take to refresh them, a
-    new one. Another thread of the parent may have held the inherited one at the fork, and
-    nothing would ever release it here (the next refresh would wait forever)."""
-    credentials = session.get_credentials()
-    if hasattr(credentials, "_refresh_lock"):
-        credentials._refresh_lock = threading.Lock()
+def _session_after_fork(inherited: Any) -> Any:
+    """The botocore session a forked process makes its client from: the one it inherited
+    where its credentials are static (keys from the environment or a file: nothing of the
+    parent's is used again but loaded models), else a new one. Refreshable credentials (an
+    instance's role, SSO, an assumed role) hold a lock another thread of the parent may have
+    held at the fork, which nothing would release here, and their fetchers keep the parent's
+    pooled connections."""
+    credentials = inherited.get_credentials()
+    if credentials is None or isinstance(credentials, RefreshableCredentials):
+        return botocore.session.get_session()
+    return inherited
 
 
 class _PreconditionFailed(Exception):
@@ -177,17 +182,17 @@ class S3Backend(Backend):
         # Set once a request went unanswered for its whole budget: every later request of this
         # process fails at once with the same error.
         self._unanswered: StoreUnreachable | None = None
+        self._session: Any = None  # botocore's, kept for the client of a forked process (see _connect)
         self._connect()
         self.endpoint = self._client.meta.endpoint_url
 
-    def _connect(self) -> None:
+    def _connect(self, forked: bool = False) -> None:
         """A client, pool and locks of this process: after a fork (a lazy restore's page
         server) the parent's are unusable (their threads and connections are the parent's).
         The PID is set last: a thread of the forked process that sees it set uses this client."""
         replaced = getattr(self, "_client", None)
         if replaced is not None:
             _FORSAKEN.append(replaced)
-        session = getattr(self, "_session", None)
         config = Config(
             request_checksum_calculation="when_required", response_checksum_validation="when_required",
             retries={"mode": "standard", "total_max_attempts": 1},  # retried by _call, within a budget
@@ -204,10 +209,7 @@ class S3Backend(Backend):
             # Kept for a forked process's client: a session of its own cost a lazy restore's
             # page server 0.06-0.08 s of CPU before its first fetch (0.25 s of wall time while
             # it planned), against 0.005 s from the session it inherits (its models loaded).
-            if session is None:
-                session = botocore.session.get_session()
-            else:
-                _unlock_credentials(session)
+            session: Any = _session_after_fork(self._session) if forked else botocore.session.get_session()
             self._session = session
             self._client: Any = session.create_client("s3", config=config)
         except ProfileNotFound as exc:
@@ -229,7 +231,7 @@ class S3Backend(Backend):
         if os.getpid() != self._pid:
             with _RECONNECTING:
                 if os.getpid() != self._pid:
-                    self._connect()
+                    self._connect(forked=True)
 
     def requests_in_flight(self) -> int:
         return REQUESTS_IN_FLIGHT

@@ -685,7 +685,7 @@ def _stored_as_is(view: memoryview, at: list[tuple[int, int]], codec: str,
     return flat, flat
 
 
-def _called(function: Callable[[], object], into: list) -> None:
+def _result_or_error_into(function: Callable[[], object], into: list[object]) -> None:
     """function's result, or what it raised, appended to into (a thread's target)."""
     try:
         into.append(function())
@@ -871,10 +871,11 @@ class BlockStore:
             # The damage markers' listing beside the index files' reads: from S3 it came after
             # them, a round trip before a restore could read its first segment.
             listed: list[list[tuple[str, int]] | BaseException] = []
-            listing = threading.Thread(target=_called, args=(self.damage_markers, listed), name="ckpt-damage-markers")
+            listing = threading.Thread(target=_result_or_error_into, args=(self.damage_markers, listed),
+                                       name="ckpt-damage-markers")
             listing.start()
             try:
-                index = self._index_read(index)
+                self._add_index_files(index)
             finally:
                 listing.join()
             if isinstance(listed[0], BaseException):
@@ -886,8 +887,8 @@ class BlockStore:
             self._index = index
         return self._index
 
-    def _index_read(self, index: BlockIndex) -> BlockIndex:
-        """index with every index file added (those damaged or gone named as such)."""
+    def _add_index_files(self, index: BlockIndex) -> None:
+        """Every index file into index (those damaged or gone named as such)."""
         for name, data in self._index_files():
             try:
                 if data is None:
@@ -897,7 +898,6 @@ class BlockStore:
                 # Not fatal: dumps store the pages it named again (healing the checkpoints
                 # that name them); reads name it; prune refuses to run (see prune.py).
                 index.damaged_files.append(name)
-        return index
 
     def _index_files(self) -> Iterator[tuple[str, bytes | None]]:
         """Each index file's name and bytes (None: damaged or gone), in order. From a remote
