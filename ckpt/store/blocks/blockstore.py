@@ -685,14 +685,6 @@ def _stored_as_is(view: memoryview, at: list[tuple[int, int]], codec: str,
     return flat, flat
 
 
-def _result_or_error_into(function: Callable[[], object], into: list[object]) -> None:
-    """function's result, or what it raised, appended to into (a thread's target)."""
-    try:
-        into.append(function())
-    except BaseException as exc:  # noqa: BLE001 - raised again by the thread that waits for it
-        into.append(exc)
-
-
 class PackWriter:
     """One new pack and its index file (docs/design.md, "Write order"): segments are appended
     in order; commit() makes the pack durable under its name, then writes the index file
@@ -868,28 +860,37 @@ class BlockStore:
     def _load_index(self) -> BlockIndex:
         if self._index is None:
             index = _blockindex().BlockIndex()
-            # The damage markers' listing beside the index files' reads: from S3 it came after
-            # them, a round trip before a restore could read its first segment.
-            listed: list[list[tuple[str, int]] | BaseException] = []
-            listing = threading.Thread(target=_result_or_error_into, args=(self.damage_markers, listed),
-                                       name="ckpt-damage-markers")
-            listing.start()
-            try:
-                self._add_index_files(index)
-            finally:
-                listing.join()
-            if isinstance(listed[0], BaseException):
-                raise listed[0]
-            markers = set(listed[0])
+            names = self.index_file_names()
+            # From a remote store, the index files as many at once as its requests in flight
+            # (one after the other, a store's 14 took a 101-process tree's restore from S3 1.2 s,
+            # behind its other reads), and the damage markers' listing beside them (after them,
+            # a round trip more before a restore could read its first segment).
+            workers = min(len(names) + 1, self.backend.requests_in_flight())
+            if workers < 2:
+                self._add_index_files(index, map(self._index_file, names))
+                markers = set(self.damage_markers())
+            else:
+                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-index") as pool:
+                    markers_coming = pool.submit(self.damage_markers)
+                    self._add_index_files(index, pool.map(self._index_file, names))
+                    markers = set(markers_coming.result())
             if markers:
                 index.mark_damaged(key for key, seg in enumerate(index.segment_list)
                                    if (seg.pack, seg.offset) in markers)
             self._index = index
         return self._index
 
-    def _add_index_files(self, index: BlockIndex) -> None:
-        """Every index file into index (those damaged or gone named as such)."""
-        for name, data in self._index_files():
+    def _index_file(self, name: str) -> tuple[str, bytes | None]:
+        """An index file's name and bytes (None: damaged or gone)."""
+        try:
+            return name, self.backend.get(INDEX_PREFIX + name)
+        except (DamagedCheckpoint, BlobNotFound):
+            return name, None
+
+    @staticmethod
+    def _add_index_files(index: BlockIndex, files: Iterator[tuple[str, bytes | None]]) -> None:
+        """Every index file (name, bytes) into index, in order (those damaged or gone named as such)."""
+        for name, data in files:
             try:
                 if data is None:
                     raise BlobNotFound(name)
@@ -898,24 +899,6 @@ class BlockStore:
                 # Not fatal: dumps store the pages it named again (healing the checkpoints
                 # that name them); reads name it; prune refuses to run (see prune.py).
                 index.damaged_files.append(name)
-
-    def _index_files(self) -> Iterator[tuple[str, bytes | None]]:
-        """Each index file's name and bytes (None: damaged or gone), in order. From a remote
-        store, as many at once as its requests in flight: one after the other, a store's 14
-        index files took a 101-process tree's restore from S3 1.2 s, behind its other reads."""
-        def read(name: str) -> tuple[str, bytes | None]:
-            try:
-                return name, self.backend.get(INDEX_PREFIX + name)
-            except (DamagedCheckpoint, BlobNotFound):
-                return name, None
-
-        names = self.index_file_names()
-        workers = min(len(names), self.backend.requests_in_flight())
-        if workers < 2:
-            yield from map(read, names)
-            return
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-index") as pool:
-            yield from pool.map(read, names)
 
     # ---- damage markers (see "Damage and healing" in docs/design.md) -------------------------
 
